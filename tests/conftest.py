@@ -1,0 +1,57 @@
+"""Shared fixtures: tiny real checkpoints (trained BPE tokenizer + random weights), built once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tokenmill.testing.checkpoints import TINY_CONFIGS, build_checkpoint
+
+FAMILIES = tuple(TINY_CONFIGS)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One tiny checkpoint directory per architecture family."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {family: build_checkpoint(root / family, family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(checkpoints: dict[str, Path]) -> Path:
+    return checkpoints["llama"]
+
+
+def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers `generate`, greedy, EOS ignored, float32: the reference continuation."""
+    model = _hf_model(path)
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=0,
+        do_sample=False,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+_HF_MODELS: dict[Path, torch.nn.Module] = {}
+
+
+def _hf_model(path: Path) -> torch.nn.Module:
+    if path not in _HF_MODELS:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        model.generation_config.eos_token_id = None
+        model.generation_config.pad_token_id = 0
+        _HF_MODELS[path] = model
+    return _HF_MODELS[path]
+
+
+def hf_logprobs(path: Path, tokens: list[int]) -> torch.Tensor:
+    """Log-softmax of transformers' logits at every position of `tokens` (float32)."""
+    with torch.no_grad():
+        logits = _hf_model(path)(torch.tensor([tokens])).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)

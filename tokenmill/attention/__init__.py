@@ -1,0 +1,1 @@
+"""Attention backends: a small interface, a registry, and the implementations."""

@@ -1,0 +1,106 @@
+"""The reference attention backend: gathers paged K/V and calls PyTorch SDPA (CPU and GPU)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+from tokenmill.attention.backend import AttentionBackend, AttentionInputs
+
+
+@dataclass(frozen=True)
+class _DecodeGroup:
+    """Single-token queries, attended together over K/V gathered into a padded batch."""
+
+    token_index: torch.Tensor  # [B] position of each query in the flattened batch
+    slots: torch.Tensor  # [B, L] cache slot of every context position (padding → slot 0)
+    mask: torch.Tensor  # [B, 1, 1, L] True where the position is attended
+
+
+@dataclass(frozen=True)
+class _PrefillSeq:
+    """A multi-token query (prefill chunk), attended on its own."""
+
+    start: int
+    end: int
+    slots: torch.Tensor  # [L] cache slot of every context position
+    mask: torch.Tensor  # [q, L] causal (and sliding-window) mask
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Correctness oracle: plain tensor ops, no custom kernels."""
+
+    def plan(self, inputs: AttentionInputs) -> None:
+        self._slot_mapping = inputs.slot_mapping
+        page_size = self.kv_cache.page_size
+        device = inputs.slot_mapping.device
+        cu = [0]
+        for q in inputs.query_lens_cpu:
+            cu.append(cu[-1] + q)
+        decode = [i for i, q in enumerate(inputs.query_lens_cpu) if q == 1]
+        self._decode = self._plan_decode(inputs, decode, cu, page_size) if decode else None
+        self._prefills = [
+            self._plan_prefill(inputs, i, cu, page_size, device)
+            for i, q in enumerate(inputs.query_lens_cpu)
+            if q > 1
+        ]
+
+    def _plan_decode(
+        self, inputs: AttentionInputs, rows: list[int], cu: list[int], page_size: int
+    ) -> _DecodeGroup:
+        device = inputs.slot_mapping.device
+        rows_t = torch.tensor(rows, device=device)
+        kv_lens = inputs.kv_lens[rows_t]
+        max_len = max(inputs.kv_lens_cpu[i] for i in rows)
+        pos = torch.arange(max_len, device=device)
+        valid = pos[None, :] < kv_lens[:, None]
+        pages = inputs.page_table[rows_t][:, pos // page_size]
+        slots = torch.where(valid, pages * page_size + pos % page_size, 0)
+        if self.model.sliding_window is not None:
+            valid &= pos[None, :] > kv_lens[:, None] - 1 - self.model.sliding_window
+        return _DecodeGroup(
+            token_index=torch.tensor([cu[i] for i in rows], device=device),
+            slots=slots,
+            mask=valid[:, None, None, :],
+        )
+
+    def _plan_prefill(
+        self, inputs: AttentionInputs, i: int, cu: list[int], page_size: int, device: torch.device
+    ) -> _PrefillSeq:
+        q_len, kv_len = inputs.query_lens_cpu[i], inputs.kv_lens_cpu[i]
+        pos = torch.arange(kv_len, device=device)
+        slots = inputs.page_table[i][pos // page_size] * page_size + pos % page_size
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=device)
+        mask = pos[None, :] <= q_pos[:, None]
+        if self.model.sliding_window is not None:
+            mask &= pos[None, :] > q_pos[:, None] - self.model.sliding_window
+        return _PrefillSeq(start=cu[i], end=cu[i + 1], slots=slots, mask=mask)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
+    ) -> torch.Tensor:
+        k_cache = self.kv_cache.k[layer].view(-1, *k.shape[1:])
+        v_cache = self.kv_cache.v[layer].view(-1, *v.shape[1:])
+        k_cache[self._slot_mapping] = k
+        v_cache[self._slot_mapping] = v
+        out = torch.empty_like(q)
+        if self._decode is not None:
+            d = self._decode
+            qd = q[d.token_index].unsqueeze(2)  # [B, Hq, 1, D]
+            kd = k_cache[d.slots].transpose(1, 2)  # [B, Hkv, L, D]
+            vd = v_cache[d.slots].transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                qd, kd, vd, attn_mask=d.mask, scale=self.scale, enable_gqa=True
+            )
+            out[d.token_index] = o.squeeze(2)
+        for p in self._prefills:
+            qp = q[p.start : p.end].transpose(0, 1)  # [Hq, q, D]
+            kp = k_cache[p.slots].transpose(0, 1)  # [Hkv, L, D]
+            vp = v_cache[p.slots].transpose(0, 1)
+            o = F.scaled_dot_product_attention(
+                qp, kp, vp, attn_mask=p.mask, scale=self.scale, enable_gqa=True
+            )
+            out[p.start : p.end] = o.transpose(0, 1)
+        return out

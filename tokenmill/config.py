@@ -1,0 +1,293 @@
+"""Frozen configuration for the engine: model, KV cache, scheduler, and the whole engine."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """Map a dtype name ("float32", "bfloat16", "float16") to a torch dtype."""
+    if isinstance(name, torch.dtype):
+        if name not in _DTYPES.values():
+            raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {name}")
+        return name
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters; `rope_type` is "default", "linear" or "llama3"."""
+
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @staticmethod
+    def from_hf(cfg: dict[str, Any]) -> RopeConfig:
+        """Read rope settings from a config.json dict (transformers 4 and 5 layouts)."""
+        params = dict(cfg.get("rope_scaling") or {})
+        params.update(cfg.get("rope_parameters") or {})
+        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(
+                f"rope_scaling type {rope_type!r} is not supported (supported: default, linear, "
+                "llama3)"
+            )
+        return RopeConfig(
+            theta=theta,
+            rope_type=rope_type,
+            factor=float(params.get("factor", 1.0)),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(
+                params.get("original_max_position_embeddings", 8192)
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of a Llama-family decoder, read from a Hugging Face config.json."""
+
+    path: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+    dtype: torch.dtype
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    @staticmethod
+    def from_pretrained(path: str | Path, dtype: str | torch.dtype = "auto") -> ModelConfig:
+        """Load and validate `config.json` from a checkpoint directory."""
+        root = Path(path)
+        if not root.is_dir():
+            raise ValueError(f"model directory {str(root)!r} does not exist")
+        cfg_file = root / "config.json"
+        if not cfg_file.is_file():
+            raise ValueError(f"model directory {str(root)!r} has no config.json")
+        cfg = json.loads(cfg_file.read_text())
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs!r} in {cfg_file}; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        if dtype == "auto":
+            dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+        window = cfg.get("sliding_window")
+        if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+            window = None
+        return ModelConfig(
+            path=str(root),
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=RopeConfig.from_hf(cfg),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=int(window) if window else None,
+            dtype=parse_dtype(dtype),
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: page size and pool size (explicit pages or a memory budget)."""
+
+    page_size: int = 16
+    num_pages: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}"
+            )
+        if self.num_pages is not None and self.kv_cache_memory_bytes is not None:
+            raise ValueError("give num_pages or kv_cache_memory_bytes, not both")
+
+
+SCHEDULING_POLICIES = ("fcfs", "cache-aware")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batch limits and the admission policy."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine core needs, resolved: model, cache, scheduler, device, seed."""
+
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "cpu"
+    seed: int = 0
+    load_format: str = "auto"
+    attention_backend: str = "torch"
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence (prompt + output) the engine accepts."""
+        return self.scheduler.max_model_len or self.model.max_position_embeddings
+
+
+def _opt(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class EngineArgs:
+    """The user-facing engine options, flat: the offline `LLM(...)` keywords and the CLI flags.
+
+    Each field's `help` is what `tokenmill --help` prints. `create_engine_config` resolves them into
+    the frozen `EngineConfig` the engine runs with.
+    """
+
+    model: str = _opt(
+        "", "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer)."
+    )
+    tokenizer: str | None = _opt(None, "Tokenizer directory, if not the model directory.")
+    dtype: str = _opt(
+        "auto",
+        "Weights and activations: auto (config.json's torch_dtype), float32, bfloat16, float16.",
+    )
+    device: str | None = _opt(
+        None, "Device to run on: cpu, cuda, cuda:N (default: cuda if present)."
+    )
+    load_format: str = _opt(
+        "auto",
+        "auto: read *.safetensors; dummy: random weights from config.json alone (benchmarks).",
+        choices=("auto", "dummy"),
+    )
+    seed: int = _opt(0, "Seed for weights (dummy) and for sampling requests that give no seed.")
+    max_model_len: int | None = _opt(
+        None, "Longest prompt + output in tokens (default: max_position_embeddings)."
+    )
+    max_num_seqs: int = _opt(64, "Most sequences in one batch.")
+    max_num_batched_tokens: int = _opt(
+        2048, "Token budget of one step; long prompts are prefilled in chunks of at most this."
+    )
+    page_size: int = _opt(16, "Tokens per KV-cache page.")
+    num_pages: int | None = _opt(None, "KV-cache pages to allocate (default: from memory budget).")
+    kv_cache_memory_bytes: int | None = _opt(
+        None,
+        "KV-cache memory budget in bytes (default: enough for max_num_seqs full sequences, "
+        "at most 2 GiB on the CPU).",
+    )
+    enable_prefix_caching: bool = _opt(True, "Reuse the KV of shared prompt prefixes (radix tree).")
+    scheduling_policy: str = _opt(
+        "fcfs",
+        "Waiting-queue order: fcfs, or cache-aware (longest cached prefix first, bounded by age).",
+        choices=SCHEDULING_POLICIES,
+    )
+    attention_backend: str | None = _opt(
+        None, "Attention implementation (default: torch on CPU).", choices=("torch",)
+    )
+
+    def create_engine_config(self) -> EngineConfig:
+        """Validate the options and resolve defaults into an `EngineConfig`."""
+        if not self.model:
+            raise ValueError("model must be a checkpoint directory, got ''")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        model = ModelConfig.from_pretrained(self.model, self.dtype)
+        return EngineConfig(
+            model=model,
+            cache=CacheConfig(
+                page_size=self.page_size,
+                num_pages=self.num_pages,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                policy=self.scheduling_policy,
+            ),
+            device=device,
+            seed=self.seed,
+            load_format=self.load_format,
+            attention_backend=self.attention_backend or "torch",
+        )

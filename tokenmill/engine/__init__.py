@@ -1,0 +1,1 @@
+"""The engine core: request state, the scheduler and the step loop."""

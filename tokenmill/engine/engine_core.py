@@ -1,0 +1,123 @@
+"""EngineCore: the single point of control; owns requests, KV pages and the batch, steps the model."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.cache.cache_manager import CacheManager
+from tokenmill.config import EngineConfig
+from tokenmill.engine.request import FinishReason, Logprob, Request
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.runner.model_runner import ModelRunner
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    """What one step produced for one request: its new tokens and, at the end, why it stopped."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, Logprob]] | None
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineCore:
+    """Accepts requests and aborts, and advances every running request by one step per `step()`."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.cache = CacheManager(
+            self.runner.num_pages, config.cache.page_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.cache)
+        self._requests: dict[str, Request] = {}
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        """Queue a request; raises `ValueError` if it can never run."""
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        self._validate_prompt(prompt_token_ids)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            eos_token_ids=self.config.model.eos_token_ids,
+            max_model_len=self.config.max_model_len,
+            generator=generator,
+        )
+        self._requests[request_id] = req
+        self.scheduler.add_request(req)
+
+    def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        vocab = self.config.model.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+        max_len = self.config.max_model_len
+        if len(prompt_token_ids) >= max_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens, but the context window "
+                f"(max_model_len) is {max_len} tokens and must leave room for one output token"
+            )
+
+    def abort_request(
+        self, request_id: str, reason: FinishReason = FinishReason.ABORT
+    ) -> EngineOutput | None:
+        """Finish a request now with `reason`; returns its final output, or None if unknown."""
+        req = self.scheduler.abort(request_id, reason)
+        if req is None:
+            return None
+        del self._requests[request_id]
+        return self._output(req, [], None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[EngineOutput]:
+        """Schedule one batch, run it, and return the requests' new tokens."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("scheduler could not admit a request into an idle engine")
+            return []
+        sampled = self.runner.execute(batch)
+        touched = self.scheduler.update(batch, sampled.token_ids, sampled.logprobs)
+        outputs = []
+        for req in touched:
+            logprobs = [req.output_logprobs[-1]] if req.params.logprobs is not None else None
+            outputs.append(self._output(req, [req.output_token_ids[-1]], logprobs))
+            if req.is_finished:
+                del self._requests[req.request_id]
+        return outputs
+
+    def _output(
+        self, req: Request, new_tokens: list[int], logprobs: list[dict[int, Logprob]] | None
+    ) -> EngineOutput:
+        return EngineOutput(
+            request_id=req.request_id,
+            new_token_ids=new_tokens,
+            new_logprobs=logprobs,
+            finish_reason=req.finish_reason,
+            num_prompt_tokens=len(req.prompt_token_ids),
+            num_cached_tokens=req.num_cached_tokens,
+        )

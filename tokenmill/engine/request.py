@@ -1,0 +1,115 @@
+"""Request: one sequence's state, WAITING → RUNNING → FINISHED (or back to waiting if preempted)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenmill.cache.radix_cache import RadixNode
+from tokenmill.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life; PREEMPTED requests wait again, keeping their tokens."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    """Why a request ended; the value is what the OpenAI API calls it."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """Log-probability of one candidate token and its rank among all tokens (1 = most likely)."""
+
+    logprob: float
+    rank: int
+
+
+@dataclass(eq=False)
+class Request:
+    """Token ids and KV pages of one sequence, plus what the scheduler needs to place it.
+
+    Tokens `[0, num_computed_tokens)` have KV in `page_ids`; a step computes the next run of tokens
+    and, once all known tokens are computed, samples one more.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    page_ids: list[int] = field(default_factory=list)
+    prefix_node: RadixNode | None = None  # deepest locked radix node of the shared prefix
+    num_tree_pages: int = 0  # leading page_ids owned by the radix tree
+    generator: torch.Generator | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens `[start, end)` of prompt + output, without building the whole list."""
+        num_prompt = len(self.prompt_token_ids)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.all_token_ids[start:end]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int, logprobs: dict[int, Logprob] | None) -> None:
+        """Record a sampled token and finish the request if it hit a stop condition."""
+        self.output_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+        reason = self._stop_reason(token_id)
+        if reason is not None:
+            self.finish(reason)
+
+    def _stop_reason(self, token_id: int) -> FinishReason | None:
+        params, num_out = self.params, len(self.output_token_ids)
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return FinishReason.STOP
+            if token_id in params.stop_token_ids:
+                return FinishReason.STOP
+        if params.max_tokens is not None and num_out >= params.max_tokens:
+            return FinishReason.LENGTH
+        if self.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, reason: FinishReason) -> None:
+        """Mark the request finished; the scheduler releases its pages."""
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason

@@ -1,0 +1,165 @@
+"""Scheduler: picks each step's batch under the token budget, admits, preempts and finishes."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from tokenmill.cache.cache_manager import CacheManager
+from tokenmill.config import SchedulerConfig
+from tokenmill.engine.request import FinishReason, Logprob, Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """A request's share of one step: `num_new_tokens` tokens from its `num_computed_tokens`."""
+
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the known tokens, so the next one is sampled."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's batch, in the order the runner lays it out."""
+
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
+
+
+@dataclass
+class SchedulerStats:
+    """Counters the metrics endpoint reads."""
+
+    num_preemptions: int = 0
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill and mixed prefill/decode batches.
+
+    Each step serves running requests first (one decode token each, or their next prefill chunk),
+    then admits waiting requests while the token budget, the sequence cap and free pages allow.
+    When a running request cannot get a page, the most recently admitted request is preempted
+    (its pages are released and it is recomputed later, keeping its generated tokens).
+    """
+
+    def __init__(self, config: SchedulerConfig, cache: CacheManager) -> None:
+        self.config = config
+        self.cache = cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.stats = SchedulerStats()
+
+    def add_request(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """Build the next batch."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_uncomputed_tokens, budget)
+            while not self.cache.allocate(req, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.seqs.append(ScheduledSeq(req, num_new))
+                budget -= num_new
+                i += 1
+        return budget
+
+    def _preempt(self, req: Request) -> None:
+        self.cache.release(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(req)
+        logger.debug("preempted %s at %d tokens", req.request_id, req.num_tokens)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            self.cache.match_prefix(req)
+            num_new = min(req.num_uncomputed_tokens, budget)
+            if not self.cache.allocate(req, num_new):
+                self.cache.release(req)
+                req.num_computed_tokens = 0
+                return
+            self.waiting.popleft()
+            self.cache.record_admission(req)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.seqs.append(ScheduledSeq(req, num_new))
+            budget -= num_new
+
+    def update(
+        self,
+        out: SchedulerOutput,
+        token_ids: list[int],
+        logprobs: list[dict[int, Logprob] | None],
+    ) -> list[Request]:
+        """Apply a step's results: advance computed tokens, append sampled ones, finish requests.
+
+        `token_ids` has one entry per sampling sequence, in batch order. Returns the requests that
+        received a token or finished this step.
+        """
+        touched: list[Request] = []
+        sampled = iter(zip(token_ids, logprobs, strict=True))
+        for seq in out.seqs:
+            req = seq.request
+            result = next(sampled) if seq.samples else None
+            if req.is_finished:  # aborted while the step ran
+                continue
+            req.num_computed_tokens += seq.num_new_tokens
+            self.cache.cache_computed(req)
+            if result is not None:
+                req.append_token(*result)
+                touched.append(req)
+                if req.is_finished:
+                    self._remove_finished(req)
+        return touched
+
+    def _remove_finished(self, req: Request) -> None:
+        self.running.remove(req)
+        self.cache.release(req)
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Request | None:
+        """Finish a waiting or running request now; returns it, or None if unknown or finished."""
+        for req in self.waiting:
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                self.cache.release(req)
+                req.finish(reason)
+                return req
+        for req in self.running:
+            if req.request_id == request_id:
+                req.finish(reason)
+                self._remove_finished(req)
+                return req
+        return None

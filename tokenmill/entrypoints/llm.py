@@ -1,0 +1,162 @@
+"""LLM: offline batch generation in-process, with vLLM's interface."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from tokenmill.config import EngineArgs
+from tokenmill.engine.engine_core import EngineCore, EngineOutput
+from tokenmill.engine.request import FinishReason
+from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenization.detokenizer import IncrementalDetokenizer
+from tokenmill.tokenization.tokenizer import (
+    Prompt,
+    apply_chat_template,
+    encode_prompt,
+    load_tokenizer,
+)
+
+
+class LLM:
+    """An engine in this process: `LLM(model=dir).generate(prompts, SamplingParams(...))`.
+
+    Keyword arguments are the fields of `EngineArgs` (dtype, device, max_num_seqs,
+    max_num_batched_tokens, page_size, num_pages or kv_cache_memory_bytes, seed, load_format, ...).
+    """
+
+    def __init__(self, model: str, **engine_args: Any) -> None:
+        args = EngineArgs(model=model, **engine_args)
+        self.config = args.create_engine_config()
+        self.tokenizer = load_tokenizer(args.tokenizer or model)
+        self.engine = EngineCore(self.config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Complete each prompt (text or token ids); returns outputs in input order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        token_ids = [encode_prompt(self.tokenizer, p) for p in prompts]
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        return self._run(token_ids, texts, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Answer one conversation or several, rendered with the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        token_ids = [apply_chat_template(self.tokenizer, c) for c in conversations]
+        return self._run(token_ids, [None] * len(token_ids), sampling_params, use_tqdm)
+
+    def flush_prefix_cache(self) -> int:
+        """Drop cached prefixes no request is using; returns the number of pages freed."""
+        return self.engine.cache.flush()
+
+    def _run(
+        self,
+        token_ids: list[list[int]],
+        texts: list[str | None],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        params = _per_prompt(sampling_params, len(token_ids))
+        results: list[RequestOutput] = []
+        children: dict[str, _Child] = {}
+        try:
+            for ids, text, p in zip(token_ids, texts, params, strict=True):
+                result = RequestOutput(str(next(self._ids)), text, ids, [])
+                results.append(result)
+                for index in range(p.n):
+                    child_id = f"{result.request_id}-{index}"
+                    logprobs = [] if p.logprobs is not None else None
+                    child = _Child(result, CompletionOutput(index, logprobs=logprobs))
+                    child.detokenizer = self._detokenizer(ids, p)
+                    result.outputs.append(child.completion)
+                    self.engine.add_request(child_id, ids, _child_params(p, index))
+                    children[child_id] = child
+        except ValueError:
+            for child_id in children:
+                self.engine.abort_request(child_id)
+            raise
+        bar = tqdm(total=len(results), desc="Generating", disable=not use_tqdm or len(results) < 2)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                child = children[out.request_id]
+                if child.apply(out):  # a stop string ended it
+                    self.engine.abort_request(out.request_id, FinishReason.STOP)
+                    child.completion.finish_reason = FinishReason.STOP.value
+                if child.completion.finished and child.result.finished:
+                    bar.update(1)
+        bar.close()
+        return results
+
+    def _detokenizer(
+        self, prompt_ids: list[int], p: SamplingParams
+    ) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(
+            self.tokenizer, prompt_ids, p.stop, p.include_stop_str_in_output, p.skip_special_tokens
+        )
+
+
+@dataclasses.dataclass
+class _Child:
+    """One of a request's `n` completions while it is generated."""
+
+    result: RequestOutput
+    completion: CompletionOutput
+    detokenizer: IncrementalDetokenizer | None = None
+
+    def apply(self, out: EngineOutput) -> bool:
+        """Add a step's tokens; True if a stop string ended the completion early."""
+        completion = self.completion
+        completion.token_ids.extend(out.new_token_ids)
+        if completion.logprobs is not None and out.new_logprobs:
+            completion.logprobs.extend(out.new_logprobs)
+        if out.finish_reason is not None:
+            completion.finish_reason = out.finish_reason.value
+        self.result.num_cached_tokens = max(self.result.num_cached_tokens, out.num_cached_tokens)
+        if self.detokenizer is None:
+            return False
+        self.detokenizer.update(out.new_token_ids, final=out.finished)
+        completion.text = self.detokenizer.output_text
+        return self.detokenizer.stopped and not out.finished
+
+
+def _per_prompt(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * count
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * count
+    if len(sampling_params) != count:
+        raise ValueError(f"sampling_params has {len(sampling_params)} entries for {count} prompts")
+    return list(sampling_params)
+
+
+def _child_params(p: SamplingParams, index: int) -> SamplingParams:
+    """The n-th sample of a request: the same settings, with a seed of its own if seeded."""
+    if p.seed is None or index == 0:
+        return p
+    return dataclasses.replace(p, seed=p.seed + index, n=1)

@@ -1,0 +1,1 @@
+"""Building blocks of decoder models: linear projections, norms, rotary embedding, activations."""

@@ -1,0 +1,1 @@
+"""Model implementations, the architecture registry and the checkpoint loader."""

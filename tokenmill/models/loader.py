@@ -1,0 +1,136 @@
+"""Build a model on its device and fill it from safetensors files or with random weights."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from tokenmill.config import ModelConfig
+from tokenmill.models.registry import model_class
+
+logger = logging.getLogger(__name__)
+
+# Checkpoint tensors that are derived at run time, not parameters.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(cfg: ModelConfig, device: torch.device, load_format: str, seed: int) -> nn.Module:
+    """Instantiate `cfg`'s architecture on `device` in `cfg.dtype` and load its weights."""
+    with _default_dtype(cfg.dtype), device:
+        model = model_class(cfg)(cfg)
+    if load_format == "dummy":
+        _init_dummy(model, seed)
+    elif load_format == "auto":
+        _load_safetensors(model, Path(cfg.path), cfg.tie_word_embeddings)
+    else:
+        raise ValueError(f"load_format must be auto or dummy, got {load_format!r}")
+    return model.eval()
+
+
+def _init_dummy(model: nn.Module, seed: int) -> None:
+    """Random weights: norms at 1, everything else normal(0, 0.02), reproducible from `seed`."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.data.fill_(1.0)
+        else:
+            values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * 0.02
+            param.data.copy_(values)
+
+
+def checkpoint_files(root: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those listed by the index, or all `*.safetensors`."""
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [root / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"checkpoint index lists missing files: {', '.join(missing)}")
+        return files
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ValueError(
+            f"no *.safetensors weights in {str(root)!r} "
+            "(use load_format='dummy' for random weights)"
+        )
+    return files
+
+
+def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_tensor(name)
+
+
+def _load_safetensors(model: nn.Module, root: Path, tied: bool) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    stacked: dict[str, tuple[str, str]] = model.stacked_params
+    loaded: set[str] = set()
+    for name, tensor in _iter_tensors(checkpoint_files(root)):
+        if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+            continue
+        target, shard = name, None
+        for fragment, (ours, shard_id) in stacked.items():
+            if fragment in name:
+                target, shard = name.replace(fragment, ours), shard_id
+                break
+        if target not in params:
+            logger.warning("ignoring checkpoint tensor %s (no such parameter)", name)
+            continue
+        param = params[target]
+        if shard is not None:
+            module = model.get_submodule(target.rsplit(".", 1)[0])
+            module.weight_loader(param, tensor, shard)
+            loaded.add(f"{target}:{shard}")
+        else:
+            if tensor.shape != param.shape:
+                raise ValueError(
+                    f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
+                    f"model expects {tuple(param.shape)}"
+                )
+            param.data.copy_(tensor)
+            loaded.add(target)
+    expected = _expected_entries(params, stacked, tied)
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {str(root)!r} is missing weights: {', '.join(missing[:8])}")
+
+
+def _expected_entries(
+    params: dict[str, nn.Parameter],
+    stacked: dict[str, tuple[str, str]],
+    tied: bool,
+) -> set[str]:
+    """Every `param` or `param:shard` a complete checkpoint provides."""
+    merged: dict[str, list[str]] = {}
+    for ours, shard in stacked.values():
+        merged.setdefault(ours, []).append(shard)
+    expected = set()
+    for name in params:
+        if tied and name == "lm_head.weight":
+            continue
+        fragment = next((m for m in merged if m in name), None)
+        if fragment is None:
+            expected.add(name)
+        else:
+            expected.update(f"{name}:{shard}" for shard in merged[fragment])
+    return expected

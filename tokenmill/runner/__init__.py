@@ -1,0 +1,1 @@
+"""The model runner: batch inputs → forward → sampled tokens."""

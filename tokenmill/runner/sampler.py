@@ -1,0 +1,191 @@
+"""Batched sampling: penalties, temperature, top-k/top-p/min-p, per-request seeds, logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.engine.request import Logprob, Request
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """The sampling settings of every row of a logits batch, as device tensors."""
+
+    temperature: torch.Tensor  # [B] float; 0 = greedy
+    top_k: torch.Tensor  # [B] int; vocab size = off
+    top_p: torch.Tensor  # [B] float
+    min_p: torch.Tensor  # [B] float
+    all_greedy: bool
+    use_top_k: bool
+    use_top_p: bool
+    use_min_p: bool
+    generators: list[torch.Generator | None]
+    penalties: _Penalties | None
+    suppressed: list[tuple[int, list[int]]]  # (row, token ids) banned by min_tokens
+    num_logprobs: list[int | None]
+
+    @staticmethod
+    def from_requests(reqs: list[Request], vocab_size: int, device: torch.device) -> SamplingBatch:
+        params = [r.params for r in reqs]
+        greedy = [p.greedy for p in params]
+        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        suppressed = [
+            (i, [*r.eos_token_ids, *r.params.stop_token_ids])
+            for i, r in enumerate(reqs)
+            if len(r.output_token_ids) < r.params.min_tokens
+        ]
+        return SamplingBatch(
+            temperature=torch.tensor(
+                [0.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)],
+                device=device,
+            ),
+            top_k=torch.tensor(top_k, device=device),
+            top_p=torch.tensor([p.top_p for p in params], device=device),
+            min_p=torch.tensor([p.min_p for p in params], device=device),
+            all_greedy=all(greedy),
+            use_top_k=any(k < vocab_size for k in top_k),
+            use_top_p=any(p.top_p < 1 for p in params),
+            use_min_p=any(p.min_p > 0 for p in params),
+            generators=[r.generator for r in reqs],
+            penalties=_Penalties.from_requests(reqs, vocab_size, device),
+            suppressed=suppressed,
+            num_logprobs=[p.logprobs for p in params],
+        )
+
+
+@dataclass(frozen=True)
+class _Penalties:
+    presence: torch.Tensor  # [B, 1]
+    frequency: torch.Tensor  # [B, 1]
+    repetition: torch.Tensor  # [B, 1]
+    output_counts: torch.Tensor  # [B, V] occurrences among generated tokens
+    seen: torch.Tensor  # [B, V] bool: in prompt or generated
+
+    @staticmethod
+    def from_requests(
+        reqs: list[Request], vocab_size: int, device: torch.device
+    ) -> _Penalties | None:
+        params = [r.params for r in reqs]
+        if all(
+            p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1
+            for p in params
+        ):
+            return None
+        output = _token_counts([r.output_token_ids for r in reqs], vocab_size, device)
+        prompt = _token_counts([r.prompt_token_ids for r in reqs], vocab_size, device)
+
+        def column(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, device=device, dtype=torch.float32)[:, None]
+
+        return _Penalties(
+            presence=column([p.presence_penalty for p in params]),
+            frequency=column([p.frequency_penalty for p in params]),
+            repetition=column([p.repetition_penalty for p in params]),
+            output_counts=output,
+            seen=(output + prompt) > 0,
+        )
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        scaled = torch.where(logits > 0, logits / self.repetition, logits * self.repetition)
+        logits = torch.where(self.seen, scaled, logits)
+        logits = logits - self.frequency * self.output_counts
+        return logits - self.presence * (self.output_counts > 0).float()
+
+
+def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """`[B, V]` float counts of each token id per row."""
+    width = max((len(r) for r in rows), default=0)
+    padded = torch.full((len(rows), width + 1), vocab_size, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        padded[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
+    counts = torch.zeros(len(rows), vocab_size + 1, device=device)
+    padded = padded.to(device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """One sampled token per row, and its logprobs where the request asked for them."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob] | None]
+
+
+class Sampler:
+    """Turns each sequence's last-position logits into its next token, with batched tensor ops."""
+
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        logits = logits.float()
+        wants_logprobs = any(n is not None for n in batch.num_logprobs)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
+        if batch.penalties is not None:
+            logits = batch.penalties.apply(logits)
+        for row, ids in batch.suppressed:
+            logits[row, ids] = float("-inf")
+        tokens = logits.argmax(dim=-1)
+        if not batch.all_greedy:
+            sampled = self._sample(logits, batch)
+            tokens = torch.where(batch.temperature == 0, tokens, sampled)
+        token_list = tokens.tolist()
+        logprobs: list[dict[int, Logprob] | None] = [None] * len(token_list)
+        if raw_logprobs is not None:
+            logprobs = _gather_logprobs(raw_logprobs, tokens, batch.num_logprobs)
+        return SamplerOutput(token_ids=token_list, logprobs=logprobs)
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        temperature = torch.where(batch.temperature == 0, 1.0, batch.temperature)
+        logits = logits / temperature[:, None]
+        if batch.use_top_k or batch.use_top_p:
+            logits = _top_k_top_p(logits, batch)
+        probs = torch.softmax(logits, dim=-1)
+        if batch.use_min_p:
+            threshold = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = torch.where(probs < threshold, 0.0, probs)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p. Each seeded request has
+        # its own generator, so its draws do not depend on the rest of the batch.
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, gen in enumerate(batch.generators):
+            if gen is not None:
+                noise[row].exponential_(generator=gen)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    drop = rank >= batch.top_k[:, None]
+    if batch.use_top_p:
+        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
+        drop |= before >= batch.top_p[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _gather_logprobs(
+    raw: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]
+) -> list[dict[int, Logprob] | None]:
+    """Per row: the sampled token's logprob and rank, plus the top-n alternatives."""
+    chosen = raw.gather(1, tokens[:, None])
+    ranks = ((raw > chosen).sum(dim=-1) + 1).tolist()
+    chosen_values, token_list = chosen[:, 0].tolist(), tokens.tolist()
+    top_values, top_ids = raw.topk(max(n or 0 for n in num_logprobs), dim=-1)
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    out: list[dict[int, Logprob] | None] = []
+    for row, n in enumerate(num_logprobs):
+        if n is None:
+            out.append(None)
+            continue
+        entry = {token_list[row]: Logprob(chosen_values[row], ranks[row])}
+        for rank, (token, value) in enumerate(
+            zip(top_ids[row][:n], top_values[row][:n], strict=True), 1
+        ):
+            entry.setdefault(token, Logprob(value, rank))
+        out.append(entry)
+    return out

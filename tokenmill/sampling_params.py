@@ -1,0 +1,124 @@
+"""SamplingParams: how to pick each next token and when to stop, validated on construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings, mirroring vLLM's `SamplingParams`.
+
+    temperature 0 means greedy. `seed` makes a sampled request reproducible whatever else runs in
+    the same batch. Penalties follow OpenAI (presence/frequency, on generated tokens) and
+    transformers (repetition, on prompt and generated tokens). Every bad value raises `ValueError`
+    naming the field.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    def _validate(self) -> None:
+        _check(_is_int(self.n) and self.n >= 1, "n must be an integer >= 1", self.n)
+        _check(
+            _is_number(self.temperature) and self.temperature >= 0,
+            "temperature must be >= 0",
+            self.temperature,
+        )
+        _check(
+            _is_number(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]", self.top_p
+        )
+        _check(
+            _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 0),
+            "top_k must be an integer, -1 or 0 (disabled) or >= 1",
+            self.top_k,
+        )
+        _check(
+            _is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]", self.min_p
+        )
+        _check(
+            self.seed is None or _is_int(self.seed), "seed must be an integer or None", self.seed
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2]", value)
+        _check(
+            _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty must be > 0",
+            self.repetition_penalty,
+        )
+        _check(
+            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+            "max_tokens must be an integer >= 1 or None",
+            self.max_tokens,
+        )
+        _check(
+            _is_int(self.min_tokens) and self.min_tokens >= 0,
+            "min_tokens must be an integer >= 0",
+            self.min_tokens,
+        )
+        if self.max_tokens is not None:
+            _check(
+                self.min_tokens <= self.max_tokens,
+                f"min_tokens must be <= max_tokens ({self.max_tokens})",
+                self.min_tokens,
+            )
+        _check(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop must be a list of non-empty strings",
+            self.stop,
+        )
+        _check(
+            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids must be a list of integers >= 0",
+            self.stop_token_ids,
+        )
+        _check(
+            self.logprobs is None
+            or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None",
+            self.logprobs,
+        )
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is always the most likely one."""
+        return self.temperature == 0 or self.top_k == 1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check(ok: bool, message: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{message}, got {value!r}")

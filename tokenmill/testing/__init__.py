@@ -1,0 +1,1 @@
+"""Helpers that build tiny real checkpoints offline, for tests, examples and benchmarks."""

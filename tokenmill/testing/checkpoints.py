@@ -1,0 +1,156 @@
+"""Tiny Hugging Face checkpoints built offline: a trained BPE tokenizer plus random weights."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Small shapes per architecture; each exercises its family's distinguishing feature.
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "tie_word_embeddings": False,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        },
+    },
+    "mistral": {
+        "model_type": "mistral",
+        "architectures": ["MistralForCausalLM"],
+        "tie_word_embeddings": False,
+        "sliding_window": None,
+    },
+    "qwen2": {
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        "tie_word_embeddings": True,
+    },
+    "qwen3": {
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "tie_word_embeddings": True,
+        "head_dim": 32,
+    },
+}
+
+
+def _corpus() -> list[str]:
+    """Offline training text: standard-library docstrings plus multilingual and emoji lines."""
+    import argparse
+    import collections
+    import json as json_mod
+    import logging
+    import pathlib
+    import re
+    import textwrap
+
+    modules = (argparse, collections, json_mod, logging, pathlib, re, textwrap)
+    docs = [m.__doc__ or "" for m in modules]
+    extra = [
+        "Hello world! How are you today?",
+        "你好，世界。今日は良い天気です。",
+        "Emoji: 🎉🚀✨ café naïve",
+    ]
+    return [*docs, *extra] * 3
+
+
+def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer with BOS/EOS and a ChatML chat template."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<unk>",
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def build_checkpoint(
+    path: str | Path, family: str = "llama", seed: int = 0, **overrides: Any
+) -> Path:
+    """Write a tiny random-weight checkpoint of `family` (llama, mistral, qwen2, qwen3) to `path`.
+
+    Weights are drawn with a wide initializer so that greedy decoding has clear winners.
+    `overrides` replace config fields (e.g. `num_hidden_layers=4`).
+    """
+    if family not in TINY_CONFIGS:
+        raise ValueError(f"family must be one of {', '.join(TINY_CONFIGS)}, got {family!r}")
+    path = Path(path)
+    tokenizer = build_tokenizer()
+    cfg: dict[str, Any] = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
+        "rms_norm_eps": 1e-6,
+        "initializer_range": 0.1,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "torch_dtype": "float32",
+    }
+    cfg.update(TINY_CONFIGS[family])
+    cfg.update(overrides)
+    config = AutoConfig.for_model(**cfg)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    _write_config_dtype(path)
+    return path
+
+
+def _write_config_dtype(path: Path) -> None:
+    """Record float32 under both names transformers versions use, for older readers."""
+    cfg_file = path / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg.setdefault("torch_dtype", cfg.get("dtype", "float32"))
+    cfg_file.write_text(json.dumps(cfg, indent=2))
+
+
+def main() -> None:
+    """`python -m tokenmill.testing.checkpoints DIR [FAMILY]`: write a tiny checkpoint."""
+    if len(sys.argv) not in (2, 3):
+        raise SystemExit(
+            "usage: python -m tokenmill.testing.checkpoints DIR [llama|mistral|qwen2|qwen3]"
+        )
+    build_checkpoint(sys.argv[1], *sys.argv[2:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""IncrementalDetokenizer: token ids → text deltas that never split a character; stop strings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+# Tokens of the prompt decoded with the first output tokens, so that a leading space or a
+# character spanning the prompt/output boundary decodes as it would in the full text.
+_CONTEXT_TOKENS = 5
+
+
+@dataclass(frozen=True)
+class DetokenizerUpdate:
+    """Text that became final with the latest tokens; `stopped` when a stop string matched."""
+
+    text: str
+    stopped: bool
+
+
+class IncrementalDetokenizer:
+    """Decodes a growing list of output tokens into text, a delta at a time.
+
+    A delta is emitted only once it cannot change: text ending in an incomplete UTF-8 sequence
+    (U+FFFD) waits for the next token, and when stop strings are set, the last
+    `max(len(stop)) - 1` characters are held back until they cannot begin a stop string.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: list[int],
+        stop: list[str],
+        include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.include_stop = include_stop_str_in_output
+        self.skip_special_tokens = skip_special_tokens
+        self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.output_text = ""  # final text so far (stop string removed)
+        self._emitted = 0  # characters of output_text already returned
+        self._holdback = max((len(s) for s in stop), default=1) - 1
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def update(self, new_token_ids: list[int], final: bool = False) -> DetokenizerUpdate:
+        """Add tokens; returns the text that is now final. `final` flushes everything held back."""
+        if self.stopped:
+            return DetokenizerUpdate("", True)
+        self._ids.extend(new_token_ids)
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
+            new_text = full[len(prefix) :]
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            self._append(new_text)
+        hold = 0 if (final or self.stopped) else self._holdback
+        end = max(self._emitted, len(self.output_text) - hold)
+        delta = self.output_text[self._emitted : end]
+        self._emitted = end
+        return DetokenizerUpdate(delta, self.stopped)
+
+    def _append(self, new_text: str) -> None:
+        if not self.stop:
+            self.output_text += new_text
+            return
+        # Search only where a stop string could end inside the new text.
+        start = max(0, len(self.output_text) - self._holdback)
+        text = self.output_text + new_text
+        hits = [(i, s) for s in self.stop if (i := text.find(s, start)) != -1]
+        if hits:
+            index, stop = min(hits)
+            self.output_text = text[: index + len(stop)] if self.include_stop else text[:index]
+            self.stopped = True
+        else:
+            self.output_text = text

@@ -1,0 +1,48 @@
+"""Loading a checkpoint's tokenizer and turning prompts and chats into token ids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+Prompt = str | list[int]
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
+    """The tokenizer in directory `path`, or None if it holds no tokenizer files."""
+    root = Path(path)
+    if not any((root / name).is_file() for name in _TOKENIZER_FILES):
+        return None
+    return AutoTokenizer.from_pretrained(str(root))
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase | None, prompt: Prompt) -> list[int]:
+    """Token ids of a text prompt (with the tokenizer's special tokens), or the ids as given."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("prompt is text but the model has no tokenizer; pass token ids")
+        return tokenizer.encode(prompt, add_special_tokens=True)
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise ValueError("prompt must be a string or a list of integer token ids")
+    return list(prompt)
+
+
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase | None,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """Token ids of a conversation rendered with the model's chat template."""
+    if tokenizer is None or not tokenizer.chat_template:
+        raise ValueError("the model has no chat template; send a plain completion prompt")
+    if not messages:
+        raise ValueError("messages must contain at least one message")
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    # The template writes any BOS itself.
+    return tokenizer.encode(text, add_special_tokens=False)
