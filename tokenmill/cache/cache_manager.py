@@ -60,7 +60,7 @@ class CacheManager:
         req.num_computed_tokens = match.num_pages * self.page_size
 
     def record_admission(self, req: Request) -> None:
-        """Count an admitted request's prefix lookup; the first admission sets `num_cached_tokens`."""
+        """Count an admitted request's prefix lookup; first admission sets `num_cached_tokens`."""
         self.stats.queries += req.num_tokens
         self.stats.hits += req.num_computed_tokens
         if req.num_preemptions == 0:

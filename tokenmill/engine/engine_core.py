@@ -1,4 +1,4 @@
-"""EngineCore: the single point of control; owns requests, KV pages and the batch, steps the model."""
+"""EngineCore: the single point of control; owns requests, pages and the batch, steps the model."""
 
 from __future__ import annotations
 
