@@ -1,0 +1,100 @@
+"""Checkpoint loading: sharded files, dummy weights, dtypes, clear errors for bad directories."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from tests.conftest import hf_greedy, hf_logprobs
+from tokenmill import LLM, SamplingParams
+
+PROMPT = list(range(30, 50))
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def _tokens(llm: LLM, prompt: list[int] = PROMPT) -> list[int]:
+    return llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_sharded_checkpoint_loads_through_its_index(llama_dir: Path, tmp_path: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(sharded, max_shard_size="100KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(llama_dir / name, sharded / name)
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    assert _tokens(LLM(str(sharded), device="cpu")) == hf_greedy(llama_dir, PROMPT, 12)
+
+
+def test_dummy_weights_need_only_config_json(llama_dir: Path, tmp_path: Path) -> None:
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    shutil.copy(llama_dir / "config.json", config_only / "config.json")
+    llm = LLM(str(config_only), device="cpu", load_format="dummy")
+    assert llm.get_tokenizer() is None
+    assert len(_tokens(llm)) == 12
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate(["text needs a tokenizer"], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        LLM(str(config_only), device="cpu")
+
+
+def test_missing_directory_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="no config.json"):
+        LLM(str(tmp_path))
+
+
+def test_unknown_architecture_is_a_clear_error(llama_dir: Path, tmp_path: Path) -> None:
+    target = tmp_path / "gpt2"
+    shutil.copytree(llama_dir, target)
+    config = json.loads((target / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (target / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unsupported architecture.*GPT2LMHeadModel"):
+        LLM(str(target))
+
+
+def test_missing_weight_is_named(llama_dir: Path, tmp_path: Path) -> None:
+    target = tmp_path / "partial"
+    shutil.copytree(llama_dir, target)
+    tensors = load_file(target / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="missing weights: model.layers.1.self_attn.qkv_proj"):
+        LLM(str(target), device="cpu")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_tracks_float32(llama_dir: Path, dtype: str) -> None:
+    llm = LLM(str(llama_dir), device="cpu", dtype=dtype)
+    assert llm.engine.runner.kv_cache.k[0].dtype == getattr(torch, dtype)
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=0)
+    completion = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    reference = hf_logprobs(llama_dir, PROMPT)[-1]
+    token = completion.token_ids[0]
+    assert token == int(reference.argmax())
+    assert completion.logprobs[0][token].logprob == pytest.approx(reference[token].item(), abs=0.1)
+
+
+def test_bad_engine_options_name_the_field(llama_dir: Path) -> None:
+    for kwargs, field in [
+        ({"dtype": "int8"}, "dtype"),
+        ({"page_size": 0}, "page_size"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+        ({"num_pages": 0}, "num_pages"),
+        ({"scheduling_policy": "random"}, "policy"),
+        ({"load_format": "pt"}, "load_format"),
+        ({"num_pages": 4, "page_size": 4, "max_model_len": 100}, "max_model_len"),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            LLM(str(llama_dir), device="cpu", **kwargs)

@@ -1,0 +1,155 @@
+"""Sampling: seeds, temperature/top-k/top-p/min-p, penalties and logprobs, against references."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from tests.conftest import _hf_model, hf_greedy, hf_logprobs
+from tokenmill import LLM, SamplingParams
+
+PROMPT = list(range(30, 50))
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir: Path) -> LLM:
+    return LLM(str(llama_dir), device="cpu", seed=7)
+
+
+def test_seeded_request_is_identical_alone_and_in_a_busy_batch(llm: LLM) -> None:
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = llm.generate([PROMPT], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    busy_prompts = [list(range(5, 5 + k)) for k in (3, 40, 11)] + [PROMPT] + [[9, 8, 7]]
+    busy_params = [SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)] * 3
+    busy_params += [seeded, SamplingParams(temperature=0, max_tokens=5)]
+    busy = llm.generate(busy_prompts, busy_params, use_tqdm=False)[3].outputs[0].token_ids
+    assert busy == alone
+    other = SamplingParams(temperature=0.9, top_p=0.95, seed=99, max_tokens=24, ignore_eos=True)
+    assert llm.generate([PROMPT], other, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_unseeded_requests_differ_between_samples(llm: LLM) -> None:
+    params = SamplingParams(temperature=1.0, max_tokens=16, n=4, ignore_eos=True)
+    outputs = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs
+    assert [o.index for o in outputs] == [0, 1, 2, 3]
+    assert len({tuple(o.token_ids) for o in outputs}) > 1
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, top_k=1, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.0, min_p=1.0, max_tokens=12, ignore_eos=True),
+    ],
+    ids=["top_k_1", "top_p_tiny", "min_p_1"],
+)
+def test_filters_that_keep_one_token_are_greedy(llm: LLM, llama_dir: Path, params) -> None:
+    out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert out == hf_greedy(llama_dir, PROMPT, 12)
+
+
+def test_sampled_tokens_follow_the_model_distribution(llm: LLM, llama_dir: Path) -> None:
+    temperature, n = 0.5, 800
+    probs = torch.softmax(hf_logprobs(llama_dir, PROMPT)[-1] / temperature, dim=-1)
+    params = SamplingParams(temperature=temperature, max_tokens=1, n=n)
+    outputs = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs
+    ours = torch.tensor([o.token_ids[0] for o in outputs])
+
+    def total_variation(draws: torch.Tensor) -> float:
+        freq = torch.bincount(draws, minlength=len(probs)) / len(draws)
+        return 0.5 * (freq - probs).abs().sum().item()
+
+    # Compare with the spread of exact draws of the same size from the model distribution.
+    gen = torch.Generator().manual_seed(0)
+    exact = sorted(
+        total_variation(torch.multinomial(probs, n, replacement=True, generator=gen))
+        for _ in range(40)
+    )
+    assert total_variation(ours) < 1.2 * exact[-2], (total_variation(ours), exact)
+
+
+def test_top_k_and_top_p_restrict_the_support(llm: LLM, llama_dir: Path) -> None:
+    logprobs = hf_logprobs(llama_dir, PROMPT)[-1]
+    top5 = set(logprobs.topk(5).indices.tolist())
+    params = SamplingParams(temperature=2.0, top_k=5, max_tokens=1, n=60)
+    sampled = {o.token_ids[0] for o in llm.generate([PROMPT], params, use_tqdm=False)[0].outputs}
+    assert sampled <= top5 and len(sampled) > 1
+    sorted_probs, order = logprobs.exp().sort(descending=True)
+    nucleus = set(order[: int((sorted_probs.cumsum(0) < 0.5).sum()) + 1].tolist())
+    params = SamplingParams(temperature=1.0, top_p=0.5, max_tokens=1, n=60)
+    sampled = {o.token_ids[0] for o in llm.generate([PROMPT], params, use_tqdm=False)[0].outputs}
+    assert sampled <= nucleus
+
+
+class _OpenAIPenalties(LogitsProcessor):
+    """OpenAI's presence/frequency penalties over generated tokens, for transformers' generate."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float) -> None:
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        generated = input_ids[:, self.prompt_len :]
+        counts = torch.zeros_like(scores).scatter_add_(
+            1, generated, torch.ones_like(generated, dtype=scores.dtype)
+        )
+        return scores - self.frequency * counts - self.presence * (counts > 0).float()
+
+
+def _hf_generate(path: Path, prompt: list[int], n: int, **kwargs) -> list[int]:
+    out = _hf_model(path).generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=n,
+        do_sample=False,
+        **kwargs,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def test_repetition_penalty_matches_transformers(llm: LLM, llama_dir: Path) -> None:
+    prompt = [5, 6, 7] * 6
+    params = SamplingParams(temperature=0, repetition_penalty=1.8, max_tokens=20, ignore_eos=True)
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert out == _hf_generate(llama_dir, prompt, 20, repetition_penalty=1.8)
+    assert out != hf_greedy(llama_dir, prompt, 20)
+
+
+def test_presence_and_frequency_penalties_match_a_reference(llm: LLM, llama_dir: Path) -> None:
+    params = SamplingParams(
+        temperature=0, presence_penalty=1.5, frequency_penalty=0.7, max_tokens=20, ignore_eos=True
+    )
+    out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
+    processor = _OpenAIPenalties(len(PROMPT), 1.5, 0.7)
+    reference = _hf_generate(
+        llama_dir, PROMPT, 20, logits_processor=LogitsProcessorList([processor])
+    )
+    assert out == reference
+    assert out != hf_greedy(llama_dir, PROMPT, 20)
+
+
+def test_logprobs_match_transformers(llm: LLM, llama_dir: Path) -> None:
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True)
+    completion = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    assert len(completion.logprobs) == 8
+    reference = hf_logprobs(llama_dir, PROMPT + completion.token_ids)
+    for i, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs, strict=True)):
+        ref = reference[len(PROMPT) - 1 + i]
+        top = ref.topk(3)
+        assert set(entry) == {token, *top.indices.tolist()}
+        assert entry[token].rank == 1  # greedy picks the most likely token
+        for tid, lp in entry.items():
+            assert lp.logprob == pytest.approx(ref[tid].item(), abs=1e-4)
+            assert lp.rank == int((ref > ref[tid]).sum()) + 1
+
+
+def test_logprobs_zero_returns_only_the_sampled_token(llm: LLM) -> None:
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=4, logprobs=0, ignore_eos=True)
+    completion = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    assert [list(e) for e in completion.logprobs] == [[t] for t in completion.token_ids]
+    assert all(
+        e[t].logprob <= 0 for e, t in zip(completion.logprobs, completion.token_ids, strict=True)
+    )

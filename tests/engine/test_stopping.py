@@ -1,0 +1,146 @@
+"""When requests end: stop tokens, stop strings, EOS, min/max tokens, context limit, abort."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import hf_greedy
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine.request import FinishReason
+
+PROMPT = list(range(30, 50))
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir: Path) -> LLM:
+    return LLM(str(llama_dir), device="cpu", max_model_len=64)
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir: Path) -> list[int]:
+    return hf_greedy(llama_dir, PROMPT, 30)
+
+
+def _first_new_index(tokens: list[int], start: int) -> int:
+    """Index of the first token at or after `start` that does not occur earlier."""
+    return next(i for i in range(start, len(tokens)) if tokens[i] not in tokens[:i])
+
+
+def test_stop_token_id_ends_with_finish_reason_stop(llm: LLM, reference: list[int]) -> None:
+    i = _first_new_index(reference, 3)
+    params = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[reference[i]])
+    out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == reference[: i + 1]
+    assert out.finish_reason == "stop"
+
+
+def test_min_tokens_suppresses_stop_tokens(llm: LLM, reference: list[int]) -> None:
+    i = _first_new_index(reference, 2)
+    params = SamplingParams(
+        temperature=0, max_tokens=30, min_tokens=i + 3, stop_token_ids=[reference[i]]
+    )
+    out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    assert reference[i] not in out.token_ids[: i + 3]
+    assert len(out.token_ids) >= i + 3
+
+
+def test_stop_string_truncates_text_and_ends_request(llm: LLM, reference: list[int]) -> None:
+    tokenizer = llm.get_tokenizer()
+    full = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)
+    text = full[0].outputs[0].text
+    stop = text[10:13]
+    assert stop and stop not in text[:10]
+    params = SamplingParams(temperature=0, max_tokens=30, stop=[stop])
+    out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    assert out.text == text[: text.index(stop)]
+    assert out.finish_reason == "stop"
+    assert len(out.token_ids) < 30
+    assert stop in tokenizer.decode(out.token_ids)
+    params = SamplingParams(
+        temperature=0, max_tokens=30, stop=[stop], include_stop_str_in_output=True
+    )
+    kept = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    assert kept.text == text[: text.index(stop) + len(stop)]
+
+
+def test_max_tokens_ends_with_length(llm: LLM, reference: list[int]) -> None:
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == reference[:5]
+    assert out[0].outputs[0].finish_reason == "length"
+
+
+def test_context_window_caps_generation(llm: LLM) -> None:
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    assert len(PROMPT) + len(out.token_ids) == 64
+    assert out.finish_reason == "length"
+
+
+def test_prompt_longer_than_context_window_is_rejected_and_nothing_queued(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="prompt has 64 tokens.*max_model_len.*64"):
+        llm.generate([PROMPT, list(range(64))], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [([], "at least one token"), ([10**6], "token ids must be in"), (["a", 1], "integer")],
+)
+def test_bad_prompts_are_rejected(llm: LLM, prompt: list, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        llm.generate([prompt], SamplingParams(max_tokens=4), use_tqdm=False)
+
+
+def test_eos_from_config_stops_unless_ignored(
+    llama_dir: Path, tmp_path: Path, reference: list[int]
+) -> None:
+    # The tiny model rarely picks its own EOS, so declare a token it does pick as EOS.
+    checkpoint = tmp_path / "eos"
+    shutil.copytree(llama_dir, checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["eos_token_id"] = [reference[4], 12345]
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    engine = LLM(str(checkpoint), device="cpu").engine
+    engine.add_request("eos", PROMPT, SamplingParams(temperature=0, max_tokens=30))
+    assert _drain(engine)["eos"] == (reference[:5], FinishReason.STOP)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine.add_request("ignore", PROMPT, params)
+    assert _drain(engine)["ignore"] == (reference[:8], FinishReason.LENGTH)
+
+
+def _drain(engine) -> dict[str, tuple[list[int], FinishReason]]:
+    tokens: dict[str, list[int]] = {}
+    done: dict[str, tuple[list[int], FinishReason]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                done[out.request_id] = (tokens[out.request_id], out.finish_reason)
+    return done
+
+
+def test_abort_frees_pages_and_reports_abort(llm: LLM) -> None:
+    engine = llm.engine
+    cache = engine.cache
+    engine.add_request("a", PROMPT, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    engine.add_request("b", PROMPT[:5], SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert cache.num_used_pages > 0
+    final = engine.abort_request("a")
+    assert final is not None and final.finish_reason is FinishReason.ABORT
+    assert engine.abort_request("a") is None  # already gone
+    assert engine.abort_request("b") is not None
+    assert not engine.has_unfinished()
+    assert cache.num_used_pages == 0
+
+
+def test_duplicate_request_id_is_rejected(llm: LLM) -> None:
+    llm.engine.add_request("dup", PROMPT, SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="already running"):
+        llm.engine.add_request("dup", PROMPT, SamplingParams(max_tokens=2))
+    llm.engine.abort_request("dup")
