@@ -177,6 +177,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     policy: str = "fcfs"
+    cache_aware_max_wait: float = 2.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -187,6 +188,10 @@ class SchedulerConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not self.cache_aware_max_wait >= 0:
+            raise ValueError(
+                f"cache_aware_max_wait must be >= 0 seconds, got {self.cache_aware_max_wait}"
+            )
         if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}"
@@ -260,6 +265,11 @@ class EngineArgs:
         "Waiting-queue order: fcfs, or cache-aware (longest cached prefix first, bounded by age).",
         choices=SCHEDULING_POLICIES,
     )
+    cache_aware_max_wait: float = _opt(
+        2.0,
+        "cache-aware policy: seconds a request may wait before it is admitted in arrival order, "
+        "whatever its cached prefix.",
+    )
     attention_backend: str | None = _opt(
         None, "Attention implementation (default: torch on CPU).", choices=("torch",)
     )
@@ -285,6 +295,7 @@ class EngineArgs:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 policy=self.scheduling_policy,
+                cache_aware_max_wait=self.cache_aware_max_wait,
             ),
             device=device,
             seed=self.seed,

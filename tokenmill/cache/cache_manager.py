@@ -46,6 +46,12 @@ class CacheManager:
         """Pages that hold `num_tokens` tokens."""
         return -(-num_tokens // self.page_size)
 
+    def cached_length(self, req: Request) -> int:
+        """Tokens of `req` a prefix match would find now (read-only; 0 without caching)."""
+        if self.radix is None:
+            return 0
+        return self.radix.cached_length(req.all_token_ids[: req.num_tokens - 1])
+
     def match_prefix(self, req: Request) -> None:
         """Give a request with no pages the longest cached prefix of its tokens."""
         assert not req.page_ids and req.num_computed_tokens == 0

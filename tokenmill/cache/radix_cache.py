@@ -68,18 +68,11 @@ class RadixCache:
         """Descend along `tokens`, cutting a partially matched node so that a node ends there."""
         now = next(self._clock)
         node, pages, pos = self.root, [], 0
-        ps = self.page_size
-        while pos + ps <= len(tokens):
+        while pos + self.page_size <= len(tokens):
             child = node.children.get(self._key(tokens, pos))
             if child is None:
                 break
-            matched = 1
-            while (
-                matched < len(child.pages)
-                and pos + (matched + 1) * ps <= len(tokens)
-                and self._key(child.tokens, matched * ps) == self._key(tokens, pos + matched * ps)
-            ):
-                matched += 1
+            matched = self._common_pages(child, tokens, pos)
             if matched < len(child.pages):
                 child = self._split(child, matched)
             child.last_access = now
@@ -87,6 +80,31 @@ class RadixCache:
             pos += len(child.tokens)
             node = child
         return node, pages
+
+    def _common_pages(self, child: RadixNode, tokens: list[int], pos: int) -> int:
+        """How many of `child`'s pages match `tokens` from `pos` (the first always does)."""
+        ps, matched = self.page_size, 1
+        while (
+            matched < len(child.pages)
+            and pos + (matched + 1) * ps <= len(tokens)
+            and self._key(child.tokens, matched * ps) == self._key(tokens, pos + matched * ps)
+        ):
+            matched += 1
+        return matched
+
+    def cached_length(self, tokens: list[int]) -> int:
+        """Tokens of the longest cached whole-page prefix of `tokens`, without touching the tree."""
+        node, pos, ps = self.root, 0, self.page_size
+        while pos + ps <= len(tokens):
+            child = node.children.get(self._key(tokens, pos))
+            if child is None:
+                break
+            matched = self._common_pages(child, tokens, pos)
+            pos += matched * ps
+            if matched < len(child.pages):
+                break
+            node = child
+        return pos
 
     def _split(self, node: RadixNode, num_pages: int) -> RadixNode:
         """Cut `node` after `num_pages` pages; returns the new upper half."""

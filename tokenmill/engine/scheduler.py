@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -11,6 +13,9 @@ from tokenmill.config import SchedulerConfig
 from tokenmill.engine.request import FinishReason, Logprob, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
+
+# How many waiting requests the cache-aware policy compares per admission.
+CACHE_AWARE_SCAN = 128
 
 
 @dataclass(frozen=True)
@@ -104,19 +109,34 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+            req = self._next_waiting()
             self.cache.match_prefix(req)
             num_new = min(req.num_uncomputed_tokens, budget)
             if not self.cache.allocate(req, num_new):
                 self.cache.release(req)
                 req.num_computed_tokens = 0
                 return
-            self.waiting.popleft()
+            self.waiting.remove(req)
             self.cache.record_admission(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.seqs.append(ScheduledSeq(req, num_new))
             budget -= num_new
+
+    def _next_waiting(self) -> Request:
+        """The waiting request to admit next under the configured policy.
+
+        `fcfs`: arrival order (preempted requests first). `cache-aware`: the longest cached prefix
+        among the first `CACHE_AWARE_SCAN` waiting requests, except that a request waiting longer
+        than `cache_aware_max_wait` seconds is taken in arrival order, so none starves.
+        """
+        head = self.waiting[0]
+        if self.config.policy == "fcfs":
+            return head
+        if time.monotonic() - head.arrival_time > self.config.cache_aware_max_wait:
+            return head
+        candidates = itertools.islice(self.waiting, CACHE_AWARE_SCAN)
+        return max(candidates, key=self.cache.cached_length)
 
     def update(
         self,

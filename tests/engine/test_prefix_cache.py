@@ -1,0 +1,188 @@
+"""Prefix caching: same tokens as without it, cached work skipped, nothing leaked, policy order."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.cache.cache_manager import CacheManager
+from tokenmill.engine.engine_core import EngineCore
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+BASE = list(range(40, 80))  # 40 tokens: 2.5 pages of 16
+PROMPTS = [
+    BASE,
+    BASE,  # repeated
+    BASE[:20],  # a prefix of the first
+    [*BASE, 7, 7, 7],  # extends the first
+    [*BASE[:37], 5, 6, 7],  # diverges inside the third page
+    BASE[:16] + [9] * 30,  # diverges right at a page boundary
+    [3, 4],  # shorter than a page
+]
+
+
+def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_outputs_with_cache_equal_outputs_without(family: str, checkpoints: dict[str, Path]):
+    path = str(checkpoints[family])
+    uncached = _tokens(LLM(path, device="cpu", enable_prefix_caching=False), PROMPTS)
+    llm = LLM(path, device="cpu")
+    # One at a time (each sees what the earlier ones cached), then all together, then again.
+    assert [_tokens(llm, [p])[0] for p in PROMPTS] == uncached
+    assert _tokens(llm, PROMPTS) == uncached
+    assert _tokens(llm, PROMPTS) == uncached
+    assert llm.engine.cache.stats.hits > 0
+
+
+def test_identical_1000_token_prefix_is_not_recomputed(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir), device="cpu", max_num_batched_tokens=512)
+    runner = llm.engine.runner
+    prefix = [random.Random(0).randrange(5, 500) for _ in range(1000)]
+    first = llm.generate([[*prefix, 1, 2, 3]], GREEDY, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    before = runner.num_forward_tokens
+    second = llm.generate([[*prefix, 4, 5, 6, 7]], GREEDY, use_tqdm=False)[0]
+    assert second.num_cached_tokens >= 990
+    computed = runner.num_forward_tokens - before
+    # Only the uncached prompt tail, then one token per decode step (the last is never fed back).
+    assert computed == 1004 - second.num_cached_tokens + GREEDY.max_tokens - 1
+    stats = llm.engine.cache.stats
+    assert stats.hits == second.num_cached_tokens and stats.queries == 1003 + 1004
+
+
+def test_without_prefix_caching_nothing_is_cached(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir), device="cpu", enable_prefix_caching=False)
+    outputs = llm.generate([BASE, BASE], GREEDY, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outputs] == [0, 0]
+    assert llm.flush_prefix_cache() == 0
+
+
+def test_flush_drops_unused_prefixes(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir), device="cpu")
+    llm.generate([BASE], GREEDY, use_tqdm=False)
+    assert llm.flush_prefix_cache() > 0
+    assert llm.generate([BASE], GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
+
+
+def _first_token_order(engine: EngineCore) -> list[str]:
+    order: list[str] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id not in order:
+                order.append(out.request_id)
+    return order
+
+
+@pytest.mark.parametrize(
+    ("policy", "max_wait", "expected"),
+    [
+        ("fcfs", 2.0, ["cold", "warm"]),
+        ("cache-aware", 60.0, ["warm", "cold"]),
+        ("cache-aware", 0.0, ["cold", "warm"]),  # waited too long: arrival order wins
+    ],
+)
+def test_scheduling_policy_orders_admission(
+    llama_dir: Path, policy: str, max_wait: float, expected: list[str]
+) -> None:
+    llm = LLM(
+        str(llama_dir),
+        device="cpu",
+        max_num_seqs=1,
+        scheduling_policy=policy,
+        cache_aware_max_wait=max_wait,
+    )
+    llm.generate([BASE], GREEDY, use_tqdm=False)  # warm the cache with BASE
+    engine = llm.engine
+    engine.add_request("cold", list(range(100, 140)), GREEDY)
+    engine.add_request("warm", [*BASE, 1], GREEDY)
+    assert _first_token_order(engine) == expected
+
+
+def assert_pages_partitioned(cache: CacheManager, engine: EngineCore) -> None:
+    """Every page is exactly one of: free, owned by the radix tree, owned by one request."""
+    pool = cache.pool
+    free = {p for p in range(pool.num_pages) if pool.is_free(p)}
+    tree = cache.radix.cached_pages() if cache.radix is not None else []
+    owned: list[int] = []
+    requests = [*engine.scheduler.running, *engine.scheduler.waiting]
+    for req in requests:
+        owned.extend(req.page_ids[req.num_tree_pages :])
+        assert set(req.page_ids[: req.num_tree_pages]) <= set(tree)
+    everything = [*free, *tree, *owned]
+    assert len(everything) == len(set(everything)) == pool.num_pages
+    assert len(free) == pool.num_free
+    # Reference counts: one per request whose locked path passes through the node (root: +1).
+    if cache.radix is not None:
+        expected: dict[int, int] = {}
+        for req in requests:
+            node = req.prefix_node
+            while node is not None:
+                expected[id(node)] = expected.get(id(node), 0) + 1
+                node = node.parent
+        for node in cache.radix._nodes():
+            extra = 1 if node is cache.radix.root else 0
+            assert node.ref_count == expected.get(id(node), 0) + extra
+
+
+_op = st.one_of(
+    st.tuples(st.just("add"), st.integers(0, 3), st.integers(1, 40), st.integers(1, 12)),
+    st.tuples(st.just("abort"), st.integers(0, 50)),
+    st.tuples(st.just("step"), st.integers(1, 3)),
+)
+
+
+@pytest.fixture(scope="module")
+def small_pool_llm(llama_dir: Path) -> LLM:
+    return LLM(
+        str(llama_dir),
+        device="cpu",
+        page_size=4,
+        num_pages=40,
+        max_model_len=96,
+        max_num_batched_tokens=24,
+    )
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(ops=st.lists(_op, min_size=1, max_size=25))
+@example(ops=[("add", i % 4, 40, 12) for i in range(8)] + [("abort", 3), ("step", 3)] * 6)
+def test_random_traffic_never_leaks_or_double_owns_a_page(small_pool_llm: LLM, ops) -> None:
+    engine = small_pool_llm.engine
+    prefixes = [list(range(10, 70)), list(range(30, 90)), [5] * 60, list(range(200, 260))]
+    ids: list[str] = []
+    for op in ops:
+        if op[0] == "add":
+            _, which, length, max_tokens = op
+            rid = f"r{len(ids)}-{random.random()}"
+            ids.append(rid)
+            prompt = [*prefixes[which][:length], len(ids) % 7 + 1]
+            engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, seed=len(ids)))
+        elif op[0] == "abort" and ids:
+            engine.abort_request(ids[op[1] % len(ids)])
+        else:
+            for _ in range(op[1]):
+                engine.step()
+                assert_pages_partitioned(engine.cache, engine)
+        assert_pages_partitioned(engine.cache, engine)
+    while engine.has_unfinished():
+        engine.step()
+        assert_pages_partitioned(engine.cache, engine)
+    assert engine.cache.num_used_pages == 0
+
+
+def test_random_traffic_includes_preemptions(small_pool_llm: LLM) -> None:
+    """The explicit example above overflows the pool, so the property covers preemption."""
+    test_random_traffic_never_leaks_or_double_owns_a_page(small_pool_llm)
+    assert small_pool_llm.engine.scheduler.stats.num_preemptions > 0
