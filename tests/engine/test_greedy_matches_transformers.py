@@ -8,6 +8,7 @@ import pytest
 
 from tests.conftest import FAMILIES, hf_greedy
 from tokenmill import LLM, SamplingParams
+from tokenmill.testing.checkpoints import build_checkpoint
 
 PROMPTS = [
     list(range(3, 10)),
@@ -96,3 +97,10 @@ def test_preempted_request_resumes_with_same_tokens(
     # Nothing leaked: every page is free or cached without a user.
     cache = llm.engine.cache
     assert cache.num_used_pages == 0
+
+
+@pytest.mark.parametrize("setting", ["default", "chunked_prefill_budget_8", "page_size_1"])
+def test_sliding_window_matches_transformers(tmp_path_factory, setting: str) -> None:
+    path = build_checkpoint(tmp_path_factory.mktemp("sw") / "mistral", "mistral", sliding_window=8)
+    llm = LLM(str(path), device="cpu", **CONSTRAINED.get(setting, {}))
+    assert _greedy_tokens(llm) == [hf_greedy(path, p, MAX_TOKENS) for p in PROMPTS]

@@ -26,7 +26,7 @@ class _PrefillSeq:
     start: int
     end: int
     slots: torch.Tensor  # [L] cache slot of every context position
-    mask: torch.Tensor  # [q, L] causal (and sliding-window) mask
+    mask: torch.Tensor | None  # [1, 1, q, L] causal (+ window) mask; None: plain causal, q == L
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -72,11 +72,14 @@ class TorchAttentionBackend(AttentionBackend):
         q_len, kv_len = inputs.query_lens_cpu[i], inputs.kv_lens_cpu[i]
         pos = torch.arange(kv_len, device=device)
         slots = inputs.page_table[i][pos // page_size] * page_size + pos % page_size
+        window = self.model.sliding_window
+        if q_len == kv_len and (window is None or window >= kv_len):
+            return _PrefillSeq(start=cu[i], end=cu[i + 1], slots=slots, mask=None)
         q_pos = torch.arange(kv_len - q_len, kv_len, device=device)
         mask = pos[None, :] <= q_pos[:, None]
-        if self.model.sliding_window is not None:
-            mask &= pos[None, :] > q_pos[:, None] - self.model.sliding_window
-        return _PrefillSeq(start=cu[i], end=cu[i + 1], slots=slots, mask=mask)
+        if window is not None:
+            mask &= pos[None, :] > q_pos[:, None] - window
+        return _PrefillSeq(start=cu[i], end=cu[i + 1], slots=slots, mask=mask[None, None])
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
@@ -86,21 +89,28 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache[self._slot_mapping] = k
         v_cache[self._slot_mapping] = v
         out = torch.empty_like(q)
+        group = self.model.num_heads // self.model.num_kv_heads
         if self._decode is not None:
             d = self._decode
             qd = q[d.token_index].unsqueeze(2)  # [B, Hq, 1, D]
-            kd = k_cache[d.slots].transpose(1, 2)  # [B, Hkv, L, D]
-            vd = v_cache[d.slots].transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                qd, kd, vd, attn_mask=d.mask, scale=self.scale, enable_gqa=True
-            )
+            kd = _heads_first(k_cache[d.slots], group)  # [B, Hq, L, D]
+            vd = _heads_first(v_cache[d.slots], group)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=self.scale)
             out[d.token_index] = o.squeeze(2)
         for p in self._prefills:
-            qp = q[p.start : p.end].transpose(0, 1)  # [Hq, q, D]
-            kp = k_cache[p.slots].transpose(0, 1)  # [Hkv, L, D]
-            vp = v_cache[p.slots].transpose(0, 1)
+            qp = q[p.start : p.end].transpose(0, 1)[None]  # [1, Hq, q, D]
+            kp = _heads_first(k_cache[p.slots][None], group)  # [1, Hq, L, D]
+            vp = _heads_first(v_cache[p.slots][None], group)
             o = F.scaled_dot_product_attention(
-                qp, kp, vp, attn_mask=p.mask, scale=self.scale, enable_gqa=True
+                qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=self.scale
             )
-            out[p.start : p.end] = o.transpose(0, 1)
+            out[p.start : p.end] = o[0].transpose(0, 1)
         return out
+
+
+def _heads_first(kv: torch.Tensor, group: int) -> torch.Tensor:
+    """`[B, L, Hkv, D]` → `[B, Hq, L, D]`, each KV head repeated for its `group` query heads.
+
+    Repeating beats SDPA's `enable_gqa`, which falls back to the slow math kernel on the CPU.
+    """
+    return kv.transpose(1, 2).repeat_interleave(group, dim=1)
