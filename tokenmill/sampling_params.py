@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -104,6 +105,11 @@ class SamplingParams:
             f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None",
             self.logprobs,
         )
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """Settings of choice `index` of `n`: one sample, with a seed of its own if seeded."""
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,7 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler, self.cache)
         self._requests: dict[str, Request] = {}
+        self.num_finished: Counter[str] = Counter()  # by finish reason
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -88,7 +90,12 @@ class EngineCore:
         if req is None:
             return None
         del self._requests[request_id]
+        self.num_finished[reason.value] += 1
         return self._output(req, [], None)
+
+    def request_ids(self) -> list[str]:
+        """Ids of every request not yet finished."""
+        return list(self._requests)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -108,6 +115,8 @@ class EngineCore:
             outputs.append(self._output(req, [req.output_token_ids[-1]], logprobs))
             if req.is_finished:
                 del self._requests[req.request_id]
+                assert req.finish_reason is not None
+                self.num_finished[req.finish_reason.value] += 1
         return outputs
 
     def _output(

@@ -73,7 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tokenmill", description="tokenmill: a small, fast, observable LLM inference engine."
     )
     parser.add_argument(
-        "--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR")
+        "--log-level",
+        default="INFO",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="Logging verbosity (default: INFO).",
     )
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser(
@@ -88,7 +91,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_sampling_args(gen)
     add_engine_args(gen)
+    srv = commands.add_parser(
+        "serve",
+        help="Serve the OpenAI-compatible HTTP API.",
+        description="Serve /v1/completions, /v1/chat/completions and friends over HTTP.",
+    )
+    srv.add_argument("model", help="Hugging Face checkpoint directory.")
+    srv.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
+    srv.add_argument("--port", type=int, default=8000, help="Port to listen on.")
+    srv.add_argument(
+        "--served-model-name", default=None, help="Model name clients use (default: the path)."
+    )
+    srv.add_argument(
+        "--num-tokenizer-workers", type=int, default=1, help="Tokenizer processes (default: 1)."
+    )
+    add_engine_args(srv)
     return parser
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    from tokenmill.entrypoints.api_server import ServeArgs, serve
+
+    args = ServeArgs(
+        engine=engine_args_from(ns),
+        host=ns.host,
+        port=ns.port,
+        served_model_name=ns.served_model_name,
+        num_tokenizer_workers=ns.num_tokenizer_workers,
+        log_level=ns.log_level,
+    )
+    return serve(args)
 
 
 def _generate(ns: argparse.Namespace) -> int:
@@ -126,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=ns.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        return _generate(ns)
+        return _serve(ns) if ns.command == "serve" else _generate(ns)
     except ValueError as exc:
         print(f"tokenmill: error: {exc}", file=sys.stderr)
         return 2

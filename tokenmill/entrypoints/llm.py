@@ -91,7 +91,7 @@ class LLM:
                     child = _Child(result, CompletionOutput(index, logprobs=logprobs))
                     child.detokenizer = self._detokenizer(ids, p)
                     result.outputs.append(child.completion)
-                    self.engine.add_request(child_id, ids, _child_params(p, index))
+                    self.engine.add_request(child_id, ids, p.for_choice(index))
                     children[child_id] = child
         except ValueError:
             for child_id in children:
@@ -153,10 +153,3 @@ def _per_prompt(
     if len(sampling_params) != count:
         raise ValueError(f"sampling_params has {len(sampling_params)} entries for {count} prompts")
     return list(sampling_params)
-
-
-def _child_params(p: SamplingParams, index: int) -> SamplingParams:
-    """The n-th sample of a request: the same settings, with a seed of its own if seeded."""
-    if p.seed is None or index == 0:
-        return p
-    return dataclasses.replace(p, seed=p.seed + index, n=1)

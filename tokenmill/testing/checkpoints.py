@@ -154,3 +154,31 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def build_scripted_checkpoint(path: str | Path, script: str, family: str = "llama") -> list[int]:
+    """A checkpoint whose greedy output, after any token of `script`, continues `script` cyclically.
+
+    The decoder layers are silenced (zero output projections), so the last hidden state is the
+    input token's embedding; each lm_head row for "the token after t" is t's normalised embedding,
+    scaled up. Gives tests a real model with known text (multi-byte characters, stop strings).
+    Returns the script's token ids, which must all be distinct.
+    """
+    path = build_checkpoint(path, family)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+    ids = tokenizer.encode(script, add_special_tokens=False)
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"script must tokenize to distinct tokens, got {ids}")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        if model.config.tie_word_embeddings:
+            raise ValueError("scripted checkpoints need untied embeddings")
+        emb = model.model.embed_tokens.weight
+        model.lm_head.weight.mul_(0.01)
+        for current, following in zip(ids, ids[1:] + ids[:1], strict=True):
+            model.lm_head.weight[following] = 30 * emb[current] / emb[current].norm()
+    model.save_pretrained(path)
+    return ids

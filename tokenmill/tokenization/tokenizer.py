@@ -20,12 +20,14 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
     return AutoTokenizer.from_pretrained(str(root))
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase | None, prompt: Prompt) -> list[int]:
+def encode_prompt(
+    tokenizer: PreTrainedTokenizerBase | None, prompt: Prompt, add_special_tokens: bool = True
+) -> list[int]:
     """Token ids of a text prompt (with the tokenizer's special tokens), or the ids as given."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("prompt is text but the model has no tokenizer; pass token ids")
-        return tokenizer.encode(prompt, add_special_tokens=True)
+        return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         raise ValueError("prompt must be a string or a list of integer token ids")
     return list(prompt)

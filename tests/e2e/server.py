@@ -1,0 +1,84 @@
+"""Starts a real `tokenmill serve` subprocess for end-to-end tests."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+MODEL_NAME = "tiny"
+
+
+@dataclass
+class ServerHandle:
+    base_url: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def child_pids(self) -> dict[str, int]:
+        """Child process name → pid, from the start-up log."""
+        return {m[0]: int(m[1]) for m in re.findall(r"started (\S+) \(pid (\d+)\)", self.log)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def run_server(model_dir: Path, log_path: Path, *extra: str) -> Iterator[ServerHandle]:
+    port = _free_port()
+    cmd = [
+        sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", str(model_dir),
+        "--port", str(port), "--served-model-name", MODEL_NAME, "--device", "cpu", *extra,
+    ]  # fmt: skip
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    handle = ServerHandle(f"http://127.0.0.1:{port}", proc, log_path)
+    try:
+        _wait_healthy(handle)
+        yield handle
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _wait_healthy(handle: ServerHandle, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if handle.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {handle.proc.returncode}:\n{handle.log}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(handle.base_url + "/health", timeout=1).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"server not healthy after {timeout} s:\n{handle.log}")
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.1) -> bool:
+    """Poll `predicate` until it is true or `timeout` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False

@@ -1,0 +1,230 @@
+"""The OpenAI-compatible server, driven by the official `openai` client and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.server import MODEL_NAME, ServerHandle, run_server, wait_until
+from tokenmill import LLM, SamplingParams
+from tokenmill.testing.checkpoints import build_scripted_checkpoint
+
+SCRIPT = "Hello🎉世界!"
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int]]:
+    path = tmp_path_factory.mktemp("scripted") / "model"
+    return path, build_scripted_checkpoint(path, SCRIPT)
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
+    log = tmp_path_factory.mktemp("logs") / "server.log"
+    with run_server(llama_dir, log, "--max-model-len", "512", "--num-tokenizer-workers", "2") as h:
+        yield h
+
+
+@pytest.fixture(scope="module")
+def scripted_server(scripted, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
+    log = tmp_path_factory.mktemp("logs") / "scripted.log"
+    with run_server(scripted[0], log) as handle:
+        yield handle
+
+
+@pytest.fixture
+def client(server: ServerHandle) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_completion_matches_offline_engine(client: openai.OpenAI, llama_dir: Path) -> None:
+    response = client.completions.create(
+        model=MODEL_NAME, prompt="Hello world", max_tokens=12, temperature=0
+    )
+    offline = LLM(str(llama_dir), device="cpu").generate(
+        ["Hello world"], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False
+    )[0]
+    assert response.choices[0].text == offline.outputs[0].text
+    assert response.choices[0].finish_reason == "length"
+    usage = response.usage
+    assert usage.prompt_tokens == len(offline.prompt_token_ids)
+    assert usage.completion_tokens == 12
+    assert usage.total_tokens == usage.prompt_tokens + 12
+
+
+def test_streamed_completion_concatenates_to_the_full_text(client: openai.OpenAI) -> None:
+    kwargs = {"model": MODEL_NAME, "prompt": "The cat", "max_tokens": 16, "temperature": 0}
+    full = client.completions.create(**kwargs).choices[0].text
+    chunks = list(
+        client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 16 and not chunks[-1].choices
+
+
+def test_streamed_chat_concatenates_to_the_full_message(client: openai.OpenAI) -> None:
+    kwargs = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        "max_completion_tokens": 10,
+        "temperature": 0,
+    }
+    full = client.chat.completions.create(**kwargs)
+    assert full.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_n_choices_for_several_prompts_are_indexed_prompt_major(client: openai.OpenAI) -> None:
+    response = client.completions.create(
+        model=MODEL_NAME, prompt=["one", "two"], n=3, max_tokens=4, temperature=1.0, seed=5
+    )
+    assert sorted(c.index for c in response.choices) == list(range(6))
+    again = client.completions.create(
+        model=MODEL_NAME, prompt=["one", "two"], n=3, max_tokens=4, temperature=1.0, seed=5
+    )
+    assert [c.text for c in again.choices] == [c.text for c in response.choices]
+    assert response.usage.completion_tokens == 24
+
+
+def test_token_id_prompts_are_accepted(client: openai.OpenAI) -> None:
+    response = client.completions.create(model=MODEL_NAME, prompt=[[5, 6, 7], [8]], max_tokens=2)
+    assert len(response.choices) == 2
+    assert response.usage.prompt_tokens == 4
+
+
+def test_completion_logprobs(scripted_server: ServerHandle, scripted) -> None:
+    # The scripted model's first tokens are ASCII: the legacy format keys alternatives by text,
+    # which merges byte tokens that each decode to U+FFFD.
+    _, ids = scripted
+    client = openai.OpenAI(base_url=scripted_server.base_url + "/v1", api_key="x", max_retries=0)
+    response = client.completions.create(
+        model=MODEL_NAME, prompt=ids[:1], max_tokens=2, temperature=0, logprobs=3
+    )
+    lp = response.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 2
+    assert "".join(lp.tokens) == response.choices[0].text == "llo"
+    assert lp.text_offset == [0, len(lp.tokens[0])]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) == 3 and top[token] == logprob == max(top.values())
+
+
+def test_chat_logprobs(client: openai.OpenAI) -> None:
+    response = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = response.choices[0].logprobs.content
+    assert len(content) == 4
+    for item in content:
+        assert len(item.top_logprobs) == 2
+        assert item.top_logprobs[0].logprob == item.logprob <= 0
+
+
+def test_repeated_prompt_reports_cached_tokens(client: openai.OpenAI) -> None:
+    prompt = "Hello world! How are you today? " * 8
+    client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2)
+    second = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= second.usage.prompt_tokens - 16 and cached > 0
+
+
+def test_models_tokenize_detokenize_version(server: ServerHandle, client: openai.OpenAI) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL_NAME]
+    tokens = httpx.post(server.base_url + "/tokenize", json={"prompt": "Hello world"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 512
+    text = httpx.post(server.base_url + "/detokenize", json={"tokens": tokens["tokens"]}).json()
+    assert text["prompt"].endswith("Hello world")
+    chat = httpx.post(
+        server.base_url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}
+    ).json()
+    assert chat["count"] > 3
+    assert httpx.get(server.base_url + "/version").json()["version"]
+
+
+def test_multibyte_characters_stream_intact(scripted_server: ServerHandle, scripted) -> None:
+    _, ids = scripted
+    client = openai.OpenAI(base_url=scripted_server.base_url + "/v1", api_key="x", max_retries=0)
+    stream = client.completions.create(
+        model=MODEL_NAME, prompt=ids[:1], max_tokens=3 * len(ids), temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    pieces = [c.choices[0].text for c in stream if c.choices]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == (SCRIPT * 4)[len("He") :][: len("".join(pieces))]
+    assert "🎉" in "".join(pieces) and "世界" in "".join(pieces)
+
+
+def test_stop_string_ends_the_stream(scripted_server: ServerHandle, scripted) -> None:
+    _, ids = scripted
+    client = openai.OpenAI(base_url=scripted_server.base_url + "/v1", api_key="x", max_retries=0)
+    response = client.completions.create(
+        model=MODEL_NAME, prompt=ids[:1], max_tokens=50, temperature=0, stop=["世"]
+    )
+    assert response.choices[0].text == "llo🎉"
+    assert response.choices[0].finish_reason == "stop"
+    chunks = list(
+        client.completions.create(
+            model=MODEL_NAME, prompt=ids[:1], max_tokens=50, temperature=0, stop=["界!"],
+            stream=True,
+        )  # fmt: skip
+    )
+    assert "".join(c.choices[0].text for c in chunks) == "llo🎉世"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_64_concurrent_streams_all_complete(server: ServerHandle) -> None:
+    async def one(client: openai.AsyncOpenAI, i: int) -> str | None:
+        stream = await client.completions.create(
+            model=MODEL_NAME, prompt=f"request {i}", max_tokens=8, stream=True, temperature=1.0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        reasons = [c.choices[0].finish_reason async for c in stream if c.choices]
+        return reasons[-1]
+
+    async def main() -> list[str | None]:
+        client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+        return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    assert asyncio.run(main()) == ["length"] * 64
+
+
+def _load(server: ServerHandle) -> dict:
+    return httpx.get(server.base_url + "/load").json()
+
+
+def test_disconnected_stream_is_aborted_and_frees_its_pages(server: ServerHandle) -> None:
+    body = {
+        "model": MODEL_NAME, "prompt": "never ending", "max_tokens": 400, "stream": True,
+        "ignore_eos": True,
+    }  # fmt: skip
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert wait_until(lambda: _load(server)["num_requests_running"] == 1)
+    assert wait_until(lambda: _load(server)["num_requests_running"] == 0, timeout=5)
+    assert wait_until(lambda: _load(server)["kv_cache_used_pages"] == 0, timeout=5)
+
+
+def test_disconnected_non_streaming_request_is_aborted(server: ServerHandle) -> None:
+    aborted = _load(server)["requests_finished"].get("abort", 0)
+    body = {"model": MODEL_NAME, "prompt": "long", "max_tokens": 500, "n": 16, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + "/v1/completions", json=body, timeout=0.25)
+    assert wait_until(lambda: _load(server)["num_requests_running"] == 0, timeout=5)
+    assert _load(server)["kv_cache_used_pages"] == 0
+    assert _load(server)["requests_finished"]["abort"] == aborted + 16

@@ -1,0 +1,166 @@
+"""The engine-core process: receives requests and aborts, steps the engine, streams its outputs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+
+import msgspec
+import zmq
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.engine_core import EngineCore, EngineOutput
+from tokenmill.engine.request import FinishReason
+from tokenmill.ipc.messages import (
+    AbortRequest,
+    EngineInput,
+    EngineRequest,
+    EngineStats,
+    EngineStep,
+    NewRequest,
+    RequestDelta,
+    RequestError,
+    ShutdownRequest,
+)
+from tokenmill.ipc.process import init_child
+from tokenmill.ipc.sockets import Addresses, encode, pull, push
+
+logger = logging.getLogger(__name__)
+
+IDLE_STATS_INTERVAL_S = 0.5
+# Aborts that arrive before their request (still in a tokenizer) are remembered this long.
+_MAX_EARLY_ABORTS = 4096
+
+
+def run_engine_core(
+    config: EngineConfig, addresses: Addresses, log_level: str, parent_pid: int
+) -> None:
+    """Process entry point: load the model, then serve until a ShutdownRequest."""
+    init_child(log_level, parent_pid)
+    loop = EngineCoreLoop(config, addresses)
+    loop.run()
+
+
+class EngineCoreLoop:
+    """Drains the input socket, steps the engine while it has work, and publishes each step."""
+
+    def __init__(self, config: EngineConfig, addresses: Addresses) -> None:
+        self.engine = EngineCore(config)
+        self.ctx = zmq.Context()
+        self.inputs = pull(self.ctx, addresses.engine, bind=True)
+        self.outputs = push(self.ctx, addresses.detokenizer, bind=False)
+        self.decoder = msgspec.msgpack.Decoder(EngineInput)
+        self.early_aborts: OrderedDict[str, None] = OrderedDict()
+        self.running = True
+        self._reset_step()
+
+    def _reset_step(self) -> None:
+        self.new_requests: list[NewRequest] = []
+        self.deltas: list[RequestDelta] = []
+        self.errors: list[RequestError] = []
+
+    def run(self) -> None:
+        self._publish()  # the first stats tell the api server the model is loaded
+        last_publish = time.monotonic()
+        while self.running:
+            busy = self.engine.has_unfinished()
+            if self.inputs.poll(0 if busy else int(IDLE_STATS_INTERVAL_S * 1000)):
+                self._drain_inputs()
+            if self.running and self.engine.has_unfinished():
+                self._step()
+            if (
+                self.deltas
+                or self.errors
+                or time.monotonic() - last_publish > IDLE_STATS_INTERVAL_S
+            ):
+                self._publish()
+                last_publish = time.monotonic()
+        self._publish()
+        self.ctx.destroy(linger=1000)
+
+    def _drain_inputs(self) -> None:
+        while True:
+            try:
+                raw = self.inputs.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(self.decoder.decode(raw))
+
+    def _handle(self, msg: EngineInput) -> None:
+        if isinstance(msg, EngineRequest):
+            self._add(msg)
+        elif isinstance(msg, AbortRequest):
+            for rid in msg.request_ids:
+                self._abort(rid, FinishReason(msg.reason))
+        elif isinstance(msg, ShutdownRequest):
+            for rid in list(self.engine.request_ids()):
+                self._abort(rid, FinishReason.ABORT)
+            self.running = False
+
+    def _add(self, msg: EngineRequest) -> None:
+        if msg.request_id in self.early_aborts:
+            del self.early_aborts[msg.request_id]  # the client left before its request got here
+            return
+        try:
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params)
+        except ValueError as exc:
+            self.errors.append(RequestError(msg.request_id, str(exc)))
+            return
+        self.new_requests.append(NewRequest(msg.request_id, msg.prompt_token_ids, msg.params))
+
+    def _abort(self, request_id: str, reason: FinishReason) -> None:
+        out = self.engine.abort_request(request_id, reason)
+        if out is not None:
+            self.deltas.append(_delta(out))
+            return
+        self.early_aborts[request_id] = None
+        while len(self.early_aborts) > _MAX_EARLY_ABORTS:
+            self.early_aborts.popitem(last=False)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            # A bug, not bad input: fail every request loudly instead of hanging the clients.
+            logger.exception("engine step failed; failing all running requests")
+            for rid in list(self.engine.request_ids()):
+                self.engine.abort_request(rid, FinishReason.ERROR)
+                self.errors.append(RequestError(rid, "internal engine error", status=500))
+            return
+        self.deltas.extend(_delta(o) for o in outputs)
+
+    def _publish(self) -> None:
+        step = EngineStep(self.new_requests, self.deltas, self.errors, self._stats())
+        self.outputs.send(encode(step))
+        self._reset_step()
+
+    def _stats(self) -> EngineStats:
+        engine = self.engine
+        cache = engine.cache
+        return EngineStats(
+            num_running=len(engine.scheduler.running),
+            num_waiting=len(engine.scheduler.waiting),
+            kv_used_pages=cache.num_used_pages,
+            kv_total_pages=cache.pool.num_pages,
+            prefix_cache_queries=cache.stats.queries,
+            prefix_cache_hits=cache.stats.hits,
+            num_preemptions=engine.scheduler.stats.num_preemptions,
+            finished=dict(engine.num_finished),
+        )
+
+
+def _delta(out: EngineOutput) -> RequestDelta:
+    logprobs = None
+    if out.new_logprobs is not None:
+        logprobs = [
+            [(tid, lp.logprob, lp.rank) for tid, lp in entry.items()] for entry in out.new_logprobs
+        ]
+    return RequestDelta(
+        request_id=out.request_id,
+        new_token_ids=out.new_token_ids,
+        logprobs=logprobs,
+        finish_reason=out.finish_reason.value if out.finish_reason else None,
+        num_prompt_tokens=out.num_prompt_tokens,
+        num_cached_tokens=out.num_cached_tokens,
+    )

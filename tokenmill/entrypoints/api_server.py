@@ -1,0 +1,434 @@
+"""The OpenAI-compatible HTTP server (FastAPI) and the launcher of its worker processes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import multiprocessing
+import os
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from transformers import PreTrainedTokenizerBase
+
+import tokenmill
+from tokenmill.config import EngineArgs, EngineConfig
+from tokenmill.engine.core_process import run_engine_core
+from tokenmill.entrypoints import openai_responses as oai
+from tokenmill.entrypoints.engine_client import ChoiceOutput, EngineClient, RequestFailed
+from tokenmill.entrypoints.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from tokenmill.ipc import messages
+from tokenmill.ipc.sockets import Addresses
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenization.detokenizer_worker import run_detokenizer
+from tokenmill.tokenization.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
+from tokenmill.tokenization.tokenizer_worker import run_tokenizer_worker
+
+logger = logging.getLogger("tokenmill.server")
+
+STARTUP_TIMEOUT_S = 900.0
+CHILD_CHECK_INTERVAL_S = 0.2
+DISCONNECT_POLL_S = 0.1
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+@dataclass(frozen=True)
+class ServeArgs:
+    """Server options on top of the engine's."""
+
+    engine: EngineArgs
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    num_tokenizer_workers: int = 1
+    log_level: str = "INFO"
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.engine.model
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    """An OpenAI-style error body: `{"error": {"message", "type", "param", "code"}}`."""
+    body = {
+        "error": {
+            "message": message,
+            "type": _ERROR_TYPES.get(status, "Error"),
+            "param": param,
+            "code": status,
+        }
+    }
+    return JSONResponse(body, status_code=status)
+
+
+@dataclass
+class ServerState:
+    """What the HTTP handlers share: the engine client, the tokenizer and the child processes."""
+
+    args: ServeArgs
+    config: EngineConfig
+    client: EngineClient
+    tokenizer: PreTrainedTokenizerBase | None
+    children: list[BaseProcess] = field(default_factory=list)
+    shutting_down: bool = False
+
+    @property
+    def healthy(self) -> bool:
+        return self.client.ready.is_set() and self.client.failure is None
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """The FastAPI application; its lifespan waits for the engine and watches the children."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        reader = asyncio.create_task(state.client.run_output_loop())
+        watcher = asyncio.create_task(_watch_children(state))
+        await _wait_ready(state)
+        logger.info(
+            "tokenmill %s ready: serving %r on http://%s:%d",
+            tokenmill.__version__,
+            state.args.model_name,
+            state.args.host,
+            state.args.port,
+        )
+        try:
+            yield
+        finally:
+            reader.cancel()
+            watcher.cancel()
+
+    app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return error_response(400, f"{param}: {first.get('msg')}", param)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.healthy and not state.shutting_down:
+            return Response(status_code=200)
+        return Response(status_code=503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": tokenmill.__version__}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {
+            "id": state.args.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "tokenmill",
+            "root": state.config.model.path,
+            "max_model_len": state.config.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/load")
+    async def load() -> dict[str, Any]:
+        """Engine load for routers: queue lengths and KV-cache use."""
+        stats = state.client.stats
+        if stats is None:
+            return {}
+        return {
+            "num_requests_running": stats.num_running,
+            "num_requests_waiting": stats.num_waiting,
+            "kv_cache_used_pages": stats.kv_used_pages,
+            "kv_cache_total_pages": stats.kv_total_pages,
+            "kv_cache_usage": stats.kv_used_pages / stats.kv_total_pages,
+            "requests_finished": stats.finished,
+        }
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        if (failure := _check_model(state, body.model)) is not None:
+            return failure
+        try:
+            if body.messages is not None:
+                chat = [m.template_dict() for m in body.messages]
+                ids = apply_chat_template(state.tokenizer, chat)
+            elif body.prompt is not None:
+                ids = encode_prompt(state.tokenizer, body.prompt, body.add_special_tokens)
+            else:
+                raise ValueError("give prompt or messages")
+        except ValueError as exc:
+            return error_response(400, str(exc))
+        max_len = state.config.max_model_len
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": max_len})
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        if (failure := _check_model(state, body.model)) is not None:
+            return failure
+        if state.tokenizer is None:
+            return error_response(400, "the model has no tokenizer")
+        vocab = state.config.model.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            return error_response(400, f"tokens must be in [0, {vocab})", "tokens")
+        return JSONResponse({"prompt": state.tokenizer.decode(body.tokens)})
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        return await _serve_generation(state, raw, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await _serve_generation(state, raw, body, chat=True)
+
+    return app
+
+
+def _check_model(state: ServerState, model: str | None) -> JSONResponse | None:
+    if model is not None and model != state.args.model_name:
+        return error_response(404, f"The model `{model}` does not exist.", "model")
+    return None
+
+
+async def _serve_generation(
+    state: ServerState,
+    raw: Request,
+    body: CompletionRequest | ChatCompletionRequest,
+    chat: bool,
+) -> Response:
+    if (failure := _check_model(state, body.model)) is not None:
+        return failure
+    if state.shutting_down or not state.healthy:
+        return error_response(503, state.client.failure or "the server is not ready")
+    try:
+        params = body.sampling_params()
+        requests = _tokenize_requests(body, params)
+    except ValueError as exc:
+        return error_response(400, str(exc), _param_of(str(exc)))
+    response = oai.ResponseState(
+        request_id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+        model=state.args.model_name,
+        n=params.n,
+        num_prompts=len(requests),
+        want_logprobs=params.logprobs is not None,
+    )
+    for i, r in enumerate(requests):
+        r.request_id = f"{response.request_id}-{i}"
+    outputs = state.client.generate(requests)
+    top_n = params.logprobs or 0
+    try:
+        if not body.stream:
+            if not await _collect(raw, response, outputs):
+                return Response(status_code=499)  # the client is gone; nobody reads this
+            body_fn = oai.chat_body if chat else oai.completion_body
+            return JSONResponse(body_fn(response, top_n))
+        # Wait for the first output so that a bad request still gets a 400, not a broken stream.
+        first = await anext(outputs)
+    except RequestFailed as exc:
+        return error_response(exc.error.status, exc.error.message, exc.error.param)
+    stream = _stream(response, first, outputs, chat, top_n, body.include_usage)
+    return StreamingResponse(stream, media_type="text/event-stream")
+
+
+def _tokenize_requests(
+    body: CompletionRequest | ChatCompletionRequest, params: SamplingParams
+) -> list[messages.TokenizeRequest]:
+    if isinstance(body, ChatCompletionRequest):
+        chat = [m.template_dict() for m in body.messages]
+        return [messages.TokenizeRequest("", params, messages=chat)]
+    return [messages.TokenizeRequest("", params, prompt=p) for p in body.prompts()]
+
+
+def _param_of(message: str) -> str | None:
+    """The field a validation message names (SamplingParams messages start with it)."""
+    word = message.split(" ", 1)[0]
+    return word if word.isidentifier() else None
+
+
+async def _collect(
+    raw: Request, response: oai.ResponseState, outputs: AsyncIterator[ChoiceOutput]
+) -> bool:
+    """Gather a non-streamed response; False (and aborted) if the client disconnects meanwhile."""
+
+    async def gather() -> None:
+        async for item in outputs:
+            response.add(item)
+
+    task = asyncio.create_task(gather())
+    while not task.done():
+        await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if not task.done() and await raw.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await _close(outputs)
+            return False
+    task.result()  # re-raises RequestFailed
+    return True
+
+
+async def _close(outputs: AsyncIterator[ChoiceOutput]) -> None:
+    aclose: Callable[[], Awaitable[None]] | None = getattr(outputs, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+async def _stream(
+    response: oai.ResponseState,
+    first: ChoiceOutput,
+    outputs: AsyncIterator[ChoiceOutput],
+    chat: bool,
+    top_n: int,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per output, an optional usage chunk, then `[DONE]`."""
+    started: set[int] = set()
+
+    def chunks(item: ChoiceOutput) -> list[dict[str, Any]]:
+        index = response.index(item)
+        response.add(item)
+        out = item.output
+        if not chat:
+            return [oai.completion_chunk(response, index, out, top_n)]
+        result = []
+        if index not in started:
+            started.add(index)
+            role = {"role": "assistant", "content": ""}
+            result.append(oai.chat_chunk(response, index, role, None, top_n))
+        if out.text or out.finish_reason is not None or out.logprobs:
+            delta = {"content": out.text} if out.text else {}
+            result.append(oai.chat_chunk(response, index, delta, out, top_n))
+        return result
+
+    try:
+        for chunk in chunks(first):
+            yield _sse(chunk)
+        async for item in outputs:
+            for chunk in chunks(item):
+                yield _sse(chunk)
+        if include_usage:
+            yield _sse(oai.usage_chunk(response, chat))
+    except RequestFailed as exc:
+        error = {"message": exc.error.message, "type": _ERROR_TYPES.get(exc.error.status)}
+        yield _sse({"error": {**error, "param": exc.error.param, "code": exc.error.status}})
+    finally:
+        await _close(outputs)
+    yield "data: [DONE]\n\n"
+
+
+def _sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _wait_ready(state: ServerState) -> None:
+    """Block start-up until the engine has loaded the model (or a child died trying)."""
+    try:
+        await asyncio.wait_for(state.client.ready.wait(), STARTUP_TIMEOUT_S)
+    except TimeoutError as exc:
+        raise RuntimeError(f"engine not ready after {STARTUP_TIMEOUT_S:.0f} s") from exc
+    if state.client.failure is not None:
+        raise RuntimeError(state.client.failure)
+
+
+async def _watch_children(state: ServerState) -> None:
+    """Mark the server unhealthy and fail every request as soon as a child process dies."""
+    while True:
+        dead = [p for p in state.children if not p.is_alive()]
+        if dead and not state.shutting_down:
+            names = ", ".join(f"{p.name} (exit code {p.exitcode})" for p in dead)
+            message = f"server process died: {names}"
+            logger.error(message)
+            state.client.fail_all(message)
+            state.client.ready.set()  # unblock start-up so it can report the failure
+            return
+        await asyncio.sleep(CHILD_CHECK_INTERVAL_S)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, plus: on SIGTERM/SIGINT, stop taking requests and end in-flight ones first."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.state.shutting_down:
+            self.state.shutting_down = True
+            logger.info("shutting down: aborting in-flight requests")
+            self.state.client.abort_all()
+        super().handle_exit(sig, frame)
+
+
+def _start_children(
+    args: ServeArgs, config: EngineConfig, addresses: Addresses
+) -> list[BaseProcess]:
+    ctx = multiprocessing.get_context("spawn")
+    parent = os.getpid()
+    tokenizer_path = args.engine.tokenizer or args.engine.model
+    targets: list[tuple[str, Callable[..., None], tuple[Any, ...]]] = [
+        ("engine-core", run_engine_core, (config, addresses, args.log_level, parent)),
+        ("detokenizer", run_detokenizer, (tokenizer_path, addresses, args.log_level, parent)),
+    ]
+    for i in range(args.num_tokenizer_workers):
+        worker_args = (tokenizer_path, config.max_model_len, addresses, args.log_level, parent)
+        targets.append((f"tokenizer-{i}", run_tokenizer_worker, worker_args))
+    children = []
+    for name, target, target_args in targets:
+        proc = ctx.Process(target=target, args=target_args, name=name, daemon=True)
+        proc.start()
+        logger.info("started %s (pid %d)", name, proc.pid)
+        children.append(proc)
+    return children
+
+
+def _stop_children(children: list[BaseProcess]) -> None:
+    for proc in children:
+        proc.terminate()
+    for proc in children:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def serve(args: ServeArgs) -> int:
+    """Start the worker processes and serve HTTP until SIGTERM/SIGINT; returns an exit code."""
+    if args.num_tokenizer_workers < 1:
+        raise ValueError(f"num_tokenizer_workers must be >= 1, got {args.num_tokenizer_workers}")
+    config = args.engine.create_engine_config()
+    tokenizer = load_tokenizer(args.engine.tokenizer or args.engine.model)
+    addresses = Addresses.fresh()
+    client = EngineClient(addresses)
+    state = ServerState(args=args, config=config, client=client, tokenizer=tokenizer)
+    state.children = _start_children(args, config, addresses)
+    uv_config = uvicorn.Config(
+        build_app(state),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        timeout_graceful_shutdown=10,
+    )
+    server = _Server(uv_config, state)
+    try:
+        server.run()
+    finally:
+        _stop_children(state.children)
+        client.close()
+    return 0 if server.started else 1

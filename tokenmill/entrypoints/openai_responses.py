@@ -1,0 +1,195 @@
+"""Builds OpenAI-shaped response bodies and stream chunks from accumulated engine outputs."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.entrypoints.engine_client import ChoiceOutput
+from tokenmill.ipc.messages import ClientOutput
+
+
+@dataclass
+class ChoiceState:
+    """Everything one choice has produced so far."""
+
+    text: str = ""
+    num_tokens: int = 0
+    logprobs: list[list[tuple[int, str, float, int]]] | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class ResponseState:
+    """Accumulates the choices of one HTTP request (prompts x n), and its usage."""
+
+    request_id: str
+    model: str
+    n: int
+    num_prompts: int
+    want_logprobs: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+    choices: dict[int, ChoiceState] = field(default_factory=dict)
+    prompt_tokens: dict[int, int] = field(default_factory=dict)
+    cached_tokens: dict[int, int] = field(default_factory=dict)
+
+    def index(self, item: ChoiceOutput) -> int:
+        """OpenAI's choice index: prompt-major, then sample."""
+        return item.prompt_index * self.n + item.choice
+
+    def add(self, item: ChoiceOutput) -> ChoiceState:
+        out: ClientOutput = item.output
+        state = self.choices.setdefault(self.index(item), ChoiceState())
+        state.text += out.text
+        state.num_tokens += len(out.token_ids)
+        if out.logprobs is not None:
+            state.logprobs = (state.logprobs or []) + out.logprobs
+        if out.finish_reason is not None:
+            state.finish_reason = out.finish_reason
+        self.prompt_tokens[item.prompt_index] = out.num_prompt_tokens
+        self.cached_tokens[item.prompt_index] = out.num_cached_tokens
+        return state
+
+    def usage(self) -> dict[str, Any]:
+        prompt = sum(self.prompt_tokens.values())
+        completion = sum(c.num_tokens for c in self.choices.values())
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())},
+        }
+
+    def sorted_choices(self) -> list[tuple[int, ChoiceState]]:
+        return sorted(self.choices.items())
+
+
+def completion_logprobs(
+    entries: list[list[tuple[int, str, float, int]]] | None, top_n: int
+) -> dict[str, Any] | None:
+    """The legacy completions `logprobs` object."""
+    if entries is None:
+        return None
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    offset = 0
+    for entry in entries:
+        _, text, logprob, _ = entry[0]
+        tokens.append(text)
+        token_logprobs.append(logprob)
+        top.append({t: lp for _, t, lp, rank in entry if rank <= top_n} or {text: logprob})
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(
+    entries: list[list[tuple[int, str, float, int]]] | None, top_n: int
+) -> dict[str, Any] | None:
+    """The chat completions `logprobs` object."""
+    if entries is None:
+        return None
+
+    def item(text: str, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    content = []
+    for entry in entries:
+        _, text, logprob, _ = entry[0]
+        alternatives = sorted((rank, t, lp) for _, t, lp, rank in entry if rank <= top_n)
+        content.append(
+            {**item(text, logprob), "top_logprobs": [item(t, lp) for _, t, lp in alternatives]}
+        )
+    return {"content": content}
+
+
+def completion_body(state: ResponseState, top_n: int) -> dict[str, Any]:
+    return {
+        "id": state.request_id,
+        "object": "text_completion",
+        "created": state.created,
+        "model": state.model,
+        "choices": [
+            {
+                "index": i,
+                "text": c.text,
+                "logprobs": completion_logprobs(c.logprobs, top_n),
+                "finish_reason": c.finish_reason,
+            }
+            for i, c in state.sorted_choices()
+        ],
+        "usage": state.usage(),
+    }
+
+
+def chat_body(state: ResponseState, top_n: int) -> dict[str, Any]:
+    return {
+        "id": state.request_id,
+        "object": "chat.completion",
+        "created": state.created,
+        "model": state.model,
+        "choices": [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(c.logprobs, top_n),
+                "finish_reason": c.finish_reason,
+            }
+            for i, c in state.sorted_choices()
+        ],
+        "usage": state.usage(),
+    }
+
+
+def completion_chunk(
+    state: ResponseState, index: int, out: ClientOutput, top_n: int
+) -> dict[str, Any]:
+    return {
+        "id": state.request_id,
+        "object": "text_completion",
+        "created": state.created,
+        "model": state.model,
+        "choices": [
+            {
+                "index": index,
+                "text": out.text,
+                "logprobs": completion_logprobs(out.logprobs, top_n),
+                "finish_reason": out.finish_reason,
+            }
+        ],
+    }
+
+
+def chat_chunk(
+    state: ResponseState, index: int, delta: dict[str, Any], out: ClientOutput | None, top_n: int
+) -> dict[str, Any]:
+    return {
+        "id": state.request_id,
+        "object": "chat.completion.chunk",
+        "created": state.created,
+        "model": state.model,
+        "choices": [
+            {
+                "index": index,
+                "delta": delta,
+                "logprobs": chat_logprobs(out.logprobs, top_n) if out is not None else None,
+                "finish_reason": out.finish_reason if out is not None else None,
+            }
+        ],
+    }
+
+
+def usage_chunk(state: ResponseState, chat: bool) -> dict[str, Any]:
+    return {
+        "id": state.request_id,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": state.created,
+        "model": state.model,
+        "choices": [],
+        "usage": state.usage(),
+    }

@@ -1,0 +1,162 @@
+"""The OpenAI-compatible HTTP schema (pydantic), and its translation into SamplingParams."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from tokenmill.sampling_params import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields common to completions and chat completions (OpenAI's, then vLLM's extensions)."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM-compatible extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported, got a non-empty map")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true, got stream=false")
+        values: dict[str, Any] = {
+            "n": self.n,
+            "seed": self.seed,
+            "stop": self.stop or [],
+            "stop_token_ids": self.stop_token_ids or [],
+            "max_tokens": max_tokens,
+            "min_tokens": self.min_tokens,
+            "ignore_eos": self.ignore_eos,
+            "logprobs": logprobs,
+            "skip_special_tokens": self.skip_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+        }
+        optional = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        values.update({k: v for k, v in optional.items() if v is not None})
+        return SamplingParams(**values)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(_SamplingRequest):
+    """`POST /v1/completions`."""
+
+    prompt: Prompt
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts (text or token ids)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise ValueError("prompt must not be empty, got []")
+        if isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+    def sampling_params(self) -> SamplingParams:
+        if self.echo:
+            raise ValueError("echo is not supported, got true")
+        if self.suffix:
+            raise ValueError("suffix is not supported, got a non-empty string")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of must equal n ({self.n}), got {self.best_of}")
+        return self._sampling_params(self.max_tokens, self.logprobs)
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates expect it: text content only."""
+        content = self.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.get("type") != "text":
+                    raise ValueError(
+                        f"only text content parts are supported, got {part.get('type')!r}"
+                    )
+                parts.append(str(part.get("text", "")))
+            content = "".join(parts)
+        return {"role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """`POST /v1/chat/completions`."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        if self.tools:
+            raise ValueError("tools are not supported, got a non-empty list")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true, got logprobs=false")
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs)
+
+
+class TokenizeRequest(BaseModel):
+    """`POST /tokenize`: a prompt or a chat."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    """`POST /detokenize`."""
+
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,1 @@
+"""Inter-process messages (msgspec structs) and ZeroMQ socket helpers."""
