@@ -179,9 +179,13 @@ def test_stop_string_ends_the_stream(scripted_server: ServerHandle, scripted) ->
     assert response.choices[0].finish_reason == "stop"
     chunks = list(
         client.completions.create(
-            model=MODEL_NAME, prompt=ids[:1], max_tokens=50, temperature=0, stop=["界!"],
+            model=MODEL_NAME,
+            prompt=ids[:1],
+            max_tokens=50,
+            temperature=0,
+            stop=["界!"],
             stream=True,
-        )  # fmt: skip
+        )
     )
     assert "".join(c.choices[0].text for c in chunks) == "llo🎉世"
     assert chunks[-1].choices[0].finish_reason == "stop"

@@ -122,8 +122,9 @@ def build_app(state: ServerState) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
-        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return error_response(400, f"{param}: {first.get('msg')}", param)
+        loc = [str(p) for p in first.get("loc", ())[1:]]  # drop "body"
+        param = loc[0] if loc else None
+        return error_response(400, f"{'.'.join(loc) or 'body'}: {first.get('msg')}", param)
 
     @app.get("/health")
     async def health() -> Response:
@@ -374,6 +375,9 @@ class _Server(uvicorn.Server):
             logger.info("shutting down: aborting in-flight requests")
             self.state.client.abort_all()
         super().handle_exit(sig, frame)
+        # uvicorn would re-raise the signal after its shutdown, killing us before the children
+        # are stopped; the shutdown is graceful, so exit normally instead.
+        self._captured_signals.clear()
 
 
 def _start_children(

@@ -1,0 +1,112 @@
+"""Process failures and shutdown: a dead engine fails requests fast; SIGTERM ends them cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.server import MODEL_NAME, run_server, wait_until
+
+LONG = {"model": MODEL_NAME, "prompt": "go", "max_tokens": 1000, "ignore_eos": True}
+
+
+def _alive(pid: int) -> bool:
+    """True if `pid` runs (a zombie waiting to be reaped counts as dead)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
+
+
+def test_killed_engine_turns_health_503_and_fails_requests(llama_dir: Path, tmp_path: Path):
+    with run_server(llama_dir, tmp_path / "log", "--max-model-len", "1024") as server:
+        engine_pid = server.child_pids()["engine-core"]
+        results: dict[str, object] = {}
+
+        def non_streaming() -> None:
+            r = httpx.post(server.base_url + "/v1/completions", json=LONG, timeout=30)
+            results["post"] = (r.status_code, r.json())
+
+        def streaming() -> None:
+            body = {**LONG, "stream": True}
+            with httpx.stream(
+                "POST", server.base_url + "/v1/completions", json=body, timeout=30
+            ) as r:
+                results["stream"] = list(r.iter_lines())
+
+        threads = [threading.Thread(target=non_streaming), threading.Thread(target=streaming)]
+        for t in threads:
+            t.start()
+        assert wait_until(
+            lambda: httpx.get(server.base_url + "/load").json().get("num_requests_running") == 2
+        )
+        killed_at = time.monotonic()
+        os.kill(engine_pid, signal.SIGKILL)
+        for t in threads:
+            t.join(timeout=10)
+        assert time.monotonic() - killed_at < 5
+        status, body = results["post"]
+        assert status == 500 and "engine-core" in body["error"]["message"]
+        assert any('"error"' in line for line in results["stream"])
+        assert results["stream"][-1] == "data: [DONE]" or results["stream"][-2] == "data: [DONE]"
+        assert httpx.get(server.base_url + "/health").status_code == 503
+        late = httpx.post(server.base_url + "/v1/completions", json=LONG, timeout=10)
+        assert late.status_code == 503 and late.json()["error"]["code"] == 503
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits(llama_dir: Path, tmp_path: Path) -> None:
+    with run_server(llama_dir, tmp_path / "log", "--max-model-len", "1024") as server:
+        children = server.child_pids()
+        assert set(children) == {"engine-core", "detokenizer", "tokenizer-0"}
+        lines: list[str] = []
+
+        def streaming() -> None:
+            body = {**LONG, "stream": True}
+            with httpx.stream(
+                "POST", server.base_url + "/v1/completions", json=body, timeout=30
+            ) as r:
+                lines.extend(r.iter_lines())
+
+        thread = threading.Thread(target=streaming)
+        thread.start()
+        assert wait_until(lambda: len(lines) > 0 or _running(server.base_url))
+        server.proc.send_signal(signal.SIGTERM)
+        thread.join(timeout=15)
+        assert server.proc.wait(timeout=20) == 0
+        assert '"finish_reason": "abort"' in "\n".join(lines)
+        assert "data: [DONE]" in lines
+        assert wait_until(lambda: not any(_alive(p) for p in children.values()), timeout=10)
+
+
+def _running(base_url: str) -> bool:
+    return httpx.get(base_url + "/load").json().get("num_requests_running", 0) > 0
+
+
+def test_children_exit_when_the_server_is_killed(llama_dir: Path, tmp_path: Path) -> None:
+    with run_server(llama_dir, tmp_path / "log") as server:
+        children = server.child_pids()
+        server.proc.send_signal(signal.SIGKILL)
+        server.proc.wait()
+        assert wait_until(lambda: not any(_alive(p) for p in children.values()), timeout=10)
+
+
+@pytest.mark.parametrize("bad", [["--num-pages", "1"], ["--dtype", "int4"]])
+def test_bad_engine_options_fail_at_startup(llama_dir: Path, tmp_path: Path, bad) -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", str(llama_dir), *bad],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "error" in result.stderr.lower()
