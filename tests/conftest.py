@@ -2,13 +2,38 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from tokenmill.testing.checkpoints import TINY_CONFIGS, build_checkpoint
+# Without a GPU, Triton kernels run in Triton's CPU interpreter (set before any kernel is defined).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _patch_triton_interpreter() -> None:
+    """Triton 3.6's interpreter turns 1-element arrays into loop bounds with `int(array)`, which
+    NumPy 2.x rejects for non-0-d arrays; take the element instead."""
+    try:
+        import triton.runtime.interpreter as interpreter
+    except ImportError:
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_triton_interpreter()
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from tokenmill.testing.checkpoints import TINY_CONFIGS, build_checkpoint  # noqa: E402
 
 FAMILIES = tuple(TINY_CONFIGS)
 

@@ -209,6 +209,8 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"
     attention_backend: str = "torch"
+    enforce_eager: bool = False
+    cuda_graph_max_bs: int = 256
 
     @property
     def max_model_len(self) -> int:
@@ -271,7 +273,13 @@ class EngineArgs:
         "whatever its cached prefix.",
     )
     attention_backend: str | None = _opt(
-        None, "Attention implementation (default: torch on CPU).", choices=("torch",)
+        None,
+        "Attention implementation: torch (reference, any device) or triton (default on CUDA).",
+        choices=("torch", "triton"),
+    )
+    enforce_eager: bool = _opt(False, "Never use CUDA graphs (they speed up decode steps).")
+    cuda_graph_max_bs: int = _opt(
+        256, "Largest decode batch run from a CUDA graph (capped by max_num_seqs)."
     )
 
     def create_engine_config(self) -> EngineConfig:
@@ -281,6 +289,8 @@ class EngineArgs:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         model = ModelConfig.from_pretrained(self.model, self.dtype)
         return EngineConfig(
             model=model,
@@ -300,5 +310,8 @@ class EngineArgs:
             device=device,
             seed=self.seed,
             load_format=self.load_format,
-            attention_backend=self.attention_backend or "torch",
+            attention_backend=self.attention_backend
+            or ("triton" if device.startswith("cuda") else "torch"),
+            enforce_eager=self.enforce_eager,
+            cuda_graph_max_bs=self.cuda_graph_max_bs,
         )

@@ -9,29 +9,45 @@ import torch
 
 from tokenmill.cache.kv_cache import KVCache
 from tokenmill.config import ModelConfig
+from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.rotary import RotaryEmbedding
 
 
 @dataclass(frozen=True)
 class AttentionInputs:
     """Where each sequence of a flattened batch sits, for one forward pass.
 
-    Sequence i owns the next `query_lens_cpu[i]` tokens of the batch; they sit at the end of its
-    `kv_lens[i]` tokens of context, whose KV lives in pages `page_table[i]`. `slot_mapping`
-    gives, for every query token, the KV-cache slot (`page * page_size + offset`) it writes.
+    Sequence i owns query tokens `[cu_query_lens[i], cu_query_lens[i+1])`; they are the last
+    `query_lens_cpu[i]` of its `kv_lens[i]` tokens of context, whose KV lives in pages
+    `page_table[i]`. `slot_mapping` gives, for every query token, the KV-cache slot
+    (`page * page_size + offset`) it writes; a negative slot (CUDA-graph padding) writes nothing.
     Host copies (`*_cpu`) let backends plan without reading the device.
     """
 
     query_lens_cpu: list[int]
     kv_lens_cpu: list[int]
+    cu_query_lens: torch.Tensor
     kv_lens: torch.Tensor
     page_table: torch.Tensor
     slot_mapping: torch.Tensor
 
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence has exactly one query token."""
+        return all(q == 1 for q in self.query_lens_cpu)
+
+
+QKNorm = tuple[RMSNorm, RMSNorm]
+
 
 class AttentionBackend(ABC):
-    """Computes causal attention of a mixed prefill/decode batch over the paged KV cache."""
+    """Causal attention of a mixed prefill/decode batch over the paged KV cache.
 
-    def __init__(self, model: ModelConfig, kv_cache: KVCache) -> None:
+    Per step, `plan` once; per layer, `store_qkv` (q/k norm, rotary, K/V into the cache — one
+    fused kernel where the backend has one), then `attend`.
+    """
+
+    def __init__(self, model: ModelConfig, kv_cache: KVCache, max_num_seqs: int) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.scale = model.head_dim**-0.5
@@ -41,20 +57,39 @@ class AttentionBackend(ABC):
         """Prepare for the forward passes of one batch (called once per step, before the model)."""
 
     @abstractmethod
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
+    def store_qkv(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        layer: int,
+        rotary: RotaryEmbedding,
+        qk_norm: QKNorm | None,
     ) -> torch.Tensor:
-        """Store `k`, `v` `[T, Hkv, D]` in layer `layer`'s cache and attend with `q` `[T, Hq, D]`.
+        """From fused projections `qkv` `[T, (Hq + 2 Hkv) D]`: normalise (optional) and rotate q
+        and k, write k and v into layer `layer`'s cache; returns q `[T, Hq, D]`."""
 
-        Returns `[T, Hq, D]`.
-        """
+    @abstractmethod
+    def attend(self, q: torch.Tensor, layer: int) -> torch.Tensor:
+        """Attention output `[T, Hq, D]` of `q` over layer `layer`'s cache."""
+
+    def graph_safe(self) -> bool:
+        """Whether a decode step's forward can be captured in a CUDA graph."""
+        return False
 
 
-def create_backend(name: str, model: ModelConfig, kv_cache: KVCache) -> AttentionBackend:
+def create_backend(
+    name: str, model: ModelConfig, kv_cache: KVCache, max_num_seqs: int
+) -> AttentionBackend:
     """Instantiate the backend registered under `name`."""
     from tokenmill.attention.torch_backend import TorchAttentionBackend
 
     registry: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
+    try:
+        from tokenmill.attention.triton_backend import TritonAttentionBackend
+    except ImportError:  # triton is not installed (CPU-only machines)
+        pass
+    else:
+        registry["triton"] = TritonAttentionBackend
     if name not in registry:
         raise ValueError(f"attention_backend must be one of {', '.join(registry)}, got {name!r}")
-    return registry[name](model, kv_cache)
+    return registry[name](model, kv_cache, max_num_seqs)

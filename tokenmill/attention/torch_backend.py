@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from tokenmill.attention.backend import AttentionBackend, AttentionInputs
+from tokenmill.attention.backend import AttentionBackend, AttentionInputs, QKNorm
+from tokenmill.layers.rotary import RotaryEmbedding
 
 
 @dataclass(frozen=True)
@@ -81,15 +82,32 @@ class TorchAttentionBackend(AttentionBackend):
             mask &= pos[None, :] > q_pos[:, None] - window
         return _PrefillSeq(start=cu[i], end=cu[i + 1], slots=slots, mask=mask[None, None])
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
+    def store_qkv(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        layer: int,
+        rotary: RotaryEmbedding,
+        qk_norm: QKNorm | None,
     ) -> torch.Tensor:
-        k_cache = self.kv_cache.k[layer].view(-1, *k.shape[1:])
-        v_cache = self.kv_cache.v[layer].view(-1, *v.shape[1:])
-        k_cache[self._slot_mapping] = k
-        v_cache[self._slot_mapping] = v
+        cfg = self.model
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if qk_norm is not None:
+            q, k = qk_norm[0](q), qk_norm[1](k)
+        q, k = rotary(positions, q, k)
+        self.kv_cache.k[layer].view(-1, *k.shape[1:])[self._slot_mapping] = k
+        self.kv_cache.v[layer].view(-1, *k.shape[1:])[self._slot_mapping] = v.view_as(k)
+        return q
+
+    def attend(self, q: torch.Tensor, layer: int) -> torch.Tensor:
+        cfg = self.model
+        k_cache = self.kv_cache.k[layer].view(-1, cfg.num_kv_heads, cfg.head_dim)
+        v_cache = self.kv_cache.v[layer].view(-1, cfg.num_kv_heads, cfg.head_dim)
         out = torch.empty_like(q)
-        group = self.model.num_heads // self.model.num_kv_heads
+        group = cfg.num_heads // cfg.num_kv_heads
         if self._decode is not None:
             d = self._decode
             qd = q[d.token_index].unsqueeze(2)  # [B, Hq, 1, D]

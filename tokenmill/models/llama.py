@@ -20,11 +20,7 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-        )
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.qkv_proj = QKVLinear(
             cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias
         )
@@ -38,16 +34,10 @@ class LlamaAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = attn.forward(q, k, v, self.layer)
-        return self.o_proj(out.reshape(-1, q_size))
+        qk_norm = (self.q_norm, self.k_norm) if self.qk_norm else None
+        q = attn.store_qkv(self.qkv_proj(x), positions, self.layer, self.rotary, qk_norm)
+        out = attn.attend(q, self.layer)
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
 
 class LlamaMLP(nn.Module):

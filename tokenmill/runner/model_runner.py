@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -12,12 +13,30 @@ from tokenmill.cache.kv_cache import KVCache
 from tokenmill.config import EngineConfig
 from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.models.loader import load_model
+from tokenmill.runner.cuda_graphs import CudaGraphRunner
 from tokenmill.runner.sampler import Sampler, SamplerOutput, SamplingBatch
 
 logger = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 2 << 30
 GPU_MEMORY_UTILIZATION = 0.9
+
+
+@dataclass(frozen=True)
+class HostBatch:
+    """A step's inputs as host arrays: the flattened tokens and each sequence's place."""
+
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    slots: np.ndarray  # [T] KV-cache slot each token writes
+    query_lens: np.ndarray  # [B]
+    kv_lens: np.ndarray  # [B]
+    page_table: np.ndarray  # [B, W] pages of each sequence, W = most pages any one needs
+    logits_index: np.ndarray  # [S] rows whose last token is sampled
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.input_ids) == len(self.kv_lens)
 
 
 class ModelRunner:
@@ -30,16 +49,34 @@ class ModelRunner:
         self.page_size = config.cache.page_size
         self.num_pages = self._num_pages()
         self.kv_cache = KVCache.allocate(config.model, self.num_pages, self.page_size, self.device)
-        self.attention = create_backend(config.attention_backend, config.model, self.kv_cache)
+        max_seqs = config.scheduler.max_num_seqs
+        self.attention = create_backend(
+            config.attention_backend, config.model, self.kv_cache, max_seqs
+        )
         self.sampler = Sampler(self.device, config.seed)
         self.num_forward_tokens = 0
+        self._staging = torch.empty(0, dtype=torch.int64)
         logger.info(
-            "model %s on %s: KV cache of %d pages x %d tokens",
+            "model %s on %s (%s attention): KV cache of %d pages x %d tokens",
             config.model.architecture,
             self.device,
+            config.attention_backend,
             self.num_pages,
             self.page_size,
         )
+        self.graphs: CudaGraphRunner | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            if not self.attention.graph_safe():
+                raise ValueError(
+                    f"attention_backend {config.attention_backend!r} cannot run in CUDA graphs; "
+                    "use enforce_eager=True"
+                )
+            max_pages = -(-config.max_model_len // self.page_size)
+            max_bs = min(config.cuda_graph_max_bs, max_seqs)
+            self.graphs = CudaGraphRunner(
+                self.model, self.attention, max_bs, max_pages, self.device
+            )
+            self.graphs.capture()
 
     def _num_pages(self) -> int:
         cfg = self.config
@@ -65,22 +102,35 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> SamplerOutput:
         """Run one forward pass over `batch` and sample a token for each sequence that needs one."""
-        input_ids, positions, attn_inputs, logits_index = self._prepare(batch)
-        self.attention.plan(attn_inputs)
-        hidden = self.model(input_ids, positions, self.attention)
-        self.num_forward_tokens += input_ids.numel()
+        host = self._prepare(batch)
+        self.num_forward_tokens += len(host.input_ids)
+        ids, positions, slots, q_lens, kv_lens, table, logits_index = self._to_device(host)
+        if self.graphs is not None and host.is_decode and len(kv_lens) <= self.graphs.max_bs:
+            logits = self.graphs.run(ids, positions, slots, kv_lens, table)[logits_index]
+        else:
+            cu = torch.zeros(len(q_lens) + 1, dtype=torch.int64, device=self.device)
+            torch.cumsum(q_lens, 0, out=cu[1:])
+            self.attention.plan(
+                AttentionInputs(
+                    query_lens_cpu=host.query_lens.tolist(),
+                    kv_lens_cpu=host.kv_lens.tolist(),
+                    cu_query_lens=cu,
+                    kv_lens=kv_lens,
+                    page_table=table,
+                    slot_mapping=slots,
+                )
+            )
+            hidden = self.model(ids, positions, self.attention)
+            logits = self.model.compute_logits(hidden[logits_index])
         sampling_reqs = [s.request for s in batch.seqs if s.samples]
         if not sampling_reqs:
             return SamplerOutput(token_ids=[], logprobs=[])
-        logits = self.model.compute_logits(hidden[logits_index])
         sampling = SamplingBatch.from_requests(
             sampling_reqs, self.config.model.vocab_size, self.device
         )
         return self.sampler(logits, sampling)
 
-    def _prepare(
-        self, batch: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionInputs, torch.Tensor]:
+    def _prepare(self, batch: SchedulerOutput) -> HostBatch:
         seqs = batch.seqs
         ps = self.page_size
         tokens: list[int] = []
@@ -94,27 +144,39 @@ class ModelRunner:
         cu = np.concatenate(([0], np.cumsum(q_lens)))
         seq_of_token = np.repeat(np.arange(len(seqs)), q_lens)
         positions = np.arange(cu[-1]) - cu[seq_of_token] + (kv_lens - q_lens)[seq_of_token]
-        max_pages = int(-(-kv_lens.max() // ps))
-        page_table = np.zeros((len(seqs), max_pages), dtype=np.int64)
+        width = int(-(-kv_lens.max() // ps))
+        page_table = np.zeros((len(seqs), width), dtype=np.int64)
         for i, s in enumerate(seqs):
-            pages = s.request.page_ids[:max_pages]
+            pages = s.request.page_ids[:width]
             page_table[i, : len(pages)] = pages
         slots = page_table[seq_of_token, positions // ps] * ps + positions % ps
-        logits_index = np.array([cu[i + 1] - 1 for i, s in enumerate(seqs) if s.samples])
-
-        def to_device(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(self.device, non_blocking=True)
-
-        attn = AttentionInputs(
-            query_lens_cpu=q_lens.tolist(),
-            kv_lens_cpu=kv_lens.tolist(),
-            kv_lens=to_device(kv_lens),
-            page_table=to_device(page_table),
-            slot_mapping=to_device(slots),
+        logits_index = np.array(
+            [cu[i + 1] - 1 for i, s in enumerate(seqs) if s.samples], dtype=np.int64
         )
-        return (
-            to_device(np.array(tokens, dtype=np.int64)),
-            to_device(positions),
-            attn,
-            to_device(logits_index.astype(np.int64)),
-        )
+        return HostBatch(
+            np.array(tokens, dtype=np.int64), positions, slots, q_lens, kv_lens, page_table,
+            logits_index,
+        )  # fmt: skip
+
+    def _to_device(self, host: HostBatch) -> list[torch.Tensor]:
+        """All of a step's index arrays in one host→device copy, split back into views."""
+        arrays = [
+            host.input_ids, host.positions, host.slots, host.query_lens, host.kv_lens,
+            host.page_table, host.logits_index,
+        ]  # fmt: skip
+        sizes = [a.size for a in arrays]
+        total = sum(sizes)
+        if self._staging.numel() < total:
+            pin = self.device.type == "cuda"
+            self._staging = torch.empty(max(total, 2 * self._staging.numel()), dtype=torch.int64)
+            if pin:
+                self._staging = self._staging.pin_memory()
+        staging = self._staging.numpy()
+        offset = 0
+        for a, n in zip(arrays, sizes, strict=True):
+            staging[offset : offset + n] = a.reshape(-1)
+            offset += n
+        flat = self._staging[:total].to(self.device, non_blocking=True)
+        parts = list(flat.split(sizes))
+        parts[5] = parts[5].view(host.page_table.shape)
+        return parts

@@ -13,11 +13,11 @@ from tokenmill.engine.request import Logprob, Request
 class SamplingBatch:
     """The sampling settings of every row of a logits batch, as device tensors."""
 
-    temperature: torch.Tensor  # [B] float; 0 = greedy
-    top_k: torch.Tensor  # [B] int; vocab size = off
-    top_p: torch.Tensor  # [B] float
-    min_p: torch.Tensor  # [B] float
     all_greedy: bool
+    temperature: torch.Tensor | None  # [B] float; 0 = greedy (None when all greedy)
+    top_k: torch.Tensor | None  # [B] int; vocab size = off
+    top_p: torch.Tensor | None  # [B] float
+    min_p: torch.Tensor | None  # [B] float
     use_top_k: bool
     use_top_p: bool
     use_min_p: bool
@@ -31,20 +31,25 @@ class SamplingBatch:
         params = [r.params for r in reqs]
         greedy = [p.greedy for p in params]
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        all_greedy = all(greedy)
+
+        def tensor(values: list) -> torch.Tensor | None:
+            # Greedy batches need no per-row settings: no host→device copies for them.
+            return None if all_greedy else torch.tensor(values, device=device)
+
         suppressed = [
             (i, [*r.eos_token_ids, *r.params.stop_token_ids])
             for i, r in enumerate(reqs)
             if len(r.output_token_ids) < r.params.min_tokens
         ]
         return SamplingBatch(
-            temperature=torch.tensor(
-                [0.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)],
-                device=device,
+            all_greedy=all_greedy,
+            temperature=tensor(
+                [0.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
             ),
-            top_k=torch.tensor(top_k, device=device),
-            top_p=torch.tensor([p.top_p for p in params], device=device),
-            min_p=torch.tensor([p.min_p for p in params], device=device),
-            all_greedy=all(greedy),
+            top_k=tensor(top_k),
+            top_p=tensor([p.top_p for p in params]),
+            min_p=tensor([p.min_p for p in params]),
             use_top_k=any(k < vocab_size for k in top_k),
             use_top_p=any(p.top_p < 1 for p in params),
             use_min_p=any(p.min_p > 0 for p in params),
@@ -129,8 +134,8 @@ class Sampler:
         for row, ids in batch.suppressed:
             logits[row, ids] = float("-inf")
         tokens = logits.argmax(dim=-1)
-        if not batch.all_greedy:
-            sampled = self._sample(logits, batch)
+        if batch.temperature is not None:
+            sampled = self._sample(logits, batch, batch.temperature)
             tokens = torch.where(batch.temperature == 0, tokens, sampled)
         token_list = tokens.tolist()
         logprobs: list[dict[int, Logprob] | None] = [None] * len(token_list)
@@ -138,13 +143,15 @@ class Sampler:
             logprobs = _gather_logprobs(raw_logprobs, tokens, batch.num_logprobs)
         return SamplerOutput(token_ids=token_list, logprobs=logprobs)
 
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        temperature = torch.where(batch.temperature == 0, 1.0, batch.temperature)
+    def _sample(
+        self, logits: torch.Tensor, batch: SamplingBatch, temperature: torch.Tensor
+    ) -> torch.Tensor:
+        temperature = torch.where(temperature == 0, 1.0, temperature)
         logits = logits / temperature[:, None]
         if batch.use_top_k or batch.use_top_p:
             logits = _top_k_top_p(logits, batch)
         probs = torch.softmax(logits, dim=-1)
-        if batch.use_min_p:
+        if batch.use_min_p and batch.min_p is not None:
             threshold = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = torch.where(probs < threshold, 0.0, probs)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p. Each seeded request has
@@ -157,6 +164,7 @@ class Sampler:
 
 
 def _top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    assert batch.top_k is not None and batch.top_p is not None
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
     drop = rank >= batch.top_k[:, None]

@@ -1,0 +1,91 @@
+"""The engine on a CUDA GPU: greedy equality in float32, closeness in bfloat16, CUDA graphs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.conftest import FAMILIES
+from tokenmill import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+PROMPTS = [list(range(3, 10)), list(range(20, 77)), [100, 200, 300], [7] * 33 + [9], [42]]
+PROMPTS = [*PROMPTS, [*list(range(20, 60)), 5, 6]]  # shares a prefix with the second
+MAX_TOKENS = 24
+
+
+def _hf_greedy_gpu(path: Path, dtype: torch.dtype) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    outs = []
+    for p in PROMPTS:
+        ids = torch.tensor([p], device="cuda")
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                             do_sample=False)  # fmt: skip
+        outs.append(out[0, len(p) :].tolist())
+    return outs
+
+
+SETTINGS = {
+    "cuda_graphs": {},
+    "eager": {"enforce_eager": True},
+    "chunked_prefill": {"max_num_batched_tokens": 16},
+    "page_size_1": {"page_size": 1},
+    "torch_backend": {"attention_backend": "torch", "enforce_eager": True},
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_float32_greedy_equals_transformers_on_gpu(checkpoints, family: str, setting: str):
+    path = checkpoints[family]
+    llm = LLM(str(path), device="cuda", dtype="float32", **SETTINGS[setting])
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == _hf_greedy_gpu(path, torch.float32)
+    # Repeat: now every prompt hits the prefix cache.
+    again = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outputs]
+    assert sum(o.num_cached_tokens for o in again) > 0
+
+
+def test_cuda_graph_batch_sizes_match_eager(checkpoints) -> None:
+    path = str(checkpoints["qwen3"])
+    prompts = [[5 + i, 9, 11 + i] for i in range(37)]  # 37 decodes: padded to a graph of 48
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    graphs = LLM(path, device="cuda", dtype="float32").generate(prompts, greedy, use_tqdm=False)
+    eager = LLM(path, device="cuda", dtype="float32", enforce_eager=True).generate(
+        prompts, greedy, use_tqdm=False
+    )
+    assert [o.outputs[0].token_ids for o in graphs] == [o.outputs[0].token_ids for o in eager]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_bfloat16_tracks_float32_transformers(tmp_path_factory, family: str) -> None:
+    from tokenmill.testing.checkpoints import build_checkpoint
+
+    path = build_checkpoint(
+        tmp_path_factory.mktemp("bf16") / family, family, hidden_size=256, intermediate_size=512,
+        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+    )  # fmt: skip
+    llm = LLM(str(path), device="cuda", dtype="bfloat16")
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=0)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    agree = total = 0
+    for prompt, out in zip(PROMPTS, outputs, strict=True):
+        tokens = out.outputs[0].token_ids
+        with torch.no_grad():
+            logits = ref_model(torch.tensor([prompt + tokens], device="cuda")).logits[0].float()
+        ref = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+        for i, token in enumerate(tokens):
+            total += 1
+            agree += int(ref[i].argmax()) == token
+            ours = out.outputs[0].logprobs[i][token].logprob
+            assert abs(ours - ref[i, token].item()) < 0.15
+    assert agree / total >= 0.99, f"top-1 agreement {agree}/{total}"

@@ -1,0 +1,73 @@
+"""The Triton attention backend (default on CUDA): paged varlen prefill and split-KV decode."""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.attention.backend import AttentionBackend, AttentionInputs, QKNorm
+from tokenmill.cache.kv_cache import KVCache
+from tokenmill.config import ModelConfig
+from tokenmill.kernels.attention import decode_attention, prefill_attention
+from tokenmill.kernels.rope_store import rope_and_store
+from tokenmill.layers.rotary import RotaryEmbedding
+
+# Decode splits the context into this many chunks per sequence, processed in parallel; fixed
+# so that a captured CUDA graph serves every context length.
+DECODE_SPLITS = 16
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Decode batches use split-KV decode; any batch with a multi-token query uses prefill."""
+
+    def __init__(self, model: ModelConfig, kv_cache: KVCache, max_num_seqs: int) -> None:
+        super().__init__(model, kv_cache, max_num_seqs)
+        device = kv_cache.k[0].device
+        shape = (max_num_seqs, model.num_heads, DECODE_SPLITS)
+        self._mid_o = torch.empty((*shape, model.head_dim), dtype=torch.float32, device=device)
+        self._mid_lse = torch.empty(shape, dtype=torch.float32, device=device)
+
+    def plan(self, inputs: AttentionInputs) -> None:
+        self._inputs = inputs
+        self._decode = inputs.is_decode
+        self._max_q_len = max(inputs.query_lens_cpu)
+
+    def graph_safe(self) -> bool:
+        return True
+
+    def _cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.model
+        return (
+            self.kv_cache.k[layer].view(-1, cfg.num_kv_heads, cfg.head_dim),
+            self.kv_cache.v[layer].view(-1, cfg.num_kv_heads, cfg.head_dim),
+        )
+
+    def store_qkv(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        layer: int,
+        rotary: RotaryEmbedding,
+        qk_norm: QKNorm | None,
+    ) -> torch.Tensor:
+        cfg = self.model
+        k_cache, v_cache = self._cache(layer)
+        norm = None
+        if qk_norm is not None:
+            norm = (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
+        return rope_and_store(
+            qkv, positions, self._inputs.slot_mapping, rotary.cos, rotary.sin, k_cache, v_cache,
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, norm,
+        )  # fmt: skip
+
+    def attend(self, q: torch.Tensor, layer: int) -> torch.Tensor:
+        k_cache, v_cache = self._cache(layer)
+        inputs, ps, window = self._inputs, self.kv_cache.page_size, self.model.sliding_window
+        if self._decode:
+            return decode_attention(
+                q, k_cache, v_cache, inputs.kv_lens, inputs.page_table, ps, self.scale, window,
+                self._mid_o, self._mid_lse,
+            )  # fmt: skip
+        return prefill_attention(
+            q, k_cache, v_cache, inputs.cu_query_lens, inputs.kv_lens, inputs.page_table,
+            self._max_q_len, ps, self.scale, window,
+        )  # fmt: skip

@@ -1,0 +1,23 @@
+"""Triton kernels for the GPU path; each has a torch reference in the layer that calls it.
+
+Without triton (CPU-only installs) the names below stand for functions that raise, and the layers
+never call them because their inputs are not on a CUDA device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+try:
+    from tokenmill.kernels.activation import silu_and_mul as fused_silu_and_mul
+    from tokenmill.kernels.norm import rms_norm
+except ImportError:  # triton is not installed
+
+    def _missing(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("CUDA kernels need triton: pip install triton")
+
+    fused_silu_and_mul: Callable[..., Any] = _missing  # type: ignore[no-redef]
+    rms_norm: Callable[..., Any] = _missing  # type: ignore[no-redef]
+
+__all__ = ["fused_silu_and_mul", "rms_norm"]

@@ -1,0 +1,223 @@
+"""Paged attention: varlen causal prefill over a cached prefix, and split-KV decode.
+
+K/V caches are `[num_pages * page_size, Hkv, D]` (flattened pages); a sequence's position p lives
+in slot `page_table[seq, p // page_size] * page_size + p % page_size`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _kv_block(
+    cache_ptr, page_row_ptr, offs_n, valid, kvh, offs_d, PAGE: tl.constexpr, HKV: tl.constexpr,
+    D: tl.constexpr,
+):  # fmt: skip
+    page = tl.load(page_row_ptr + offs_n // PAGE, mask=valid, other=0)
+    slot = page.to(tl.int64) * PAGE + offs_n % PAGE
+    ptrs = cache_ptr + slot[:, None] * (HKV * D) + kvh * D + offs_d[None, :]
+    return tl.load(ptrs, mask=valid[:, None], other=0.0)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, kv_lens_ptr, page_table_ptr,
+    stride_pt, qk_scale, window,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
+    mblk = tl.program_id(2)
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    if mblk * BLOCK_M >= q_len:
+        return
+    kv_len = tl.load(kv_lens_ptr + seq)
+    prefix = kv_len - q_len
+    kvh = h // (HQ // HKV)
+    offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    m_mask = offs_m < q_len
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * (HQ * D) + h * D + offs_d[None, :], mask=m_mask[:, None])
+    q_pos = prefix + offs_m
+    page_row = page_table_ptr + seq.to(tl.int64) * stride_pt
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    hi = tl.minimum(kv_len, prefix + (mblk + 1) * BLOCK_M)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(prefix + mblk * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        valid = offs_n < kv_len
+        k = _kv_block(k_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        keep = (offs_n[None, :] <= q_pos[:, None]) & valid[None, :]
+        if HAS_WINDOW:
+            keep &= offs_n[None, :] > q_pos[:, None] - window
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = _kv_block(v_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(
+        out_ptr + rows[:, None] * (HQ * D) + h * D + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None],
+    )
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_q: torch.Tensor,
+    kv_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    max_q_len: int,
+    page_size: int,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """Causal attention for `q` `[T, Hq, D]` (sequences laid out by `cu_q`) over paged K/V.
+
+    Each sequence's queries are its last `q_len` positions; its first `kv_len - q_len`
+    positions are a cached prefix every query sees.
+    """
+    _tokens, hq, d = q.shape
+    hkv = k_cache.shape[-2]
+    out = torch.empty_like(q)
+    num_seqs = kv_lens.shape[0]
+    block_m = 64 if max_q_len > 32 else 16
+    grid = (num_seqs, hq, triton.cdiv(max_q_len, block_m))
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, cu_q, kv_lens, page_table, page_table.stride(0),
+        scale * _LOG2E, window or 0,
+        HQ=hq, HKV=hkv, D=d, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=64,
+        HAS_WINDOW=window is not None, num_warps=4, num_stages=2,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, mid_o_ptr, mid_lse_ptr, kv_lens_ptr, page_table_ptr,
+    stride_pt, qk_scale, window,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    group: tl.constexpr = HQ // HKV
+    kv_len = tl.load(kv_lens_ptr + seq)
+    split_len = tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, kv_len)
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, kv_len - window)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, D)
+    heads = kvh * group + offs_g
+    g_mask = offs_g < group
+    seq64 = seq.to(tl.int64)
+    q = tl.load(
+        q_ptr + seq64 * (HQ * D) + heads[:, None] * D + offs_d[None, :], mask=g_mask[:, None]
+    )
+    page_row = page_table_ptr + seq64 * stride_pt
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        valid = offs_n < hi
+        k = _kv_block(k_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = _kv_block(v_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+    # log2-sum-exp of this split's scores; -inf when the split saw no position.
+    lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    row = (seq64 * HQ + heads) * SPLITS + split
+    tl.store(mid_o_ptr + row[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
+    tl.store(mid_lse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    mid_o_ptr, mid_lse_ptr, out_ptr, HQ: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, D)
+    row = (seq * HQ + h) * SPLITS + offs_s
+    lse = tl.load(mid_lse_ptr + row, mask=offs_s < SPLITS, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(lse - m_safe)
+    parts = tl.load(
+        mid_o_ptr + row[:, None] * D + offs_d[None, :], mask=(offs_s < SPLITS)[:, None], other=0.0
+    )
+    total = tl.sum(w, axis=0)
+    out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + (seq * HQ + h) * D + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    scale: float,
+    window: int | None,
+    mid_o: torch.Tensor,
+    mid_lse: torch.Tensor,
+) -> torch.Tensor:
+    """One query per sequence (`q` `[B, Hq, D]`) attending to its whole paged context.
+
+    The context is cut into `mid_o.shape[2]` splits processed in parallel, then merged by their
+    log-sum-exp; `mid_o` `[>=B, Hq, S, D]` and `mid_lse` `[>=B, Hq, S]` are float32 scratch.
+    Sequences with `kv_len == 0` (CUDA-graph padding) produce zeros.
+    """
+    batch, hq, d = q.shape
+    hkv = k_cache.shape[-2]
+    splits = mid_o.shape[2]
+    out = torch.empty_like(q)
+    group = hq // hkv
+    _decode_split_kernel[(batch, hkv, splits)](
+        q, k_cache, v_cache, mid_o, mid_lse, kv_lens, page_table, page_table.stride(0),
+        scale * _LOG2E, window or 0,
+        HQ=hq, HKV=hkv, D=d, PAGE=page_size, SPLITS=splits,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=64,
+        HAS_WINDOW=window is not None, num_warps=4, num_stages=2,
+    )  # fmt: skip
+    _decode_reduce_kernel[(batch, hq)](
+        mid_o, mid_lse, out, HQ=hq, D=d, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits)
+    )
+    return out
