@@ -106,7 +106,92 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-tokenizer-workers", type=int, default=1, help="Tokenizer processes (default: 1)."
     )
     add_engine_args(srv)
+    _add_bench_parser(commands)
     return parser
+
+
+def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser("bench", help="Benchmarks (see ../shared/BENCHMARKS.md).")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    offline = kinds.add_parser(
+        "offline",
+        help="B1 (single-stream decode) or B2 (offline throughput) on dummy weights.",
+        description="Runs B1 or B2 of BENCHMARKS.md on random weights built from a config "
+        "directory, with the roofline (bandwidth and matmul rate measured in the same run) and "
+        "the transformers peer measured in the same run.",
+    )
+    roofline = kinds.add_parser(
+        "roofline", help="Print the hardware floor of a config and a workload."
+    )
+    for p in (offline, roofline):
+        p.add_argument("--config", required=True, help="Directory holding config.json.")
+        p.add_argument("--workload", choices=("b1", "b2"), default="b1", help="B1 or B2.")
+        p.add_argument("--dtype", default="bfloat16", help="Weight dtype (default: bfloat16).")
+        p.add_argument("--input-len", type=int, default=512, help="B1 prompt tokens.")
+        p.add_argument("--output-len", type=int, default=256, help="B1 output tokens.")
+        p.add_argument("--num-requests", type=int, default=256, help="B2 requests.")
+        p.add_argument("--min-len", type=int, default=100, help="B2 shortest input/output.")
+        p.add_argument("--max-len", type=int, default=1024, help="B2 longest input/output.")
+        p.add_argument("--seed", type=int, default=0, help="Seed for lengths and token ids.")
+    offline.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present).")
+    offline.add_argument("--no-peer", action="store_true", help="Skip the transformers peer.")
+    offline.add_argument(
+        "--peer-requests", type=int, default=32, help="B2: requests the peer runs (it is slow)."
+    )
+    offline.add_argument("--output", default=None, help="Write the full report as JSON here.")
+    offline.add_argument(
+        "--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+        help="Extra engine option, e.g. max_num_seqs=256 (repeatable).",
+    )  # fmt: skip
+
+
+def _engine_kwargs(pairs: list[str]) -> dict[str, object]:
+    hints = get_type_hints(EngineArgs)
+    out: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or key not in hints:
+            raise ValueError(
+                f"--engine-arg must be KEY=VALUE with KEY an engine option, got {pair!r}"
+            )
+        kind = _base_type(hints[key])
+        out[key] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
+    return out
+
+
+def _bench(ns: argparse.Namespace) -> int:
+    import numpy as np
+
+    from tokenmill.bench import offline, roofline
+    from tokenmill.config import ModelConfig
+
+    if ns.bench == "roofline":
+        cfg = ModelConfig.from_pretrained(ns.config, ns.dtype)
+        cost = roofline.ModelCost.of(cfg, 2 if ns.dtype != "float32" else 4)
+        hw = roofline.Hardware(roofline.H200_COPY_BANDWIDTH, roofline.H200_MATMUL_FLOPS)
+        if ns.workload == "b1":
+            floor = roofline.single_stream_floor(cost, ns.input_len, ns.output_len, hw)
+            print(f"B1 floor: {floor * 1e3:.3f} ms per output token = {1 / floor:.0f} tok/s")
+        else:
+            rng = np.random.default_rng(ns.seed)
+            p = rng.integers(ns.min_len, ns.max_len + 1, ns.num_requests)
+            o = rng.integers(ns.min_len, ns.max_len + 1, ns.num_requests)
+            ideal = roofline.batch_floor(cost, p, o, hw)
+            print(f"B2 ideal: {ideal:.2f} s = {o.sum() / ideal:.0f} output tok/s")
+        print(f"(weights read per step: {cost.weight_bytes_per_step / 1e9:.2f} GB; "
+              f"{hw.bandwidth / 1e12:.2f} TB/s, {hw.matmul_flops / 1e12:.0f} TFLOP/s)")  # fmt: skip
+        return 0
+    args = offline.OfflineBenchArgs(
+        config=ns.config, workload=ns.workload, dtype=ns.dtype, device=ns.device,
+        num_requests=ns.num_requests, input_len=ns.input_len, output_len=ns.output_len,
+        min_len=ns.min_len, max_len=ns.max_len, seed=ns.seed, peer=not ns.no_peer,
+        peer_requests=ns.peer_requests, engine_kwargs=_engine_kwargs(ns.engine_arg),
+    )  # fmt: skip
+    report = offline.run_offline(args)
+    offline.write_report(report, ns.output)
+    for row in offline.summary_rows(report):
+        print(row)
+    return 0
 
 
 def _serve(ns: argparse.Namespace) -> int:
@@ -158,7 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=ns.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        return _serve(ns) if ns.command == "serve" else _generate(ns)
+        handlers = {"serve": _serve, "generate": _generate, "bench": _bench}
+        return handlers[ns.command](ns)
     except ValueError as exc:
         print(f"tokenmill: error: {exc}", file=sys.stderr)
         return 2

@@ -45,14 +45,18 @@ def load_model(cfg: ModelConfig, device: torch.device, load_format: str, seed: i
 
 
 def _init_dummy(model: nn.Module, seed: int) -> None:
-    """Random weights: norms at 1, everything else normal(0, 0.02), reproducible from `seed`."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """Random weights: norms at 1, everything else normal(0, 0.02), reproducible from `seed`.
+
+    Drawn on the model's device (fast for billions of parameters), so values differ by device.
+    """
+    gen: torch.Generator | None = None
     for name, param in model.named_parameters():
+        if gen is None:
+            gen = torch.Generator(device=param.device).manual_seed(seed)
         if "norm" in name:
             param.data.fill_(1.0)
         else:
-            values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * 0.02
-            param.data.copy_(values)
+            param.data.normal_(0.0, 0.02, generator=gen)
 
 
 def checkpoint_files(root: Path) -> list[Path]:

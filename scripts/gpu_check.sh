@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Everything the GPU machine checks and measures, in one call (see ../shared/device/README.md).
+# Usage on the device: bash scripts/gpu_check.sh [quick|tests|b1|b2|all]
+# Full logs and JSON reports go to $OUT (or ./gpu-out); a short table is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+out="${OUT:-gpu-out}"
+mkdir -p "$out"
+what="${1:-all}"
+models="${MODELS:-shared/models}"
+table="$out/table.txt"
+: > "$table"
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$table"
+python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)' | tee -a "$table"
+
+if [[ "$what" == tests || "$what" == all || "$what" == quick ]]; then
+  python3 -m pytest -q -p no:cacheprovider tests/kernels tests/gpu 2>&1 | tee "$out/pytest.log" | tail -25
+  echo "tests: $(tail -1 "$out/pytest.log")" >> "$table"
+fi
+
+bench() {  # name workload extra-args...
+  local name=$1 workload=$2; shift 2
+  python3 -m tokenmill.entrypoints.cli --log-level WARNING bench offline \
+    --config "$models/$name" --workload "$workload" --output "$out/$workload-$name.json" "$@" \
+    2>&1 | tee "$out/$workload-$name.log" | tail -3
+  tail -1 "$out/$workload-$name.log" >> "$table"
+}
+
+kv=(--engine-arg kv_cache_memory_bytes=20000000000)
+if [[ "$what" == quick ]]; then
+  bench qwen3-0.6b b1 --no-peer "${kv[@]}" --engine-arg max_num_seqs=8
+fi
+if [[ "$what" == b1 || "$what" == all ]]; then
+  bench qwen3-0.6b b1 "${kv[@]}" --engine-arg max_num_seqs=8
+  bench llama-3.1-8b b1 "${kv[@]}" --engine-arg max_num_seqs=8
+fi
+if [[ "$what" == b2 || "$what" == all ]]; then
+  b2=(--engine-arg max_num_seqs=256 --engine-arg max_num_batched_tokens=8192 --engine-arg max_model_len=4096)
+  bench qwen3-0.6b b2 "${kv[@]}" "${b2[@]}"
+  bench llama-3.1-8b b2 "${kv[@]}" "${b2[@]}"
+fi
+echo
+echo "=== summary ==="
+cat "$table"
