@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call (see ../shared/device/README.md).
-# Usage on the device: bash scripts/gpu_check.sh [quick|tests|b1|b2|all]
+# Usage on the device: bash scripts/gpu_check.sh [quick|tests|profile|b1|b2|all]
 # Full logs and JSON reports go to $OUT (or ./gpu-out); a short table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +29,11 @@ bench() {  # name workload extra-args...
 }
 
 kv=(--engine-arg kv_cache_memory_bytes=20000000000)
+if [[ "$what" == profile || "$what" == all ]]; then
+  for m in qwen3-0.6b llama-3.1-8b; do
+    python3 benchmarks/profile_decode.py --config "$models/$m" 2>&1 | tee "$out/profile-$m.log" | grep -E "^bs=" >> "$table"
+  done
+fi
 if [[ "$what" == quick ]]; then
   bench qwen3-0.6b b1 --no-peer "${kv[@]}" --engine-arg max_num_seqs=8
 fi

@@ -77,7 +77,9 @@ def test_bfloat16_tracks_float32_transformers(tmp_path_factory, family: str) -> 
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=0)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
-    agree = total = 0
+    # bfloat16 rounding (~0.4% per operation) can flip near-ties of the float32 reference, so
+    # positions whose reference top-2 margin exceeds 0.1 nats must agree; the rest nearly all.
+    agree = total = clear_agree = clear = 0
     for prompt, out in zip(PROMPTS, outputs, strict=True):
         tokens = out.outputs[0].token_ids
         with torch.no_grad():

@@ -1,0 +1,77 @@
+"""Where a decode step's time goes on the GPU: graph replay vs. host work, and the top kernels.
+
+python benchmarks/profile_decode.py --config shared/models/qwen3-0.6b [--batch 1 8 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from tokenmill import LLM, SamplingParams
+
+
+def _events_ms(fn, repeats: int = 50) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return float(np.median(times))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--context", type=int, default=640)
+    args = parser.parse_args()
+    llm = LLM(
+        args.config, load_format="dummy", dtype="bfloat16", max_num_seqs=max(args.batch),
+        kv_cache_memory_bytes=20_000_000_000, enable_prefix_caching=False, max_model_len=4096,
+    )  # fmt: skip
+    runner, engine = llm.engine.runner, llm.engine
+    graphs = runner.graphs
+    assert graphs is not None
+    rng = np.random.default_rng(0)
+    vocab = llm.config.model.vocab_size
+    for bs in args.batch:
+        prompts = [rng.integers(10, vocab, args.context).tolist() for _ in range(bs)]
+        for i, p in enumerate(prompts):
+            engine.add_request(f"p{bs}-{i}", p, SamplingParams(temperature=0, max_tokens=200,
+                                                                 ignore_eos=True))  # fmt: skip
+        while any(len(r.output_token_ids) < 2 for r in engine.scheduler.running) or (
+            engine.scheduler.waiting
+        ):
+            engine.step()
+        padded = graphs.padded_size(bs)
+        replay_ms = _events_ms(lambda padded=padded: graphs.graphs[padded].replay())
+        steps = 50
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        step_ms = (time.perf_counter() - start) / steps * 1e3
+        print(f"bs={bs}: graph replay {replay_ms:.3f} ms (GPU), engine step {step_ms:.3f} ms "
+              f"(wall) -> host overhead ~{step_ms - replay_ms:.3f} ms/step")  # fmt: skip
+        if bs == args.batch[0]:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    graphs.graphs[padded].replay()
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+        for rid in engine.request_ids():
+            engine.abort_request(rid)
+
+
+if __name__ == "__main__":
+    main()
