@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call (see ../shared/device/README.md).
-# Usage on the device: bash scripts/gpu_check.sh [quick|tests|profile|b1|b2|all]
+# Usage on the device: bash scripts/gpu_check.sh [quick|tests|gputests|profile|b1|b2|all]
+# (gputests = the engine tests on the GPU + profile + B1, without the kernel unit tests)
 # Full logs and JSON reports go to $OUT (or ./gpu-out); a short table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,8 +16,10 @@ table="$out/table.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$table"
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)' | tee -a "$table"
 
-if [[ "$what" == tests || "$what" == all || "$what" == quick ]]; then
-  python3 -m pytest -q -p no:cacheprovider tests/kernels tests/gpu 2>&1 | tee "$out/pytest.log" | tail -25
+if [[ "$what" == tests || "$what" == all || "$what" == quick || "$what" == gputests ]]; then
+  sel=(tests/kernels tests/gpu)
+  [[ "$what" == gputests ]] && sel=(tests/gpu tests/kernels -k "gpu or engine")
+  python3 -m pytest -q -p no:cacheprovider "${sel[@]}" 2>&1 | tee "$out/pytest.log" | tail -25
   echo "tests: $(tail -1 "$out/pytest.log")" >> "$table"
 fi
 
@@ -29,7 +32,7 @@ bench() {  # name workload extra-args...
 }
 
 kv=(--engine-arg kv_cache_memory_bytes=20000000000)
-if [[ "$what" == profile || "$what" == all ]]; then
+if [[ "$what" == profile || "$what" == all || "$what" == gputests ]]; then
   for m in qwen3-0.6b llama-3.1-8b; do
     python3 benchmarks/profile_decode.py --config "$models/$m" 2>&1 | tee "$out/profile-$m.log" | grep -E "^bs=" >> "$table"
   done
@@ -37,7 +40,7 @@ fi
 if [[ "$what" == quick ]]; then
   bench qwen3-0.6b b1 --no-peer "${kv[@]}" --engine-arg max_num_seqs=8
 fi
-if [[ "$what" == b1 || "$what" == all ]]; then
+if [[ "$what" == b1 || "$what" == all || "$what" == gputests ]]; then
   bench qwen3-0.6b b1 "${kv[@]}" --engine-arg max_num_seqs=8
   bench llama-3.1-8b b1 "${kv[@]}" --engine-arg max_num_seqs=8
 fi

@@ -211,6 +211,7 @@ class EngineConfig:
     attention_backend: str = "torch"
     enforce_eager: bool = False
     cuda_graph_max_bs: int = 256
+    overlap_scheduling: bool = True
 
     @property
     def max_model_len(self) -> int:
@@ -281,6 +282,9 @@ class EngineArgs:
     cuda_graph_max_bs: int = _opt(
         256, "Largest decode batch run from a CUDA graph (capped by max_num_seqs)."
     )
+    overlap_scheduling: bool = _opt(
+        True, "Prepare step N+1 on the host while the GPU runs step N (hides host overhead)."
+    )
 
     def create_engine_config(self) -> EngineConfig:
         """Validate the options and resolve defaults into an `EngineConfig`."""
@@ -314,4 +318,5 @@ class EngineArgs:
             or ("triton" if device.startswith("cuda") else "torch"),
             enforce_eager=self.enforce_eager,
             cuda_graph_max_bs=self.cuda_graph_max_bs,
+            overlap_scheduling=self.overlap_scheduling,
         )

@@ -52,6 +52,13 @@ def test_each_batch_size_matches_transformers(
 
 
 CONSTRAINED = {
+    "no_overlap_scheduling": {"overlap_scheduling": False},
+    "no_overlap_tiny_pool_preempts": {
+        "overlap_scheduling": False,
+        "page_size": 4,
+        "num_pages": 24,
+        "max_model_len": 96,
+    },
     "chunked_prefill_budget_8": {"max_num_batched_tokens": 8},
     "chunked_prefill_budget_1": {"max_num_batched_tokens": 1},
     "page_size_1": {"page_size": 1},

@@ -31,6 +31,19 @@ def test_seeded_request_is_identical_alone_and_in_a_busy_batch(llm: LLM) -> None
     assert llm.generate([PROMPT], other, use_tqdm=False)[0].outputs[0].token_ids != alone
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_seeded_sampling_is_the_same_with_and_without_overlap(llama_dir: Path, overlap: bool):
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=20, min_tokens=5, logprobs=1)
+    reference = LLM(str(llama_dir), device="cpu", overlap_scheduling=False).generate(
+        [PROMPT, PROMPT[:7]], params, use_tqdm=False
+    )
+    llm = LLM(str(llama_dir), device="cpu", overlap_scheduling=overlap)
+    outputs = llm.generate([PROMPT, PROMPT[:7]], params, use_tqdm=False)
+    for ours, ref in zip(outputs, reference, strict=True):
+        assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert ours.outputs[0].logprobs == ref.outputs[0].logprobs
+
+
 def test_unseeded_requests_differ_between_samples(llm: LLM) -> None:
     params = SamplingParams(temperature=1.0, max_tokens=16, n=4, ignore_eos=True)
     outputs = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs

@@ -34,6 +34,7 @@ def _hf_greedy_gpu(path: Path, dtype: torch.dtype) -> list[list[int]]:
 SETTINGS = {
     "cuda_graphs": {},
     "eager": {"enforce_eager": True},
+    "no_overlap": {"overlap_scheduling": False},
     "chunked_prefill": {"max_num_batched_tokens": 16},
     "page_size_1": {"page_size": 1},
     "torch_backend": {"attention_backend": "torch", "enforce_eager": True},

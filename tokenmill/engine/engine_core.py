@@ -11,8 +11,9 @@ import torch
 from tokenmill.cache.cache_manager import CacheManager
 from tokenmill.config import EngineConfig
 from tokenmill.engine.request import FinishReason, Logprob, Request
-from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
 from tokenmill.runner.model_runner import ModelRunner
+from tokenmill.runner.sampler import SampledTokens
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,23 @@ class EngineOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class _InFlight:
+    """A launched step whose sampled tokens the host has not read yet."""
+
+    batch: SchedulerOutput
+    sampled: SampledTokens | None
+
+    @property
+    def needs_sync(self) -> bool:
+        """Penalties count generated tokens, so the next step must see these ones first."""
+        return any(s.samples and _has_penalties(s.request.params) for s in self.batch.seqs)
+
+
+def _has_penalties(p: SamplingParams) -> bool:
+    return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+
+
 class EngineCore:
     """Accepts requests and aborts, and advances every running request by one step per `step()`."""
 
@@ -45,6 +63,7 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler, self.cache)
         self._requests: dict[str, Request] = {}
+        self._in_flight: _InFlight | None = None
         self.num_finished: Counter[str] = Counter()  # by finish reason
 
     def add_request(
@@ -98,17 +117,43 @@ class EngineCore:
         return list(self._requests)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether any request is waiting, running, or has a token in flight."""
+        in_flight = self._in_flight
+        return self.scheduler.has_unfinished() or (
+            in_flight is not None and any(not s.request.is_finished for s in in_flight.batch.seqs)
+        )
 
     def step(self) -> list[EngineOutput]:
-        """Schedule one batch, run it, and return the requests' new tokens."""
+        """Launch the next batch, then apply the previous one's tokens; returns new tokens.
+
+        With overlap scheduling the host schedules and prepares step N+1 while the GPU runs
+        step N, and reads step N's tokens only after N+1 is queued, so the GPU never waits for
+        Python. Batches whose sampling needs exact token counts (penalties) run synchronously.
+        """
+        outputs: list[EngineOutput] = []
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None and (not self.config.overlap_scheduling or previous.needs_sync):
+            outputs, previous = self._finish(previous), None
         batch = self.scheduler.schedule()
-        if not batch.seqs:
-            if self.scheduler.waiting and not self.scheduler.running:
-                raise RuntimeError("scheduler could not admit a request into an idle engine")
-            return []
-        sampled = self.runner.execute(batch)
-        touched = self.scheduler.update(batch, sampled.token_ids, sampled.logprobs)
+        if batch.seqs:
+            sampled = self.runner.launch(batch)
+            self.scheduler.mark_launched(batch)
+            self._in_flight = _InFlight(batch, sampled)
+        elif previous is None and self.scheduler.waiting and not self.scheduler.running:
+            raise RuntimeError("scheduler could not admit a request into an idle engine")
+        if previous is not None:
+            outputs += self._finish(previous)
+        if self._in_flight is not None and not self.config.overlap_scheduling:
+            outputs += self._finish(self._in_flight)
+            self._in_flight = None
+        return outputs
+
+    def _finish(self, step: _InFlight) -> list[EngineOutput]:
+        """Wait for a launched step's tokens and apply them."""
+        sampled = step.sampled.to_host() if step.sampled is not None else None
+        tokens = sampled.token_ids if sampled is not None else []
+        logprobs = sampled.logprobs if sampled is not None else []
+        touched = self.scheduler.update(step.batch, tokens, logprobs)
         outputs = []
         for req in touched:
             logprobs = [req.output_logprobs[-1]] if req.params.logprobs is not None else None

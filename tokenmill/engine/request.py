@@ -59,6 +59,8 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # Tokens sampled by launched steps the host has not read yet (overlap scheduling: up to 2).
+    num_pending: int = 0
     page_ids: list[int] = field(default_factory=list)
     prefix_node: RadixNode | None = None  # deepest locked radix node of the shared prefix
     num_tree_pages: int = 0  # leading page_ids owned by the radix tree
@@ -81,7 +83,17 @@ class Request:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        """Tokens whose KV is not computed yet, counting a pending token."""
+        return self.num_tokens + self.num_pending - self.num_computed_tokens
+
+    def finishes_with_pending(self) -> bool:
+        """True if the pending tokens will end the request by length, whatever their values."""
+        if not self.num_pending:
+            return False
+        limit = self.params.max_tokens
+        if limit is not None and len(self.output_token_ids) + self.num_pending >= limit:
+            return True
+        return self.num_tokens + self.num_pending >= self.max_model_len
 
     @property
     def is_finished(self) -> bool:

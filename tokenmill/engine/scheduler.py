@@ -20,15 +20,20 @@ CACHE_AWARE_SCAN = 128
 
 @dataclass(frozen=True)
 class ScheduledSeq:
-    """A request's share of one step: `num_new_tokens` tokens from its `num_computed_tokens`."""
+    """A request's share of one step: `num_new_tokens` tokens from `start`.
+
+    `samples`: the step reaches the end of the request's tokens, so the next one is sampled.
+    """
 
     request: Request
+    start: int
     num_new_tokens: int
+    samples: bool
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the end of the known tokens, so the next one is sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    @staticmethod
+    def of(req: Request, num_new: int) -> ScheduledSeq:
+        samples = num_new == req.num_uncomputed_tokens
+        return ScheduledSeq(req, req.num_computed_tokens, num_new, samples)
 
 
 @dataclass
@@ -85,6 +90,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.finishes_with_pending():
+                i += 1  # its in-flight token is its last: nothing more to compute
+                continue
             num_new = min(req.num_uncomputed_tokens, budget)
             while not self.cache.allocate(req, num_new):
                 victim = self.running.pop()
@@ -93,7 +101,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.seqs.append(ScheduledSeq(req, num_new))
+                out.seqs.append(ScheduledSeq.of(req, num_new))
                 budget -= num_new
                 i += 1
         return budget
@@ -110,6 +118,8 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._next_waiting()
+            if req.num_pending:
+                return  # preempted while its last token was in flight: admit once it lands
             self.cache.match_prefix(req)
             num_new = min(req.num_uncomputed_tokens, budget)
             if not self.cache.allocate(req, num_new):
@@ -120,7 +130,7 @@ class Scheduler:
             self.cache.record_admission(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.seqs.append(ScheduledSeq(req, num_new))
+            out.seqs.append(ScheduledSeq.of(req, num_new))
             budget -= num_new
 
     def _next_waiting(self) -> Request:
@@ -138,35 +148,45 @@ class Scheduler:
         candidates = itertools.islice(self.waiting, CACHE_AWARE_SCAN)
         return max(candidates, key=self.cache.cached_length)
 
+    def mark_launched(self, out: SchedulerOutput) -> None:
+        """The batch is on its way: its tokens count as computed, its samples as pending."""
+        for seq in out.seqs:
+            seq.request.num_computed_tokens += seq.num_new_tokens
+            seq.request.num_pending += seq.samples
+
     def update(
         self,
         out: SchedulerOutput,
         token_ids: list[int],
         logprobs: list[dict[int, Logprob] | None],
     ) -> list[Request]:
-        """Apply a step's results: advance computed tokens, append sampled ones, finish requests.
+        """Apply a launched step's sampled tokens: append them, finish requests, cache pages.
 
         `token_ids` has one entry per sampling sequence, in batch order. Returns the requests that
-        received a token or finished this step.
+        received a token or finished.
         """
         touched: list[Request] = []
         sampled = iter(zip(token_ids, logprobs, strict=True))
         for seq in out.seqs:
             req = seq.request
             result = next(sampled) if seq.samples else None
-            if req.is_finished:  # aborted while the step ran
+            if req.is_finished:  # aborted, or finished by the previous step, while this one ran
                 continue
-            req.num_computed_tokens += seq.num_new_tokens
-            self.cache.cache_computed(req)
             if result is not None:
+                req.num_pending -= 1
                 req.append_token(*result)
                 touched.append(req)
                 if req.is_finished:
                     self._remove_finished(req)
+                    continue
+            self.cache.cache_computed(req)
         return touched
 
     def _remove_finished(self, req: Request) -> None:
-        self.running.remove(req)
+        if req in self.waiting:  # preempted while its last token was in flight
+            self.waiting.remove(req)
+        else:
+            self.running.remove(req)
         self.cache.release(req)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Request | None:

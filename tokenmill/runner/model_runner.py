@@ -14,7 +14,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.models.loader import load_model
 from tokenmill.runner.cuda_graphs import CudaGraphRunner
-from tokenmill.runner.sampler import Sampler, SamplerOutput, SamplingBatch
+from tokenmill.runner.sampler import SampledTokens, Sampler, SamplingBatch
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,8 @@ class HostBatch:
     kv_lens: np.ndarray  # [B]
     page_table: np.ndarray  # [B, W] pages of each sequence, W = most pages any one needs
     logits_index: np.ndarray  # [S] rows whose last token is sampled
+    pending_dst: np.ndarray  # [P] input positions whose token the previous step sampled...
+    pending_src: np.ndarray  # [P] ...and its row in that step's sampled tokens
 
     @property
     def is_decode(self) -> bool:
@@ -56,6 +58,9 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.seed)
         self.num_forward_tokens = 0
         self._staging = torch.empty(0, dtype=torch.int64)
+        # The last launched step's sampled tokens (on the device) and each request's row there.
+        self._last_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
+        self._last_rows: dict[str, int] = {}
         logger.info(
             "model %s on %s (%s attention): KV cache of %d pages x %d tokens",
             config.model.architecture,
@@ -100,11 +105,19 @@ class ModelRunner:
         return pages
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput) -> SamplerOutput:
-        """Run one forward pass over `batch` and sample a token for each sequence that needs one."""
+    def launch(self, batch: SchedulerOutput) -> SampledTokens | None:
+        """Queue one forward pass over `batch` and the sampling of each sequence that needs a token.
+
+        Nothing waits for the GPU: a token the previous step sampled and the host has not seen
+        yet is read on the device. Returns the sampled tokens (still on the device), or None.
+        """
         host = self._prepare(batch)
         self.num_forward_tokens += len(host.input_ids)
-        ids, positions, slots, q_lens, kv_lens, table, logits_index = self._to_device(host)
+        ids, positions, slots, q_lens, kv_lens, table, logits_index, dst, src = self._to_device(
+            host
+        )
+        if len(dst):
+            ids[dst] = self._last_tokens[src]
         if self.graphs is not None and host.is_decode and len(kv_lens) <= self.graphs.max_bs:
             logits = self.graphs.run(ids, positions, slots, kv_lens, table)[logits_index]
         else:
@@ -124,23 +137,30 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[logits_index])
         sampling_reqs = [s.request for s in batch.seqs if s.samples]
         if not sampling_reqs:
-            return SamplerOutput(token_ids=[], logprobs=[])
+            return None
         sampling = SamplingBatch.from_requests(
             sampling_reqs, self.config.model.vocab_size, self.device
         )
-        return self.sampler(logits, sampling)
+        sampled = self.sampler(logits, sampling)
+        self._last_tokens = sampled.token_ids
+        self._last_rows = {r.request_id: row for row, r in enumerate(sampling_reqs)}
+        return sampled
 
     def _prepare(self, batch: SchedulerOutput) -> HostBatch:
         seqs = batch.seqs
         ps = self.page_size
         tokens: list[int] = []
+        dst: list[int] = []
+        src: list[int] = []
         for s in seqs:
-            start = s.request.num_computed_tokens
-            tokens.extend(s.request.token_slice(start, start + s.num_new_tokens))
+            known = s.request.token_slice(s.start, s.start + s.num_new_tokens)
+            if len(known) < s.num_new_tokens:  # its last input is the in-flight sampled token
+                dst.append(len(tokens) + len(known))
+                src.append(self._last_rows[s.request.request_id])
+                known.append(0)
+            tokens.extend(known)
         q_lens = np.array([s.num_new_tokens for s in seqs], dtype=np.int64)
-        kv_lens = np.array(
-            [s.request.num_computed_tokens + s.num_new_tokens for s in seqs], dtype=np.int64
-        )
+        kv_lens = np.array([s.start + s.num_new_tokens for s in seqs], dtype=np.int64)
         cu = np.concatenate(([0], np.cumsum(q_lens)))
         seq_of_token = np.repeat(np.arange(len(seqs)), q_lens)
         positions = np.arange(cu[-1]) - cu[seq_of_token] + (kv_lens - q_lens)[seq_of_token]
@@ -155,14 +175,14 @@ class ModelRunner:
         )
         return HostBatch(
             np.array(tokens, dtype=np.int64), positions, slots, q_lens, kv_lens, page_table,
-            logits_index,
+            logits_index, np.array(dst, dtype=np.int64), np.array(src, dtype=np.int64),
         )  # fmt: skip
 
     def _to_device(self, host: HostBatch) -> list[torch.Tensor]:
         """All of a step's index arrays in one host→device copy, split back into views."""
         arrays = [
             host.input_ids, host.positions, host.slots, host.query_lens, host.kv_lens,
-            host.page_table, host.logits_index,
+            host.page_table, host.logits_index, host.pending_dst, host.pending_src,
         ]  # fmt: skip
         sizes = [a.size for a in arrays]
         total = sum(sizes)

@@ -40,7 +40,7 @@ class SamplingBatch:
         suppressed = [
             (i, [*r.eos_token_ids, *r.params.stop_token_ids])
             for i, r in enumerate(reqs)
-            if len(r.output_token_ids) < r.params.min_tokens
+            if len(r.output_token_ids) + r.num_pending < r.params.min_tokens
         ]
         return SamplingBatch(
             all_greedy=all_greedy,
@@ -119,13 +119,45 @@ class SamplerOutput:
     logprobs: list[dict[int, Logprob] | None]
 
 
+@dataclass(frozen=True)
+class SampledTokens:
+    """A step's sampling results, still on the device: reading them is the step's one sync."""
+
+    token_ids: torch.Tensor  # [S]
+    num_logprobs: list[int | None]
+    chosen_logprobs: torch.Tensor | None = None  # [S]
+    ranks: torch.Tensor | None = None  # [S]
+    top_logprobs: torch.Tensor | None = None  # [S, n]
+    top_ids: torch.Tensor | None = None  # [S, n]
+
+    def to_host(self) -> SamplerOutput:
+        """Copy to the host (waits for the step) and build the per-row logprob maps."""
+        token_list = self.token_ids.tolist()
+        logprobs: list[dict[int, Logprob] | None] = [None] * len(token_list)
+        if self.chosen_logprobs is not None:
+            assert self.ranks is not None and self.top_logprobs is not None
+            assert self.top_ids is not None
+            chosen, ranks = self.chosen_logprobs.tolist(), self.ranks.tolist()
+            top_values, top_ids = self.top_logprobs.tolist(), self.top_ids.tolist()
+            for row, n in enumerate(self.num_logprobs):
+                if n is None:
+                    continue
+                entry = {token_list[row]: Logprob(chosen[row], ranks[row])}
+                pairs = zip(top_ids[row][:n], top_values[row][:n], strict=True)
+                for rank, (token, value) in enumerate(pairs, 1):
+                    entry.setdefault(token, Logprob(value, rank))
+                logprobs[row] = entry
+        return SamplerOutput(token_ids=token_list, logprobs=logprobs)
+
+
 class Sampler:
     """Turns each sequence's last-position logits into its next token, with batched tensor ops."""
 
     def __init__(self, device: torch.device, seed: int) -> None:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SampledTokens:
+        """Sample on the device; nothing here waits for the GPU."""
         logits = logits.float()
         wants_logprobs = any(n is not None for n in batch.num_logprobs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
@@ -137,11 +169,18 @@ class Sampler:
         if batch.temperature is not None:
             sampled = self._sample(logits, batch, batch.temperature)
             tokens = torch.where(batch.temperature == 0, tokens, sampled)
-        token_list = tokens.tolist()
-        logprobs: list[dict[int, Logprob] | None] = [None] * len(token_list)
-        if raw_logprobs is not None:
-            logprobs = _gather_logprobs(raw_logprobs, tokens, batch.num_logprobs)
-        return SamplerOutput(token_ids=token_list, logprobs=logprobs)
+        if raw_logprobs is None:
+            return SampledTokens(tokens, batch.num_logprobs)
+        chosen = raw_logprobs.gather(1, tokens[:, None])
+        top = raw_logprobs.topk(max(n or 0 for n in batch.num_logprobs), dim=-1)
+        return SampledTokens(
+            token_ids=tokens,
+            num_logprobs=batch.num_logprobs,
+            chosen_logprobs=chosen[:, 0],
+            ranks=(raw_logprobs > chosen).sum(dim=-1) + 1,
+            top_logprobs=top.values,
+            top_ids=top.indices,
+        )
 
     def _sample(
         self, logits: torch.Tensor, batch: SamplingBatch, temperature: torch.Tensor
@@ -174,26 +213,3 @@ def _top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         drop |= before >= batch.top_p[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-
-
-def _gather_logprobs(
-    raw: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]
-) -> list[dict[int, Logprob] | None]:
-    """Per row: the sampled token's logprob and rank, plus the top-n alternatives."""
-    chosen = raw.gather(1, tokens[:, None])
-    ranks = ((raw > chosen).sum(dim=-1) + 1).tolist()
-    chosen_values, token_list = chosen[:, 0].tolist(), tokens.tolist()
-    top_values, top_ids = raw.topk(max(n or 0 for n in num_logprobs), dim=-1)
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
-    out: list[dict[int, Logprob] | None] = []
-    for row, n in enumerate(num_logprobs):
-        if n is None:
-            out.append(None)
-            continue
-        entry = {token_list[row]: Logprob(chosen_values[row], ranks[row])}
-        for rank, (token, value) in enumerate(
-            zip(top_ids[row][:n], top_values[row][:n], strict=True), 1
-        ):
-            entry.setdefault(token, Logprob(value, rank))
-        out.append(entry)
-    return out
