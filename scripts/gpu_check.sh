@@ -32,6 +32,7 @@ bench() {  # name workload extra-args...
 }
 
 kv=(--engine-arg kv_cache_memory_bytes=20000000000)
+kv2=(--engine-arg kv_cache_memory_bytes=64000000000)
 if [[ "$what" == profile || "$what" == all || "$what" == gputests ]]; then
   for m in qwen3-0.6b llama-3.1-8b; do
     python3 benchmarks/profile_decode.py --config "$models/$m" 2>&1 | tee "$out/profile-$m.log" | grep -E "^bs=" >> "$table"
@@ -46,8 +47,8 @@ if [[ "$what" == b1 || "$what" == all || "$what" == gputests ]]; then
 fi
 if [[ "$what" == b2 || "$what" == all ]]; then
   b2=(--engine-arg max_num_seqs=256 --engine-arg max_num_batched_tokens=8192 --engine-arg max_model_len=4096)
-  bench qwen3-0.6b b2 "${kv[@]}" "${b2[@]}"
-  bench llama-3.1-8b b2 "${kv[@]}" "${b2[@]}"
+  bench qwen3-0.6b b2 "${kv2[@]}" "${b2[@]}"
+  bench llama-3.1-8b b2 "${kv2[@]}" "${b2[@]}"
 fi
 echo
 echo "=== summary ==="

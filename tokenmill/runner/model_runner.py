@@ -57,7 +57,10 @@ class ModelRunner:
         )
         self.sampler = Sampler(self.device, config.seed)
         self.num_forward_tokens = 0
-        self._staging = torch.empty(0, dtype=torch.int64)
+        # Two pinned staging buffers, used in turn: with overlap scheduling the host fills one
+        # while the previous step's copy from the other may still be queued on the GPU.
+        self._staging = [torch.empty(0, dtype=torch.int64) for _ in range(2)]
+        self._step_parity = 0
         # The last launched step's sampled tokens (on the device) and each request's row there.
         self._last_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
         self._last_rows: dict[str, int] = {}
@@ -142,6 +145,7 @@ class ModelRunner:
             sampling_reqs, self.config.model.vocab_size, self.device
         )
         sampled = self.sampler(logits, sampling)
+        sampled.start_copy()
         self._last_tokens = sampled.token_ids
         self._last_rows = {r.request_id: row for row, r in enumerate(sampling_reqs)}
         return sampled
@@ -186,17 +190,19 @@ class ModelRunner:
         ]  # fmt: skip
         sizes = [a.size for a in arrays]
         total = sum(sizes)
-        if self._staging.numel() < total:
-            pin = self.device.type == "cuda"
-            self._staging = torch.empty(max(total, 2 * self._staging.numel()), dtype=torch.int64)
-            if pin:
-                self._staging = self._staging.pin_memory()
-        staging = self._staging.numpy()
+        self._step_parity ^= 1
+        buffer = self._staging[self._step_parity]
+        if buffer.numel() < total:
+            buffer = torch.empty(max(total, 2 * buffer.numel()), dtype=torch.int64)
+            if self.device.type == "cuda":
+                buffer = buffer.pin_memory()
+            self._staging[self._step_parity] = buffer
+        staging = buffer.numpy()
         offset = 0
         for a, n in zip(arrays, sizes, strict=True):
             staging[offset : offset + n] = a.reshape(-1)
             offset += n
-        flat = self._staging[:total].to(self.device, non_blocking=True)
+        flat = buffer[:total].to(self.device, non_blocking=True)
         parts = list(flat.split(sizes))
         parts[5] = parts[5].view(host.page_table.shape)
         return parts

@@ -119,9 +119,13 @@ class SamplerOutput:
     logprobs: list[dict[int, Logprob] | None]
 
 
-@dataclass(frozen=True)
+@dataclass
 class SampledTokens:
-    """A step's sampling results, still on the device: reading them is the step's one sync."""
+    """A step's sampling results on the device, and their copy on its way to the host.
+
+    `start_copy` queues the device→host copy right behind the sampling kernels and records an
+    event; `to_host` waits for that event only, not for steps launched after this one.
+    """
 
     token_ids: torch.Tensor  # [S]
     num_logprobs: list[int | None]
@@ -129,16 +133,33 @@ class SampledTokens:
     ranks: torch.Tensor | None = None  # [S]
     top_logprobs: torch.Tensor | None = None  # [S, n]
     top_ids: torch.Tensor | None = None  # [S, n]
+    _host: list[torch.Tensor | None] | None = None
+    _ready: torch.cuda.Event | None = None
+
+    def start_copy(self) -> None:
+        parts = [self.token_ids, self.chosen_logprobs, self.ranks, self.top_logprobs, self.top_ids]
+        if not self.token_ids.is_cuda:
+            self._host = parts
+            return
+        self._host = [None if t is None else _pinned_copy(t) for t in parts]
+        self._ready = torch.cuda.Event()
+        self._ready.record()
 
     def to_host(self) -> SamplerOutput:
-        """Copy to the host (waits for the step) and build the per-row logprob maps."""
-        token_list = self.token_ids.tolist()
+        """Wait for this step's tokens and build the per-row logprob maps."""
+        if self._host is None:
+            self.start_copy()
+        assert self._host is not None
+        if self._ready is not None:
+            self._ready.synchronize()
+        tokens, chosen_t, ranks_t, top_values_t, top_ids_t = self._host
+        assert tokens is not None
+        token_list = tokens.tolist()
         logprobs: list[dict[int, Logprob] | None] = [None] * len(token_list)
-        if self.chosen_logprobs is not None:
-            assert self.ranks is not None and self.top_logprobs is not None
-            assert self.top_ids is not None
-            chosen, ranks = self.chosen_logprobs.tolist(), self.ranks.tolist()
-            top_values, top_ids = self.top_logprobs.tolist(), self.top_ids.tolist()
+        if chosen_t is not None:
+            assert ranks_t is not None and top_values_t is not None and top_ids_t is not None
+            chosen, ranks = chosen_t.tolist(), ranks_t.tolist()
+            top_values, top_ids = top_values_t.tolist(), top_ids_t.tolist()
             for row, n in enumerate(self.num_logprobs):
                 if n is None:
                     continue
@@ -148,6 +169,12 @@ class SampledTokens:
                     entry.setdefault(token, Logprob(value, rank))
                 logprobs[row] = entry
         return SamplerOutput(token_ids=token_list, logprobs=logprobs)
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 class Sampler:
