@@ -105,7 +105,11 @@ def test_malformed_json_is_400(server: ServerHandle) -> None:
 
 
 _json = st.recursive(
-    st.none() | st.booleans() | st.integers(-(10**12), 10**12) | st.floats() | st.text(max_size=8),
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**12), 10**12)
+    | st.floats(allow_nan=False, allow_infinity=False)  # JSON has no NaN or infinity
+    | st.text(max_size=8),
     lambda children: (
         st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=5), children, max_size=3)
     ),

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import OrderedDict
 
 import msgspec
+import torch
 import zmq
 
 from tokenmill.config import EngineConfig
@@ -19,6 +21,7 @@ from tokenmill.ipc.messages import (
     EngineStats,
     EngineStep,
     NewRequest,
+    ProfileRequest,
     RequestDelta,
     RequestError,
     ShutdownRequest,
@@ -53,6 +56,7 @@ class EngineCoreLoop:
         self.decoder = msgspec.msgpack.Decoder(EngineInput)
         self.early_aborts: OrderedDict[str, None] = OrderedDict()
         self.running = True
+        self.profiler: torch.profiler.profile | None = None
         self._reset_step()
 
     def _reset_step(self) -> None:
@@ -93,10 +97,28 @@ class EngineCoreLoop:
         elif isinstance(msg, AbortRequest):
             for rid in msg.request_ids:
                 self._abort(rid, FinishReason(msg.reason))
+        elif isinstance(msg, ProfileRequest):
+            self._profile(msg)
         elif isinstance(msg, ShutdownRequest):
             for rid in list(self.engine.request_ids()):
                 self._abort(rid, FinishReason.ABORT)
             self.running = False
+
+    def _profile(self, msg: ProfileRequest) -> None:
+        if msg.start and self.profiler is None:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities, with_stack=True)
+            self.profiler.start()
+            logger.info("profiler started")
+        elif not msg.start and self.profiler is not None:
+            self.profiler.stop()
+            os.makedirs(msg.directory, exist_ok=True)
+            path = os.path.join(msg.directory, f"engine-core-{int(time.time())}.json")
+            self.profiler.export_chrome_trace(path)
+            self.profiler = None
+            logger.info("profiler trace written to %s", path)
 
     def _add(self, msg: EngineRequest) -> None:
         if msg.request_id in self.early_aborts:
@@ -147,6 +169,13 @@ class EngineCoreLoop:
             prefix_cache_hits=cache.stats.hits,
             num_preemptions=engine.scheduler.stats.num_preemptions,
             finished=dict(engine.num_finished),
+            prompt_tokens=engine.stats.prompt_tokens,
+            generation_tokens=engine.stats.generation_tokens,
+            histograms={
+                "scheduler_step_seconds": engine.stats.step_seconds,
+                "model_forward_seconds": engine.stats.forward_seconds,
+                "iteration_tokens_total": engine.stats.iteration_tokens,
+            },
         )
 
 
@@ -163,4 +192,5 @@ def _delta(out: EngineOutput) -> RequestDelta:
         finish_reason=out.finish_reason.value if out.finish_reason else None,
         num_prompt_tokens=out.num_prompt_tokens,
         num_cached_tokens=out.num_cached_tokens,
+        metrics=out.metrics,
     )

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -12,8 +13,13 @@ from tokenmill.cache.cache_manager import CacheManager
 from tokenmill.config import EngineConfig
 from tokenmill.engine.request import FinishReason, Logprob, Request
 from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
-from tokenmill.runner.model_runner import ModelRunner
-from tokenmill.runner.sampler import SampledTokens
+from tokenmill.observability.histogram import (
+    STEP_SECONDS_BUCKETS,
+    TOKEN_COUNT_BUCKETS,
+    Histogram,
+)
+from tokenmill.observability.request_metrics import RequestMetrics
+from tokenmill.runner.model_runner import LaunchedStep, ModelRunner
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -29,10 +35,22 @@ class EngineOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    metrics: RequestMetrics | None = None  # set when finished
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class EngineCounters:
+    """Cumulative engine-side statistics (the metrics endpoint reads them)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    step_seconds: Histogram = field(default_factory=lambda: Histogram.new(STEP_SECONDS_BUCKETS))
+    forward_seconds: Histogram = field(default_factory=lambda: Histogram.new(STEP_SECONDS_BUCKETS))
+    iteration_tokens: Histogram = field(default_factory=lambda: Histogram.new(TOKEN_COUNT_BUCKETS))
 
 
 @dataclass(frozen=True)
@@ -40,7 +58,7 @@ class _InFlight:
     """A launched step whose sampled tokens the host has not read yet."""
 
     batch: SchedulerOutput
-    sampled: SampledTokens | None
+    launched: LaunchedStep
 
     @property
     def needs_sync(self) -> bool:
@@ -64,6 +82,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.cache)
         self._requests: dict[str, Request] = {}
         self._in_flight: _InFlight | None = None
+        self.stats = EngineCounters()
         self.num_finished: Counter[str] = Counter()  # by finish reason
 
     def add_request(
@@ -130,15 +149,18 @@ class EngineCore:
         step N, and reads step N's tokens only after N+1 is queued, so the GPU never waits for
         Python. Batches whose sampling needs exact token counts (penalties) run synchronously.
         """
+        start = time.perf_counter()
+        self._waited = 0.0
         outputs: list[EngineOutput] = []
         previous, self._in_flight = self._in_flight, None
         if previous is not None and (not self.config.overlap_scheduling or previous.needs_sync):
             outputs, previous = self._finish(previous), None
         batch = self.scheduler.schedule()
         if batch.seqs:
-            sampled = self.runner.launch(batch)
+            launched = self.runner.launch(batch)
             self.scheduler.mark_launched(batch)
-            self._in_flight = _InFlight(batch, sampled)
+            self._in_flight = _InFlight(batch, launched)
+            self.stats.iteration_tokens.observe(batch.num_tokens)
         elif previous is None and self.scheduler.waiting and not self.scheduler.running:
             raise RuntimeError("scheduler could not admit a request into an idle engine")
         if previous is not None:
@@ -146,16 +168,24 @@ class EngineCore:
         if self._in_flight is not None and not self.config.overlap_scheduling:
             outputs += self._finish(self._in_flight)
             self._in_flight = None
+        # Host time of the step: everything but waiting for the GPU.
+        self.stats.step_seconds.observe(time.perf_counter() - start - self._waited)
         return outputs
 
     def _finish(self, step: _InFlight) -> list[EngineOutput]:
         """Wait for a launched step's tokens and apply them."""
-        sampled = step.sampled.to_host() if step.sampled is not None else None
+        wait_start = time.perf_counter()
+        sampled = step.launched.read()
+        self._waited += time.perf_counter() - wait_start
+        self.stats.forward_seconds.observe(step.launched.forward_seconds())
         tokens = sampled.token_ids if sampled is not None else []
         logprobs = sampled.logprobs if sampled is not None else []
         touched = self.scheduler.update(step.batch, tokens, logprobs)
         outputs = []
         for req in touched:
+            self.stats.generation_tokens += 1
+            if len(req.output_token_ids) == 1:
+                self.stats.prompt_tokens += len(req.prompt_token_ids)
             logprobs = [req.output_logprobs[-1]] if req.params.logprobs is not None else None
             outputs.append(self._output(req, [req.output_token_ids[-1]], logprobs))
             if req.is_finished:
@@ -167,6 +197,16 @@ class EngineCore:
     def _output(
         self, req: Request, new_tokens: list[int], logprobs: list[dict[int, Logprob]] | None
     ) -> EngineOutput:
+        metrics = None
+        if req.is_finished:
+            metrics = RequestMetrics(
+                arrival_time=req.arrival_time,
+                scheduled_time=req.scheduled_time,
+                first_token_time=req.first_token_time,
+                finish_time=req.finish_time or time.time(),
+                num_preemptions=req.num_preemptions,
+                prompt_token_ids=req.prompt_token_ids,
+            )
         return EngineOutput(
             request_id=req.request_id,
             new_token_ids=new_tokens,
@@ -174,4 +214,5 @@ class EngineCore:
             finish_reason=req.finish_reason,
             num_prompt_tokens=len(req.prompt_token_ids),
             num_cached_tokens=req.num_cached_tokens,
+            metrics=metrics,
         )

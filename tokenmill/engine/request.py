@@ -51,7 +51,11 @@ class Request:
     params: SamplingParams
     eos_token_ids: tuple[int, ...]
     max_model_len: int
-    arrival_time: float = field(default_factory=time.monotonic)
+    # Wall-clock timestamps (time.time()) of the request's life, for metrics and traces.
+    arrival_time: float = field(default_factory=time.time)
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -102,6 +106,8 @@ class Request:
     def append_token(self, token_id: int, logprobs: dict[int, Logprob] | None) -> None:
         """Record a sampled token and finish the request if it hit a stop condition."""
         self.output_token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.time()
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
         reason = self._stop_reason(token_id)
@@ -125,3 +131,4 @@ class Request:
         """Mark the request finished; the scheduler releases its pages."""
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
+        self.finish_time = time.time()

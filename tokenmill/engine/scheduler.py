@@ -128,6 +128,8 @@ class Scheduler:
                 return
             self.waiting.remove(req)
             self.cache.record_admission(req)
+            if req.scheduled_time is None:
+                req.scheduled_time = time.time()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.seqs.append(ScheduledSeq.of(req, num_new))
@@ -143,7 +145,7 @@ class Scheduler:
         head = self.waiting[0]
         if self.config.policy == "fcfs":
             return head
-        if time.monotonic() - head.arrival_time > self.config.cache_aware_max_wait:
+        if time.time() - head.arrival_time > self.config.cache_aware_max_wait:
             return head
         candidates = itertools.islice(self.waiting, CACHE_AWARE_SCAN)
         return max(candidates, key=self.cache.cached_length)

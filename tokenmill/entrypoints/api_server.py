@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -33,6 +34,7 @@ from tokenmill.entrypoints.protocol import (
 )
 from tokenmill.ipc import messages
 from tokenmill.ipc.sockets import Addresses
+from tokenmill.observability.metrics import ServerMetrics
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenization.detokenizer_worker import run_detokenizer
 from tokenmill.tokenization.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
@@ -41,6 +43,7 @@ from tokenmill.tokenization.tokenizer_worker import run_tokenizer_worker
 logger = logging.getLogger("tokenmill.server")
 
 STARTUP_TIMEOUT_S = 900.0
+DASHBOARD_HTML = Path(__file__).resolve().parent.parent / "dashboard" / "index.html"
 CHILD_CHECK_INTERVAL_S = 0.2
 DISCONNECT_POLL_S = 0.1
 _ERROR_TYPES = {
@@ -61,6 +64,10 @@ class ServeArgs:
     served_model_name: str | None = None
     num_tokenizer_workers: int = 1
     log_level: str = "INFO"
+    trace_file: str | None = None
+    log_requests: bool = False
+    enable_profiling: bool = False
+    profile_dir: str = "tokenmill-profiles"
 
     @property
     def model_name(self) -> str:
@@ -163,6 +170,22 @@ def build_app(state: ServerState) -> FastAPI:
             "requests_finished": stats.finished,
         }
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.client.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/dashboard")
+    async def dashboard() -> Response:
+        return Response(DASHBOARD_HTML.read_text(), media_type="text/html")
+
+    @app.post("/start_profile")
+    async def start_profile() -> Response:
+        return _profile(state, start=True)
+
+    @app.post("/stop_profile")
+    async def stop_profile() -> Response:
+        return _profile(state, start=False)
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:
         if (failure := _check_model(state, body.model)) is not None:
@@ -200,6 +223,14 @@ def build_app(state: ServerState) -> FastAPI:
         return await _serve_generation(state, raw, body, chat=True)
 
     return app
+
+
+def _profile(state: ServerState, start: bool) -> Response:
+    if not state.args.enable_profiling:
+        return error_response(404, "profiling is off; start the server with --enable-profiling")
+    directory = os.path.abspath(state.args.profile_dir)
+    state.client.profile(start, directory)
+    return JSONResponse({"profiling": start, "directory": directory})
 
 
 def _check_model(state: ServerState, model: str | None) -> JSONResponse | None:
@@ -419,7 +450,8 @@ def serve(args: ServeArgs) -> int:
     config = args.engine.create_engine_config()
     tokenizer = load_tokenizer(args.engine.tokenizer or args.engine.model)
     addresses = Addresses.fresh()
-    client = EngineClient(addresses)
+    metrics = ServerMetrics(args.model_name, args.trace_file, args.log_requests)
+    client = EngineClient(addresses, metrics)
     state = ServerState(args=args, config=config, client=client, tokenizer=tokenizer)
     state.children = _start_children(args, config, addresses)
     uv_config = uvicorn.Config(

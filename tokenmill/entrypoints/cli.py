@@ -105,6 +105,21 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--num-tokenizer-workers", type=int, default=1, help="Tokenizer processes (default: 1)."
     )
+    srv.add_argument(
+        "--trace-file", default=None,
+        help="Append one JSON line per finished request (token ids, timestamps, params) here.",
+    )  # fmt: skip
+    srv.add_argument(
+        "--log-requests", action="store_true", help="Log a one-line summary of each request."
+    )
+    srv.add_argument(
+        "--enable-profiling", action="store_true",
+        help="Allow POST /start_profile and /stop_profile (torch profiler of the engine core).",
+    )  # fmt: skip
+    srv.add_argument(
+        "--profile-dir", default="tokenmill-profiles",
+        help="Where /stop_profile writes the Chrome trace (default: ./tokenmill-profiles).",
+    )  # fmt: skip
     add_engine_args(srv)
     _add_bench_parser(commands)
     return parser
@@ -204,6 +219,10 @@ def _serve(ns: argparse.Namespace) -> int:
         served_model_name=ns.served_model_name,
         num_tokenizer_workers=ns.num_tokenizer_workers,
         log_level=ns.log_level,
+        trace_file=ns.trace_file,
+        log_requests=ns.log_requests,
+        enable_profiling=ns.enable_profiling,
+        profile_dir=ns.profile_dir,
     )
     return serve(args)
 

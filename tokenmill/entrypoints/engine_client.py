@@ -16,10 +16,12 @@ from tokenmill.ipc.messages import (
     ClientBatch,
     ClientOutput,
     EngineStats,
+    ProfileRequest,
     RequestError,
     TokenizeRequest,
 )
 from tokenmill.ipc.sockets import Addresses, encode, pull, push
+from tokenmill.observability.metrics import ChoiceTracker, ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +50,8 @@ class EngineClient:
     sent from `finally` blocks of cancelled handlers; the output socket is read by one task.
     """
 
-    def __init__(self, addresses: Addresses) -> None:
+    def __init__(self, addresses: Addresses, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
         self._sync_ctx = zmq.Context()
         self._async_ctx = zmq.asyncio.Context()
         self._to_tokenizer = push(self._sync_ctx, addresses.tokenizer, bind=True)
@@ -69,6 +72,7 @@ class EngineClient:
             batch = self._decoder.decode(await self._outputs.recv())
             if batch.stats is not None:
                 self.stats = batch.stats
+                self.metrics.engine.stats = batch.stats
                 self.ready.set()
             for item in [*batch.outputs, *batch.errors]:
                 entry = self._queues.get(item.request_id.rsplit(":", 1)[0])
@@ -86,6 +90,11 @@ class EngineClient:
         queue: asyncio.Queue[ClientOutput | RequestError] = asyncio.Queue()
         index = {r.request_id: i for i, r in enumerate(requests)}
         unfinished = {f"{r.request_id}:{c}" for r in requests for c in range(r.params.n)}
+        trackers = {
+            f"{r.request_id}:{c}": ChoiceTracker(f"{r.request_id}:{c}", r.params.for_choice(c))
+            for r in requests
+            for c in range(r.params.n)
+        }
         for r in requests:
             self._queues[r.request_id] = (queue, r.params.n)
         try:
@@ -96,6 +105,7 @@ class EngineClient:
                 if isinstance(item, RequestError):
                     raise RequestFailed(item)
                 sub_id, choice = item.request_id.rsplit(":", 1)
+                self.metrics.on_output(trackers[item.request_id], item)
                 if item.finish_reason is not None:
                     unfinished.discard(item.request_id)
                 yield ChoiceOutput(index[sub_id], int(choice), item)
@@ -121,6 +131,11 @@ class EngineClient:
         for sub_id, (queue, _) in list(self._queues.items()):
             queue.put_nowait(RequestError(sub_id, message, status=500))
 
+    def profile(self, start: bool, directory: str) -> None:
+        """Start, or stop and write, the engine core's profiler trace."""
+        self._to_engine.send(encode(ProfileRequest(start, directory)))
+
     def close(self) -> None:
+        self.metrics.close()
         self._sync_ctx.destroy(linger=0)
         self._async_ctx.destroy(linger=0)

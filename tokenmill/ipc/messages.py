@@ -12,6 +12,8 @@ from typing import Any
 
 import msgspec
 
+from tokenmill.observability.histogram import Histogram
+from tokenmill.observability.request_metrics import RequestMetrics
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -44,6 +46,13 @@ class ShutdownRequest(msgspec.Struct, tag=True):
     """Finish every request with "abort" and stop."""
 
 
+class ProfileRequest(msgspec.Struct, tag=True):
+    """Start (or stop and write) a torch profiler trace of the engine core into `directory`."""
+
+    start: bool
+    directory: str
+
+
 # (token id, logprob, rank); the sampled token comes first, then the top alternatives.
 TokenLogprobs = list[tuple[int, float, int]]
 
@@ -57,6 +66,7 @@ class RequestDelta(msgspec.Struct):
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    metrics: RequestMetrics | None = None
 
 
 class EngineStats(msgspec.Struct):
@@ -70,6 +80,9 @@ class EngineStats(msgspec.Struct):
     prefix_cache_hits: int
     num_preemptions: int
     finished: dict[str, int]  # requests finished so far, by finish reason
+    prompt_tokens: int
+    generation_tokens: int
+    histograms: dict[str, Histogram]  # scheduler_step_seconds, model_forward_seconds, ...
 
 
 class NewRequest(msgspec.Struct):
@@ -108,6 +121,7 @@ class ClientOutput(msgspec.Struct):
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    metrics: RequestMetrics | None = None
 
 
 class ClientBatch(msgspec.Struct, tag=True):
@@ -118,4 +132,4 @@ class ClientBatch(msgspec.Struct, tag=True):
     stats: EngineStats | None = None
 
 
-EngineInput = EngineRequest | AbortRequest | ShutdownRequest
+EngineInput = EngineRequest | AbortRequest | ShutdownRequest | ProfileRequest

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,7 +15,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.models.loader import load_model
 from tokenmill.runner.cuda_graphs import CudaGraphRunner
-from tokenmill.runner.sampler import SampledTokens, Sampler, SamplingBatch
+from tokenmill.runner.sampler import SampledTokens, Sampler, SamplerOutput, SamplingBatch
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,37 @@ class HostBatch:
     @property
     def is_decode(self) -> bool:
         return len(self.input_ids) == len(self.kv_lens)
+
+
+class LaunchedStep:
+    """A queued forward pass: its sampled tokens and its GPU time, readable once it is done."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.sampled: SampledTokens | None = None
+        self._cuda = device.type == "cuda"
+        if self._cuda:
+            self._start, self._end = torch.cuda.Event(True), torch.cuda.Event(True)
+            self._start.record()
+        else:
+            self._t0, self._elapsed = time.perf_counter(), 0.0
+
+    def forward_done(self) -> None:
+        if self._cuda:
+            self._end.record()
+        else:
+            self._elapsed = time.perf_counter() - self._t0
+
+    def read(self) -> SamplerOutput | None:
+        """Wait for the step and return its sampled tokens (None if nothing was sampled)."""
+        if self.sampled is not None:
+            return self.sampled.to_host()
+        if self._cuda:
+            self._end.synchronize()
+        return None
+
+    def forward_seconds(self) -> float:
+        """Device time of the forward pass and sampling (call after `read`)."""
+        return self._start.elapsed_time(self._end) / 1e3 if self._cuda else self._elapsed
 
 
 class ModelRunner:
@@ -108,12 +140,13 @@ class ModelRunner:
         return pages
 
     @torch.inference_mode()
-    def launch(self, batch: SchedulerOutput) -> SampledTokens | None:
+    def launch(self, batch: SchedulerOutput) -> LaunchedStep:
         """Queue one forward pass over `batch` and the sampling of each sequence that needs a token.
 
         Nothing waits for the GPU: a token the previous step sampled and the host has not seen
-        yet is read on the device. Returns the sampled tokens (still on the device), or None.
+        yet is read on the device.
         """
+        launched = LaunchedStep(self.device)
         host = self._prepare(batch)
         self.num_forward_tokens += len(host.input_ids)
         ids, positions, slots, q_lens, kv_lens, table, logits_index, dst, src = self._to_device(
@@ -139,16 +172,17 @@ class ModelRunner:
             hidden = self.model(ids, positions, self.attention)
             logits = self.model.compute_logits(hidden[logits_index])
         sampling_reqs = [s.request for s in batch.seqs if s.samples]
-        if not sampling_reqs:
-            return None
-        sampling = SamplingBatch.from_requests(
-            sampling_reqs, self.config.model.vocab_size, self.device
-        )
-        sampled = self.sampler(logits, sampling)
-        sampled.start_copy()
-        self._last_tokens = sampled.token_ids
-        self._last_rows = {r.request_id: row for row, r in enumerate(sampling_reqs)}
-        return sampled
+        if sampling_reqs:
+            sampling = SamplingBatch.from_requests(
+                sampling_reqs, self.config.model.vocab_size, self.device
+            )
+            sampled = self.sampler(logits, sampling)
+            sampled.start_copy()
+            self._last_tokens = sampled.token_ids
+            self._last_rows = {r.request_id: row for row, r in enumerate(sampling_reqs)}
+            launched.sampled = sampled
+        launched.forward_done()
+        return launched
 
     def _prepare(self, batch: SchedulerOutput) -> HostBatch:
         seqs = batch.seqs

@@ -47,6 +47,7 @@ def run_detokenizer(
 @dataclass
 class _Stream:
     detokenizer: IncrementalDetokenizer | None
+    stopped: bool = False  # a stop string matched; waiting for the engine's final output
 
 
 class Detokenizer:
@@ -62,12 +63,15 @@ class Detokenizer:
             self._open(new)
         outputs, stopped = [], []
         for delta in step.deltas:
-            out = self._decode(delta)
-            if out is None:
+            stream = self.streams.get(delta.request_id)
+            if stream is None:
                 continue
-            if out.finish_reason == "stop" and delta.finish_reason is None:
+            was_stopped = stream.stopped
+            out = self._decode(delta, stream)
+            if stream.stopped and not was_stopped and delta.finish_reason is None:
                 stopped.append(delta.request_id)
-            outputs.append(out)
+            if out is not None:
+                outputs.append(out)
         for error in step.errors:
             self.streams.pop(error.request_id, None)
         return ClientBatch(outputs, step.errors, step.stats), stopped
@@ -85,17 +89,28 @@ class Detokenizer:
             )
         self.streams[new.request_id] = _Stream(detok)
 
-    def _decode(self, delta: RequestDelta) -> ClientOutput | None:
-        stream = self.streams.get(delta.request_id)
-        if stream is None:
-            return None  # already ended by a stop string
+    def _decode(self, delta: RequestDelta, stream: _Stream) -> ClientOutput | None:
+        """The client's view of an engine delta; None for tokens after a matched stop string.
+
+        When a stop string matches, the text up to it goes out at once and the request is
+        aborted; the engine's final output (its metrics) then closes the stream as "stop".
+        """
         finish = delta.finish_reason
+        if stream.stopped:
+            if finish is None:
+                return None
+            del self.streams[delta.request_id]
+            return ClientOutput(delta.request_id, "", [], None, "stop", delta.num_prompt_tokens,
+                                delta.num_cached_tokens, delta.metrics)  # fmt: skip
         text = ""
         if stream.detokenizer is not None:
             update = stream.detokenizer.update(delta.new_token_ids, final=finish is not None)
             text = update.text
-            if update.stopped and finish is None:
-                finish = "stop"
+            if update.stopped:
+                if finish is None:
+                    stream.stopped = True
+                else:
+                    finish = "stop"
         if finish is not None:
             del self.streams[delta.request_id]
         return ClientOutput(
@@ -106,6 +121,7 @@ class Detokenizer:
             finish_reason=finish,
             num_prompt_tokens=delta.num_prompt_tokens,
             num_cached_tokens=delta.num_cached_tokens,
+            metrics=delta.metrics,
         )
 
     def _logprobs(

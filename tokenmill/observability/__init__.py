@@ -1,0 +1,1 @@
+"""Metrics (Prometheus), request traces and profiling hooks."""
