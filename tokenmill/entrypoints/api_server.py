@@ -152,6 +152,7 @@ def build_app(state: ServerState) -> FastAPI:
             "owned_by": "tokenmill",
             "root": state.config.model.path,
             "max_model_len": state.config.max_model_len,
+            "vocab_size": state.config.model.vocab_size,
         }
         return {"object": "list", "data": [card]}
 

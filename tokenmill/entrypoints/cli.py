@@ -148,6 +148,7 @@ def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
         p.add_argument("--min-len", type=int, default=100, help="B2 shortest input/output.")
         p.add_argument("--max-len", type=int, default=1024, help="B2 longest input/output.")
         p.add_argument("--seed", type=int, default=0, help="Seed for lengths and token ids.")
+    _add_serve_bench_parser(kinds)
     offline.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present).")
     offline.add_argument("--no-peer", action="store_true", help="Skip the transformers peer.")
     offline.add_argument(
@@ -158,6 +159,106 @@ def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
         "--engine-arg", action="append", default=[], metavar="KEY=VALUE",
         help="Extra engine option, e.g. max_num_seqs=256 (repeatable).",
     )  # fmt: skip
+
+
+def _add_serve_bench_parser(kinds: argparse._SubParsersAction) -> None:
+    from tokenmill.bench.workloads import WORKLOADS
+
+    serve = kinds.add_parser(
+        "serve",
+        help="Load-test an OpenAI-compatible server with a workload profile.",
+        description="Streams /v1/completions (token-id prompts) against any OpenAI-compatible "
+        "server and reports TTFT, ITL, TPOT and E2E percentiles, throughput and goodput.",
+    )
+    serve.add_argument("--base-url", default="http://127.0.0.1:8000", help="Server address.")
+    serve.add_argument("--model", required=True, help="Model name the server serves.")
+    serve.add_argument("--workload", choices=WORKLOADS, default="random", help="Traffic profile.")
+    arrivals = serve.add_mutually_exclusive_group()
+    arrivals.add_argument(
+        "--request-rate", type=float, default=float("inf"),
+        help="Sessions started per second (Poisson; default: all at once).",
+    )  # fmt: skip
+    arrivals.add_argument(
+        "--sweep-rates", default=None, help="Comma-separated rates to run in turn, e.g. 1,2,4,8."
+    )
+    serve.add_argument(
+        "--burstiness", type=float, default=1.0, help="Gamma shape of arrivals (1 = Poisson)."
+    )
+    serve.add_argument("--max-concurrency", type=int, default=None, help="Cap on open requests.")
+    serve.add_argument(
+        "--num-requests", type=int, default=16,
+        help="Sessions to run (one request each, several for chatbot/agent).",
+    )  # fmt: skip
+    serve.add_argument("--duration", type=float, default=None, help="Stop starting after S s.")
+    serve.add_argument("--seed", type=int, default=0, help="Seed of lengths, ids, arrivals.")
+    serve.add_argument("--slo", default=None, help="Goodput SLO, e.g. ttft:500,itl:50 (ms).")
+    serve.add_argument("--input-len", type=int, default=512, help="random: prompt tokens.")
+    serve.add_argument("--output-len", type=int, default=128, help="random: output tokens.")
+    serve.add_argument("--prefix-len", type=int, default=None, help="Shared prefix tokens.")
+    serve.add_argument(
+        "--length-scale", type=float, default=1.0, help="Scale every length (small models)."
+    )
+    serve.add_argument(
+        "--vocab-size", type=int, default=None,
+        help="Token ids are drawn below this (default: the server's, else 32000).",
+    )  # fmt: skip
+    serve.add_argument("--output", default=None, help="Write the JSON report (every request).")
+    serve.add_argument("--plot", default=None, help="Write PNG charts here.")
+
+
+def _parse_slo(text: str | None) -> tuple[float | None, float | None]:
+    if not text:
+        return None, None
+    values: dict[str, float] = {}
+    for part in text.split(","):
+        key, sep, ms = part.partition(":")
+        if key not in ("ttft", "itl") or not sep:
+            raise ValueError(f"--slo must look like ttft:500,itl:50 (ms), got {text!r}")
+        values[key] = float(ms) / 1e3
+    return values.get("ttft"), values.get("itl")
+
+
+def _serve_bench(ns: argparse.Namespace) -> int:
+    import asyncio
+    import dataclasses
+    import json
+
+    import httpx
+
+    from tokenmill.bench import plots
+    from tokenmill.bench.serve import ServeBenchArgs, format_table, run_serve_bench
+    from tokenmill.bench.workloads import WorkloadSpec
+
+    vocab = ns.vocab_size
+    if vocab is None:
+        cards = httpx.get(ns.base_url + "/v1/models", timeout=30).json().get("data", [])
+        vocab = next((c["vocab_size"] for c in cards if "vocab_size" in c), 32000)
+    spec = WorkloadSpec(
+        name=ns.workload, num_sessions=ns.num_requests, vocab_size=vocab, seed=ns.seed,
+        input_len=ns.input_len, output_len=ns.output_len, prefix_len=ns.prefix_len,
+        length_scale=ns.length_scale,
+    )  # fmt: skip
+    slo_ttft, slo_itl = _parse_slo(ns.slo)
+    base = ServeBenchArgs(
+        base_url=ns.base_url, model=ns.model, workload=spec, request_rate=ns.request_rate,
+        burstiness=ns.burstiness, max_concurrency=ns.max_concurrency, duration=ns.duration,
+        slo_ttft=slo_ttft, slo_itl=slo_itl,
+    )  # fmt: skip
+    rates = [float(r) for r in ns.sweep_rates.split(",")] if ns.sweep_rates else [ns.request_rate]
+    reports = []
+    for rate in rates:
+        report = asyncio.run(run_serve_bench(dataclasses.replace(base, request_rate=rate)))
+        print(format_table(report))
+        reports.append(report)
+    if ns.output:
+        with open(ns.output, "w") as f:
+            json.dump(reports if len(reports) > 1 else reports[0], f, indent=2)
+    if ns.plot:
+        if len(reports) > 1:
+            plots.plot_sweep(reports, ns.plot)
+        else:
+            plots.plot_report(reports[0], ns.plot)
+    return 0 if all(r["failed"] == 0 for r in reports) else 1
 
 
 def _engine_kwargs(pairs: list[str]) -> dict[str, object]:
@@ -180,6 +281,9 @@ def _bench(ns: argparse.Namespace) -> int:
     from tokenmill.bench import offline, roofline
     from tokenmill.config import ModelConfig
 
+    if ns.bench == "serve":
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+        return _serve_bench(ns)
     if ns.bench == "roofline":
         cfg = ModelConfig.from_pretrained(ns.config, ns.dtype)
         cost = roofline.ModelCost.of(cfg, 2 if ns.dtype != "float32" else 4)

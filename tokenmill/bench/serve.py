@@ -1,0 +1,256 @@
+"""`tokenmill bench serve`: an asyncio load generator for any OpenAI-compatible server.
+
+Streams `/v1/completions` (token-id prompts) under Poisson or gamma arrivals or a concurrency
+cap, measures every request client-side (TTFT, every inter-token gap, TPOT, E2E) and reports
+percentiles, throughput, goodput under an SLO, failures and the server's prefix-cache hit rate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from tokenmill.bench.workloads import Session, WorkloadSpec, build_workload, reply_placeholder
+
+
+@dataclass
+class RequestRecord:
+    """What the client saw of one request (times in seconds from the run's start)."""
+
+    session: int
+    turn: int
+    prompt_tokens: int
+    max_tokens: int
+    start: float
+    ttft: float | None = None
+    itl: list[float] = field(default_factory=list)
+    e2e: float | None = None
+    output_tokens: int = 0
+    success: bool = False
+    error: str | None = None
+
+    @property
+    def tpot(self) -> float | None:
+        if self.e2e is None or self.ttft is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+@dataclass(frozen=True)
+class ServeBenchArgs:
+    base_url: str
+    model: str
+    workload: WorkloadSpec
+    request_rate: float = float("inf")  # sessions per second; inf = all at once
+    burstiness: float = 1.0  # gamma shape: 1 = Poisson, < 1 burstier
+    max_concurrency: int | None = None
+    duration: float | None = None  # stop starting sessions after this many seconds
+    slo_ttft: float | None = None  # seconds
+    slo_itl: float | None = None  # seconds (mean inter-token gap of a request)
+    timeout: float = 600.0
+    progress: bool = True
+
+
+async def _stream_one(
+    client: httpx.AsyncClient, args: ServeBenchArgs, prompt: list[int], record: RequestRecord,
+    t0: float,
+) -> None:  # fmt: skip
+    body = {
+        "model": args.model, "prompt": prompt, "max_tokens": record.max_tokens, "stream": True,
+        "stream_options": {"include_usage": True}, "temperature": 0, "ignore_eos": True,
+    }  # fmt: skip
+    last = None
+    chunks = 0
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                record.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    record.error = str(data["error"].get("message"))
+                    return
+                if data.get("usage"):
+                    record.output_tokens = data["usage"]["completion_tokens"]
+                if not data.get("choices") or not data["choices"][0].get("text"):
+                    continue
+                now = time.perf_counter() - t0
+                if last is None:
+                    record.ttft = now - record.start
+                else:
+                    record.itl.append(now - last)
+                last = now
+                chunks += 1
+        record.e2e = time.perf_counter() - t0 - record.start
+        record.output_tokens = record.output_tokens or chunks
+        record.success = True
+    except httpx.HTTPError as exc:
+        record.error = f"{type(exc).__name__}: {exc}"
+
+
+async def _run_session(
+    client: httpx.AsyncClient, args: ServeBenchArgs, index: int, session: Session,
+    records: list[RequestRecord], t0: float, limit: asyncio.Semaphore | None, bar: tqdm,
+) -> None:  # fmt: skip
+    history: list[int] = []
+    for turn_index, turn in enumerate(session.turns):
+        history += turn.new_tokens
+        record = RequestRecord(
+            index, turn_index, len(history), turn.max_tokens, time.perf_counter() - t0
+        )
+        records.append(record)
+        if limit is not None:
+            async with limit:
+                record.start = time.perf_counter() - t0
+                await _stream_one(client, args, history, record, t0)
+        else:
+            await _stream_one(client, args, history, record, t0)
+        bar.update(1)
+        if not record.success:
+            return  # a session stops at its first failure
+        history += reply_placeholder(record.output_tokens, args.workload.vocab_size, index)
+
+
+async def run_serve_bench(args: ServeBenchArgs) -> dict[str, Any]:
+    """Run the workload against `args.base_url`; returns the report with every record."""
+    sessions = build_workload(args.workload)
+    rng = np.random.default_rng(args.workload.seed)
+    limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    records: list[RequestRecord] = []
+    timeout = httpx.Timeout(args.timeout, connect=30)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=args.base_url, timeout=timeout, limits=limits) as client:
+        before = await _prefix_counters(client)
+        total = sum(len(s.turns) for s in sessions)
+        bar = tqdm(total=total, desc=f"{args.workload.name}", disable=not args.progress)
+        t0 = time.perf_counter()
+        tasks = []
+        for index, session in enumerate(sessions):
+            if args.duration is not None and time.perf_counter() - t0 > args.duration:
+                break
+            tasks.append(asyncio.create_task(
+                _run_session(client, args, index, session, records, t0, limit, bar)
+            ))  # fmt: skip
+            if args.request_rate != float("inf"):
+                gap = rng.gamma(args.burstiness, 1.0 / (args.request_rate * args.burstiness))
+                await asyncio.sleep(gap)
+        await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - t0
+        bar.close()
+        after = await _prefix_counters(client)
+    return summarize(records, elapsed, args, before, after)
+
+
+async def _prefix_counters(client: httpx.AsyncClient) -> tuple[float, float] | None:
+    """(queries, hits) of the server's prefix cache from /metrics, if it exports them."""
+    try:
+        text = (await client.get("/metrics")).text
+    except httpx.HTTPError:
+        return None
+    values = []
+    for name in ("prefix_cache_queries", "prefix_cache_hits"):
+        found = re.findall(rf"^\w+:{name}_total(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M)
+        if not found:
+            return None
+        values.append(sum(float(v) for v in found))
+    return values[0], values[1]
+
+
+def _stats(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None, "max": None}
+    arr = np.asarray(values)
+    return {
+        "mean": float(arr.mean()),
+        "p50": float(np.percentile(arr, 50)),
+        "p90": float(np.percentile(arr, 90)),
+        "p99": float(np.percentile(arr, 99)),
+        "max": float(arr.max()),
+    }
+
+
+def summarize(
+    records: list[RequestRecord],
+    elapsed: float,
+    args: ServeBenchArgs,
+    before: tuple[float, float] | None,
+    after: tuple[float, float] | None,
+) -> dict[str, Any]:
+    """Metrics as vLLM's `bench serve` defines them, plus every per-request record."""
+    ok = [r for r in records if r.success]
+    output_tokens = sum(r.output_tokens for r in ok)
+    prompt_tokens = sum(r.prompt_tokens for r in ok)
+
+    def good(r: RequestRecord) -> bool:
+        ttft_ok = args.slo_ttft is None or (r.ttft is not None and r.ttft <= args.slo_ttft)
+        tpot = r.tpot
+        itl_ok = args.slo_itl is None or tpot is None or tpot <= args.slo_itl
+        return ttft_ok and itl_ok
+
+    hit_rate = None
+    if before is not None and after is not None and after[0] > before[0]:
+        hit_rate = (after[1] - before[1]) / (after[0] - before[0])
+    sessions: dict[int, list[RequestRecord]] = {}
+    for r in ok:
+        sessions.setdefault(r.session, []).append(r)
+    completion = [max(x.start + (x.e2e or 0) for x in rs) - min(x.start for x in rs)
+                  for rs in sessions.values()]  # fmt: skip
+    return {
+        "workload": asdict(args.workload),
+        "base_url": args.base_url,
+        "model": args.model,
+        "request_rate": args.request_rate,
+        "max_concurrency": args.max_concurrency,
+        "elapsed_s": elapsed,
+        "requests": len(records),
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "request_throughput": len(ok) / elapsed,
+        "output_throughput": output_tokens / elapsed,
+        "total_token_throughput": (output_tokens + prompt_tokens) / elapsed,
+        "goodput": sum(good(r) for r in ok) / elapsed,
+        "slo": {"ttft_s": args.slo_ttft, "itl_s": args.slo_itl},
+        "prefix_cache_hit_rate": hit_rate,
+        "ttft_s": _stats([r.ttft for r in ok if r.ttft is not None]),
+        "itl_s": _stats([gap for r in ok for gap in r.itl]),
+        "tpot_s": _stats([t for r in ok if (t := r.tpot) is not None]),
+        "e2e_s": _stats([r.e2e for r in ok if r.e2e is not None]),
+        "session_completion_s": _stats(completion),
+        "records": [asdict(r) for r in records],
+    }
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The report as a readable table."""
+    rows = [
+        ("workload", report["workload"]["name"]),
+        ("requests (completed / failed)", f"{report['completed']} / {report['failed']}"),
+        ("elapsed", f"{report['elapsed_s']:.2f} s"),
+        ("request throughput", f"{report['request_throughput']:.2f} req/s"),
+        ("output token throughput", f"{report['output_throughput']:.1f} tok/s"),
+        ("total token throughput", f"{report['total_token_throughput']:.1f} tok/s"),
+        ("goodput", f"{report['goodput']:.2f} req/s"),
+    ]
+    if report["prefix_cache_hit_rate"] is not None:
+        rows.append(("prefix cache hit rate", f"{100 * report['prefix_cache_hit_rate']:.1f} %"))
+    lines = [f"{k:<32}{v}" for k, v in rows]
+    lines.append(f"{'(ms)':<18}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'max':>10}")
+    for key in ("ttft_s", "itl_s", "tpot_s", "e2e_s", "session_completion_s"):
+        s = report[key]
+        cells = "".join(
+            f"{'-' if s[q] is None else f'{1e3 * s[q]:.1f}':>10}"
+            for q in ("mean", "p50", "p90", "p99", "max")
+        )
+        lines.append(f"{key[:-2].upper():<18}{cells}")
+    return "\n".join(lines)

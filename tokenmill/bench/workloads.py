@@ -1,0 +1,93 @@
+"""Serving workloads (BENCHMARKS.md B3): what each simulated user sends, as token-id prompts.
+
+A workload is a list of sessions; a session is a sequence of turns sent one after another
+(the next turn starts when the previous response ends). Single-request workloads have one turn
+per session. Prompts are token ids with exact lengths, so the same workload runs unchanged
+against any OpenAI-compatible server that accepts token-id prompts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+WORKLOADS = ("random", "shared-prefix", "chatbot", "agent", "data")
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One request: new prompt tokens appended to the session's history, and its output length.
+
+    `new_tokens` extend the history (which starts empty); the request's prompt is the whole
+    history. The reply's tokens join the history as `reply_placeholder` ids of the reply's
+    length, since token ids of the server's reply are not returned by the API.
+    """
+
+    new_tokens: list[int]
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class Session:
+    turns: list[Turn]
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """Sizes of a workload; defaults follow BENCHMARKS.md B3 (scale them down on a CPU)."""
+
+    name: str
+    num_sessions: int = 16
+    vocab_size: int = 32000
+    seed: int = 0
+    input_len: int = 512  # random
+    output_len: int = 128  # random
+    prefix_len: int | None = None  # shared-prefix / chatbot / agent shared prompt length
+    length_scale: float = 1.0  # multiplies every length (e.g. 0.25 for a small CPU model)
+
+
+def build_workload(spec: WorkloadSpec) -> list[Session]:
+    """The sessions of `spec`, reproducible from its seed."""
+    if spec.name not in WORKLOADS:
+        raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {spec.name!r}")
+    rng = np.random.default_rng(spec.seed)
+
+    def scaled(n: float) -> int:
+        return max(1, round(n * spec.length_scale))
+
+    def ids(n: int) -> list[int]:
+        return rng.integers(10, spec.vocab_size, scaled(n)).tolist()
+
+    def count(lo: int, hi: int) -> int:
+        return int(rng.integers(lo, hi + 1))
+
+    def uniform(lo: int, hi: int) -> int:
+        return scaled(count(lo, hi))
+
+    builders: dict[str, Callable[[], Session]] = {}
+    shared = ids(
+        spec.prefix_len
+        if spec.prefix_len is not None
+        else {"chatbot": 2000, "agent": 16000, "shared-prefix": 1024}.get(spec.name, 0)
+    )
+    builders["random"] = lambda: Session([Turn(ids(spec.input_len), scaled(spec.output_len))])
+    builders["shared-prefix"] = lambda: Session(
+        [Turn(shared + ids(spec.input_len), scaled(spec.output_len))]
+    )
+    builders["chatbot"] = lambda: Session(
+        [Turn(shared + ids(uniform(50, 300)), uniform(50, 300))]
+        + [Turn(ids(uniform(50, 300)), uniform(50, 300)) for _ in range(count(1, 5))]
+    )
+    builders["agent"] = lambda: Session(
+        [Turn(shared + ids(uniform(50, 200)), uniform(100, 500))]
+        + [Turn(ids(uniform(50, 200)), uniform(100, 500)) for _ in range(count(9, 19))]
+    )
+    builders["data"] = lambda: Session([Turn(ids(uniform(2000, 8000)), uniform(20, 100))])
+    return [builders[spec.name]() for _ in range(spec.num_sessions)]
+
+
+def reply_placeholder(length: int, vocab_size: int, seed: int) -> list[int]:
+    """Stand-in token ids for a reply of `length` tokens in a session's history."""
+    return np.random.default_rng(seed).integers(10, vocab_size, length).tolist()
