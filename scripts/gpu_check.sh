@@ -18,7 +18,7 @@ python3 -c 'import torch, triton, transformers; print("torch", torch.__version__
 
 if [[ "$what" == tests || "$what" == all || "$what" == quick || "$what" == gputests ]]; then
   sel=(tests/kernels tests/gpu)
-  [[ "$what" == gputests ]] && sel=(tests/gpu tests/kernels -k "gpu or engine or skinny")
+  [[ "$what" == gputests ]] && sel=(tests/gpu tests/kernels -k "gpu or engine")
   python3 -m pytest -q -p no:cacheprovider "${sel[@]}" 2>&1 | tee "$out/pytest.log" | tail -25
   echo "tests: $(tail -1 "$out/pytest.log")" >> "$table"
 fi

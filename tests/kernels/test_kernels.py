@@ -205,15 +205,3 @@ def test_triton_backend_engine_matches_transformers(checkpoints, family: str) ->
     outputs = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(path, p, 10) for p in prompts]
     assert outputs[3].num_cached_tokens > 0  # shares 24 tokens with the second prompt
-
-
-@pytest.mark.parametrize("dtype", DOT_DTYPES)
-@pytest.mark.parametrize("m", [1, 2, 3, 8])
-@pytest.mark.parametrize(("n", "k"), [(64, 256), (100, 300), (1024, 512)])
-def test_skinny_gemm(dtype, m: int, n: int, k: int) -> None:
-    from tokenmill.kernels.skinny_gemm import skinny_gemm
-
-    gen = torch.Generator().manual_seed(m * n + k)
-    x = _randn(m, k, dtype=dtype, gen=gen)
-    w = _randn(n, k, dtype=dtype, gen=gen)
-    _close(skinny_gemm(x, w), x.double() @ w.double().T, dtype)

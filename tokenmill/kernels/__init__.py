@@ -9,12 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-SKINNY_MAX_M = 8
-
 try:
     from tokenmill.kernels.activation import silu_and_mul as fused_silu_and_mul
     from tokenmill.kernels.norm import rms_norm
-    from tokenmill.kernels.skinny_gemm import skinny_gemm
 except ImportError:  # triton is not installed
 
     def _missing(*_: Any, **__: Any) -> Any:
@@ -22,6 +19,5 @@ except ImportError:  # triton is not installed
 
     fused_silu_and_mul: Callable[..., Any] = _missing  # type: ignore[no-redef]
     rms_norm: Callable[..., Any] = _missing  # type: ignore[no-redef]
-    skinny_gemm: Callable[..., Any] = _missing  # type: ignore[no-redef]
 
-__all__ = ["SKINNY_MAX_M", "fused_silu_and_mul", "rms_norm", "skinny_gemm"]
+__all__ = ["fused_silu_and_mul", "rms_norm"]

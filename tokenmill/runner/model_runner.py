@@ -13,7 +13,6 @@ from tokenmill.attention.backend import AttentionInputs, create_backend
 from tokenmill.cache.kv_cache import KVCache
 from tokenmill.config import EngineConfig
 from tokenmill.engine.scheduler import SchedulerOutput
-from tokenmill.layers.linear import choose_gemm_kernels
 from tokenmill.models.loader import load_model
 from tokenmill.runner.cuda_graphs import CudaGraphRunner
 from tokenmill.runner.sampler import SampledTokens, Sampler, SamplerOutput, SamplingBatch
@@ -112,8 +111,6 @@ class ModelRunner:
                     f"attention_backend {config.attention_backend!r} cannot run in CUDA graphs; "
                     "use enforce_eager=True"
                 )
-            skinny = choose_gemm_kernels(self.model, self.device)
-            logger.info("skinny-GEMM kernel chosen for %d linear layers (M <= 8)", skinny)
             max_pages = -(-config.max_model_len // self.page_size)
             max_bs = min(config.cuda_graph_max_bs, max_seqs)
             self.graphs = CudaGraphRunner(
