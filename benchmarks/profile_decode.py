@@ -13,20 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from tokenmill import LLM, SamplingParams
-
-
-def _events_ms(fn, repeats: int = 50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return float(np.median(times))
+from tokenmill.observability.cuda_timing import median_cuda_seconds
 
 
 def main() -> None:
@@ -54,7 +41,8 @@ def main() -> None:
         ):
             engine.step()
         padded = graphs.padded_size(bs)
-        replay_ms = _events_ms(lambda padded=padded: graphs.graphs[padded].replay())
+        replay = graphs.graphs[padded].replay
+        replay_ms = 1e3 * median_cuda_seconds(replay, repeats=50)
         steps = 50
         torch.cuda.synchronize()
         start = time.perf_counter()

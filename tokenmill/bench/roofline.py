@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from tokenmill.config import ModelConfig
+from tokenmill.observability.cuda_timing import median_cuda_seconds
 
 # Measured on this workplace's H200 (../shared/device/README.md); used when no GPU is present.
 H200_COPY_BANDWIDTH = 4.27e12
@@ -81,22 +82,8 @@ def measure_hardware(device: torch.device, repeats: int = 20) -> Hardware:
     """Copy bandwidth (1 GiB device-to-device, bytes read + written) and bf16 matmul rate."""
     src = torch.randn(1 << 28, device=device)  # 1 GiB of float32
     dst = torch.empty_like(src)
-    copy_s = _median_time(lambda: dst.copy_(src), repeats)
+    copy_s = median_cuda_seconds(lambda: dst.copy_(src), repeats)
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    mm_s = _median_time(lambda: a @ b, repeats)
+    mm_s = median_cuda_seconds(lambda: a @ b, repeats)
     return Hardware(bandwidth=2 * src.numel() * 4 / copy_s, matmul_flops=2 * 8192**3 / mm_s)
-
-
-def _median_time(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return float(np.median(times))
