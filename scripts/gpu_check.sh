@@ -6,6 +6,12 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# The GPU image lacks msgspec, pyzmq, fastapi, ...: carry ../shared/device's wheels as .whl/
+# (run ../shared/device/prep-wheels.sh once, then `carry: [".whl"]`).
+if [[ -d .whl ]]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
 out="${OUT:-gpu-out}"
 mkdir -p "$out"
 what="${1:-all}"
