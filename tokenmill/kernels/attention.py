@@ -25,6 +25,21 @@ def _kv_block(
 
 
 @triton.jit
+def _attend_block(q, k, v, keep, m_i, l_i, acc, qk_scale):
+    """One online-softmax step: fold the block of keys `k` / values `v` (where `keep`) into the
+    running max `m_i`, normaliser `l_i` and output `acc` (base-2 exponentials)."""
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, kv_lens_ptr, page_table_ptr,
     stride_pt, qk_scale, window,
@@ -60,19 +75,11 @@ def _prefill_kernel(
         offs_n = start + tl.arange(0, BLOCK_N)
         valid = offs_n < kv_len
         k = _kv_block(k_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        v = _kv_block(v_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
         keep = (offs_n[None, :] <= q_pos[:, None]) & valid[None, :]
         if HAS_WINDOW:
             keep &= offs_n[None, :] > q_pos[:, None] - window
-        s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _kv_block(v_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+        m_i, l_i, acc = _attend_block(q, k, v, keep, m_i, l_i, acc, qk_scale)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         out_ptr + rows[:, None] * (HQ * D) + h * D + offs_d[None, :],
@@ -147,16 +154,8 @@ def _decode_split_kernel(
         offs_n = start + tl.arange(0, BLOCK_N)
         valid = offs_n < hi
         k = _kv_block(k_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = _kv_block(v_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+        m_i, l_i, acc = _attend_block(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale)
     # log2-sum-exp of this split's scores; -inf when the split saw no position.
     lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
