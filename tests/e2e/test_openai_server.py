@@ -142,6 +142,14 @@ def test_repeated_prompt_reports_cached_tokens(client: openai.OpenAI) -> None:
     assert cached >= second.usage.prompt_tokens - 16 and cached > 0
 
 
+def test_reset_prefix_cache_empties_the_cache(server: ServerHandle, client: openai.OpenAI):
+    prompt = "Reset me please, this prompt spans several pages. " * 4
+    client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2)
+    assert httpx.post(server.base_url + "/reset_prefix_cache").status_code == 200
+    again = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2)
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+
+
 def test_models_tokenize_detokenize_version(server: ServerHandle, client: openai.OpenAI) -> None:
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL_NAME]

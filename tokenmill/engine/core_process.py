@@ -24,6 +24,7 @@ from tokenmill.ipc.messages import (
     ProfileRequest,
     RequestDelta,
     RequestError,
+    ResetPrefixCacheRequest,
     ShutdownRequest,
 )
 from tokenmill.ipc.process import init_child
@@ -99,6 +100,8 @@ class EngineCoreLoop:
                 self._abort(rid, FinishReason(msg.reason))
         elif isinstance(msg, ProfileRequest):
             self._profile(msg)
+        elif isinstance(msg, ResetPrefixCacheRequest):
+            logger.info("prefix cache reset: %d pages freed", self.engine.cache.flush())
         elif isinstance(msg, ShutdownRequest):
             for rid in list(self.engine.request_ids()):
                 self._abort(rid, FinishReason.ABORT)

@@ -179,6 +179,12 @@ def build_app(state: ServerState) -> FastAPI:
     async def dashboard() -> Response:
         return Response(DASHBOARD_HTML.read_text(), media_type="text/html")
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        """Drop cached prefixes (e.g. after changing what prompts look like)."""
+        state.client.reset_prefix_cache()
+        return Response(status_code=200)
+
     @app.post("/start_profile")
     async def start_profile() -> Response:
         return _profile(state, start=True)

@@ -18,6 +18,7 @@ from tokenmill.ipc.messages import (
     EngineStats,
     ProfileRequest,
     RequestError,
+    ResetPrefixCacheRequest,
     TokenizeRequest,
 )
 from tokenmill.ipc.sockets import Addresses, encode, pull, push
@@ -130,6 +131,10 @@ class EngineClient:
         self.failure = message
         for sub_id, (queue, _) in list(self._queues.items()):
             queue.put_nowait(RequestError(sub_id, message, status=500))
+
+    def reset_prefix_cache(self) -> None:
+        """Ask the engine to drop every cached prefix no request is using."""
+        self._to_engine.send(encode(ResetPrefixCacheRequest()))
 
     def profile(self, start: bool, directory: str) -> None:
         """Start, or stop and write, the engine core's profiler trace."""

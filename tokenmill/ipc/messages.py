@@ -46,6 +46,10 @@ class ShutdownRequest(msgspec.Struct, tag=True):
     """Finish every request with "abort" and stop."""
 
 
+class ResetPrefixCacheRequest(msgspec.Struct, tag=True):
+    """Drop every cached prefix no running request uses."""
+
+
 class ProfileRequest(msgspec.Struct, tag=True):
     """Start (or stop and write) a torch profiler trace of the engine core into `directory`."""
 
@@ -132,4 +136,6 @@ class ClientBatch(msgspec.Struct, tag=True):
     stats: EngineStats | None = None
 
 
-EngineInput = EngineRequest | AbortRequest | ShutdownRequest | ProfileRequest
+EngineInput = (
+    EngineRequest | AbortRequest | ShutdownRequest | ProfileRequest | ResetPrefixCacheRequest
+)
