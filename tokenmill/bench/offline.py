@@ -14,8 +14,6 @@ import numpy as np
 import torch
 
 from tokenmill.bench.roofline import (
-    H200_COPY_BANDWIDTH,
-    H200_MATMUL_FLOPS,
     Hardware,
     ModelCost,
     batch_floor,
@@ -46,10 +44,9 @@ class OfflineBenchArgs:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def _hardware(device: torch.device) -> Hardware:
-    if device.type == "cuda":
-        return measure_hardware(device)
-    return Hardware(H200_COPY_BANDWIDTH, H200_MATMUL_FLOPS)
+def _hardware(device: torch.device) -> Hardware | None:
+    """Measured ceilings of the GPU; None on the CPU, where no roofline is modelled."""
+    return measure_hardware(device) if device.type == "cuda" else None
 
 
 def run_offline(args: OfflineBenchArgs) -> dict[str, Any]:
@@ -73,27 +70,28 @@ def run_offline(args: OfflineBenchArgs) -> dict[str, Any]:
         "config": args.config,
         "dtype": args.dtype,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "measured_copy_bandwidth_TBps": hw.bandwidth / 1e12,
-        "measured_matmul_TFLOPs": hw.matmul_flops / 1e12,
+        "measured_copy_bandwidth_TBps": hw.bandwidth / 1e12 if hw else None,
+        "measured_matmul_TFLOPs": hw.matmul_flops / 1e12 if hw else None,
         "engine_args": args.engine_kwargs,
     }
     if args.workload == "b1":
         report["tokenmill"] = _b1(llm, cfg.vocab_size, args, rng)
-        floor = single_stream_floor(cost, args.input_len, args.output_len, hw)
-        report["roofline_tpot_ms"] = floor * 1e3
-        report["roofline_tok_s"] = 1 / floor
-        report["tokenmill"]["pct_of_roofline"] = 100 * floor / report["tokenmill"]["tpot_s"]
+        if hw is not None:
+            floor = single_stream_floor(cost, args.input_len, args.output_len, hw)
+            report["roofline_tok_s"] = 1 / floor
+            report["tokenmill"]["pct_of_roofline"] = 100 * floor / report["tokenmill"]["tpot_s"]
     elif args.workload == "b2":
         prompts_len = rng.integers(args.min_len, args.max_len + 1, args.num_requests)
         outputs_len = rng.integers(args.min_len, args.max_len + 1, args.num_requests)
         prompts = [rng.integers(10, cfg.vocab_size, n).tolist() for n in prompts_len]
         report["tokenmill"] = _b2(llm, prompts, outputs_len.tolist())
-        ideal = batch_floor(cost, prompts_len, outputs_len, hw)
-        report["roofline_ideal_s"] = ideal
-        report["roofline_output_tok_s"] = float(outputs_len.sum()) / ideal
-        report["tokenmill"]["pct_of_roofline"] = (
-            100 * report["tokenmill"]["output_tok_s"] / report["roofline_output_tok_s"]
-        )
+        if hw is not None:
+            ideal = batch_floor(cost, prompts_len, outputs_len, hw)
+            report["roofline_ideal_s"] = ideal
+            report["roofline_output_tok_s"] = float(outputs_len.sum()) / ideal
+            report["tokenmill"]["pct_of_roofline"] = (
+                100 * report["tokenmill"]["output_tok_s"] / report["roofline_output_tok_s"]
+            )
     else:
         raise ValueError(f"workload must be b1 or b2, got {args.workload!r}")
     del llm
@@ -196,16 +194,24 @@ def summary_rows(report: dict[str, Any]) -> list[str]:
     peer = report.get("transformers", {})
     name = report["config"].rstrip("/").rsplit("/", 1)[-1]
     if report["workload"] == "b1":
+        roofline = (
+            f"{ours['pct_of_roofline']:.0f}% of roofline {report['roofline_tok_s']:.0f} tok/s"
+            if "pct_of_roofline" in ours
+            else "no roofline on the CPU"
+        )
         return [
             f"B1 {name}: tokenmill {ours['output_tok_s']:.0f} tok/s "
             f"(TPOT {ours['tpot_s'] * 1e3:.2f} ms, TTFT {ours['ttft_s'] * 1e3:.1f} ms, "
-            f"{ours['pct_of_roofline']:.0f}% of roofline {report['roofline_tok_s']:.0f} tok/s); "
-            f"transformers {peer.get('output_tok_s', float('nan')):.1f} tok/s"
+            f"{roofline}); transformers {peer.get('output_tok_s', float('nan')):.1f} tok/s"
         ]
+    roofline = (
+        f"{ours['pct_of_roofline']:.0f}% of ideal {report['roofline_output_tok_s']:.0f}"
+        if "pct_of_roofline" in ours
+        else "no roofline on the CPU"
+    )
     return [
         f"B2 {name}: tokenmill {ours['output_tok_s']:.0f} output tok/s, "
-        f"{ours['total_tok_s']:.0f} total tok/s in {ours['elapsed_s']:.1f} s "
-        f"({ours['pct_of_roofline']:.0f}% of ideal {report['roofline_output_tok_s']:.0f}); "
+        f"{ours['total_tok_s']:.0f} total tok/s in {ours['elapsed_s']:.1f} s ({roofline}); "
         f"transformers {peer.get('output_tok_s', float('nan')):.0f} tok/s "
         f"({peer.get('method', '-')})"
     ]
