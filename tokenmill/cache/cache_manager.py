@@ -32,11 +32,6 @@ class CacheManager:
         self.stats = PrefixCacheStats()
 
     @property
-    def num_free_pages(self) -> int:
-        """Pages available without evicting anything."""
-        return self.pool.num_free
-
-    @property
     def num_used_pages(self) -> int:
         """Pages held by requests or cached prefixes that are still referenced."""
         evictable = self.radix.num_evictable_pages if self.radix is not None else 0

@@ -265,8 +265,6 @@ async def _serve_generation(
         request_id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
         model=state.args.model_name,
         n=params.n,
-        num_prompts=len(requests),
-        want_logprobs=params.logprobs is not None,
     )
     for i, r in enumerate(requests):
         r.request_id = f"{response.request_id}-{i}"

@@ -27,8 +27,6 @@ class ResponseState:
     request_id: str
     model: str
     n: int
-    num_prompts: int
-    want_logprobs: bool
     created: int = field(default_factory=lambda: int(time.time()))
     choices: dict[int, ChoiceState] = field(default_factory=dict)
     prompt_tokens: dict[int, int] = field(default_factory=dict)
@@ -108,12 +106,14 @@ def chat_logprobs(
     return {"content": content}
 
 
+def _envelope(state: ResponseState, kind: str) -> dict[str, Any]:
+    """The fields every response body and chunk starts with."""
+    return {"id": state.request_id, "object": kind, "created": state.created, "model": state.model}
+
+
 def completion_body(state: ResponseState, top_n: int) -> dict[str, Any]:
     return {
-        "id": state.request_id,
-        "object": "text_completion",
-        "created": state.created,
-        "model": state.model,
+        **_envelope(state, "text_completion"),
         "choices": [
             {
                 "index": i,
@@ -129,10 +129,7 @@ def completion_body(state: ResponseState, top_n: int) -> dict[str, Any]:
 
 def chat_body(state: ResponseState, top_n: int) -> dict[str, Any]:
     return {
-        "id": state.request_id,
-        "object": "chat.completion",
-        "created": state.created,
-        "model": state.model,
+        **_envelope(state, "chat.completion"),
         "choices": [
             {
                 "index": i,
@@ -150,10 +147,7 @@ def completion_chunk(
     state: ResponseState, index: int, out: ClientOutput, top_n: int
 ) -> dict[str, Any]:
     return {
-        "id": state.request_id,
-        "object": "text_completion",
-        "created": state.created,
-        "model": state.model,
+        **_envelope(state, "text_completion"),
         "choices": [
             {
                 "index": index,
@@ -169,10 +163,7 @@ def chat_chunk(
     state: ResponseState, index: int, delta: dict[str, Any], out: ClientOutput | None, top_n: int
 ) -> dict[str, Any]:
     return {
-        "id": state.request_id,
-        "object": "chat.completion.chunk",
-        "created": state.created,
-        "model": state.model,
+        **_envelope(state, "chat.completion.chunk"),
         "choices": [
             {
                 "index": index,
@@ -186,10 +177,7 @@ def chat_chunk(
 
 def usage_chunk(state: ResponseState, chat: bool) -> dict[str, Any]:
     return {
-        "id": state.request_id,
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": state.created,
-        "model": state.model,
+        **_envelope(state, "chat.completion.chunk" if chat else "text_completion"),
         "choices": [],
         "usage": state.usage(),
     }
