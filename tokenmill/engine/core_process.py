@@ -171,7 +171,7 @@ class EngineCoreLoop:
             prefix_cache_queries=cache.stats.queries,
             prefix_cache_hits=cache.stats.hits,
             num_preemptions=engine.scheduler.stats.num_preemptions,
-            finished=dict(engine.num_finished),
+            finished=dict(engine.stats.finished),
             prompt_tokens=engine.stats.prompt_tokens,
             generation_tokens=engine.stats.generation_tokens,
             histograms={

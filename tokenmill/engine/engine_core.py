@@ -48,6 +48,7 @@ class EngineCounters:
 
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    finished: Counter[str] = field(default_factory=Counter)  # requests, by finish reason
     step_seconds: Histogram = field(default_factory=lambda: Histogram.new(STEP_SECONDS_BUCKETS))
     forward_seconds: Histogram = field(default_factory=lambda: Histogram.new(STEP_SECONDS_BUCKETS))
     iteration_tokens: Histogram = field(default_factory=lambda: Histogram.new(TOKEN_COUNT_BUCKETS))
@@ -83,7 +84,7 @@ class EngineCore:
         self._requests: dict[str, Request] = {}
         self._in_flight: _InFlight | None = None
         self.stats = EngineCounters()
-        self.num_finished: Counter[str] = Counter()  # by finish reason
+        self._waited = 0.0  # seconds the current step spent waiting for the GPU
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -128,7 +129,7 @@ class EngineCore:
         if req is None:
             return None
         del self._requests[request_id]
-        self.num_finished[reason.value] += 1
+        self.stats.finished[reason.value] += 1
         return self._output(req, [], None)
 
     def request_ids(self) -> list[str]:
@@ -191,7 +192,7 @@ class EngineCore:
             if req.is_finished:
                 del self._requests[req.request_id]
                 assert req.finish_reason is not None
-                self.num_finished[req.finish_reason.value] += 1
+                self.stats.finished[req.finish_reason.value] += 1
         return outputs
 
     def _output(
