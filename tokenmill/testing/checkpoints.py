@@ -128,7 +128,7 @@ def build_checkpoint(
     cfg.update(overrides)
     config = AutoConfig.for_model(**cfg)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     _write_config_dtype(path)
