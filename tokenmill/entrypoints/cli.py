@@ -91,6 +91,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_sampling_args(gen)
     add_engine_args(gen)
+    chat = commands.add_parser(
+        "chat",
+        help="Talk to the model in the terminal (its chat template, history kept).",
+        description="Reads one user message per line from standard input and prints each "
+        "reply; the conversation so far is re-sent every turn (the prefix cache makes that "
+        "cheap). An empty line or end of input quits.",
+    )
+    chat.add_argument("--model", required=True, help="Hugging Face checkpoint directory.")
+    chat.add_argument("--system", default=None, help="System prompt.")
+    _add_sampling_args(chat)
+    add_engine_args(chat)
     srv = commands.add_parser(
         "serve",
         help="Serve the OpenAI-compatible HTTP API.",
@@ -331,12 +342,8 @@ def _serve(ns: argparse.Namespace) -> int:
     return serve(args)
 
 
-def _generate(ns: argparse.Namespace) -> int:
-    from tokenmill.entrypoints.llm import LLM
-
-    args = engine_args_from(ns)
-    llm = LLM(**dataclasses.asdict(args))
-    params = SamplingParams(
+def _sampling_params(ns: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
         max_tokens=ns.max_tokens,
         temperature=ns.temperature,
         top_p=ns.top_p,
@@ -346,6 +353,30 @@ def _generate(ns: argparse.Namespace) -> int:
         stop=ns.stop,
         ignore_eos=ns.ignore_eos,
     )
+
+
+def _chat(ns: argparse.Namespace) -> int:
+    from tokenmill.entrypoints.llm import LLM
+
+    llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
+    params = _sampling_params(ns)
+    messages = [{"role": "system", "content": ns.system}] if ns.system else []
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        reply = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+        messages.append({"role": "assistant", "content": reply})
+        print(f"assistant: {reply}", flush=True)
+    return 0
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    from tokenmill.entrypoints.llm import LLM
+
+    args = engine_args_from(ns)
+    llm = LLM(**dataclasses.asdict(args))
+    params = _sampling_params(ns)
     if ns.chat:
         chats = [[{"role": "user", "content": p}] for p in ns.prompts]
         outputs = llm.chat(chats, params, use_tqdm=False)
@@ -366,7 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=ns.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        handlers = {"serve": _serve, "generate": _generate, "bench": _bench}
+        handlers = {"serve": _serve, "generate": _generate, "chat": _chat, "bench": _bench}
         return handlers[ns.command](ns)
     except ValueError as exc:
         print(f"tokenmill: error: {exc}", file=sys.stderr)
