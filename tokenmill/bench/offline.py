@@ -128,13 +128,26 @@ def _b1(llm: LLM, vocab: int, args: OfflineBenchArgs, rng: np.random.Generator) 
 def _b2(llm: LLM, prompts: list[list[int]], outputs: list[int]) -> dict[str, float]:
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
     llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm up
+    stats = llm.engine.stats
+    steps, host, device = (
+        stats.step_seconds.count,
+        stats.step_seconds.total,
+        stats.forward_seconds.total,
+    )
     elapsed = _timed(lambda: llm.generate(prompts, params, use_tqdm=False))
+    steps = stats.step_seconds.count - steps
     total_in = sum(len(p) for p in prompts)
     return {
         "elapsed_s": elapsed,
         "output_tok_s": sum(outputs) / elapsed,
         "total_tok_s": (sum(outputs) + total_in) / elapsed,
         "requests": len(prompts),
+        "engine_steps": steps,
+        # Host time per step (not waiting for the device) and the device's busy fraction
+        # (sum of per-step forward+sampling device time over the wall time). On the CPU the
+        # forward runs on the host, so there the host time includes it.
+        "host_ms_per_step": 1e3 * (stats.step_seconds.total - host) / max(steps, 1),
+        "device_busy_fraction": (stats.forward_seconds.total - device) / elapsed,
     }
 
 
@@ -191,7 +204,12 @@ def _peer(
 def summary_rows(report: dict[str, Any]) -> list[str]:
     """A short human-readable table of a report."""
     ours = report["tokenmill"]
-    peer = report.get("transformers", {})
+    peer = report.get("transformers")
+    peer_text = (
+        f"transformers {peer['output_tok_s']:.1f} tok/s ({peer['method']})"
+        if peer
+        else "transformers not run"
+    )
     name = report["config"].rstrip("/").rsplit("/", 1)[-1]
     if report["workload"] == "b1":
         roofline = (
@@ -202,7 +220,7 @@ def summary_rows(report: dict[str, Any]) -> list[str]:
         return [
             f"B1 {name}: tokenmill {ours['output_tok_s']:.0f} tok/s "
             f"(TPOT {ours['tpot_s'] * 1e3:.2f} ms, TTFT {ours['ttft_s'] * 1e3:.1f} ms, "
-            f"{roofline}); transformers {peer.get('output_tok_s', float('nan')):.1f} tok/s"
+            f"{roofline}); {peer_text}"
         ]
     roofline = (
         f"{ours['pct_of_roofline']:.0f}% of ideal {report['roofline_output_tok_s']:.0f}"
@@ -211,9 +229,9 @@ def summary_rows(report: dict[str, Any]) -> list[str]:
     )
     return [
         f"B2 {name}: tokenmill {ours['output_tok_s']:.0f} output tok/s, "
-        f"{ours['total_tok_s']:.0f} total tok/s in {ours['elapsed_s']:.1f} s ({roofline}); "
-        f"transformers {peer.get('output_tok_s', float('nan')):.0f} tok/s "
-        f"({peer.get('method', '-')})"
+        f"{ours['total_tok_s']:.0f} total tok/s in {ours['elapsed_s']:.1f} s ({roofline}; "
+        f"host {ours['host_ms_per_step']:.2f} ms/step, device busy "
+        f"{100 * ours['device_busy_fraction']:.0f}%); {peer_text}"
     ]
 
 
