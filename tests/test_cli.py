@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -50,3 +51,29 @@ def test_help_documents_every_engine_option() -> None:
     for name in EngineArgs.__dataclass_fields__:
         if name != "model":
             assert "--" + name.replace("_", "-") in out
+
+
+def test_bench_offline_b1_and_b2_on_the_cpu(llama_dir: Path, tmp_path: Path, capsys) -> None:
+    b1, b2 = tmp_path / "b1.json", tmp_path / "b2.json"
+    common = ["--config", str(llama_dir), "--device", "cpu", "--dtype", "float32"]
+    assert main(["bench", "offline", *common, "--workload", "b1", "--input-len", "16",
+                 "--output-len", "8", "--output", str(b1)]) == 0  # fmt: skip
+    report = json.loads(b1.read_text())
+    assert (
+        report["tokenmill"]["output_tok_s"] > 0 and report["transformers"]["method"] == "generate"
+    )
+    b2_args = ["--workload", "b2", "--num-requests", "4", "--min-len", "8", "--max-len", "16"]
+    assert main(["bench", "offline", *common, *b2_args, "--no-peer", "--output", str(b2)]) == 0
+    report = json.loads(b2.read_text())
+    assert report["tokenmill"]["requests"] == 4 and report["tokenmill"]["engine_steps"] > 0
+    assert "transformers" not in report
+    out = capsys.readouterr().out
+    assert "B1 llama" in out and "B2 llama" in out and "transformers not run" in out
+
+
+def test_bench_roofline_prints_the_floor(capsys) -> None:
+    config = Path(__file__).parent / "data" / "llama-3.1-8b"
+    assert main(["bench", "roofline", "--config", str(config), "--workload", "b1"]) == 0
+    out = capsys.readouterr().out
+    # 15.0 GB of bf16 weights per step at 4.27 TB/s: ~3.5 ms, ~283 tok/s.
+    assert "B1 floor: 3.5" in out and "283 tok/s" in out
