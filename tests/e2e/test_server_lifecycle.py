@@ -13,7 +13,9 @@ import pytest
 
 from tests.e2e.server import MODEL_NAME, run_server, wait_until
 
-LONG = {"model": MODEL_NAME, "prompt": "go", "max_tokens": 1000, "ignore_eos": True}
+# Eight long choices per request keep the engine busy for seconds, so the requests are surely
+# still running when the test kills or stops the server.
+LONG = {"model": MODEL_NAME, "prompt": "go", "max_tokens": 1000, "n": 8, "ignore_eos": True}
 
 
 def _alive(pid: int) -> bool:
@@ -45,7 +47,7 @@ def test_killed_engine_turns_health_503_and_fails_requests(llama_dir: Path, tmp_
         for t in threads:
             t.start()
         assert wait_until(
-            lambda: httpx.get(server.base_url + "/load").json().get("num_requests_running") == 2
+            lambda: httpx.get(server.base_url + "/load").json().get("num_requests_running") == 16
         )
         killed_at = time.monotonic()
         os.kill(engine_pid, signal.SIGKILL)
