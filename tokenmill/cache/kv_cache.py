@@ -21,6 +21,7 @@ class KVCache:
     def allocate(
         model: ModelConfig, num_pages: int, page_size: int, device: torch.device
     ) -> KVCache:
+        """Zeroed K and V tensors for every layer on `device`."""
         shape = (num_pages, page_size, model.num_kv_heads, model.head_dim)
         k = [torch.zeros(shape, dtype=model.dtype, device=device) for _ in range(model.num_layers)]
         v = [torch.zeros(shape, dtype=model.dtype, device=device) for _ in range(model.num_layers)]

@@ -32,6 +32,7 @@ class ScheduledSeq:
 
     @staticmethod
     def of(req: Request, num_new: int) -> ScheduledSeq:
+        """Schedule `num_new` tokens of `req` from its computed ones."""
         samples = num_new == req.num_uncomputed_tokens
         return ScheduledSeq(req, req.num_computed_tokens, num_new, samples)
 
@@ -72,9 +73,11 @@ class Scheduler:
         self.stats = SchedulerStats()
 
     def add_request(self, req: Request) -> None:
+        """Queue a request at the back of the waiting queue."""
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
+        """Whether any request waits or runs."""
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:

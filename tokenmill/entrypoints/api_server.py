@@ -135,16 +135,19 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        """Liveness and readiness: 200 when serving, 503 while starting, stopping or broken."""
         if state.healthy and not state.shutting_down:
             return Response(status_code=200)
         return Response(status_code=503)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
+        """The tokenmill version."""
         return {"version": tokenmill.__version__}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
+        """The served model (OpenAI `GET /v1/models`)."""
         card = {
             "id": state.args.model_name,
             "object": "model",
@@ -173,10 +176,12 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        """Prometheus metrics (text exposition format)."""
         return Response(state.client.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/dashboard")
     async def dashboard() -> Response:
+        """The live dashboard page."""
         return Response(DASHBOARD_HTML.read_text(), media_type="text/html")
 
     @app.post("/reset_prefix_cache")
@@ -187,14 +192,17 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/start_profile")
     async def start_profile() -> Response:
+        """Start the engine core's torch profiler (needs --enable-profiling)."""
         return _profile(state, start=True)
 
     @app.post("/stop_profile")
     async def stop_profile() -> Response:
+        """Stop the profiler and write its Chrome trace (needs --enable-profiling)."""
         return _profile(state, start=False)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:
+        """Token ids of a prompt or of a chat rendered with the chat template."""
         if (failure := _check_model(state, body.model)) is not None:
             return failure
         try:
@@ -212,6 +220,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> Response:
+        """Text of token ids."""
         if (failure := _check_model(state, body.model)) is not None:
             return failure
         if state.tokenizer is None:
@@ -223,10 +232,12 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
+        """OpenAI completions, streamed or not."""
         return await _serve_generation(state, raw, body, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        """OpenAI chat completions, streamed or not."""
         return await _serve_generation(state, raw, body, chat=True)
 
     return app

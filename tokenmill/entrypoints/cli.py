@@ -69,6 +69,7 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `tokenmill` argument parser with every subcommand."""
     parser = argparse.ArgumentParser(
         prog="tokenmill", description="tokenmill: a small, fast, observable LLM inference engine."
     )

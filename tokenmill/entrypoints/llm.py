@@ -39,6 +39,7 @@ class LLM:
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
+        """The checkpoint's tokenizer (None when it has none)."""
         return self.tokenizer
 
     def generate(

@@ -112,6 +112,7 @@ def _envelope(state: ResponseState, kind: str) -> dict[str, Any]:
 
 
 def completion_body(state: ResponseState, top_n: int) -> dict[str, Any]:
+    """The non-streamed `text_completion` body."""
     return {
         **_envelope(state, "text_completion"),
         "choices": [
@@ -128,6 +129,7 @@ def completion_body(state: ResponseState, top_n: int) -> dict[str, Any]:
 
 
 def chat_body(state: ResponseState, top_n: int) -> dict[str, Any]:
+    """The non-streamed `chat.completion` body."""
     return {
         **_envelope(state, "chat.completion"),
         "choices": [
@@ -146,6 +148,7 @@ def chat_body(state: ResponseState, top_n: int) -> dict[str, Any]:
 def completion_chunk(
     state: ResponseState, index: int, out: ClientOutput, top_n: int
 ) -> dict[str, Any]:
+    """One streamed `text_completion` chunk for choice `index`."""
     return {
         **_envelope(state, "text_completion"),
         "choices": [
@@ -162,6 +165,7 @@ def completion_chunk(
 def chat_chunk(
     state: ResponseState, index: int, delta: dict[str, Any], out: ClientOutput | None, top_n: int
 ) -> dict[str, Any]:
+    """One streamed `chat.completion.chunk` for choice `index` (`out` None: role only)."""
     return {
         **_envelope(state, "chat.completion.chunk"),
         "choices": [
@@ -176,6 +180,7 @@ def chat_chunk(
 
 
 def usage_chunk(state: ResponseState, chat: bool) -> dict[str, Any]:
+    """The final streamed chunk carrying only `usage` (stream_options.include_usage)."""
     return {
         **_envelope(state, "chat.completion.chunk" if chat else "text_completion"),
         "choices": [],

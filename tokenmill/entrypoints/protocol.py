@@ -10,6 +10,8 @@ from tokenmill.sampling_params import SamplingParams
 
 
 class StreamOptions(BaseModel):
+    """`stream_options` of a streamed request."""
+
     include_usage: bool = False
 
 
@@ -69,6 +71,7 @@ class _SamplingRequest(BaseModel):
 
     @property
     def include_usage(self) -> bool:
+        """Whether the stream ends with a usage chunk."""
         return self.stream_options is not None and self.stream_options.include_usage
 
 
@@ -97,6 +100,7 @@ class CompletionRequest(_SamplingRequest):
         return list(p)  # type: ignore[arg-type]
 
     def sampling_params(self) -> SamplingParams:
+        """The request as SamplingParams; raises ValueError for unsupported fields."""
         if self.echo:
             raise ValueError("echo is not supported, got true")
         if self.suffix:
@@ -107,6 +111,8 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ChatMessage(BaseModel):
+    """One chat message; content may be text or a list of text parts."""
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -137,6 +143,7 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[dict[str, Any]] | None = None
 
     def sampling_params(self) -> SamplingParams:
+        """The request as SamplingParams; raises ValueError for unsupported fields."""
         if self.tools:
             raise ValueError("tools are not supported, got a non-empty list")
         if self.top_logprobs is not None and not self.logprobs:

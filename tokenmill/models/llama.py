@@ -17,6 +17,8 @@ from tokenmill.layers.rotary import RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
+    """Self-attention: fused q/k/v projection, optional q/k norm, rotary, paged attention."""
+
     def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.layer = layer
@@ -41,6 +43,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward: fused gate/up projection, SiLU-and-mul, down projection."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         size = cfg.intermediate_size
@@ -52,6 +56,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm decoder block; the residual add is fused into the next norm."""
+
     def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer, rotary)
@@ -76,6 +82,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)

@@ -57,6 +57,7 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        """Capture one graph per ladder size (log the total time)."""
         start = time.perf_counter()
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
             self._capture(bs)
@@ -96,6 +97,7 @@ class CudaGraphRunner:
         self.graphs[bs] = graph
 
     def padded_size(self, batch: int) -> int:
+        """The smallest captured batch size that holds `batch` sequences."""
         return self.sizes[bisect.bisect_left(self.sizes, batch)]
 
     def run(
