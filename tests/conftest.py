@@ -20,7 +20,9 @@ def _patch_triton_interpreter() -> None:
         import triton.runtime.interpreter as interpreter
     except ImportError:
         return
-    original = interpreter._patch_lang_tensor
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None:  # another Triton version: nothing to patch
+        return
 
     def patched(tensor, scope) -> None:
         original(tensor, scope)
