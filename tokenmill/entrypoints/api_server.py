@@ -449,9 +449,15 @@ def _start_children(
     return children
 
 
-def _stop_children(children: list[BaseProcess]) -> None:
+def _stop_children(children: list[BaseProcess], client: EngineClient) -> None:
+    """Let the engine core finish its requests and exit, then stop the other workers."""
+    client.shutdown_engine()
+    engine = next((p for p in children if p.name == "engine-core"), None)
+    if engine is not None:
+        engine.join(timeout=5)
     for proc in children:
-        proc.terminate()
+        if proc.is_alive():
+            proc.terminate()
     for proc in children:
         proc.join(timeout=5)
         if proc.is_alive():
@@ -481,6 +487,6 @@ def serve(args: ServeArgs) -> int:
     try:
         server.run()
     finally:
-        _stop_children(state.children)
+        _stop_children(state.children, client)
         client.close()
     return 0 if server.started else 1

@@ -19,6 +19,7 @@ from tokenmill.ipc.messages import (
     ProfileRequest,
     RequestError,
     ResetPrefixCacheRequest,
+    ShutdownRequest,
     TokenizeRequest,
 )
 from tokenmill.ipc.sockets import Addresses, encode, pull, push
@@ -131,6 +132,10 @@ class EngineClient:
         self.failure = message
         for sub_id, (queue, _) in list(self._queues.items()):
             queue.put_nowait(RequestError(sub_id, message, status=500))
+
+    def shutdown_engine(self) -> None:
+        """Ask the engine core to abort what it still runs and exit."""
+        self._to_engine.send(encode(ShutdownRequest()))
 
     def reset_prefix_cache(self) -> None:
         """Ask the engine to drop every cached prefix no request is using."""
