@@ -10,6 +10,7 @@ import types
 from collections.abc import Sequence
 from typing import Any, get_args, get_type_hints
 
+from tokenmill import __version__
 from tokenmill.config import EngineArgs
 from tokenmill.sampling_params import SamplingParams
 
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokenmill", description="tokenmill: a small, fast, observable LLM inference engine."
     )
+    parser.add_argument("--version", action="version", version=f"tokenmill {__version__}")
     parser.add_argument(
         "--log-level",
         default="INFO",
