@@ -64,16 +64,19 @@ class EngineClient:
         self._decoder = msgspec.msgpack.Decoder(ClientBatch)
         # sub-request id → (its HTTP request's queue, its number of choices)
         self._queues: dict[str, tuple[asyncio.Queue[ClientOutput | RequestError], int]] = {}
-        self.stats: EngineStats | None = None
         self.ready = asyncio.Event()
         self.failure: str | None = None
+
+    @property
+    def stats(self) -> EngineStats | None:
+        """The engine's latest stats (None until the engine has loaded the model)."""
+        return self.metrics.engine.stats
 
     async def run_output_loop(self) -> None:
         """Forever: read client batches and hand each output to its request's queue."""
         while True:
             batch = self._decoder.decode(await self._outputs.recv())
             if batch.stats is not None:
-                self.stats = batch.stats
                 self.metrics.engine.stats = batch.stats
                 self.ready.set()
             for item in [*batch.outputs, *batch.errors]:

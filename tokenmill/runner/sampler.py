@@ -13,8 +13,7 @@ from tokenmill.engine.request import Logprob, Request
 class SamplingBatch:
     """The sampling settings of every row of a logits batch, as device tensors."""
 
-    all_greedy: bool
-    temperature: torch.Tensor | None  # [B] float; 0 = greedy (None when all greedy)
+    temperature: torch.Tensor | None  # [B] float; 0 = greedy (None when all rows are greedy)
     top_k: torch.Tensor | None  # [B] int; vocab size = off
     top_p: torch.Tensor | None  # [B] float
     min_p: torch.Tensor | None  # [B] float
@@ -43,7 +42,6 @@ class SamplingBatch:
             if len(r.output_token_ids) + r.num_pending < r.params.min_tokens
         ]
         return SamplingBatch(
-            all_greedy=all_greedy,
             temperature=tensor(
                 [0.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
             ),
