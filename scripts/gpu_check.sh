@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call (see ../shared/device/README.md).
-# Usage on the device: bash scripts/gpu_check.sh [quick|tests|gputests|profile|b1|b2|all]
+# Usage on the device: bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|all]
 # (gputests = the engine tests on the GPU + profile + B1, without the kernel unit tests)
 # Full logs and JSON reports go to $OUT (or ./gpu-out); a short table is printed last.
 set -uo pipefail
@@ -24,7 +24,7 @@ python3 -c 'import torch, triton, transformers; print("torch", torch.__version__
 
 if [[ "$what" == tests || "$what" == all || "$what" == quick || "$what" == gputests ]]; then
   sel=(tests/kernels tests/gpu)
-  [[ "$what" == gputests ]] && sel=(tests/gpu tests/kernels -k "gpu or engine")
+  [[ "$what" == gputests ]] && sel=(tests/gpu tests/kernels -k "gpu or engine or gemv")
   python3 -m pytest -q -p no:cacheprovider "${sel[@]}" 2>&1 | tee "$out/pytest.log" | tail -25
   echo "tests: $(tail -1 "$out/pytest.log")" >> "$table"
 fi
@@ -43,6 +43,9 @@ if [[ "$what" == profile || "$what" == all || "$what" == gputests ]]; then
   for m in qwen3-0.6b llama-3.1-8b; do
     python3 benchmarks/profile_decode.py --config "$models/$m" 2>&1 | tee "$out/profile-$m.log" | grep -E "^bs=" >> "$table"
   done
+fi
+if [[ "$what" == gemv || "$what" == all ]]; then
+  python3 benchmarks/gemv_sweep.py --m 1 4 --out "$out/gemv.json" 2>&1 | tee "$out/gemv.log" | grep "M=" >> "$table"
 fi
 if [[ "$what" == quick ]]; then
   bench qwen3-0.6b b1 --no-peer "${kv[@]}" --engine-arg max_num_seqs=8

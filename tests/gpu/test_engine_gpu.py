@@ -98,3 +98,21 @@ def test_bfloat16_tracks_float32_transformers(tmp_path_factory, family: str) -> 
             assert abs(ours - ref[i, token].item()) < 0.15
     assert clear_agree / clear >= 0.99, f"top-1 agreement where clear: {clear_agree}/{clear}"
     assert agree / total >= 0.95, f"top-1 agreement {agree}/{total}"
+
+
+def test_gemv_choice_keeps_outputs() -> None:
+    """A forced GEMV config gives cuBLAS's result to bf16 rounding, and the start-up choice only
+    ever picks configs from the candidate list."""
+    from tokenmill.layers.linear import GEMV_BUCKETS, GEMV_CANDIDATES, Linear, choose_gemv_kernels
+
+    hidden = 1024
+    layer = Linear(hidden, 3 * hidden).cuda().to(torch.bfloat16)
+    layer.weight.normal_()
+    x = torch.randn(3, hidden, device="cuda", dtype=torch.bfloat16)
+    reference = layer(x).float()
+    layer.gemv_configs = dict.fromkeys(GEMV_BUCKETS, GEMV_CANDIDATES[3])
+    forced = layer(x).float()
+    assert (forced - reference).abs().max() <= 0.02 * reference.abs().max()
+    layer.gemv_configs = {}
+    assert choose_gemv_kernels(layer) in (0, 1, 2)
+    assert all(c in GEMV_CANDIDATES for c in layer.gemv_configs.values())

@@ -13,6 +13,7 @@ triton = pytest.importorskip("triton")
 
 from tokenmill.kernels.activation import silu_and_mul  # noqa: E402
 from tokenmill.kernels.attention import decode_attention, prefill_attention  # noqa: E402
+from tokenmill.kernels.gemv import GemvConfig, gemv  # noqa: E402
 from tokenmill.kernels.norm import rms_norm  # noqa: E402
 from tokenmill.kernels.rope_store import rope_and_store  # noqa: E402
 
@@ -58,6 +59,30 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
     x = _randn(7, 2 * 300, dtype=dtype, gen=gen)
     gate, up = x.double().chunk(2, dim=-1)
     _close(silu_and_mul(x), torch.nn.functional.silu(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3, 4, 8])
+@pytest.mark.parametrize(
+    "config", [GemvConfig(8, 32, 1), GemvConfig(16, 64, 3), GemvConfig(4, 32, 8, num_warps=2)]
+)
+def test_gemv(dtype: torch.dtype, m: int, config: GemvConfig) -> None:
+    """Ragged N and K (not multiples of the tiles); split-K partials reduced by the last program;
+    a second call reuses the tickets the first left zeroed and gives the same bits."""
+    gen = torch.Generator().manual_seed(m)
+    x, w = _randn(m, 200, dtype=dtype, gen=gen), _randn(37, 200, dtype=dtype, gen=gen)
+    out = gemv(x, w, config)
+    assert out.dtype == dtype and out.shape == (m, 37)
+    _close(out, x.double() @ w.double().T, dtype)
+    assert torch.equal(gemv(x, w, config), out)
+
+
+def test_gemv_rejects_bad_shapes() -> None:
+    w = torch.zeros(8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="M <= 8"):
+        gemv(torch.zeros(9, 16, device=DEVICE), w, GemvConfig(8, 16, 1))
+    with pytest.raises(ValueError, match="W \\[N, K\\]"):
+        gemv(torch.zeros(2, 15, device=DEVICE), w, GemvConfig(8, 16, 1))
 
 
 def _rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

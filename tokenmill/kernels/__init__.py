@@ -11,13 +11,26 @@ from typing import Any
 
 try:
     from tokenmill.kernels.activation import silu_and_mul as fused_silu_and_mul
+    from tokenmill.kernels.gemv import GemvConfig, gemv
     from tokenmill.kernels.norm import rms_norm
 except ImportError:  # triton is not installed
+    from dataclasses import dataclass
 
     def _missing(*_: Any, **__: Any) -> Any:
         raise RuntimeError("CUDA kernels need triton: pip install triton")
 
     fused_silu_and_mul: Callable[..., Any] = _missing  # type: ignore[no-redef]
     rms_norm: Callable[..., Any] = _missing  # type: ignore[no-redef]
+    gemv: Callable[..., Any] = _missing  # type: ignore[no-redef]
 
-__all__ = ["fused_silu_and_mul", "rms_norm"]
+    @dataclass(frozen=True)
+    class GemvConfig:  # type: ignore[no-redef]
+        """Stand-in (never used without triton): see tokenmill.kernels.gemv.GemvConfig."""
+
+        block_n: int
+        block_k: int
+        split_k: int
+        num_warps: int = 4
+
+
+__all__ = ["GemvConfig", "fused_silu_and_mul", "gemv", "rms_norm"]

@@ -11,7 +11,7 @@ from torch.nn import functional as F
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.config import ModelConfig
 from tokenmill.layers.activation import silu_and_mul
-from tokenmill.layers.linear import MergedLinear, QKVLinear
+from tokenmill.layers.linear import Linear, MergedLinear, QKVLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 
@@ -26,7 +26,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVLinear(
             cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias
         )
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
         self.rotary = rotary
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -49,7 +49,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         size = cfg.intermediate_size
         self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": size, "up": size})
-        self.down_proj = nn.Linear(size, cfg.hidden_size, bias=False)
+        self.down_proj = Linear(size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

@@ -13,6 +13,7 @@ from tokenmill.attention.backend import AttentionInputs, create_backend
 from tokenmill.cache.kv_cache import KVCache
 from tokenmill.config import EngineConfig
 from tokenmill.engine.scheduler import SchedulerOutput
+from tokenmill.layers.linear import choose_gemv_kernels
 from tokenmill.models.loader import load_model
 from tokenmill.runner.cuda_graphs import CudaGraphRunner
 from tokenmill.runner.sampler import SampledTokens, Sampler, SamplerOutput, SamplingBatch
@@ -111,6 +112,8 @@ class ModelRunner:
                     f"attention_backend {config.attention_backend!r} cannot run in CUDA graphs; "
                     "use enforce_eager=True"
                 )
+            chosen = choose_gemv_kernels(self.model)
+            logger.info("GEMV kernel chosen over cuBLAS for %d (layer, row bucket) pairs", chosen)
             max_pages = -(-config.max_model_len // self.page_size)
             max_bs = min(config.cuda_graph_max_bs, max_seqs)
             self.graphs = CudaGraphRunner(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +75,13 @@ def _corpus() -> list[str]:
     return [*docs, *extra] * 3
 
 
-def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer with BOS/EOS and a ChatML chat template."""
+def build_tokenizer(
+    vocab_size: int = 512, corpus: Iterable[str] | None = None
+) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer with BOS/EOS and a ChatML chat template, trained on `corpus`.
+
+    Without a corpus it trains on a few standard-library docstrings (enough for test models).
+    """
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -85,7 +91,7 @@ def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator(_corpus() if corpus is None else corpus, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         unk_token="<unk>",

@@ -1,0 +1,328 @@
+"""Train tokenmill's embedded demo models: a ~16 M Llama and a ~2 M draft sharing its tokenizer.
+
+Two steps, reproducible from Debian's archive and this file alone:
+
+    # 1. on any Debian machine with network access to the archive (seconds):
+    python scripts/train_demo_model.py corpus --out data/demo-corpus
+    # 2. on a GPU machine (a few minutes on an H200; the corpus directory travels with the tree):
+    python scripts/train_demo_model.py train --corpus data/demo-corpus --out tokenmill/assets
+
+The corpus is the reStructuredText source of the Python 3.11 documentation as Debian ships it in
+`python3.11-doc` (`usr/share/doc/python3.11/html/_sources`): ~11 MB of edited English prose about
+one subject, under the PSF License Agreement, which allows distributing derived works with its
+notice (kept in each checkpoint's README.md). Every 20th document (sorted by path) is held out.
+
+`train` writes two Hugging Face checkpoint directories (bf16 safetensors, byte-level BPE tokenizer,
+ChatML chat template) plus `report.json`: held-out perplexity of both models, the draft's greedy
+agreement with the big model, sample outputs and the training settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+DEBIAN_PACKAGE = "python3.11-doc"
+SOURCES_DIR = "usr/share/doc/python3.11/html/_sources"
+HELD_OUT_EVERY = 20
+VOCAB_SIZE = 8192
+SEQ_LEN = 512
+BIG_NAME = "demo-llama-16m"
+DRAFT_NAME = "demo-llama-2m-draft"
+SAMPLE_PROMPTS = [
+    "The list type",
+    "To open a file for reading,",
+    "A dictionary is",
+    "The following example shows how to",
+]
+
+_ROLE = re.compile(r":[a-z]+(?::[a-z]+)?:`~?([^`<]*?)(?:\s*<[^>]*>)?`")
+_UNDERLINE = re.compile(r"^\s*([=\-~^*#+\"'`.])\1{2,}\s*$")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The Llama hyper-parameters of one demo model."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+
+
+BIG = ModelShape(384, 1024, 8, 6, 2)
+DRAFT = ModelShape(128, 384, 4, 4, 2)
+
+
+# ----------------------------------------------------------------------------- corpus
+
+
+def clean_rst(text: str) -> str:
+    """Strip the reST markup that is not prose: heading underlines and role wrappers."""
+    lines = [line for line in text.splitlines() if not _UNDERLINE.match(line)]
+    text = _ROLE.sub(r"\1", "\n".join(lines))
+    return re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
+
+
+def build_corpus(out: Path) -> None:
+    """Download `python3.11-doc` from Debian, clean its reST sources, split train / held-out."""
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(["apt-get", "download", DEBIAN_PACKAGE], cwd=tmp, check=True)
+        deb = next(Path(tmp).glob(f"{DEBIAN_PACKAGE}_*.deb"))
+        subprocess.run(["dpkg-deb", "-x", str(deb), f"{tmp}/root"], check=True)
+        files = sorted(Path(tmp, "root", SOURCES_DIR).rglob("*.rst.txt"))
+        docs = [clean_rst(f.read_text(encoding="utf-8")) for f in files]
+        source = {"package": deb.name, "documents": len(docs), "held_out_every": HELD_OUT_EVERY}
+    held = [d for i, d in enumerate(docs) if i % HELD_OUT_EVERY == 0]
+    train = [d for i, d in enumerate(docs) if i % HELD_OUT_EVERY != 0]
+    (out / "train.jsonl").write_text("".join(json.dumps(d) + "\n" for d in train))
+    (out / "heldout.jsonl").write_text("".join(json.dumps(d) + "\n" for d in held))
+    (out / "SOURCE.json").write_text(json.dumps(source, indent=2))
+    print(f"{len(train)} training and {len(held)} held-out documents from {source['package']}")
+
+
+def read_docs(path: Path) -> list[str]:
+    """The documents of one corpus split."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def token_stream(tokenizer: Any, docs: list[str]) -> torch.Tensor:
+    """All documents as one id stream, each followed by EOS."""
+    ids: list[int] = []
+    for enc in tokenizer.backend_tokenizer.encode_batch(docs):
+        ids.extend(enc.ids)
+        ids.append(tokenizer.eos_token_id)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def make_model(shape: ModelShape, tokenizer: Any) -> Any:
+    """A randomly initialised `LlamaForCausalLM` of `shape` with tied embeddings."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **asdict(shape),
+    )
+    return LlamaForCausalLM(config)
+
+
+def heldout_windows(stream: torch.Tensor, max_windows: int = 256) -> torch.Tensor:
+    """Non-overlapping SEQ_LEN + 1 windows of the held-out stream (the last partial one dropped)."""
+    n = min(max_windows, (len(stream) - 1) // SEQ_LEN)
+    return torch.stack([stream[i * SEQ_LEN : i * SEQ_LEN + SEQ_LEN + 1] for i in range(n)])
+
+
+@torch.no_grad()
+def mean_loss(model: Any, windows: torch.Tensor, device: str, batch: int = 32) -> float:
+    """Mean next-token cross-entropy (nats) over every position of `windows`."""
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(windows), batch):
+        w = windows[i : i + batch].to(device)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            logits = model(input_ids=w[:, :-1]).logits.float()
+        total += F.cross_entropy(logits.flatten(0, 1), w[:, 1:].flatten(), reduction="sum").item()
+        count += w[:, 1:].numel()
+    model.train()
+    return total / count
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """Optimiser and schedule settings of one training run."""
+
+    batch_size: int
+    steps: int
+    lr: float
+    warmup: int = 100
+    weight_decay: float = 0.1
+    eval_every: int = 100
+
+
+def train_model(
+    model: Any, train: torch.Tensor, windows: torch.Tensor, s: TrainSettings, device: str
+) -> dict[str, Any]:
+    """AdamW with warm-up and cosine decay on random windows; keeps the best held-out weights."""
+    model.to(device).train()
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=s.weight_decay, fused=False
+    )
+    gen = torch.Generator().manual_seed(0)
+    best = (math.inf, 0, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    history = []
+    start = time.perf_counter()
+    for step in range(1, s.steps + 1):
+        frac = min(1.0, step / s.warmup)
+        decay = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / s.steps))
+        for group in opt.param_groups:
+            group["lr"] = s.lr * frac * decay
+        starts = torch.randint(0, len(train) - SEQ_LEN - 1, (s.batch_size,), generator=gen)
+        batch = torch.stack([train[i : i + SEQ_LEN + 1] for i in starts.tolist()]).to(device)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            logits = model(input_ids=batch[:, :-1]).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % s.eval_every == 0 or step == s.steps:
+            held = mean_loss(model, windows, device)
+            elapsed = time.perf_counter() - start
+            history.append({"step": step, "train_loss": loss.item(), "heldout_loss": held})
+            print(f"step {step}: train {loss.item():.3f} held-out {held:.3f} ({elapsed:.0f} s)")
+            if held < best[0]:
+                best = (held, step, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    model.load_state_dict(best[2])
+    return {
+        "settings": asdict(s),
+        "best_step": best[1],
+        "heldout_loss": best[0],
+        "heldout_perplexity": math.exp(best[0]),
+        "train_seconds": time.perf_counter() - start,
+        "history": history,
+    }
+
+
+@torch.no_grad()
+def draft_agreement(big: Any, draft: Any, prompts: torch.Tensor, new: int, device: str) -> float:
+    """Fraction of the big model's greedy continuation positions where the draft's argmax agrees.
+
+    Both models see the same prefix (the prompt plus the big model's own tokens so far), as a
+    speculative decoder's draft would when all its earlier guesses were accepted.
+    """
+    big.eval()
+    draft.eval()
+    seqs = big.generate(prompts.to(device), max_new_tokens=new, do_sample=False, min_new_tokens=new)
+    plen = prompts.shape[1]
+    target = seqs[:, plen:]
+    guess = draft(input_ids=seqs[:, :-1]).logits[:, plen - 1 :].argmax(-1)
+    return (guess == target).float().mean().item()
+
+
+def save_checkpoint(model: Any, tokenizer: Any, out: Path, card: str) -> None:
+    """bf16 safetensors + tokenizer + chat template + a model card with the corpus licence."""
+    model.to("cpu", dtype=torch.bfloat16)
+    model.generation_config.do_sample = False
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "README.md").write_text(card)
+
+
+def model_card(name: str, params: int, report: dict[str, Any], source: dict[str, Any]) -> str:
+    """The checkpoint's README: what it is, what it was trained on and under which licence."""
+    return (
+        f"# {name}\n\n"
+        f"A {params / 1e6:.1f} M parameter Llama-architecture model trained by tokenmill's "
+        "`scripts/train_demo_model.py`, shipped as tokenmill's embedded default model.\n\n"
+        f"Training text: the reStructuredText sources of the Python 3.11 documentation from "
+        f"Debian's `{source['package']}` (every {source['held_out_every']}th document held out).\n"
+        f"Held-out perplexity: {report['heldout_perplexity']:.2f}.\n\n"
+        "The Python documentation is Copyright (c) 2001-2023 Python Software Foundation, All "
+        "Rights Reserved, and is distributed under the PSF License Agreement "
+        "(https://docs.python.org/3/license.html); this model is a work derived from it.\n"
+    )
+
+
+@torch.no_grad()
+def samples(model: Any, tokenizer: Any, device: str) -> list[dict[str, str]]:
+    """Greedy continuations of SAMPLE_PROMPTS, for the report."""
+    model.eval()
+    out = []
+    for prompt in SAMPLE_PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
+        gen = model.generate(ids, max_new_tokens=48, do_sample=False)
+        out.append({"prompt": prompt, "greedy": tokenizer.decode(gen[0, ids.shape[1] :])})
+    return out
+
+
+def train_all(corpus: Path, out: Path, big_steps: int, draft_steps: int, batch_size: int) -> None:
+    """Tokenizer, big model, draft model, evaluation, checkpoints and report."""
+    from tokenmill.testing.checkpoints import build_tokenizer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    train_docs, held_docs = read_docs(corpus / "train.jsonl"), read_docs(corpus / "heldout.jsonl")
+    source = json.loads((corpus / "SOURCE.json").read_text())
+    t0 = time.perf_counter()
+    tokenizer = build_tokenizer(VOCAB_SIZE, train_docs)
+    train, held = token_stream(tokenizer, train_docs), token_stream(tokenizer, held_docs)
+    windows = heldout_windows(held)
+    print(f"tokenizer in {time.perf_counter() - t0:.0f} s: {len(train)} train tokens, {len(held)}")
+    report: dict[str, Any] = {
+        "corpus": source,
+        "vocab_size": len(tokenizer),
+        "train_tokens": len(train),
+        "heldout_tokens_evaluated": windows[:, 1:].numel(),
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+    }
+    models = {}
+    for name, shape, settings in (
+        (BIG_NAME, BIG, TrainSettings(batch_size, big_steps, lr=2e-3)),
+        (DRAFT_NAME, DRAFT, TrainSettings(batch_size, draft_steps, lr=3e-3)),
+    ):
+        torch.manual_seed(0)
+        model = make_model(shape, tokenizer)
+        params = sum(p.numel() for p in model.parameters())
+        print(f"{name}: {params / 1e6:.2f} M parameters")
+        result = train_model(model, train, windows, settings, device)
+        result.update(parameters=params, shape=asdict(shape))
+        report[name] = result
+        models[name] = (model, params)
+    big, draft = models[BIG_NAME][0], models[DRAFT_NAME][0]
+    prompts = windows[:32, :64]
+    report["draft_greedy_agreement"] = draft_agreement(big, draft, prompts, 64, device)
+    report["samples"] = samples(big, tokenizer, device)
+    for name, (model, params) in models.items():
+        card = model_card(name, params, report[name], source)
+        save_checkpoint(model, tokenizer, out / name, card)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    summary = {k: v for k, v in report.items() if k not in (BIG_NAME, DRAFT_NAME)}
+    print(json.dumps(summary, indent=2))
+    for name in models:
+        print(name, "held-out perplexity", round(report[name]["heldout_perplexity"], 2))
+
+
+def main() -> None:
+    """`corpus` or `train`; see the module docstring."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("corpus", help="Build the corpus from Debian's python3.11-doc.")
+    c.add_argument("--out", type=Path, required=True)
+    t = sub.add_parser("train", help="Train tokenizer, model and draft; write checkpoints.")
+    t.add_argument("--corpus", type=Path, required=True)
+    t.add_argument("--out", type=Path, required=True)
+    t.add_argument("--big-steps", type=int, default=1000)
+    t.add_argument("--draft-steps", type=int, default=3000)
+    t.add_argument("--batch-size", type=int, default=32, help="Windows of 512 tokens per step.")
+    ns = parser.parse_args()
+    if ns.cmd == "corpus":
+        build_corpus(ns.out)
+    else:
+        train_all(ns.corpus, ns.out, ns.big_steps, ns.draft_steps, ns.batch_size)
+
+
+if __name__ == "__main__":
+    main()
