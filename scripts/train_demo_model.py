@@ -27,14 +27,17 @@ import subprocess
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-DEBIAN_PACKAGE = "python3.11-doc"
-SOURCES_DIR = "usr/share/doc/python3.11/html/_sources"
+PYTHON_DOCS = "python3.11-doc"
+PYTHON_SOURCES = "usr/share/doc/python3.11/html/_sources"
+DJANGO_DOCS = "python-django-doc"
+DJANGO_HTML = "usr/share/doc/python-django-doc/html"
 HELD_OUT_EVERY = 20
 VOCAB_SIZE = 8192
 SEQ_LEN = 512
@@ -76,22 +79,75 @@ def clean_rst(text: str) -> str:
     return re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
 
 
+class _HtmlText(HTMLParser):
+    """The text of a Sphinx HTML page's `div.section` elements, one line per block element."""
+
+    _BLOCKS = frozenset({"p", "pre", "li", "dt", "dd", "tr", "div", "h1", "h2", "h3", "h4", "br"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.depth = 0  # open <div> elements since the first section, 0 outside one
+        self.skip = 0  # open <script>/<style>/headerlink anchors
+        self.parts: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        classes = (dict(attrs).get("class") or "").split()
+        if tag == "div" and (self.depth or "section" in classes):
+            self.depth += 1
+        if tag in ("script", "style") or (tag == "a" and "headerlink" in classes):
+            self.skip += 1
+        if self.depth and tag in self._BLOCKS:
+            self.parts.append("\n")
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "div" and self.depth:
+            self.depth -= 1
+        if tag in ("script", "style", "a") and self.skip:
+            self.skip -= 1
+
+    def handle_data(self, data: str) -> None:
+        if self.depth and not self.skip:
+            self.parts.append(data)
+
+
+def html_text(page: str) -> str:
+    """Readable text of one Sphinx HTML page (empty for index and search pages)."""
+    parser = _HtmlText()
+    parser.feed(page)
+    text = re.sub(r"[ \t]*\n[ \t]*\n\s*", "\n\n", "".join(parser.parts))
+    return text.strip() + "\n" if text.strip() else ""
+
+
+def _package_docs(tmp: Path, package: str) -> tuple[str, list[str]]:
+    """Download and unpack one Debian package; its documents as text, sorted by path."""
+    subprocess.run(["apt-get", "download", package], cwd=tmp, check=True)
+    deb = next(tmp.glob(f"{package}_*.deb"))
+    root = tmp / package
+    subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
+    if package == PYTHON_DOCS:
+        files = sorted((root / PYTHON_SOURCES).rglob("*.rst.txt"))
+        return deb.name, [clean_rst(f.read_text(encoding="utf-8")) for f in files]
+    files = sorted((root / DJANGO_HTML).rglob("*.html"))
+    docs = [html_text(f.read_text(encoding="utf-8")) for f in files]
+    return deb.name, [d for d in docs if len(d) > 200]
+
+
 def build_corpus(out: Path) -> None:
-    """Download `python3.11-doc` from Debian, clean its reST sources, split train / held-out."""
+    """Download the documentation packages from Debian, extract their text, split documents
+    (every HELD_OUT_EVERY-th of each package, by path) into train and held-out."""
     out.mkdir(parents=True, exist_ok=True)
+    train, held, packages = [], [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(["apt-get", "download", DEBIAN_PACKAGE], cwd=tmp, check=True)
-        deb = next(Path(tmp).glob(f"{DEBIAN_PACKAGE}_*.deb"))
-        subprocess.run(["dpkg-deb", "-x", str(deb), f"{tmp}/root"], check=True)
-        files = sorted(Path(tmp, "root", SOURCES_DIR).rglob("*.rst.txt"))
-        docs = [clean_rst(f.read_text(encoding="utf-8")) for f in files]
-        source = {"package": deb.name, "documents": len(docs), "held_out_every": HELD_OUT_EVERY}
-    held = [d for i, d in enumerate(docs) if i % HELD_OUT_EVERY == 0]
-    train = [d for i, d in enumerate(docs) if i % HELD_OUT_EVERY != 0]
+        for package in (PYTHON_DOCS, DJANGO_DOCS):
+            name, docs = _package_docs(Path(tmp), package)
+            packages[name] = len(docs)
+            held += [d for i, d in enumerate(docs) if i % HELD_OUT_EVERY == 0]
+            train += [d for i, d in enumerate(docs) if i % HELD_OUT_EVERY != 0]
     (out / "train.jsonl").write_text("".join(json.dumps(d) + "\n" for d in train))
     (out / "heldout.jsonl").write_text("".join(json.dumps(d) + "\n" for d in held))
+    source = {"packages": packages, "held_out_every": HELD_OUT_EVERY}
     (out / "SOURCE.json").write_text(json.dumps(source, indent=2))
-    print(f"{len(train)} training and {len(held)} held-out documents from {source['package']}")
+    print(f"{len(train)} training and {len(held)} held-out documents from {packages}")
 
 
 def read_docs(path: Path) -> list[str]:

@@ -77,12 +77,24 @@ def test_gemv(dtype: torch.dtype, m: int, config: GemvConfig) -> None:
     assert torch.equal(gemv(x, w, config), out)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", [GemvConfig(8, 32, 1), GemvConfig(16, 64, 3)])
+def test_gated_gemv_applies_swiglu(dtype: torch.dtype, config: GemvConfig) -> None:
+    gen = torch.Generator().manual_seed(7)
+    x, w = _randn(2, 2 * 150, dtype=dtype, gen=gen), _randn(45, 150, dtype=dtype, gen=gen)
+    gate, up = x.double().chunk(2, dim=-1)
+    ref = (torch.nn.functional.silu(gate) * up) @ w.double().T
+    _close(gemv(x, w, config, gated=True), ref, dtype)
+
+
 def test_gemv_rejects_bad_shapes() -> None:
     w = torch.zeros(8, 16, device=DEVICE)
     with pytest.raises(ValueError, match="M <= 8"):
         gemv(torch.zeros(9, 16, device=DEVICE), w, GemvConfig(8, 16, 1))
     with pytest.raises(ValueError, match="W \\[N, K\\]"):
         gemv(torch.zeros(2, 15, device=DEVICE), w, GemvConfig(8, 16, 1))
+    with pytest.raises(ValueError, match="2K"):
+        gemv(torch.zeros(2, 16, device=DEVICE), w, GemvConfig(8, 16, 1), gated=True)
 
 
 def _rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

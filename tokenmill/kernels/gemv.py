@@ -5,6 +5,8 @@ cuBLAS runs these skinny products below memory bandwidth for the 4–12 MB matri
 `BLOCK_N x K / SPLIT_K` slab of W; with SPLIT_K > 1 the partial sums go to an fp32 workspace and
 the last program of each column block to arrive (an atomic ticket) adds them up and writes the
 output, then resets its ticket — one launch, no memset, safe to capture in a CUDA graph.
+With `gated=True` the input is `[M, 2K]` (gate | up) and SwiGLU `silu(gate) * up` is applied as
+it is loaded, so an MLP's down projection needs no separate activation kernel.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.tickets import ticket_buffer
+
 MAX_M = 8
-_TICKETS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, k_per_split,
     stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    GATED: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -51,11 +55,12 @@ def _gemv_kernel(
             mask=n_mask[:, None] & k_mask[None, :],
             other=0.0,
         ).to(tl.float32)
-        x = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-            mask=m_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        ).to(tl.float32)
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+        x_mask = m_mask[:, None] & k_mask[None, :]
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
+        if GATED:  # x is the gate; the up half follows K columns later
+            up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
+            x = x * tl.sigmoid(x) * up
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     out_offs = offs_m[:, None] * stride_om + offs_n[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
@@ -64,6 +69,7 @@ def _gemv_kernel(
     else:
         part_offs = offs_m[:, None] * N + offs_n[None, :]
         tl.store(part_ptr + pid_k * M * N + part_offs, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is written before the ticket is taken
         ticket = tl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel")
         if ticket == SPLIT_K - 1:
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -75,35 +81,31 @@ def _gemv_kernel(
             tl.atomic_xchg(ticket_ptr + pid_n, 0)
 
 
-_tickets: dict[torch.device, torch.Tensor] = {}
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, gated: bool = False
+) -> torch.Tensor:
+    """`x @ weight.T` for a 2-D `x` of at most MAX_M rows; both with contiguous last dims.
 
-
-def _ticket_buffer(device: torch.device) -> torch.Tensor:
-    """Zeroed int32 tickets shared by every launch on `device` (each launch leaves them zero)."""
-    if device not in _tickets:
-        _tickets[device] = torch.zeros(_TICKETS, dtype=torch.int32, device=device)
-    return _tickets[device]
-
-
-def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig) -> torch.Tensor:
-    """`x @ weight.T` for a 2-D `x` of at most MAX_M rows; both with contiguous last dims."""
+    With `gated`, `x` is `[M, 2K]` (gate | up) and the product is `silu(gate) * up @ weight.T`.
+    """
     m, k = x.shape
+    k = k // 2 if gated else k
     n = weight.shape[0]
-    if m > MAX_M or weight.shape[1] != k:
-        raise ValueError(f"gemv takes x [M <= {MAX_M}, K], W [N, K]; got {x.shape}, {weight.shape}")
+    if m > MAX_M or weight.shape[1] != k or (gated and x.shape[1] != 2 * k):
+        x_shape = f"[M <= {MAX_M}, {'2K' if gated else 'K'}]"
+        raise ValueError(f"gemv takes x {x_shape}, W [N, K]; got {x.shape}, {weight.shape}")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid_n = triton.cdiv(n, config.block_n)
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     split_k = triton.cdiv(k, k_per_split)
-    if grid_n > _TICKETS and split_k > 1:
-        raise ValueError(f"gemv: {grid_n} column blocks exceed the {_TICKETS} tickets")
     part = out
     if split_k > 1:
         part = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     _gemv_kernel[(grid_n, split_k)](
-        x, weight, out, part, _ticket_buffer(x.device), m, n, k, k_per_split,
+        x, weight, out, part, ticket_buffer(x.device, grid_n if split_k > 1 else 0),
+        m, n, k, k_per_split,
         x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, SPLIT_K=split_k, num_warps=config.num_warps,
+        BLOCK_K=config.block_k, SPLIT_K=split_k, GATED=gated, num_warps=config.num_warps,
     )  # fmt: skip
     return out

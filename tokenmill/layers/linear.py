@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from tokenmill.kernels import GemvConfig, gemv
+from tokenmill.layers.activation import silu_and_mul
 from tokenmill.observability.cuda_timing import median_graph_seconds
 
 logger = logging.getLogger(__name__)
@@ -34,10 +35,17 @@ def gemv_bucket(m: int) -> int | None:
 
 
 class Linear(nn.Module):
-    """`y = x W^T (+ b)`, with an optional per-bucket GEMV kernel for decode-sized inputs."""
+    """`y = x W^T (+ b)`, with an optional per-bucket GEMV kernel for decode-sized inputs.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    With `gated_input`, `x` is `[..., 2 * in_features]` (gate | up) and the layer computes
+    `silu(gate) * up` first (an MLP's down projection): the GEMV kernel fuses that activation.
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, gated_input: bool = False
+    ) -> None:
         super().__init__()
+        self.gated_input = gated_input
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         # Row bucket -> GEMV config, filled by `choose_gemv_kernels` (empty: always cuBLAS).
@@ -48,7 +56,9 @@ class Linear(nn.Module):
             bucket = gemv_bucket(x.shape[0])
             config = self.gemv_configs.get(bucket) if bucket is not None else None
             if config is not None:
-                return gemv(x, self.weight, config)
+                return gemv(x, self.weight, config, self.gated_input)
+        if self.gated_input:
+            x = silu_and_mul(x)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -56,15 +66,16 @@ def choose_gemv_kernels(model: nn.Module) -> int:
     """For each half-precision CUDA weight shape and row bucket, keep the GEMV config that beats
     cuBLAS, timed in a CUDA graph over every layer of that shape (weights streamed from memory,
     as in a decode step). Returns how many (layer, bucket) pairs took a GEMV kernel."""
-    groups: dict[tuple[int, int], list[Linear]] = defaultdict(list)
+    groups: dict[tuple[int, int, bool], list[Linear]] = defaultdict(list)
     for module in model.modules():
         if isinstance(module, Linear) and module.bias is None and _half_on_cuda(module.weight):
-            groups[(module.weight.shape[0], module.weight.shape[1])].append(module)
+            n, k = module.weight.shape
+            groups[(n, k, module.gated_input)].append(module)
     chosen = 0
-    for (n, k), layers in groups.items():
+    for (n, k, gated), layers in groups.items():
         for bucket in GEMV_BUCKETS:
-            best = _fastest_gemv([layer.weight for layer in layers], bucket)
-            logger.info("GEMM %dx%d, M<=%d: %s", n, k, bucket, best or "cuBLAS")
+            best = _fastest_gemv([layer.weight for layer in layers], bucket, gated)
+            logger.info("GEMM %dx%d%s, M<=%d: %s", n, k, " gated" * gated, bucket, best or "cuBLAS")
             if best is not None:
                 for layer in layers:
                     layer.gemv_configs[bucket] = best
@@ -76,13 +87,21 @@ def _half_on_cuda(weight: torch.Tensor) -> bool:
     return weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16)
 
 
-def _fastest_gemv(weights: list[torch.Tensor], rows: int) -> GemvConfig | None:
-    """The candidate that runs `rows` x every weight fastest, if it beats cuBLAS by the margin."""
-    x = torch.randn(rows, weights[0].shape[1], dtype=weights[0].dtype, device=weights[0].device)
-    best_s = _MARGIN * median_graph_seconds(lambda: [F.linear(x, w) for w in weights])
+def _fastest_gemv(weights: list[torch.Tensor], rows: int, gated: bool) -> GemvConfig | None:
+    """The candidate that runs `rows` x every weight fastest, if it beats cuBLAS by the margin
+    (for a gated layer, cuBLAS's time includes the separate activation kernel)."""
+    w0 = weights[0]
+    x = torch.randn(rows, w0.shape[1] * (2 if gated else 1), dtype=w0.dtype, device=w0.device)
+
+    def cublas() -> None:
+        h = silu_and_mul(x) if gated else x
+        for w in weights:
+            F.linear(h, w)
+
+    best_s = _MARGIN * median_graph_seconds(cublas)
     best: GemvConfig | None = None
     for config in GEMV_CANDIDATES:
-        seconds = median_graph_seconds(lambda c=config: [gemv(x, w, c) for w in weights])
+        seconds = median_graph_seconds(lambda c=config: [gemv(x, w, c, gated) for w in weights])
         if seconds < best_s:
             best_s, best = seconds, config
     return best

@@ -10,7 +10,6 @@ from torch.nn import functional as F
 
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.config import ModelConfig
-from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.linear import Linear, MergedLinear, QKVLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
@@ -49,10 +48,10 @@ class LlamaMLP(nn.Module):
         super().__init__()
         size = cfg.intermediate_size
         self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": size, "up": size})
-        self.down_proj = Linear(size, cfg.hidden_size)
+        self.down_proj = Linear(size, cfg.hidden_size, gated_input=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
