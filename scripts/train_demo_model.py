@@ -289,16 +289,20 @@ def save_checkpoint(model: Any, tokenizer: Any, out: Path, card: str) -> None:
 
 def model_card(name: str, params: int, report: dict[str, Any], source: dict[str, Any]) -> str:
     """The checkpoint's README: what it is, what it was trained on and under which licence."""
+    packages = [f"`{p}`" for p in source["packages"]]
     return (
         f"# {name}\n\n"
         f"A {params / 1e6:.1f} M parameter Llama-architecture model trained by tokenmill's "
         "`scripts/train_demo_model.py`, shipped as tokenmill's embedded default model.\n\n"
-        f"Training text: the reStructuredText sources of the Python 3.11 documentation from "
-        f"Debian's `{source['package']}` (every {source['held_out_every']}th document held out).\n"
+        "Training text: the documentation of Python 3.11 (reStructuredText sources) and of "
+        f"Django 3.2 (text of the HTML pages), from Debian's packages {', '.join(packages)}; "
+        f"every {source['held_out_every']}th document of each is held out.\n"
         f"Held-out perplexity: {report['heldout_perplexity']:.2f}.\n\n"
-        "The Python documentation is Copyright (c) 2001-2023 Python Software Foundation, All "
-        "Rights Reserved, and is distributed under the PSF License Agreement "
-        "(https://docs.python.org/3/license.html); this model is a work derived from it.\n"
+        "This model is a work derived from those documents. The Python documentation is "
+        "Copyright (c) 2001-2023 Python Software Foundation, All Rights Reserved, distributed "
+        "under the PSF License Agreement (https://docs.python.org/3/license.html). The Django "
+        "documentation is Copyright (c) Django Software Foundation and individual contributors, "
+        "distributed under the BSD 3-Clause License.\n"
     )
 
 
@@ -370,7 +374,7 @@ def main() -> None:
     t = sub.add_parser("train", help="Train tokenizer, model and draft; write checkpoints.")
     t.add_argument("--corpus", type=Path, required=True)
     t.add_argument("--out", type=Path, required=True)
-    t.add_argument("--big-steps", type=int, default=1000)
+    t.add_argument("--big-steps", type=int, default=3000)
     t.add_argument("--draft-steps", type=int, default=3000)
     t.add_argument("--batch-size", type=int, default=32, help="Windows of 512 tokens per step.")
     ns = parser.parse_args()

@@ -10,8 +10,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.tickets import ticket_buffer
-
 _LOG2E = 1.4426950408889634
 
 
@@ -124,8 +122,8 @@ def prefill_attention(
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, ticket_ptr, kv_lens_ptr,
-    page_table_ptr, stride_pt, qk_scale, window,
+    q_ptr, k_cache_ptr, v_cache_ptr, mid_o_ptr, mid_lse_ptr, kv_lens_ptr, page_table_ptr,
+    stride_pt, qk_scale, window,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):  # fmt: skip
@@ -164,44 +162,28 @@ def _decode_split_kernel(
     row = (seq64 * HQ + heads) * SPLITS + split
     tl.store(mid_o_ptr + row[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
     tl.store(mid_lse_ptr + row, lse, mask=g_mask)
-    # The last split of this (sequence, KV head) to finish merges all splits by their LSE.
-    tl.debug_barrier()  # every thread's partial is written before the ticket is taken
-    ticket_ptr += seq * HKV + kvh
-    if tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == SPLITS - 1:
-        _merge_splits(
-            mid_o_ptr, mid_lse_ptr, out_ptr, seq64, heads, g_mask, offs_d, HQ, D, SPLITS, BLOCK_G
-        )
-        tl.atomic_xchg(ticket_ptr, 0)
 
 
 @triton.jit
-def _merge_splits(
-    mid_o_ptr, mid_lse_ptr, out_ptr, seq64, heads, g_mask, offs_d, HQ: tl.constexpr,
-    D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
+def _decode_reduce_kernel(
+    mid_o_ptr, mid_lse_ptr, out_ptr, HQ: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):  # fmt: skip
-    """Weight each split's output by exp2(its LSE - the max LSE); all -inf (no context) gives 0.
-    Loads bypass L1 (`.cg`): other programs wrote these rows."""
-    base = (seq64 * HQ + heads) * SPLITS
-    lse_ptrs = mid_lse_ptr + base
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    for s in range(SPLITS):
-        lse = tl.load(lse_ptrs + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
-        m = tl.maximum(m, lse)
+    seq = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, D)
+    row = (seq * HQ + h) * SPLITS + offs_s
+    lse = tl.load(mid_lse_ptr + row, mask=offs_s < SPLITS, other=float("-inf"))
+    m = tl.max(lse, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, D], tl.float32)
-    for s in range(SPLITS):
-        lse = tl.load(lse_ptrs + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
-        w = tl.math.exp2(lse - m_safe)
-        part = tl.load(
-            mid_o_ptr + (base + s)[:, None] * D + offs_d[None, :],
-            mask=g_mask[:, None], other=0.0, cache_modifier=".cg",
-        )  # fmt: skip
-        total += w
-        acc += w[:, None] * part
-    out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
-    out_offs = (seq64 * HQ + heads)[:, None] * D + offs_d[None, :]
-    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    w = tl.math.exp2(lse - m_safe)
+    parts = tl.load(
+        mid_o_ptr + row[:, None] * D + offs_d[None, :], mask=(offs_s < SPLITS)[:, None], other=0.0
+    )
+    total = tl.sum(w, axis=0)
+    out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + (seq * HQ + h) * D + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
 def decode_attention(
@@ -218,9 +200,8 @@ def decode_attention(
 ) -> torch.Tensor:
     """One query per sequence (`q` `[B, Hq, D]`) attending to its whole paged context.
 
-    The context is cut into `mid_o.shape[2]` splits processed in parallel; the last split of each
-    (sequence, KV head) to finish merges them by their log-sum-exp (one launch); `mid_o`
-    `[>=B, Hq, S, D]` and `mid_lse` `[>=B, Hq, S]` are float32 scratch.
+    The context is cut into `mid_o.shape[2]` splits processed in parallel, then merged by their
+    log-sum-exp; `mid_o` `[>=B, Hq, S, D]` and `mid_lse` `[>=B, Hq, S]` are float32 scratch.
     Sequences with `kv_len == 0` (CUDA-graph padding) produce zeros.
     """
     batch, hq, d = q.shape
@@ -228,12 +209,14 @@ def decode_attention(
     splits = mid_o.shape[2]
     out = torch.empty_like(q)
     group = hq // hkv
-    tickets = ticket_buffer(q.device, batch * hkv)
     _decode_split_kernel[(batch, hkv, splits)](
-        q, k_cache, v_cache, mid_o, mid_lse, out, tickets, kv_lens, page_table,
-        page_table.stride(0), scale * _LOG2E, window or 0,
+        q, k_cache, v_cache, mid_o, mid_lse, kv_lens, page_table, page_table.stride(0),
+        scale * _LOG2E, window or 0,
         HQ=hq, HKV=hkv, D=d, PAGE=page_size, SPLITS=splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=64,
         HAS_WINDOW=window is not None, num_warps=4, num_stages=2,
     )  # fmt: skip
+    _decode_reduce_kernel[(batch, hq)](
+        mid_o, mid_lse, out, HQ=hq, D=d, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits)
+    )
     return out
