@@ -20,6 +20,7 @@ agreement with the big model, sample outputs and the training settings.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import re
@@ -279,10 +280,11 @@ def draft_agreement(big: Any, draft: Any, prompts: torch.Tensor, new: int, devic
 
 
 def save_checkpoint(model: Any, tokenizer: Any, out: Path, card: str) -> None:
-    """bf16 safetensors + tokenizer + chat template + a model card with the corpus licence."""
-    model.to("cpu", dtype=torch.bfloat16)
-    model.generation_config.do_sample = False
-    model.save_pretrained(out)
+    """bf16 safetensors + tokenizer + chat template + a model card with the corpus licence
+    (from a copy: `model` stays where it is, in float32)."""
+    saved = copy.deepcopy(model).to("cpu", dtype=torch.bfloat16)
+    saved.generation_config.do_sample = False
+    saved.save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / "README.md").write_text(card)
 
@@ -350,14 +352,14 @@ def train_all(corpus: Path, out: Path, big_steps: int, draft_steps: int, batch_s
         result = train_model(model, train, windows, settings, device)
         result.update(parameters=params, shape=asdict(shape))
         report[name] = result
-        models[name] = (model, params)
-    big, draft = models[BIG_NAME][0], models[DRAFT_NAME][0]
+        models[name] = model
+        # Saved as soon as trained, so a run cut short keeps what it finished.
+        save_checkpoint(model, tokenizer, out / name, model_card(name, params, result, source))
+        (out / "report.json").write_text(json.dumps(report, indent=2))
+    big, draft = models[BIG_NAME], models[DRAFT_NAME]
     prompts = windows[:32, :64]
     report["draft_greedy_agreement"] = draft_agreement(big, draft, prompts, 64, device)
     report["samples"] = samples(big, tokenizer, device)
-    for name, (model, params) in models.items():
-        card = model_card(name, params, report[name], source)
-        save_checkpoint(model, tokenizer, out / name, card)
     (out / "report.json").write_text(json.dumps(report, indent=2))
     summary = {k: v for k, v in report.items() if k not in (BIG_NAME, DRAFT_NAME)}
     print(json.dumps(summary, indent=2))
