@@ -376,7 +376,7 @@ def main() -> None:
     t = sub.add_parser("train", help="Train tokenizer, model and draft; write checkpoints.")
     t.add_argument("--corpus", type=Path, required=True)
     t.add_argument("--out", type=Path, required=True)
-    t.add_argument("--big-steps", type=int, default=3000)
+    t.add_argument("--big-steps", type=int, default=2000)
     t.add_argument("--draft-steps", type=int, default=3000)
     t.add_argument("--batch-size", type=int, default=32, help="Windows of 512 tokens per step.")
     ns = parser.parse_args()
