@@ -113,6 +113,19 @@ def test_gemv_choice_keeps_outputs() -> None:
     layer.gemv_configs = dict.fromkeys(GEMV_BUCKETS, GEMV_CANDIDATES[3])
     forced = layer(x).float()
     assert (forced - reference).abs().max() <= 0.02 * reference.abs().max()
+    layers = (
+        torch.nn.ModuleList(
+            [
+                layer,
+                Linear(hidden, hidden, input_kind="gated"),
+                Linear(hidden, 2 * hidden, input_kind="normed"),
+            ]
+        )
+        .cuda()
+        .to(torch.bfloat16)
+    )
     layer.gemv_configs = {}
-    assert choose_gemv_kernels(layer) in (0, 1, 2)
-    assert all(c in GEMV_CANDIDATES for c in layer.gemv_configs.values())
+    for each in layers:
+        each.weight.normal_()
+    assert 0 <= choose_gemv_kernels(layers) <= 3 * len(GEMV_BUCKETS)
+    assert all(c in GEMV_CANDIDATES for each in layers for c in each.gemv_configs.values())

@@ -13,7 +13,7 @@ triton = pytest.importorskip("triton")
 
 from tokenmill.kernels.activation import silu_and_mul  # noqa: E402
 from tokenmill.kernels.attention import decode_attention, prefill_attention  # noqa: E402
-from tokenmill.kernels.gemv import GemvConfig, gemv  # noqa: E402
+from tokenmill.kernels.gemv import GemvConfig, InputNorm, gemv, norm_gemv  # noqa: E402
 from tokenmill.kernels.norm import rms_norm  # noqa: E402
 from tokenmill.kernels.rope_store import rope_and_store  # noqa: E402
 
@@ -85,6 +85,24 @@ def test_gated_gemv_applies_swiglu(dtype: torch.dtype, config: GemvConfig) -> No
     gate, up = x.double().chunk(2, dim=-1)
     ref = (torch.nn.functional.silu(gate) * up) @ w.double().T
     _close(gemv(x, w, config, gated=True), ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", [GemvConfig(8, 32, 1), GemvConfig(16, 64, 3)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_gemv_is_add_rmsnorm_then_product(dtype, config, with_residual: bool) -> None:
+    gen = torch.Generator().manual_seed(11)
+    x, res = _randn(3, 200, dtype=dtype, gen=gen), _randn(3, 200, dtype=dtype, gen=gen)
+    w, norm_w = _randn(37, 200, dtype=dtype, gen=gen), _randn(200, dtype=dtype, gen=gen)
+    res_before = res.clone()
+    norm = InputNorm(norm_w, 1e-6, res if with_residual else None)
+    out, new_res = norm_gemv(x, w, config, norm)
+    total = (x.double() + res.double()).to(dtype).double() if with_residual else x.double()
+    h = norm_w.double() * total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-6)
+    _close(out, h @ w.double().T, dtype)
+    _close(new_res, total, dtype)  # (the interpreter may round bf16 differently from torch)
+    assert torch.equal(res, res_before)  # the old residual is left as it was
+    assert torch.equal(norm_gemv(x, w, config, norm)[0], out)
 
 
 def test_gemv_rejects_bad_shapes() -> None:
@@ -242,3 +260,23 @@ def test_triton_backend_engine_matches_transformers(checkpoints, family: str) ->
     outputs = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(path, p, 10) for p in prompts]
     assert outputs[3].num_cached_tokens > 0  # shares 24 tokens with the second prompt
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_engine_with_every_gemv_fusion_matches_transformers(checkpoints, family: str) -> None:
+    """Every linear layer forced onto the GEMV kernel (with add+RMSNorm fused into q/k/v and
+    gate/up, SwiGLU into down) for decode batches of up to 4: greedy output unchanged."""
+    from tests.conftest import hf_greedy
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.layers.linear import GEMV_BUCKETS, Linear
+
+    path = checkpoints[family]
+    prompts = [list(range(3, 10)), [100, 200, 300], list(range(20, 45))]
+    llm = LLM(str(path), device=DEVICE, dtype="float32", enforce_eager=True)
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    assert {layer.input_kind for layer in layers} == {"plain", "gated", "normed"}
+    for i, layer in enumerate(layers):
+        layer.gemv_configs = dict.fromkeys(GEMV_BUCKETS, GemvConfig(8, 32, 1 + i % 3))
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = llm.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(path, p, 8) for p in prompts]

@@ -11,7 +11,7 @@ from typing import Any
 
 try:
     from tokenmill.kernels.activation import silu_and_mul as fused_silu_and_mul
-    from tokenmill.kernels.gemv import GemvConfig, gemv
+    from tokenmill.kernels.gemv import GemvConfig, InputNorm, gemv, norm_gemv
     from tokenmill.kernels.norm import rms_norm
 except ImportError:  # triton is not installed
     from dataclasses import dataclass
@@ -22,6 +22,7 @@ except ImportError:  # triton is not installed
     fused_silu_and_mul: Callable[..., Any] = _missing  # type: ignore[no-redef]
     rms_norm: Callable[..., Any] = _missing  # type: ignore[no-redef]
     gemv: Callable[..., Any] = _missing  # type: ignore[no-redef]
+    norm_gemv: Callable[..., Any] = _missing  # type: ignore[no-redef]
 
     @dataclass(frozen=True)
     class GemvConfig:  # type: ignore[no-redef]
@@ -32,5 +33,13 @@ except ImportError:  # triton is not installed
         split_k: int
         num_warps: int = 4
 
+    @dataclass(frozen=True)
+    class InputNorm:  # type: ignore[no-redef]
+        """Stand-in (never used without triton): see tokenmill.kernels.gemv.InputNorm."""
 
-__all__ = ["GemvConfig", "fused_silu_and_mul", "gemv", "rms_norm"]
+        weight: Any
+        eps: float
+        residual: Any
+
+
+__all__ = ["GemvConfig", "InputNorm", "fused_silu_and_mul", "gemv", "norm_gemv", "rms_norm"]

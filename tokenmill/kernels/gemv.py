@@ -34,10 +34,10 @@ class GemvConfig:
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, k_per_split,
-    stride_xm, stride_wn, stride_om,
+    x_ptr, w_ptr, out_ptr, part_ptr, ticket_ptr, res_ptr, new_res_ptr, norm_w_ptr, ss_ptr, eps,
+    M, N, K, k_per_split, stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    GATED: tl.constexpr,
+    GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -46,6 +46,7 @@ def _gemv_kernel(
     n_mask = offs_n < N
     m_mask = offs_m < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)  # NORM: this K slice's sum of squares
     k_lo = pid_k * k_per_split
     for k in range(k_lo, k_lo + k_per_split, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
@@ -55,30 +56,61 @@ def _gemv_kernel(
             mask=n_mask[:, None] & k_mask[None, :],
             other=0.0,
         ).to(tl.float32)
-        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+        x_offs = offs_m[:, None] * stride_xm + offs_k[None, :]
         x_mask = m_mask[:, None] & k_mask[None, :]
-        x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
         if GATED:  # x is the gate; the up half follows K columns later
-            up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
+            up = tl.load(x_ptr + x_offs + K, mask=x_mask, other=0.0).to(tl.float32)
+            x = x.to(tl.float32)
             x = x * tl.sigmoid(x) * up
+        if NORM:
+            if HAS_RES:  # the sum is rounded to the activation dtype, as an eager add does
+                r = tl.load(res_ptr + x_offs, mask=x_mask, other=0.0)
+                x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                if pid_n == 0:
+                    tl.store(new_res_ptr + x_offs, x, mask=x_mask)
+            x = x.to(tl.float32)
+            sumsq += tl.sum(x * x, axis=1)
+            x = x * tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        x = x.to(tl.float32)
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     out_offs = offs_m[:, None] * stride_om + offs_n[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
+        if NORM:
+            acc = acc * tl.rsqrt(sumsq / K + eps)[:, None]
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         part_offs = offs_m[:, None] * N + offs_n[None, :]
         tl.store(part_ptr + pid_k * M * N + part_offs, acc, mask=out_mask)
+        if NORM:  # every column block stores the same value for this slice
+            tl.store(ss_ptr + pid_k * M + offs_m, sumsq, mask=m_mask)
         tl.debug_barrier()  # every thread's partial is written before the ticket is taken
         ticket = tl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel")
         if ticket == SPLIT_K - 1:
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            total_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
             for s in range(SPLIT_K):
                 total += tl.load(
                     part_ptr + s * M * N + part_offs, mask=out_mask, other=0.0, cache_modifier=".cg"
                 )
+                if NORM:
+                    total_ss += tl.load(
+                        ss_ptr + s * M + offs_m, mask=m_mask, other=0.0, cache_modifier=".cg"
+                    )
+            if NORM:
+                total = total * tl.rsqrt(total_ss / K + eps)[:, None]
             tl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(ticket_ptr + pid_n, 0)
+
+
+@dataclass(frozen=True)
+class InputNorm:
+    """An RMSNorm (`weight`, `eps`) applied to `x + residual` (or `x`) before the product."""
+
+    weight: torch.Tensor
+    eps: float
+    residual: torch.Tensor | None
 
 
 def gemv(
@@ -88,6 +120,26 @@ def gemv(
 
     With `gated`, `x` is `[M, 2K]` (gate | up) and the product is `silu(gate) * up @ weight.T`.
     """
+    return _launch(x, weight, config, gated, None)[0]
+
+
+def norm_gemv(
+    x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, norm: InputNorm
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(rmsnorm(x + residual) @ weight.T, x + residual)` in one launch (`x` itself stands for
+    the sum when `norm.residual` is None). Each row's RMS scale is applied to the finished dot
+    products, so the input is read once; the new residual is a new tensor."""
+    out, new_residual = _launch(x, weight, config, False, norm)
+    return out, x if new_residual is None else new_residual
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    config: GemvConfig,
+    gated: bool,
+    norm: InputNorm | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     m, k = x.shape
     k = k // 2 if gated else k
     n = weight.shape[0]
@@ -98,14 +150,23 @@ def gemv(
     grid_n = triton.cdiv(n, config.block_n)
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     split_k = triton.cdiv(k, k_per_split)
-    part = out
+    part = sumsq = out
     if split_k > 1:
         part = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+        sumsq = torch.empty((split_k, m), dtype=torch.float32, device=x.device)
+    residual = norm.residual if norm is not None else None
+    if norm is not None and not x.is_contiguous():
+        raise ValueError("norm_gemv needs a contiguous x")
+    if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()):
+        raise ValueError(f"residual {tuple(residual.shape)} must be contiguous, shaped as x")
+    new_residual = torch.empty_like(x) if residual is not None else None
     _gemv_kernel[(grid_n, split_k)](
         x, weight, out, part, ticket_buffer(x.device, grid_n if split_k > 1 else 0),
-        m, n, k, k_per_split,
-        x.stride(0), weight.stride(0), out.stride(0),
+        residual if residual is not None else x, new_residual if new_residual is not None else x,
+        norm.weight if norm is not None else x, sumsq, norm.eps if norm is not None else 0.0,
+        m, n, k, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, SPLIT_K=split_k, GATED=gated, num_warps=config.num_warps,
+        BLOCK_K=config.block_k, SPLIT_K=split_k, GATED=gated, NORM=norm is not None,
+        HAS_RES=residual is not None, num_warps=config.num_warps,
     )  # fmt: skip
-    return out
+    return out, new_residual

@@ -33,29 +33,31 @@ class LlamaAttention(nn.Module):
         self.qk_norm = cfg.qk_norm
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBackend
+        self, positions: torch.Tensor, qkv: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
+        """Attention output (after `o_proj`) of the projected `qkv` of every token."""
         qk_norm = (self.q_norm, self.k_norm) if self.qk_norm else None
-        q = attn.store_qkv(self.qkv_proj(x), positions, self.layer, self.rotary, qk_norm)
+        q = attn.store_qkv(qkv, positions, self.layer, self.rotary, qk_norm)
         out = attn.attend(q, self.layer)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward: fused gate/up projection, SiLU-and-mul, down projection."""
+    """SwiGLU feed-forward: fused gate/up projection (called by the decoder layer behind its
+    post-attention norm), then the down projection, which applies SiLU-and-mul to its input."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         size = cfg.intermediate_size
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": size, "up": size})
-        self.down_proj = Linear(size, cfg.hidden_size, gated_input=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x))
+        self.gate_up_proj = MergedLinear(
+            cfg.hidden_size, {"gate": size, "up": size}, input_kind="normed"
+        )
+        self.down_proj = Linear(size, cfg.hidden_size, input_kind="gated")
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm decoder block; the residual add is fused into the next norm."""
+    """Pre-norm decoder block; each residual add + norm is fused into the projection after it
+    (`Linear.forward_normed`: one GEMV kernel where chosen, else the fused add+norm kernel)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -71,13 +73,12 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         attn: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm.add_forward(x, residual)
-        x = self.self_attn(positions, x, attn)
-        x, residual = self.post_attention_layernorm.add_forward(x, residual)
-        return self.mlp(x), residual
+        attn_in = self.self_attn.qkv_proj
+        qkv, residual = attn_in.forward_normed(x, residual, self.input_layernorm)
+        x = self.self_attn(positions, qkv, attn)
+        mlp_in = self.mlp.gate_up_proj
+        gate_up, residual = mlp_in.forward_normed(x, residual, self.post_attention_layernorm)
+        return self.mlp.down_proj(gate_up), residual
 
 
 class LlamaModel(nn.Module):
