@@ -280,3 +280,18 @@ def test_engine_with_every_gemv_fusion_matches_transformers(checkpoints, family:
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outputs = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(path, p, 8) for p in prompts]
+
+
+def test_gemv_candidate_check_rejects_wrong_or_failing_kernels(caplog) -> None:
+    from tokenmill.layers.linear import _matches
+
+    expected = torch.tensor([[1.0, -2.0, 3.0]])
+    config = GemvConfig(8, 32, 1)
+    assert _matches(lambda: expected + 0.01, expected, config)
+    assert not _matches(lambda: expected * 1.5, expected, config)
+
+    def broken() -> torch.Tensor:
+        raise RuntimeError("no such kernel")
+
+    assert not _matches(broken, expected, config)
+    assert "no such kernel" in caplog.text and "disagrees" in caplog.text
