@@ -186,7 +186,7 @@ def make_model(shape: ModelShape, tokenizer: Any) -> Any:
     return LlamaForCausalLM(config)
 
 
-def heldout_windows(stream: torch.Tensor, max_windows: int = 256) -> torch.Tensor:
+def heldout_windows(stream: torch.Tensor, max_windows: int = 100_000) -> torch.Tensor:
     """Non-overlapping SEQ_LEN + 1 windows of the held-out stream (the last partial one dropped)."""
     n = min(max_windows, (len(stream) - 1) // SEQ_LEN)
     return torch.stack([stream[i * SEQ_LEN : i * SEQ_LEN + SEQ_LEN + 1] for i in range(n)])
@@ -199,7 +199,7 @@ def mean_loss(model: Any, windows: torch.Tensor, device: str, batch: int = 32) -
     total, count = 0.0, 0
     for i in range(0, len(windows), batch):
         w = windows[i : i + batch].to(device)
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+        with torch.autocast(device, dtype=torch.bfloat16):
             logits = model(input_ids=w[:, :-1]).logits.float()
         total += F.cross_entropy(logits.flatten(0, 1), w[:, 1:].flatten(), reduction="sum").item()
         count += w[:, 1:].numel()
@@ -209,20 +209,38 @@ def mean_loss(model: Any, windows: torch.Tensor, device: str, batch: int = 32) -
 
 @dataclass(frozen=True)
 class TrainSettings:
-    """Optimiser and schedule settings of one training run."""
+    """Optimiser and schedule settings of one model's training."""
 
     batch_size: int
     steps: int
     lr: float
+    eval_every: int
     warmup: int = 100
     weight_decay: float = 0.1
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """Both models' settings; the defaults are the H200 run's (CPU runs take smaller batches).
+
+    During training the held-out loss is measured on the first `eval_windows` windows (to pick
+    the best step); the reported perplexity covers the whole held-out split.
+    """
+
+    big_steps: int = 2000
+    draft_steps: int = 3000
+    batch_size: int = 32
+    big_lr: float = 2e-3
+    draft_lr: float = 3e-3
     eval_every: int = 100
+    eval_windows: int = 256
 
 
 def train_model(
     model: Any, train: torch.Tensor, windows: torch.Tensor, s: TrainSettings, device: str
 ) -> dict[str, Any]:
-    """AdamW with warm-up and cosine decay on random windows; keeps the best held-out weights."""
+    """AdamW with warm-up and cosine decay on random windows (bf16 autocast); keeps the weights
+    of the step with the best loss on `windows`."""
     model.to(device).train()
     opt = torch.optim.AdamW(
         model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=s.weight_decay, fused=False
@@ -238,7 +256,7 @@ def train_model(
             group["lr"] = s.lr * frac * decay
         starts = torch.randint(0, len(train) - SEQ_LEN - 1, (s.batch_size,), generator=gen)
         batch = torch.stack([train[i : i + SEQ_LEN + 1] for i in starts.tolist()]).to(device)
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+        with torch.autocast(device, dtype=torch.bfloat16):
             logits = model(input_ids=batch[:, :-1]).logits
         loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
         loss.backward()
@@ -256,8 +274,6 @@ def train_model(
     return {
         "settings": asdict(s),
         "best_step": best[1],
-        "heldout_loss": best[0],
-        "heldout_perplexity": math.exp(best[0]),
         "train_seconds": time.perf_counter() - start,
         "history": history,
     }
@@ -320,12 +336,13 @@ def samples(model: Any, tokenizer: Any, device: str) -> list[dict[str, str]]:
     return out
 
 
-def train_all(corpus: Path, out: Path, big_steps: int, draft_steps: int, batch_size: int) -> None:
+def train_all(corpus: Path, out: Path, run: RunSettings) -> None:
     """Tokenizer, big model, draft model, evaluation, checkpoints and report."""
     from tokenmill.testing.checkpoints import build_tokenizer
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
+    out.mkdir(parents=True, exist_ok=True)
     train_docs, held_docs = read_docs(corpus / "train.jsonl"), read_docs(corpus / "heldout.jsonl")
     source = json.loads((corpus / "SOURCE.json").read_text())
     t0 = time.perf_counter()
@@ -339,18 +356,27 @@ def train_all(corpus: Path, out: Path, big_steps: int, draft_steps: int, batch_s
         "train_tokens": len(train),
         "heldout_tokens_evaluated": windows[:, 1:].numel(),
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "settings": asdict(run),
     }
     models = {}
     for name, shape, settings in (
-        (BIG_NAME, BIG, TrainSettings(batch_size, big_steps, lr=2e-3)),
-        (DRAFT_NAME, DRAFT, TrainSettings(batch_size, draft_steps, lr=3e-3)),
+        (BIG_NAME, BIG, TrainSettings(run.batch_size, run.big_steps, run.big_lr, run.eval_every)),
+        (
+            DRAFT_NAME,
+            DRAFT,
+            TrainSettings(run.batch_size, run.draft_steps, run.draft_lr, run.eval_every),
+        ),
     ):
         torch.manual_seed(0)
         model = make_model(shape, tokenizer)
         params = sum(p.numel() for p in model.parameters())
         print(f"{name}: {params / 1e6:.2f} M parameters")
-        result = train_model(model, train, windows, settings, device)
-        result.update(parameters=params, shape=asdict(shape))
+        result = train_model(model, train, windows[: run.eval_windows], settings, device)
+        loss = mean_loss(model, windows, device)
+        result.update(
+            parameters=params, shape=asdict(shape), heldout_loss=loss,
+            heldout_perplexity=math.exp(loss),
+        )  # fmt: skip
         report[name] = result
         models[name] = model
         # Saved as soon as trained, so a run cut short keeps what it finished.
@@ -376,14 +402,15 @@ def main() -> None:
     t = sub.add_parser("train", help="Train tokenizer, model and draft; write checkpoints.")
     t.add_argument("--corpus", type=Path, required=True)
     t.add_argument("--out", type=Path, required=True)
-    t.add_argument("--big-steps", type=int, default=2000)
-    t.add_argument("--draft-steps", type=int, default=3000)
-    t.add_argument("--batch-size", type=int, default=32, help="Windows of 512 tokens per step.")
+    defaults = RunSettings()
+    for field, value in asdict(defaults).items():
+        t.add_argument("--" + field.replace("_", "-"), type=type(value), default=value)
     ns = parser.parse_args()
     if ns.cmd == "corpus":
         build_corpus(ns.out)
     else:
-        train_all(ns.corpus, ns.out, ns.big_steps, ns.draft_steps, ns.batch_size)
+        run = RunSettings(**{f: getattr(ns, f) for f in asdict(defaults)})
+        train_all(ns.corpus, ns.out, run)
 
 
 if __name__ == "__main__":

@@ -77,7 +77,8 @@ def _corpus(root: Path) -> Path:
 
 def test_short_training_run_writes_checkpoints_that_load_everywhere(demo, tmp_path) -> None:
     out = tmp_path / "assets"
-    demo.train_all(_corpus(tmp_path / "corpus"), out, big_steps=2, draft_steps=2, batch_size=1)
+    run = demo.RunSettings(big_steps=2, draft_steps=2, batch_size=1, eval_windows=2)
+    demo.train_all(_corpus(tmp_path / "corpus"), out, run)
     report = json.loads((out / "report.json").read_text())
     assert 0.0 <= report["draft_greedy_agreement"] <= 1.0
     assert len(report["samples"]) == len(demo.SAMPLE_PROMPTS)
