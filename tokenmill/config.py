@@ -24,6 +24,11 @@ _DTYPES = {
     "half": torch.float16,
 }
 
+# The embedded default model (README: "The embedded demo model") and its draft model.
+ASSETS_DIR = Path(__file__).parent / "assets"
+DEMO_MODEL_DIR = ASSETS_DIR / "demo-llama-16m"
+DEMO_DRAFT_DIR = ASSETS_DIR / "demo-llama-2m-draft"
+
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     """Map a dtype name ("float32", "bfloat16", "float16") to a torch dtype."""

@@ -11,8 +11,13 @@ from collections.abc import Sequence
 from typing import Any, get_args, get_type_hints
 
 from tokenmill import __version__
-from tokenmill.config import EngineArgs
+from tokenmill.config import DEMO_MODEL_DIR, EngineArgs
 from tokenmill.sampling_params import SamplingParams
+
+MODEL_HELP = (
+    "Hugging Face checkpoint directory (default: the embedded demo model, a 15.7 M parameter "
+    "Llama trained on the Python and Django documentation)."
+)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -87,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Complete prompts offline and print the completions.",
         description="Complete each prompt with the model and print one completion per prompt.",
     )
-    gen.add_argument("--model", required=True, help="Hugging Face checkpoint directory.")
+    gen.add_argument("--model", default=str(DEMO_MODEL_DIR), help=MODEL_HELP)
     gen.add_argument("prompts", nargs="+", help="Prompt texts.")
     gen.add_argument(
         "--chat", action="store_true", help="Send each prompt as a user message (chat template)."
@@ -101,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
         "reply; the conversation so far is re-sent every turn (the prefix cache makes that "
         "cheap). An empty line or end of input quits.",
     )
-    chat.add_argument("--model", required=True, help="Hugging Face checkpoint directory.")
+    chat.add_argument("--model", default=str(DEMO_MODEL_DIR), help=MODEL_HELP)
     chat.add_argument("--system", default=None, help="System prompt.")
     _add_sampling_args(chat)
     add_engine_args(chat)
@@ -110,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Serve the OpenAI-compatible HTTP API.",
         description="Serve /v1/completions, /v1/chat/completions and friends over HTTP.",
     )
-    srv.add_argument("model", help="Hugging Face checkpoint directory.")
+    srv.add_argument("model", nargs="?", default=str(DEMO_MODEL_DIR), help=MODEL_HELP)
     srv.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
     srv.add_argument("--port", type=int, default=8000, help="Port to listen on.")
     srv.add_argument(
