@@ -7,10 +7,12 @@ Two steps, reproducible from Debian's archive and this file alone:
     # 2. on a GPU machine (a few minutes on an H200; the corpus directory travels with the tree):
     python scripts/train_demo_model.py train --corpus data/demo-corpus --out tokenmill/assets
 
-The corpus is the reStructuredText source of the Python 3.11 documentation as Debian ships it in
-`python3.11-doc` (`usr/share/doc/python3.11/html/_sources`): ~11 MB of edited English prose about
-one subject, under the PSF License Agreement, which allows distributing derived works with its
-notice (kept in each checkpoint's README.md). Every 20th document (sorted by path) is held out.
+The corpus is the documentation of Python 3.11 (the reStructuredText sources Debian ships in
+`python3.11-doc`, PSF License Agreement) and of Django 3.2 (the text of the HTML pages in
+`python-django-doc`, BSD-3-Clause): ~15 MB of edited English prose, under licences that allow
+distributing derived works with their notice (kept in each checkpoint's README.md). Every 20th
+document of each package (sorted by path) is held out. Without a GPU, `train` runs on the CPU
+(bf16 autocast); pass smaller `--batch-size` and step counts there (README: the shipped run).
 
 `train` writes two Hugging Face checkpoint directories (bf16 safetensors, byte-level BPE tokenizer,
 ChatML chat template) plus `report.json`: held-out perplexity of both models, the draft's greedy
@@ -397,14 +399,15 @@ def main() -> None:
     """`corpus` or `train`; see the module docstring."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("corpus", help="Build the corpus from Debian's python3.11-doc.")
+    c = sub.add_parser("corpus", help="Build the corpus from Debian's documentation packages.")
     c.add_argument("--out", type=Path, required=True)
     t = sub.add_parser("train", help="Train tokenizer, model and draft; write checkpoints.")
     t.add_argument("--corpus", type=Path, required=True)
     t.add_argument("--out", type=Path, required=True)
     defaults = RunSettings()
     for field, value in asdict(defaults).items():
-        t.add_argument("--" + field.replace("_", "-"), type=type(value), default=value)
+        flag = "--" + field.replace("_", "-")
+        t.add_argument(flag, type=type(value), default=value, help=f"(default: {value})")
     ns = parser.parse_args()
     if ns.cmd == "corpus":
         build_corpus(ns.out)
