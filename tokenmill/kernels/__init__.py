@@ -9,12 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from tokenmill.kernels.gemv_config import GemvConfig, InputNorm
+
 try:
     from tokenmill.kernels.activation import silu_and_mul as fused_silu_and_mul
-    from tokenmill.kernels.gemv import GemvConfig, InputNorm, gemv, norm_gemv
+    from tokenmill.kernels.gemv import gemv, norm_gemv
     from tokenmill.kernels.norm import rms_norm
 except ImportError:  # triton is not installed
-    from dataclasses import dataclass
 
     def _missing(*_: Any, **__: Any) -> Any:
         raise RuntimeError("CUDA kernels need triton: pip install triton")
@@ -23,23 +24,6 @@ except ImportError:  # triton is not installed
     rms_norm: Callable[..., Any] = _missing  # type: ignore[no-redef]
     gemv: Callable[..., Any] = _missing  # type: ignore[no-redef]
     norm_gemv: Callable[..., Any] = _missing  # type: ignore[no-redef]
-
-    @dataclass(frozen=True)
-    class GemvConfig:  # type: ignore[no-redef]
-        """Stand-in (never used without triton): see tokenmill.kernels.gemv.GemvConfig."""
-
-        block_n: int
-        block_k: int
-        split_k: int
-        num_warps: int = 4
-
-    @dataclass(frozen=True)
-    class InputNorm:  # type: ignore[no-redef]
-        """Stand-in (never used without triton): see tokenmill.kernels.gemv.InputNorm."""
-
-        weight: Any
-        eps: float
-        residual: Any
 
 
 __all__ = ["GemvConfig", "InputNorm", "fused_silu_and_mul", "gemv", "norm_gemv", "rms_norm"]

@@ -11,25 +11,14 @@ it is loaded, so an MLP's down projection needs no separate activation kernel.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.gemv_config import GemvConfig, InputNorm
 from tokenmill.kernels.tickets import ticket_buffer
 
 MAX_M = 8
-
-
-@dataclass(frozen=True)
-class GemvConfig:
-    """Tile sizes and K split of one launch."""
-
-    block_n: int
-    block_k: int
-    split_k: int
-    num_warps: int = 4
 
 
 @triton.jit
@@ -102,15 +91,6 @@ def _gemv_kernel(
                 total = total * tl.rsqrt(total_ss / K + eps)[:, None]
             tl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(ticket_ptr + pid_n, 0)
-
-
-@dataclass(frozen=True)
-class InputNorm:
-    """An RMSNorm (`weight`, `eps`) applied to `x + residual` (or `x`) before the product."""
-
-    weight: torch.Tensor
-    eps: float
-    residual: torch.Tensor | None
 
 
 def gemv(
