@@ -37,6 +37,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tokenmill.config import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
+
 PYTHON_DOCS = "python3.11-doc"
 PYTHON_SOURCES = "usr/share/doc/python3.11/html/_sources"
 DJANGO_DOCS = "python-django-doc"
@@ -44,8 +46,8 @@ DJANGO_HTML = "usr/share/doc/python-django-doc/html"
 HELD_OUT_EVERY = 20
 VOCAB_SIZE = 8192
 SEQ_LEN = 512
-BIG_NAME = "demo-llama-16m"
-DRAFT_NAME = "demo-llama-2m-draft"
+BIG_NAME = DEMO_MODEL_DIR.name
+DRAFT_NAME = DEMO_DRAFT_DIR.name
 SAMPLE_PROMPTS = [
     "The list type",
     "To open a file for reading,",
