@@ -3,6 +3,7 @@ tokenmill does, trained (low perplexity on new text), with a draft that mostly a
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.conftest import hf_greedy
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import ASSETS_DIR, DEMO_DRAFT_DIR, DEMO_MODEL_DIR
 from tokenmill.entrypoints.cli import main
@@ -31,6 +33,7 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
 
 
+@functools.cache
 def _hf(path: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
@@ -56,12 +59,7 @@ def test_greedy_tokens_equal_transformers(tokenizer, path: Path) -> None:
     llm = LLM(str(path), dtype="float32")
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    model = _hf(path)
-    for prompt, tokens in zip(prompts, ours, strict=True):
-        ids = torch.tensor([prompt])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
-                             min_new_tokens=32, do_sample=False)  # fmt: skip
-        assert tokens == out[0, len(prompt) :].tolist()
+    assert ours == [hf_greedy(path, prompt, 32) for prompt in prompts]
 
 
 def _perplexity(model: torch.nn.Module, ids: list[int]) -> float:
@@ -84,15 +82,14 @@ def test_models_are_trained_and_the_report_says_so(tokenizer) -> None:
 def test_draft_mostly_agrees_with_the_model(tokenizer) -> None:
     """Teacher-forced on the model's own greedy continuation, the draft's argmax matches it at
     a good share of positions (what speculative decoding will accept)."""
-    big, draft = _hf(DEMO_MODEL_DIR), _hf(DEMO_DRAFT_DIR)
+    draft = _hf(DEMO_DRAFT_DIR)
     agree = total = 0
     for prompt in PROMPTS:
-        ids = torch.tensor([tokenizer.encode(prompt)])
-        seq = big.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
-                           min_new_tokens=32, do_sample=False)  # fmt: skip
+        ids = tokenizer.encode(prompt)
+        seq = torch.tensor([ids + hf_greedy(DEMO_MODEL_DIR, ids, 32)])
         with torch.no_grad():
-            guess = draft(input_ids=seq[:, :-1]).logits[0, ids.shape[1] - 1 :].argmax(-1)
-        agree += (guess == seq[0, ids.shape[1] :]).sum().item()
+            guess = draft(input_ids=seq[:, :-1]).logits[0, len(ids) - 1 :].argmax(-1)
+        agree += (guess == seq[0, len(ids) :]).sum().item()
         total += guess.numel()
     assert agree / total > 0.3
 
