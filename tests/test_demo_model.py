@@ -75,7 +75,8 @@ def test_models_are_trained_and_the_report_says_so(tokenizer) -> None:
     big, draft = _perplexity(_hf(DEMO_MODEL_DIR), ids), _perplexity(_hf(DEMO_DRAFT_DIR), ids)
     assert big < 100 and draft < 200
     report = json.loads((ASSETS_DIR / "report.json").read_text())
-    assert report[DEMO_MODEL_DIR.name]["heldout_perplexity"] < 100
+    for name in (DEMO_MODEL_DIR.name, DEMO_DRAFT_DIR.name):  # the GPU run's: 24.1 and 27.3
+        assert report[name]["heldout_perplexity"] < 40
     assert report["draft_greedy_agreement"] > 0.3
 
 
