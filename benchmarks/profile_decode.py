@@ -1,11 +1,12 @@
 """Where a decode step's time goes on the GPU: graph replay vs. host work, and the top kernels.
 
-python benchmarks/profile_decode.py --config shared/models/qwen3-0.6b [--batch 1 8 64]
+python benchmarks/profile_decode.py --config shared/models/qwen3-0.6b [--batch 1 8 64] [--no-pdl]
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.kernels.pdl import set_pdl_enabled
 from tokenmill.observability.cuda_timing import median_cuda_seconds
 
 
@@ -21,7 +23,10 @@ def main() -> None:
     parser.add_argument("--config", required=True)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--context", type=int, default=640)
+    parser.add_argument("--no-pdl", action="store_true", help="launch kernels without PDL")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # GEMV choices
+    set_pdl_enabled(not args.no_pdl)
     llm = LLM(
         args.config, load_format="dummy", dtype="bfloat16", max_num_seqs=max(args.batch),
         kv_cache_memory_bytes=20_000_000_000, enable_prefix_caching=False, max_model_len=4096,
@@ -49,8 +54,9 @@ def main() -> None:
         for _ in range(steps):
             engine.step()
         step_ms = (time.perf_counter() - start) / steps * 1e3
-        print(f"bs={bs}: graph replay {replay_ms:.3f} ms (GPU), engine step {step_ms:.3f} ms "
-              f"(wall) -> host overhead ~{step_ms - replay_ms:.3f} ms/step")  # fmt: skip
+        label = "no PDL bs" if args.no_pdl else "bs"
+        print(f"{label}={bs}: graph replay {replay_ms:.3f} ms (GPU), engine step {step_ms:.3f} "
+              f"ms (wall) -> host overhead ~{step_ms - replay_ms:.3f} ms/step")  # fmt: skip
         if bs == args.batch[0]:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(10):

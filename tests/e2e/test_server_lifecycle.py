@@ -31,6 +31,7 @@ def test_killed_engine_turns_health_503_and_fails_requests(llama_dir: Path, tmp_
     with run_server(llama_dir, tmp_path / "log", "--max-model-len", "1024") as server:
         engine_pid = server.child_pids()["engine-core"]
         results: dict[str, object] = {}
+        streaming_started = threading.Event()
 
         def non_streaming() -> None:
             r = httpx.post(server.base_url + "/v1/completions", json=LONG, timeout=30)
@@ -41,7 +42,10 @@ def test_killed_engine_turns_health_503_and_fails_requests(llama_dir: Path, tmp_
             with httpx.stream(
                 "POST", server.base_url + "/v1/completions", json=body, timeout=30
             ) as r:
-                results["stream"] = list(r.iter_lines())
+                lines = results["stream"] = []
+                for line in r.iter_lines():
+                    lines.append(line)
+                    streaming_started.set()
 
         threads = [threading.Thread(target=non_streaming), threading.Thread(target=streaming)]
         for t in threads:
@@ -49,6 +53,8 @@ def test_killed_engine_turns_health_503_and_fails_requests(llama_dir: Path, tmp_
         assert wait_until(
             lambda: httpx.get(server.base_url + "/load").json().get("num_requests_running") == 16
         )
+        # Killed mid-stream (before its first chunk, a failure is a plain HTTP error instead).
+        assert streaming_started.wait(timeout=30)
         killed_at = time.monotonic()
         os.kill(engine_pid, signal.SIGKILL)
         for t in threads:

@@ -6,6 +6,12 @@ run compiled. Tolerances: float32 ~1e-5 relative, bfloat16 ~1e-2.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -295,3 +301,21 @@ def test_gemv_candidate_check_rejects_wrong_or_failing_kernels(caplog) -> None:
 
     assert not _matches(broken, expected, config)
     assert "no such kernel" in caplog.text and "disagrees" in caplog.text
+
+
+def test_pdl_kernels_wait_before_touching_memory() -> None:
+    """Launched with PDL, a kernel may start before the previous one has finished: compiled for
+    sm_90, no kernel may read or write global memory before its `griddepcontrol.wait`, except
+    the GEMV's first (vectorised) load of constant weights."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.kernels.ptx_prologue"],
+        env=env, capture_output=True, text=True, check=True, cwd=Path(__file__).parents[2],
+    )  # fmt: skip
+    before_wait = json.loads(run.stdout)
+    assert set(before_wait) >= {"decode_split", "decode_reduce", "gemv", "rope_store"}
+    for name, ops in before_wait.items():
+        if name == "gemv":
+            assert ops and all(op.startswith("ld.global.v4") for op in ops), ops
+        else:
+            assert ops == [], (name, ops)

@@ -6,9 +6,14 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.pdl import pdl_wait, use_pdl
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -27,7 +32,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if n_rows == 0:
         return out
     block = min(triton.next_power_of_2(d), 1024)
+    pdl = use_pdl(x.device)
     _silu_and_mul_kernel[(n_rows, triton.cdiv(d, block))](
-        x, out, x.stride(0), out.stride(0), d, BLOCK=block
+        x, out, x.stride(0), out.stride(0), d, BLOCK=block, USE_PDL=pdl, launch_pdl=pdl
     )
     return out

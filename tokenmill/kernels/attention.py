@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.pdl import pdl_wait, use_pdl
+
 _LOG2E = 1.4426950408889634
 
 
@@ -44,8 +46,9 @@ def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, kv_lens_ptr, page_table_ptr,
     stride_pt, qk_scale, window,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(USE_PDL)
     seq = tl.program_id(0)
     h = tl.program_id(1)
     mblk = tl.program_id(2)
@@ -111,11 +114,12 @@ def prefill_attention(
     num_seqs = kv_lens.shape[0]
     block_m = 64 if max_q_len > 32 else 16
     grid = (num_seqs, hq, triton.cdiv(max_q_len, block_m))
+    pdl = use_pdl(q.device)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, cu_q, kv_lens, page_table, page_table.stride(0),
         scale * _LOG2E, window or 0,
         HQ=hq, HKV=hkv, D=d, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=64,
-        HAS_WINDOW=window is not None, num_warps=4, num_stages=2,
+        HAS_WINDOW=window is not None, USE_PDL=pdl, num_warps=4, num_stages=2, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
@@ -126,7 +130,9 @@ def _decode_split_kernel(
     stride_pt, qk_scale, window,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(USE_PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -167,8 +173,9 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_reduce_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr, HQ: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -209,14 +216,16 @@ def decode_attention(
     splits = mid_o.shape[2]
     out = torch.empty_like(q)
     group = hq // hkv
+    pdl = use_pdl(q.device)
     _decode_split_kernel[(batch, hkv, splits)](
         q, k_cache, v_cache, mid_o, mid_lse, kv_lens, page_table, page_table.stride(0),
         scale * _LOG2E, window or 0,
         HQ=hq, HKV=hkv, D=d, PAGE=page_size, SPLITS=splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=64,
-        HAS_WINDOW=window is not None, num_warps=4, num_stages=2,
+        HAS_WINDOW=window is not None, USE_PDL=pdl, num_warps=4, num_stages=2, launch_pdl=pdl,
     )  # fmt: skip
     _decode_reduce_kernel[(batch, hq)](
-        mid_o, mid_lse, out, HQ=hq, D=d, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits)
-    )
+        mid_o, mid_lse, out, HQ=hq, D=d, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+        USE_PDL=pdl, launch_pdl=pdl,
+    )  # fmt: skip
     return out

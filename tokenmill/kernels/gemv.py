@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.gemv_config import GemvConfig, InputNorm
+from tokenmill.kernels.pdl import pdl_wait, use_pdl
 from tokenmill.kernels.tickets import ticket_buffer
 
 MAX_M = 8
@@ -26,7 +27,7 @@ def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, part_ptr, ticket_ptr, res_ptr, new_res_ptr, norm_w_ptr, ss_ptr, eps,
     M, N, K, k_per_split, stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+    GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -37,14 +38,25 @@ def _gemv_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)  # NORM: this K slice's sum of squares
     k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    # Each slab of W is loaded one iteration ahead; the first before waiting for the previous
+    # kernel (weights are constant), so under PDL it streams while that kernel finishes.
+    offs_next = k_lo + tl.arange(0, BLOCK_K)
+    w_next = tl.load(
+        w_rows + offs_next[None, :], mask=n_mask[:, None] & (offs_next < k_hi)[None, :], other=0.0
+    )
+    pdl_wait(USE_PDL)
     for k in range(k_lo, k_lo + k_per_split, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        w = tl.load(
-            w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
-            mask=n_mask[:, None] & k_mask[None, :],
+        w = w_next.to(tl.float32)
+        offs_next = offs_k + BLOCK_K
+        w_next = tl.load(
+            w_rows + offs_next[None, :],
+            mask=n_mask[:, None] & (offs_next < k_hi)[None, :],
             other=0.0,
-        ).to(tl.float32)
+        )
         x_offs = offs_m[:, None] * stride_xm + offs_k[None, :]
         x_mask = m_mask[:, None] & k_mask[None, :]
         x = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
@@ -140,6 +152,7 @@ def _launch(
     if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()):
         raise ValueError(f"residual {tuple(residual.shape)} must be contiguous, shaped as x")
     new_residual = torch.empty_like(x) if residual is not None else None
+    pdl = use_pdl(x.device)
     _gemv_kernel[(grid_n, split_k)](
         x, weight, out, part, ticket_buffer(x.device, grid_n if split_k > 1 else 0),
         residual if residual is not None else x, new_residual if new_residual is not None else x,
@@ -147,6 +160,6 @@ def _launch(
         m, n, k, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, SPLIT_K=split_k, GATED=gated, NORM=norm is not None,
-        HAS_RES=residual is not None, num_warps=config.num_warps,
+        HAS_RES=residual is not None, USE_PDL=pdl, num_warps=config.num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out, new_residual

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.pdl import pdl_wait, use_pdl
+
 
 @triton.jit
 def _add_rms_norm_kernel(
@@ -20,7 +22,9 @@ def _add_rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -51,6 +55,7 @@ def rms_norm(
     if n_rows == 0:
         return out
     res = residual if residual is not None else x
+    pdl = use_pdl(x.device)
     _add_rms_norm_kernel[(n_rows,)](
         x,
         res,
@@ -63,6 +68,8 @@ def rms_norm(
         eps,
         HAS_RESIDUAL=residual is not None,
         BLOCK=triton.next_power_of_2(n_cols),
+        USE_PDL=pdl,
         num_warps=min(max(triton.next_power_of_2(n_cols) // 256, 1), 16),
+        launch_pdl=pdl,
     )
     return out

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.pdl import pdl_wait, use_pdl
+
 
 @triton.jit
 def _load_rotated(
@@ -35,8 +37,9 @@ def _rope_store_kernel(
     qkv_ptr, positions_ptr, slots_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr,
     q_out_ptr, k_cache_ptr, v_cache_ptr, stride_qkv, eps,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, QK_NORM: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, QK_NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t)
     slot = tl.load(slots_ptr + t)
@@ -85,10 +88,11 @@ def rope_and_store(
     if tokens == 0:
         return q
     q_w, k_w, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)
+    pdl = use_pdl(qkv.device)
     _rope_store_kernel[(tokens,)](
         qkv, positions, slots, cos, sin, q_w, k_w, q, k_cache, v_cache, qkv.stride(0), eps,
         HQ=num_heads, HKV=num_kv_heads, D=head_dim,
         BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
-        QK_NORM=qk_norm is not None,
+        QK_NORM=qk_norm is not None, USE_PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     return q

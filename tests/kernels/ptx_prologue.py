@@ -1,0 +1,73 @@
+"""Compile every Triton kernel for sm_90 with PDL on (no GPU needed) and print, as JSON, the
+memory instructions each kernel's PTX issues before its `griddepcontrol.wait`.
+
+Run by `test_pdl_kernels_wait_before_touching_memory` in a subprocess, because the test
+session runs Triton's interpreter, under which kernels cannot be compiled.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from tokenmill.kernels.activation import _silu_and_mul_kernel
+from tokenmill.kernels.attention import _decode_reduce_kernel, _decode_split_kernel, _prefill_kernel
+from tokenmill.kernels.gemv import _gemv_kernel
+from tokenmill.kernels.norm import _add_rms_norm_kernel
+from tokenmill.kernels.rope_store import _rope_store_kernel
+
+FP32_PTRS = {"mid_o_ptr", "mid_lse_ptr", "part_ptr", "ss_ptr", "cos_ptr", "sin_ptr"}
+INT_PTRS = {"cu_q_ptr", "kv_lens_ptr", "page_table_ptr", "positions_ptr", "slots_ptr",
+            "ticket_ptr"}  # fmt: skip
+FLOAT_SCALARS = {"eps", "qk_scale"}
+UNALIGNED = FLOAT_SCALARS | {"M", "window"}
+# Constexprs of each kernel (USE_PDL is set for all), as the decode path of a
+# qwen3-like layer uses them.
+KERNELS = {
+    "prefill": (_prefill_kernel, dict(
+        HQ=16, HKV=8, D=128, PAGE=16, BLOCK_M=64, BLOCK_N=64, HAS_WINDOW=False)),
+    "decode_split": (_decode_split_kernel, dict(
+        HQ=16, HKV=8, D=128, PAGE=16, SPLITS=16, BLOCK_G=16, BLOCK_N=64, HAS_WINDOW=False)),
+    "decode_reduce": (_decode_reduce_kernel, dict(HQ=16, D=128, SPLITS=16, BLOCK_S=16)),
+    "gemv": (_gemv_kernel, dict(
+        BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, SPLIT_K=4, GATED=False, NORM=True, HAS_RES=True)),
+    "add_rms_norm": (_add_rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=1024)),
+    "rope_store": (_rope_store_kernel, dict(
+        HQ=16, HKV=8, D=128, BLOCK_HQ=16, BLOCK_HKV=8, QK_NORM=True)),
+    "silu_and_mul": (_silu_and_mul_kernel, dict(BLOCK=1024)),
+}  # fmt: skip
+MEMORY_OP = re.compile(r"^\s*(?:@%\w+\s+)?((?:ld|st|atom|red)\.global\S*)")
+
+
+def _type(name: str) -> str:
+    if name.endswith("_ptr"):
+        return "*fp32" if name in FP32_PTRS else "*i32" if name in INT_PTRS else "*bf16"
+    return "fp32" if name in FLOAT_SCALARS else "i32"
+
+
+def memory_ops_before_wait(kernel: triton.JITFunction, constexprs: dict[str, object]) -> list[str]:
+    """The global-memory instructions of `kernel`'s PTX that come before its first wait."""
+    constexprs = {**constexprs, "USE_PDL": True}
+    signature = {
+        n: "constexpr" if n in constexprs else _type(n) for n in kernel.arg_names
+    }  # fmt: skip
+    # As at a real launch, pointers and sizes are specialised as multiples of 16.
+    aligned = [n for n in kernel.arg_names if n not in constexprs and n not in UNALIGNED]
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": True})
+    ops = []
+    for line in compiled.asm["ptx"].splitlines():
+        if "griddepcontrol.wait" in line:
+            return ops
+        if match := MEMORY_OP.match(line):
+            ops.append(match.group(1))
+    raise AssertionError(f"{kernel.fn.__name__} never waits")
+
+
+if __name__ == "__main__":
+    print(json.dumps({name: memory_ops_before_wait(k, c) for name, (k, c) in KERNELS.items()}))

@@ -1,0 +1,45 @@
+"""Programmatic dependent launch (PDL) for the Triton kernels of a decode step.
+
+On Hopper and newer GPUs a kernel launched with PDL may start while the kernel before it in the
+stream is still finishing (also inside CUDA graphs): its programs are placed early, do whatever
+does not depend on the previous kernel — a GEMV loads its first slab of weights — and then wait
+(`griddepcontrol.wait`) until the previous kernel has finished and its writes are visible.
+Each kernel launched this way must therefore wait before it reads or writes any activation,
+cache or scratch memory; only constant inputs (weights) may be touched before the wait. Every
+kernel in `tokenmill/kernels` takes a `USE_PDL` constexpr and calls `pdl_wait` first.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_enabled = True
+
+
+def set_pdl_enabled(enabled: bool) -> None:
+    """Turn PDL launches on or off for kernels launched from now on (for A/B measurements)."""
+    global _enabled
+    _enabled = enabled
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether kernels on `device` are launched with PDL: CUDA compute capability >= 9.0,
+    compiled kernels (not Triton's interpreter), and not turned off."""
+    return (
+        _enabled
+        and device.type == "cuda"
+        and os.environ.get("TRITON_INTERPRET", "0") != "1"
+        and torch.cuda.get_device_capability(device)[0] >= 9
+    )
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Wait for the previous kernel (its writes visible), then let the next kernel launch."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
