@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call (see ../shared/device/README.md).
 # Usage on the device: bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|all]
-# (gputests = the engine tests on the GPU + profile + B1, without the kernel unit tests)
+# (gputests = the GPU engine tests and the GEMV, decode and rotary kernel tests + profile + B1)
 # Full logs and JSON reports go to $OUT (or ./gpu-out); a short table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +24,7 @@ python3 -c 'import torch, triton, transformers; print("torch", torch.__version__
 
 if [[ "$what" == tests || "$what" == all || "$what" == quick || "$what" == gputests ]]; then
   sel=(tests/kernels tests/gpu)
-  [[ "$what" == gputests ]] && sel=(tests/gpu tests/kernels -k "gpu or engine or gemv")
+  [[ "$what" == gputests ]] && sel=(tests/gpu tests/kernels -k "gpu or engine or gemv or decode or rope or pdl")
   python3 -m pytest -q -p no:cacheprovider "${sel[@]}" 2>&1 | tee "$out/pytest.log" | tail -25
   echo "tests: $(tail -1 "$out/pytest.log")" >> "$table"
 fi
