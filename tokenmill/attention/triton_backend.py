@@ -8,7 +8,7 @@ from tokenmill.attention.backend import AttentionBackend, AttentionInputs, QKNor
 from tokenmill.cache.kv_cache import KVCache
 from tokenmill.config import ModelConfig
 from tokenmill.kernels.attention import decode_attention, prefill_attention
-from tokenmill.kernels.rope_store import RopeInputs, rope_and_store
+from tokenmill.kernels.rope_store import rope_and_store
 from tokenmill.layers.rotary import RotaryEmbedding
 
 # Decode splits the context into this many chunks per sequence, processed in parallel; fixed
@@ -17,8 +17,7 @@ DECODE_SPLITS = 16
 
 
 class TritonAttentionBackend(AttentionBackend):
-    """Decode batches use split-KV decode (with rotary and the K/V store fused in); any batch
-    with a multi-token query uses the prefill kernel."""
+    """Decode batches use split-KV decode; any batch with a multi-token query uses prefill."""
 
     def __init__(self, model: ModelConfig, kv_cache: KVCache, max_num_seqs: int) -> None:
         super().__init__(model, kv_cache, max_num_seqs)
@@ -50,39 +49,25 @@ class TritonAttentionBackend(AttentionBackend):
         rotary: RotaryEmbedding,
         qk_norm: QKNorm | None,
     ) -> torch.Tensor:
+        cfg = self.model
         k_cache, v_cache = self._cache(layer)
-        rope = _rope_inputs(rotary, qk_norm)
-        slots = self._inputs.slot_mapping
-        return rope_and_store(qkv, positions, slots, rope, k_cache, v_cache, self.model.num_heads)
+        norm = None
+        if qk_norm is not None:
+            norm = (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
+        return rope_and_store(
+            qkv, positions, self._inputs.slot_mapping, rotary.cos, rotary.sin, k_cache, v_cache,
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, norm,
+        )  # fmt: skip
 
     def attend(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         k_cache, v_cache = self._cache(layer)
-        inputs = self._inputs
+        inputs, ps, window = self._inputs, self.kv_cache.page_size, self.model.sliding_window
+        if self._decode:
+            return decode_attention(
+                q, k_cache, v_cache, inputs.kv_lens, inputs.page_table, ps, self.scale, window,
+                self._mid_o, self._mid_lse,
+            )  # fmt: skip
         return prefill_attention(
             q, k_cache, v_cache, inputs.cu_query_lens, inputs.kv_lens, inputs.page_table,
-            self._max_q_len, self.kv_cache.page_size, self.scale, self.model.sliding_window,
+            self._max_q_len, ps, self.scale, window,
         )  # fmt: skip
-
-    def attention(
-        self,
-        qkv: torch.Tensor,
-        positions: torch.Tensor,
-        layer: int,
-        rotary: RotaryEmbedding,
-        qk_norm: QKNorm | None,
-    ) -> torch.Tensor:
-        """Decode batches take one kernel pair: rotary + K/V store + split attention, merge."""
-        if not self._decode:
-            return super().attention(qkv, positions, layer, rotary, qk_norm)
-        k_cache, v_cache = self._cache(layer)
-        inputs = self._inputs
-        return decode_attention(
-            qkv, positions, inputs.slot_mapping, _rope_inputs(rotary, qk_norm), k_cache, v_cache,
-            inputs.kv_lens, inputs.page_table, self.kv_cache.page_size, self.scale,
-            self.model.sliding_window, self._mid_o, self._mid_lse,
-        )  # fmt: skip
-
-
-def _rope_inputs(rotary: RotaryEmbedding, qk_norm: QKNorm | None) -> RopeInputs:
-    norm = None if qk_norm is None else (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
-    return RopeInputs(rotary.cos, rotary.sin, norm)

@@ -1,5 +1,4 @@
-"""Paged attention: varlen causal prefill over a cached prefix, and split-KV decode (which also
-rotates the new token's q/k and stores its K/V).
+"""Paged attention: varlen causal prefill over a cached prefix, and split-KV decode.
 
 K/V caches are `[num_pages * page_size, Hkv, D]` (flattened pages); a sequence's position p lives
 in slot `page_table[seq, p // page_size] * page_size + p % page_size`.
@@ -12,7 +11,6 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.pdl import pdl_wait, use_pdl
-from tokenmill.kernels.rope_store import RopeInputs, load_rotated
 
 _LOG2E = 1.4426950408889634
 
@@ -128,12 +126,11 @@ def prefill_attention(
 
 @triton.jit
 def _decode_split_kernel(
-    qkv_ptr, positions_ptr, slots_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, eps,
-    k_cache_ptr, v_cache_ptr, mid_o_ptr, mid_lse_ptr, kv_lens_ptr, page_table_ptr,
-    stride_qkv, stride_pt, qk_scale, window,
+    q_ptr, k_cache_ptr, v_cache_ptr, mid_o_ptr, mid_lse_ptr, kv_lens_ptr, page_table_ptr,
+    stride_pt, qk_scale, window,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    QK_NORM: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(USE_PDL)
     seq = tl.program_id(0)
@@ -141,36 +138,19 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     group: tl.constexpr = HQ // HKV
     kv_len = tl.load(kv_lens_ptr + seq)
-    new = kv_len - 1  # the step's own token: rotated here from qkv, not read from the cache
     split_len = tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_N) * BLOCK_N
     lo = split * split_len
-    hi = tl.minimum(lo + split_len, new)
-    has_new = (lo <= new) & (new < lo + split_len)
+    hi = tl.minimum(lo + split_len, kv_len)
     if HAS_WINDOW:
         lo = tl.maximum(lo, kv_len - window)
-    seq64 = seq.to(tl.int64)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, D)
     heads = kvh * group + offs_g
     g_mask = offs_g < group
-    pos = tl.load(positions_ptr + seq)
-    cos = tl.load(cos_ptr + pos * D + offs_d)
-    sin = tl.load(sin_ptr + pos * D + offs_d)
-    row = qkv_ptr + seq64 * stride_qkv
-    dtype = qkv_ptr.dtype.element_ty
-    q = load_rotated(row, heads, offs_d, D // 2, D, g_mask, cos, sin, q_norm_ptr, eps, QK_NORM)
-    q = q.to(dtype)
-    one = kvh + tl.arange(0, 1)
-    k_new = load_rotated(
-        row + HQ * D, one, offs_d, D // 2, D, one < HKV, cos, sin, k_norm_ptr, eps, QK_NORM
-    ).to(k_cache_ptr.dtype.element_ty)
-    v_new = tl.load(row + (HQ + HKV) * D + one[:, None] * D + offs_d[None, :])
-    if split == 0:  # one program per (sequence, KV head) stores the new K/V
-        slot = tl.load(slots_ptr + seq)
-        if slot >= 0:  # padded rows of a CUDA-graph batch write nothing
-            cache_off = slot * (HKV * D) + one[:, None] * D + offs_d[None, :]
-            tl.store(k_cache_ptr + cache_off, k_new)
-            tl.store(v_cache_ptr + cache_off, v_new.to(v_cache_ptr.dtype.element_ty))
+    seq64 = seq.to(tl.int64)
+    q = tl.load(
+        q_ptr + seq64 * (HQ * D) + heads[:, None] * D + offs_d[None, :], mask=g_mask[:, None]
+    )
     page_row = page_table_ptr + seq64 * stride_pt
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -182,23 +162,12 @@ def _decode_split_kernel(
         k = _kv_block(k_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
         v = _kv_block(v_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
         m_i, l_i, acc = _attend_block(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale)
-    # The new token, in the split whose range holds its position.
-    s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * qk_scale
-    s = tl.where(has_new, s, float("-inf"))
-    m_new = tl.maximum(m_i, s)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_safe)
-    alpha = tl.math.exp2(m_i - m_safe)
-    l_i = l_i * alpha + p
-    v_new = v_new.to(v_cache_ptr.dtype.element_ty).to(tl.float32)
-    acc = acc * alpha[:, None] + p.to(v_cache_ptr.dtype.element_ty).to(tl.float32)[:, None] * v_new
-    m_i = m_new
     # log2-sum-exp of this split's scores; -inf when the split saw no position.
     lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    row_out = (seq64 * HQ + heads) * SPLITS + split
-    tl.store(mid_o_ptr + row_out[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
-    tl.store(mid_lse_ptr + row_out, lse, mask=g_mask)
+    row = (seq64 * HQ + heads) * SPLITS + split
+    tl.store(mid_o_ptr + row[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
+    tl.store(mid_lse_ptr + row, lse, mask=g_mask)
 
 
 @triton.jit
@@ -225,10 +194,7 @@ def _decode_reduce_kernel(
 
 
 def decode_attention(
-    qkv: torch.Tensor,
-    positions: torch.Tensor,
-    slots: torch.Tensor,
-    rope: RopeInputs,
+    q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     kv_lens: torch.Tensor,
@@ -239,33 +205,24 @@ def decode_attention(
     mid_o: torch.Tensor,
     mid_lse: torch.Tensor,
 ) -> torch.Tensor:
-    """One new token per sequence attending to its whole paged context, from the token's fused
-    projections `qkv` `[B, (Hq + 2 Hkv) D]`: q and k are normalised (optional) and rotated as
-    in `rope_and_store`, the new K/V are written at `slots` and also attended to directly
-    (the cache holds positions `< kv_len - 1` of the rest).
+    """One query per sequence (`q` `[B, Hq, D]`) attending to its whole paged context.
 
     The context is cut into `mid_o.shape[2]` splits processed in parallel, then merged by their
     log-sum-exp; `mid_o` `[>=B, Hq, S, D]` and `mid_lse` `[>=B, Hq, S]` are float32 scratch.
-    Sequences with `kv_len == 0` (CUDA-graph padding) produce zeros; a negative slot stores
-    nothing. Returns `[B, Hq, D]`.
+    Sequences with `kv_len == 0` (CUDA-graph padding) produce zeros.
     """
-    batch = qkv.shape[0]
-    _, hkv, d = k_cache.shape
-    hq, splits = mid_o.shape[1], mid_o.shape[2]
-    if qkv.shape[1] != (hq + 2 * hkv) * d or qkv.stride(1) != 1:
-        raise ValueError(f"qkv must be [B, {(hq + 2 * hkv) * d}] with contiguous rows")
-    out = torch.empty((batch, hq, d), dtype=qkv.dtype, device=qkv.device)
+    batch, hq, d = q.shape
+    hkv = k_cache.shape[-2]
+    splits = mid_o.shape[2]
+    out = torch.empty_like(q)
     group = hq // hkv
-    q_w, k_w, eps = rope.qk_norm if rope.qk_norm is not None else (rope.cos, rope.cos, 0.0)
-    pdl = use_pdl(qkv.device)
+    pdl = use_pdl(q.device)
     _decode_split_kernel[(batch, hkv, splits)](
-        qkv, positions, slots, rope.cos, rope.sin, q_w, k_w, eps,
-        k_cache, v_cache, mid_o, mid_lse, kv_lens, page_table, qkv.stride(0), page_table.stride(0),
+        q, k_cache, v_cache, mid_o, mid_lse, kv_lens, page_table, page_table.stride(0),
         scale * _LOG2E, window or 0,
         HQ=hq, HKV=hkv, D=d, PAGE=page_size, SPLITS=splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=64,
-        HAS_WINDOW=window is not None, QK_NORM=rope.qk_norm is not None, USE_PDL=pdl,
-        num_warps=4, num_stages=2, launch_pdl=pdl,
+        HAS_WINDOW=window is not None, USE_PDL=pdl, num_warps=4, num_stages=2, launch_pdl=pdl,
     )  # fmt: skip
     _decode_reduce_kernel[(batch, hq)](
         mid_o, mid_lse, out, HQ=hq, D=d, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),

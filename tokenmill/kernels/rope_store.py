@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -11,18 +9,8 @@ import triton.language as tl
 from tokenmill.kernels.pdl import pdl_wait, use_pdl
 
 
-@dataclass(frozen=True)
-class RopeInputs:
-    """What rotates q and k: `cos`/`sin` tables `[max_positions, D]` (float32), and for models
-    that RMS-normalise each head first, `qk_norm` = (q weight, k weight, eps)."""
-
-    cos: torch.Tensor
-    sin: torch.Tensor
-    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
-
-
 @triton.jit
-def load_rotated(
+def _load_rotated(
     base_ptr, heads, offs_d, half: tl.constexpr, D: tl.constexpr, head_mask, cos, sin, norm_w_ptr,
     eps, QK_NORM: tl.constexpr,
 ):  # fmt: skip
@@ -62,7 +50,7 @@ def _rope_store_kernel(
     row = qkv_ptr + t * stride_qkv
 
     hq = tl.arange(0, BLOCK_HQ)
-    q = load_rotated(row, hq, offs_d, half, D, hq < HQ, cos, sin, q_norm_ptr, eps, QK_NORM)
+    q = _load_rotated(row, hq, offs_d, half, D, hq < HQ, cos, sin, q_norm_ptr, eps, QK_NORM)
     out = q_out_ptr + t * HQ * D + hq[:, None] * D + offs_d[None, :]
     tl.store(out, q.to(q_out_ptr.dtype.element_ty), mask=(hq < HQ)[:, None])
 
@@ -70,7 +58,7 @@ def _rope_store_kernel(
         hk = tl.arange(0, BLOCK_HKV)
         kmask = (hk < HKV)[:, None]
         k_row = row + HQ * D
-        k = load_rotated(k_row, hk, offs_d, half, D, hk < HKV, cos, sin, k_norm_ptr, eps, QK_NORM)
+        k = _load_rotated(k_row, hk, offs_d, half, D, hk < HKV, cos, sin, k_norm_ptr, eps, QK_NORM)
         cache_off = slot * HKV * D + hk[:, None] * D + offs_d[None, :]
         tl.store(k_cache_ptr + cache_off, k.to(k_cache_ptr.dtype.element_ty), mask=kmask)
         v = tl.load(k_row + HKV * D + hk[:, None] * D + offs_d[None, :], mask=kmask, other=0.0)
@@ -81,24 +69,30 @@ def rope_and_store(
     qkv: torch.Tensor,
     positions: torch.Tensor,
     slots: torch.Tensor,
-    rope: RopeInputs,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None,
 ) -> torch.Tensor:
-    """Rotate q and k of `qkv` `[T, (Hq + 2 Hkv) D]`, store k and v at `slots` of the caches
-    `[slots, Hkv, D]`; returns q `[T, Hq, D]`. A negative slot skips the store."""
+    """Rotate q and k of `qkv` `[T, (Hq + 2 Hkv) D]`, store k and v at `slots`; returns q.
+
+    `cos`/`sin` are `[max_positions, D]` float32; `qk_norm` is (q weight, k weight, eps) for
+    models that RMS-normalise each head before the rotation. A negative slot skips the store.
+    """
     tokens = qkv.shape[0]
-    _, num_kv_heads, head_dim = k_cache.shape
     q = torch.empty((tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if tokens == 0:
         return q
-    q_w, k_w, eps = rope.qk_norm if rope.qk_norm is not None else (rope.cos, rope.cos, 0.0)
+    q_w, k_w, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)
     pdl = use_pdl(qkv.device)
     _rope_store_kernel[(tokens,)](
-        qkv, positions, slots, rope.cos, rope.sin, q_w, k_w, q, k_cache, v_cache, qkv.stride(0),
-        eps, HQ=num_heads, HKV=num_kv_heads, D=head_dim,
+        qkv, positions, slots, cos, sin, q_w, k_w, q, k_cache, v_cache, qkv.stride(0), eps,
+        HQ=num_heads, HKV=num_kv_heads, D=head_dim,
         BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
-        QK_NORM=rope.qk_norm is not None, USE_PDL=pdl, launch_pdl=pdl,
+        QK_NORM=qk_norm is not None, USE_PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     return q
