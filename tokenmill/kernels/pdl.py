@@ -11,6 +11,7 @@ kernel in `tokenmill/kernels` takes a `USE_PDL` constexpr and calls `pdl_wait` f
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -29,12 +30,13 @@ def set_pdl_enabled(enabled: bool) -> None:
 def use_pdl(device: torch.device) -> bool:
     """Whether kernels on `device` are launched with PDL: CUDA compute capability >= 9.0,
     compiled kernels (not Triton's interpreter), and not turned off."""
-    return (
-        _enabled
-        and device.type == "cuda"
-        and os.environ.get("TRITON_INTERPRET", "0") != "1"
-        and torch.cuda.get_device_capability(device)[0] >= 9
-    )
+    return _enabled and device.type == "cuda" and _supports_pdl(device)
+
+
+@functools.cache
+def _supports_pdl(device: torch.device) -> bool:  # cached: asked at every kernel launch
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return not interpreted and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @triton.jit
