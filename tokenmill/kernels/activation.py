@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.pdl import pdl_wait, use_pdl
+from tokenmill.kernels.pdl import pdl_options, pdl_wait
 
 
 @triton.jit
@@ -32,8 +32,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if n_rows == 0:
         return out
     block = min(triton.next_power_of_2(d), 1024)
-    pdl = use_pdl(x.device)
     _silu_and_mul_kernel[(n_rows, triton.cdiv(d, block))](
-        x, out, x.stride(0), out.stride(0), d, BLOCK=block, USE_PDL=pdl, launch_pdl=pdl
+        x, out, x.stride(0), out.stride(0), d, BLOCK=block, **pdl_options(x.device)
     )
     return out

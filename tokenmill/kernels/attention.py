@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.pdl import pdl_wait, use_pdl
+from tokenmill.kernels.pdl import pdl_options, pdl_wait
 
 _LOG2E = 1.4426950408889634
 
@@ -114,12 +114,11 @@ def prefill_attention(
     num_seqs = kv_lens.shape[0]
     block_m = 64 if max_q_len > 32 else 16
     grid = (num_seqs, hq, triton.cdiv(max_q_len, block_m))
-    pdl = use_pdl(q.device)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, cu_q, kv_lens, page_table, page_table.stride(0),
         scale * _LOG2E, window or 0,
         HQ=hq, HKV=hkv, D=d, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=64,
-        HAS_WINDOW=window is not None, USE_PDL=pdl, num_warps=4, num_stages=2, launch_pdl=pdl,
+        HAS_WINDOW=window is not None, num_warps=4, num_stages=2, **pdl_options(q.device),
     )  # fmt: skip
     return out
 
@@ -216,16 +215,16 @@ def decode_attention(
     splits = mid_o.shape[2]
     out = torch.empty_like(q)
     group = hq // hkv
-    pdl = use_pdl(q.device)
+    pdl = pdl_options(q.device)
     _decode_split_kernel[(batch, hkv, splits)](
         q, k_cache, v_cache, mid_o, mid_lse, kv_lens, page_table, page_table.stride(0),
         scale * _LOG2E, window or 0,
         HQ=hq, HKV=hkv, D=d, PAGE=page_size, SPLITS=splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=64,
-        HAS_WINDOW=window is not None, USE_PDL=pdl, num_warps=4, num_stages=2, launch_pdl=pdl,
+        HAS_WINDOW=window is not None, num_warps=4, num_stages=2, **pdl,
     )  # fmt: skip
     _decode_reduce_kernel[(batch, hq)](
         mid_o, mid_lse, out, HQ=hq, D=d, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
-        USE_PDL=pdl, launch_pdl=pdl,
+        **pdl,
     )  # fmt: skip
     return out

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.gemv_config import GemvConfig, InputNorm
-from tokenmill.kernels.pdl import pdl_wait, use_pdl
+from tokenmill.kernels.pdl import pdl_options, pdl_wait
 from tokenmill.kernels.tickets import ticket_buffer
 
 MAX_M = 8
@@ -152,7 +152,6 @@ def _launch(
     if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()):
         raise ValueError(f"residual {tuple(residual.shape)} must be contiguous, shaped as x")
     new_residual = torch.empty_like(x) if residual is not None else None
-    pdl = use_pdl(x.device)
     _gemv_kernel[(grid_n, split_k)](
         x, weight, out, part, ticket_buffer(x.device, grid_n if split_k > 1 else 0),
         residual if residual is not None else x, new_residual if new_residual is not None else x,
@@ -160,6 +159,6 @@ def _launch(
         m, n, k, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, SPLIT_K=split_k, GATED=gated, NORM=norm is not None,
-        HAS_RES=residual is not None, USE_PDL=pdl, num_warps=config.num_warps, launch_pdl=pdl,
+        HAS_RES=residual is not None, num_warps=config.num_warps, **pdl_options(x.device),
     )  # fmt: skip
     return out, new_residual

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.pdl import pdl_wait, use_pdl
+from tokenmill.kernels.pdl import pdl_options, pdl_wait
 
 
 @triton.jit
@@ -55,7 +55,6 @@ def rms_norm(
     if n_rows == 0:
         return out
     res = residual if residual is not None else x
-    pdl = use_pdl(x.device)
     _add_rms_norm_kernel[(n_rows,)](
         x,
         res,
@@ -68,8 +67,7 @@ def rms_norm(
         eps,
         HAS_RESIDUAL=residual is not None,
         BLOCK=triton.next_power_of_2(n_cols),
-        USE_PDL=pdl,
         num_warps=min(max(triton.next_power_of_2(n_cols) // 256, 1), 16),
-        launch_pdl=pdl,
+        **pdl_options(x.device),
     )
     return out

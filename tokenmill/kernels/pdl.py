@@ -6,7 +6,8 @@ does not depend on the previous kernel — a GEMV loads its first slab of weight
 (`griddepcontrol.wait`) until the previous kernel has finished and its writes are visible.
 Each kernel launched this way must therefore wait before it reads or writes any activation,
 cache or scratch memory; only constant inputs (weights) may be touched before the wait. Every
-kernel in `tokenmill/kernels` takes a `USE_PDL` constexpr and calls `pdl_wait` first.
+kernel in `tokenmill/kernels` takes a `USE_PDL` constexpr, calls `pdl_wait` first, and is
+launched with `**pdl_options(device)`.
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ def set_pdl_enabled(enabled: bool) -> None:
     _enabled = enabled
 
 
-def use_pdl(device: torch.device) -> bool:
-    """Whether kernels on `device` are launched with PDL: CUDA compute capability >= 9.0,
-    compiled kernels (not Triton's interpreter), and not turned off."""
-    return _enabled and device.type == "cuda" and _supports_pdl(device)
+def pdl_options(device: torch.device) -> dict[str, bool]:
+    """Launch options for a kernel on `device`: `USE_PDL` (its wait) and `launch_pdl` always
+    together. On for CUDA compute capability >= 9.0 with compiled kernels (not Triton's
+    interpreter), unless turned off."""
+    on = _enabled and device.type == "cuda" and _supports_pdl(device)
+    return {"USE_PDL": on, "launch_pdl": on}
 
 
 @functools.cache

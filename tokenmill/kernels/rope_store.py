@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.pdl import pdl_wait, use_pdl
+from tokenmill.kernels.pdl import pdl_options, pdl_wait
 
 
 @triton.jit
@@ -88,11 +88,10 @@ def rope_and_store(
     if tokens == 0:
         return q
     q_w, k_w, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)
-    pdl = use_pdl(qkv.device)
     _rope_store_kernel[(tokens,)](
         qkv, positions, slots, cos, sin, q_w, k_w, q, k_cache, v_cache, qkv.stride(0), eps,
         HQ=num_heads, HKV=num_kv_heads, D=head_dim,
         BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
-        QK_NORM=qk_norm is not None, USE_PDL=pdl, launch_pdl=pdl,
+        QK_NORM=qk_norm is not None, **pdl_options(qkv.device),
     )  # fmt: skip
     return q
