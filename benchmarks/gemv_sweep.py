@@ -30,11 +30,32 @@ SHAPES = [
     ("llama-3.1-8b gate_up", 28672, 4096),
     ("llama-3.1-8b down", 4096, 14336),
 ]
-CONFIGS = [
-    GemvConfig(bn, bk, sk, nw)
-    for bn, bk, nw in ((4, 512, 4), (8, 512, 4), (16, 512, 4), (16, 256, 4), (32, 256, 8))
-    for sk in (1, 2, 4, 8)
-]
+TILES = (
+    (1, 1024, 2),
+    (1, 2048, 4),
+    (2, 512, 2),
+    (2, 1024, 2),
+    (2, 1024, 4),
+    (4, 256, 2),
+    (4, 512, 2),
+    (4, 512, 4),
+    (4, 1024, 4),
+    (4, 1024, 8),
+    (8, 512, 2),
+    (8, 1024, 4),
+)  # (block_n, block_k, num_warps)
+VARIANTS = ((1, False), (2, False), (1, True), (2, True))  # (prefetch, defer)
+
+
+def configs_for(m: int) -> list[GemvConfig]:
+    """The configs swept for `m` rows (deferred sums hold M x tile registers: M <= 2 only)."""
+    return [
+        GemvConfig(bn, bk, sk, nw, prefetch, defer)
+        for bn, bk, nw in TILES
+        for sk in (1, 2)
+        for prefetch, defer in VARIANTS
+        if not (defer and m > 2)
+    ]
 
 
 def graph_seconds_per_call(fn: Callable[[int], object], layers: int) -> float:
@@ -53,7 +74,7 @@ def sweep(ms: list[int]) -> list[dict[str, object]]:
             ref = F.linear(x.float(), weights[0].float())
             base = graph_seconds_per_call(lambda i, x=x, w=weights: F.linear(x, w[i]), layers)
             results = {}
-            for cfg in CONFIGS:
+            for cfg in configs_for(m):
                 out = gemv(x, weights[0], cfg).float()
                 if not torch.allclose(out, ref, atol=0.05 * ref.abs().max().item(), rtol=0.02):
                     raise AssertionError(f"{name} M={m} {cfg}: wrong result")
@@ -73,6 +94,14 @@ def sweep(ms: list[int]) -> list[dict[str, object]]:
                 f"gemv {results[best] * 1e6:7.1f} us ({gb / results[best]:5.0f} GB/s) {best}",
                 flush=True,
             )
+            for prefetch, defer in VARIANTS:  # the best of each kernel variant
+                mine = {
+                    c: t for c, t in results.items() if (c.prefetch, c.defer) == (prefetch, defer)
+                }
+                if mine:
+                    top = min(mine, key=mine.__getitem__)
+                    print(f"    prefetch={prefetch} defer={defer!s:5}: {mine[top] * 1e6:7.1f} us"
+                          f" ({gb / mine[top]:5.0f} GB/s) {top}")  # fmt: skip
         weights.clear()
         torch.cuda.empty_cache()
     return rows

@@ -34,7 +34,8 @@ KERNELS = {
         HQ=16, HKV=8, D=128, PAGE=16, SPLITS=16, BLOCK_G=16, BLOCK_N=64, HAS_WINDOW=False)),
     "decode_reduce": (_decode_reduce_kernel, dict(HQ=16, D=128, SPLITS=16, BLOCK_S=16)),
     "gemv": (_gemv_kernel, dict(
-        BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, SPLIT_K=4, GATED=False, NORM=True, HAS_RES=True)),
+        BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, SPLIT_K=4, GATED=False, NORM=True, HAS_RES=True,
+        PREFETCH=2, DEFER=True)),
     "add_rms_norm": (_add_rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=1024)),
     "rope_store": (_rope_store_kernel, dict(
         HQ=16, HKV=8, D=128, BLOCK_HQ=16, BLOCK_HKV=8, QK_NORM=True)),

@@ -70,7 +70,15 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 3, 4, 8])
 @pytest.mark.parametrize(
-    "config", [GemvConfig(8, 32, 1), GemvConfig(16, 64, 3), GemvConfig(4, 32, 8, num_warps=2)]
+    "config",
+    [
+        GemvConfig(8, 32, 1),
+        GemvConfig(16, 64, 3),
+        GemvConfig(4, 32, 8, num_warps=2),
+        GemvConfig(8, 32, 1, prefetch=2, defer=True),
+        GemvConfig(16, 32, 2, prefetch=2),
+        GemvConfig(4, 64, 3, defer=True),
+    ],
 )
 def test_gemv(dtype: torch.dtype, m: int, config: GemvConfig) -> None:
     """Ragged N and K (not multiples of the tiles); split-K partials reduced by the last program;
@@ -84,7 +92,9 @@ def test_gemv(dtype: torch.dtype, m: int, config: GemvConfig) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("config", [GemvConfig(8, 32, 1), GemvConfig(16, 64, 3)])
+@pytest.mark.parametrize(
+    "config", [GemvConfig(8, 32, 1), GemvConfig(16, 64, 3), GemvConfig(8, 32, 2, 4, 2, True)]
+)
 def test_gated_gemv_applies_swiglu(dtype: torch.dtype, config: GemvConfig) -> None:
     gen = torch.Generator().manual_seed(7)
     x, w = _randn(2, 2 * 150, dtype=dtype, gen=gen), _randn(45, 150, dtype=dtype, gen=gen)
@@ -94,7 +104,9 @@ def test_gated_gemv_applies_swiglu(dtype: torch.dtype, config: GemvConfig) -> No
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("config", [GemvConfig(8, 32, 1), GemvConfig(16, 64, 3)])
+@pytest.mark.parametrize(
+    "config", [GemvConfig(8, 32, 1), GemvConfig(16, 64, 3), GemvConfig(8, 32, 3, 4, 2, True)]
+)
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_norm_gemv_is_add_rmsnorm_then_product(dtype, config, with_residual: bool) -> None:
     gen = torch.Generator().manual_seed(11)
@@ -109,6 +121,11 @@ def test_norm_gemv_is_add_rmsnorm_then_product(dtype, config, with_residual: boo
     _close(new_res, total, dtype)  # (the interpreter may round bf16 differently from torch)
     assert torch.equal(res, res_before)  # the old residual is left as it was
     assert torch.equal(norm_gemv(x, w, config, norm)[0], out)
+
+
+def test_gemv_config_rejects_bad_prefetch() -> None:
+    with pytest.raises(ValueError, match="prefetch"):
+        GemvConfig(8, 32, 1, prefetch=3)
 
 
 def test_gemv_rejects_bad_shapes() -> None:
@@ -282,7 +299,8 @@ def test_engine_with_every_gemv_fusion_matches_transformers(checkpoints, family:
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
     assert {layer.input_kind for layer in layers} == {"plain", "gated", "normed"}
     for i, layer in enumerate(layers):
-        layer.gemv_configs = dict.fromkeys(GEMV_BUCKETS, GemvConfig(8, 32, 1 + i % 3))
+        config = GemvConfig(8, 32, 1 + i % 3, prefetch=1 + i % 2, defer=i % 4 < 2)
+        layer.gemv_configs = dict.fromkeys(GEMV_BUCKETS, config)
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outputs = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(path, p, 8) for p in prompts]

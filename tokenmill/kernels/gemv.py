@@ -23,11 +23,19 @@ MAX_M = 8
 
 
 @triton.jit
+def _w_slab(w_rows, k, k_hi, n_mask, BLOCK_K: tl.constexpr):
+    """Columns `k .. k + BLOCK_K` (those below `k_hi`) of the program's rows of W."""
+    offs = k + tl.arange(0, BLOCK_K)
+    return tl.load(w_rows + offs[None, :], mask=n_mask[:, None] & (offs < k_hi)[None, :], other=0.0)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, part_ptr, ticket_ptr, res_ptr, new_res_ptr, norm_w_ptr, ss_ptr, eps,
     M, N, K, k_per_split, stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, USE_PDL: tl.constexpr,
+    GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, PREFETCH: tl.constexpr,
+    DEFER: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -36,27 +44,32 @@ def _gemv_kernel(
     n_mask = offs_n < N
     m_mask = offs_m < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # DEFER: products summed element-wise, reduced over K once after the loop.
+    if DEFER:
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        if NORM:
+            sumsq2 = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)  # NORM: this K slice's sum of squares
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    # Each slab of W is loaded one iteration ahead; the first before waiting for the previous
-    # kernel (weights are constant), so under PDL it streams while that kernel finishes.
-    offs_next = k_lo + tl.arange(0, BLOCK_K)
-    w_next = tl.load(
-        w_rows + offs_next[None, :], mask=n_mask[:, None] & (offs_next < k_hi)[None, :], other=0.0
-    )
+    # Slabs of W are loaded PREFETCH iterations ahead; the first ones before waiting for the
+    # previous kernel (weights are constant), so under PDL they stream while that kernel ends.
+    w_next = _w_slab(w_rows, k_lo, k_hi, n_mask, BLOCK_K)
+    w_after = w_next
+    if PREFETCH == 2:
+        w_after = _w_slab(w_rows, k_lo + BLOCK_K, k_hi, n_mask, BLOCK_K)
     pdl_wait(USE_PDL)
     for k in range(k_lo, k_lo + k_per_split, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        w = w_next.to(tl.float32)
-        offs_next = offs_k + BLOCK_K
-        w_next = tl.load(
-            w_rows + offs_next[None, :],
-            mask=n_mask[:, None] & (offs_next < k_hi)[None, :],
-            other=0.0,
-        )
+        w_cur = w_next  # the next loads are issued before this slab is used
+        if PREFETCH == 2:
+            w_next = w_after
+            w_after = _w_slab(w_rows, k + 2 * BLOCK_K, k_hi, n_mask, BLOCK_K)
+        else:
+            w_next = _w_slab(w_rows, k + BLOCK_K, k_hi, n_mask, BLOCK_K)
+        w = w_cur.to(tl.float32)
         x_offs = offs_m[:, None] * stride_xm + offs_k[None, :]
         x_mask = m_mask[:, None] & k_mask[None, :]
         x = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
@@ -71,10 +84,20 @@ def _gemv_kernel(
                 if pid_n == 0:
                     tl.store(new_res_ptr + x_offs, x, mask=x_mask)
             x = x.to(tl.float32)
-            sumsq += tl.sum(x * x, axis=1)
+            if DEFER:
+                sumsq2 += x * x
+            else:
+                sumsq += tl.sum(x * x, axis=1)
             x = x * tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
         x = x.to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        if DEFER:
+            acc3 += x[:, None, :] * w[None, :, :]
+        else:
+            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    if DEFER:
+        acc = tl.sum(acc3, axis=2)
+        if NORM:
+            sumsq = tl.sum(sumsq2, axis=1)
     out_offs = offs_m[:, None] * stride_om + offs_n[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
@@ -159,6 +182,7 @@ def _launch(
         m, n, k, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, SPLIT_K=split_k, GATED=gated, NORM=norm is not None,
-        HAS_RES=residual is not None, num_warps=config.num_warps, **pdl_options(x.device),
+        HAS_RES=residual is not None, PREFETCH=config.prefetch, DEFER=config.defer,
+        num_warps=config.num_warps, **pdl_options(x.device),
     )  # fmt: skip
     return out, new_residual

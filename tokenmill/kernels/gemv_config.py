@@ -10,12 +10,20 @@ import torch
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """Tile sizes and K split of one launch."""
+    """Tile sizes and K split of one launch; `prefetch` (1 or 2): slabs of W loaded ahead of
+    the one being multiplied; `defer`: sum products element-wise and reduce over K once at the
+    end (more registers, fewer shuffles per slab)."""
 
     block_n: int
     block_k: int
     split_k: int
     num_warps: int = 4
+    prefetch: int = 1
+    defer: bool = False
+
+    def __post_init__(self) -> None:
+        if self.prefetch not in (1, 2):
+            raise ValueError(f"GemvConfig.prefetch must be 1 or 2, got {self.prefetch}")
 
 
 @dataclass(frozen=True)

@@ -29,12 +29,29 @@ InputKind = Literal["plain", "gated", "normed"]
 
 # Inputs of M rows use the choice made for the smallest bucket >= M; larger M use cuBLAS.
 GEMV_BUCKETS = (1, 4)
-GEMV_CANDIDATES = tuple(
-    GemvConfig(block_n, 512, split_k)
-    for block_n, split_k in ((4, 1), (8, 1), (8, 2), (8, 4), (8, 8), (16, 1), (16, 2))
+# The configs of `benchmarks/gemv_sweep.py` that came within a few percent of the best on the
+# decode shapes of qwen3-0.6b and llama-3.1-8b on an H200 (docs/perf-notes.md, v9), plus split-K
+# ones for M > 1, where each program's product is M times the work.
+GEMV_CANDIDATES = (
+    GemvConfig(4, 512, 1, num_warps=2, defer=True),
+    GemvConfig(4, 256, 1, num_warps=2, prefetch=2, defer=True),
+    GemvConfig(4, 1024, 1, num_warps=4, prefetch=2, defer=True),
+    GemvConfig(2, 1024, 1, num_warps=4, defer=True),
+    GemvConfig(2, 512, 1, num_warps=2, defer=True),
+    GemvConfig(2, 1024, 1, num_warps=2),
+    GemvConfig(4, 1024, 1, num_warps=4),
+    GemvConfig(8, 512, 1),
+    GemvConfig(8, 512, 2),
+    GemvConfig(8, 512, 4),
 )
 # A candidate must beat cuBLAS by this factor to be chosen (timing noise is a few percent).
 _MARGIN = 0.97
+
+
+def gemv_candidates(rows: int) -> list[GemvConfig]:
+    """The configs worth timing for inputs of up to `rows` rows: deferred sums hold
+    rows x tile values per thread, so they are tried for at most two rows."""
+    return [c for c in GEMV_CANDIDATES if rows <= 2 or not c.defer]
 
 
 def gemv_bucket(m: int) -> int | None:
@@ -147,7 +164,7 @@ def _fastest_gemv(weights: list[torch.Tensor], rows: int, kind: InputKind) -> Ge
     expected = reference(w0).float()
     best_s = _MARGIN * median_graph_seconds(cublas)
     best: GemvConfig | None = None
-    for config in GEMV_CANDIDATES:
+    for config in gemv_candidates(rows):
         if not _matches(lambda c=config: candidate(w0, c), expected, config):
             continue
         seconds = median_graph_seconds(lambda c=config: [candidate(w, c) for w in weights])
