@@ -44,13 +44,7 @@ def _supports_pdl(device: torch.device) -> bool:  # cached: asked at every kerne
 
 @triton.jit
 def pdl_wait(USE_PDL: tl.constexpr):
-    """Let the next kernel launch, then wait for the previous kernel (its writes visible).
-
-    Letting the next kernel launch first chains the early starts: while a latency-bound kernel
-    (attention, a norm) waits or runs, the GEMV after it is already placed and streaming its
-    first weight slabs. The next kernel can only start once all of this kernel's programs are
-    placed, and it waits in turn for this kernel (which finishes after its own predecessor), so
-    the order of memory effects is unchanged."""
+    """Wait for the previous kernel (its writes visible), then let the next kernel launch."""
     if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
