@@ -280,8 +280,9 @@ class EngineArgs:
     )
     attention_backend: str | None = _opt(
         None,
-        "Attention implementation: torch (reference, any device) or triton (default on CUDA).",
-        choices=("torch", "triton"),
+        "Attention implementation: torch (reference, any device), triton (default on CUDA) or "
+        "flashinfer (CUDA, needs the flashinfer package and --enforce-eager).",
+        choices=("torch", "triton", "flashinfer"),
     )
     enforce_eager: bool = _opt(False, "Never use CUDA graphs (they speed up decode steps).")
     cuda_graph_max_bs: int = _opt(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -77,19 +79,28 @@ class AttentionBackend(ABC):
         return False
 
 
+# name -> (module, class, the package it needs)
+_BACKENDS = {
+    "torch": ("tokenmill.attention.torch_backend", "TorchAttentionBackend", "torch"),
+    "triton": ("tokenmill.attention.triton_backend", "TritonAttentionBackend", "triton"),
+    "flashinfer": (
+        "tokenmill.attention.flashinfer_backend",
+        "FlashInferAttentionBackend",
+        "flashinfer",
+    ),
+}
+
+
 def create_backend(
     name: str, model: ModelConfig, kv_cache: KVCache, max_num_seqs: int
 ) -> AttentionBackend:
-    """Instantiate the backend registered under `name`."""
-    from tokenmill.attention.torch_backend import TorchAttentionBackend
-
-    registry: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
-    try:
-        from tokenmill.attention.triton_backend import TritonAttentionBackend
-    except ImportError:  # triton is not installed (CPU-only machines)
-        pass
-    else:
-        registry["triton"] = TritonAttentionBackend
-    if name not in registry:
-        raise ValueError(f"attention_backend must be one of {', '.join(registry)}, got {name!r}")
-    return registry[name](model, kv_cache, max_num_seqs)
+    """Instantiate the backend registered under `name` (its package must be installed)."""
+    if name not in _BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(_BACKENDS)}, got {name!r}")
+    module, cls, package = _BACKENDS[name]
+    if importlib.util.find_spec(package) is None:
+        raise ValueError(
+            f"attention_backend {name!r} needs the {package!r} package, which is not installed"
+        )
+    backend: type[AttentionBackend] = getattr(importlib.import_module(module), cls)
+    return backend(model, kv_cache, max_num_seqs)

@@ -16,23 +16,11 @@ from tokenmill.layers.rotary import RotaryEmbedding
 DECODE_SPLITS = 16
 
 
-class TritonAttentionBackend(AttentionBackend):
-    """Decode batches use split-KV decode; any batch with a multi-token query uses prefill."""
+class FusedStoreBackend(AttentionBackend):
+    """Backends whose `store_qkv` is the fused Triton kernel (q/k norm, rotary, K/V store);
+    `plan` must keep the step's inputs as `self._inputs`."""
 
-    def __init__(self, model: ModelConfig, kv_cache: KVCache, max_num_seqs: int) -> None:
-        super().__init__(model, kv_cache, max_num_seqs)
-        device = kv_cache.k[0].device
-        shape = (max_num_seqs, model.num_heads, DECODE_SPLITS)
-        self._mid_o = torch.empty((*shape, model.head_dim), dtype=torch.float32, device=device)
-        self._mid_lse = torch.empty(shape, dtype=torch.float32, device=device)
-
-    def plan(self, inputs: AttentionInputs) -> None:
-        self._inputs = inputs
-        self._decode = inputs.is_decode
-        self._max_q_len = max(inputs.query_lens_cpu)
-
-    def graph_safe(self) -> bool:
-        return True
+    _inputs: AttentionInputs
 
     def _cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.model
@@ -58,6 +46,25 @@ class TritonAttentionBackend(AttentionBackend):
             qkv, positions, self._inputs.slot_mapping, rotary.cos, rotary.sin, k_cache, v_cache,
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, norm,
         )  # fmt: skip
+
+
+class TritonAttentionBackend(FusedStoreBackend):
+    """Decode batches use split-KV decode; any batch with a multi-token query uses prefill."""
+
+    def __init__(self, model: ModelConfig, kv_cache: KVCache, max_num_seqs: int) -> None:
+        super().__init__(model, kv_cache, max_num_seqs)
+        device = kv_cache.k[0].device
+        shape = (max_num_seqs, model.num_heads, DECODE_SPLITS)
+        self._mid_o = torch.empty((*shape, model.head_dim), dtype=torch.float32, device=device)
+        self._mid_lse = torch.empty(shape, dtype=torch.float32, device=device)
+
+    def plan(self, inputs: AttentionInputs) -> None:
+        self._inputs = inputs
+        self._decode = inputs.is_decode
+        self._max_q_len = max(inputs.query_lens_cpu)
+
+    def graph_safe(self) -> bool:
+        return True
 
     def attend(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         k_cache, v_cache = self._cache(layer)
