@@ -27,6 +27,8 @@ pytest.importorskip("triton")  # the backend stores K/V with the fused Triton ke
 from tokenmill import LLM, SamplingParams
 from tokenmill.testing.checkpoints import build_checkpoint
 
+# On a GPU machine the fused store kernel runs compiled, which needs CUDA tensors.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = [list(range(3, 10)), list(range(20, 57)), [100, 200, 300], list(range(20, 45))]
 
 
@@ -65,8 +67,8 @@ class _PagedWrapper:
             self.calls["prefix" if kv_len > len(qb) and len(qb) > 1 else "plain"] += 1
             k, v = (t.repeat_interleave(hq // hkv, dim=1) for t in (k, v))
             scores = torch.einsum("qhd,khd->hqk", qb, k) * self.sm_scale
-            q_pos = torch.arange(kv_len - len(qb), kv_len)[:, None]
-            k_pos = torch.arange(kv_len)[None, :]
+            q_pos = torch.arange(kv_len - len(qb), kv_len, device=q.device)[:, None]
+            k_pos = torch.arange(kv_len, device=q.device)[None, :]
             keep = k_pos <= q_pos if self.causal else torch.ones_like(k_pos <= q_pos)
             if self.window_left >= 0:
                 keep &= k_pos >= q_pos - self.window_left
@@ -124,8 +126,8 @@ def test_flashinfer_backend_matches_transformers(
     else:
         path = checkpoints[family]
     llm = LLM(
-        str(path), device="cpu", dtype="float32", attention_backend="flashinfer", page_size=4,
-        max_num_batched_tokens=16,
+        str(path), device=DEVICE, dtype="float32", attention_backend="flashinfer", page_size=4,
+        max_num_batched_tokens=16, enforce_eager=True,
     )  # fmt: skip
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)
@@ -136,7 +138,7 @@ def test_flashinfer_backend_matches_transformers(
 
 def test_flashinfer_backend_rejects_float32(checkpoints, fake_flashinfer) -> None:
     with pytest.raises(ValueError, match="float16 or bfloat16"):
-        LLM(str(checkpoints["llama"]), device="cpu", dtype="float32",
+        LLM(str(checkpoints["llama"]), device=DEVICE, dtype="float32",
             attention_backend="flashinfer")  # fmt: skip
 
 
@@ -148,5 +150,5 @@ def test_flashinfer_backend_needs_the_package(checkpoints, monkeypatch) -> None:
         lambda name, *a: None if name == "flashinfer" else find_spec(name, *a),
     )
     with pytest.raises(ValueError, match="needs the 'flashinfer' package"):
-        LLM(str(checkpoints["llama"]), device="cpu", dtype="bfloat16",
+        LLM(str(checkpoints["llama"]), device=DEVICE, dtype="bfloat16",
             attention_backend="flashinfer")  # fmt: skip
