@@ -17,12 +17,14 @@ from triton.compiler import ASTSource
 from tokenmill.kernels.activation import _silu_and_mul_kernel
 from tokenmill.kernels.attention import _decode_reduce_kernel, _decode_split_kernel, _prefill_kernel
 from tokenmill.kernels.gemv import _gemv_kernel
+from tokenmill.kernels.graph_inputs import _decode_inputs_kernel
 from tokenmill.kernels.norm import _add_rms_norm_kernel
 from tokenmill.kernels.rope_store import _rope_store_kernel
 
 FP32_PTRS = {"mid_o_ptr", "mid_lse_ptr", "part_ptr", "ss_ptr", "cos_ptr", "sin_ptr"}
 INT_PTRS = {"cu_q_ptr", "kv_lens_ptr", "page_table_ptr", "positions_ptr", "slots_ptr",
             "ticket_ptr"}  # fmt: skip
+INT64_KERNELS = {"decode_inputs"}  # every pointer of these is int64
 FLOAT_SCALARS = {"eps", "qk_scale"}
 UNALIGNED = FLOAT_SCALARS | {"M", "window"}
 # Constexprs of each kernel (USE_PDL is set for all), as the decode path of a
@@ -40,21 +42,26 @@ KERNELS = {
     "rope_store": (_rope_store_kernel, dict(
         HQ=16, HKV=8, D=128, BLOCK_HQ=16, BLOCK_HKV=8, QK_NORM=True)),
     "silu_and_mul": (_silu_and_mul_kernel, dict(BLOCK=1024)),
+    "decode_inputs": (_decode_inputs_kernel, dict(BLOCK_W=128)),
 }  # fmt: skip
 MEMORY_OP = re.compile(r"^\s*(?:@%\w+\s+)?((?:ld|st|atom|red)\.global\S*)")
 
 
-def _type(name: str) -> str:
+def _type(name: str, int64: bool) -> str:
     if name.endswith("_ptr"):
+        if int64:
+            return "*i64"
         return "*fp32" if name in FP32_PTRS else "*i32" if name in INT_PTRS else "*bf16"
     return "fp32" if name in FLOAT_SCALARS else "i32"
 
 
-def memory_ops_before_wait(kernel: triton.JITFunction, constexprs: dict[str, object]) -> list[str]:
+def memory_ops_before_wait(
+    kernel: triton.JITFunction, constexprs: dict[str, object], int64: bool = False
+) -> list[str]:
     """The global-memory instructions of `kernel`'s PTX that come before its first wait."""
     constexprs = {**constexprs, "USE_PDL": True}
     signature = {
-        n: "constexpr" if n in constexprs else _type(n) for n in kernel.arg_names
+        n: "constexpr" if n in constexprs else _type(n, int64) for n in kernel.arg_names
     }  # fmt: skip
     # As at a real launch, pointers and sizes are specialised as multiples of 16.
     aligned = [n for n in kernel.arg_names if n not in constexprs and n not in UNALIGNED]
@@ -71,4 +78,8 @@ def memory_ops_before_wait(kernel: triton.JITFunction, constexprs: dict[str, obj
 
 
 if __name__ == "__main__":
-    print(json.dumps({name: memory_ops_before_wait(k, c) for name, (k, c) in KERNELS.items()}))
+    ops = {
+        name: memory_ops_before_wait(k, c, name in INT64_KERNELS)
+        for name, (k, c) in KERNELS.items()
+    }
+    print(json.dumps(ops))

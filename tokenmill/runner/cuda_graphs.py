@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend, AttentionInputs
+from tokenmill.kernels.graph_inputs import fill_decode_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -101,22 +102,14 @@ class CudaGraphRunner:
         return self.sizes[bisect.bisect_left(self.sizes, batch)]
 
     def run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        kv_lens: torch.Tensor,
-        page_table: torch.Tensor,
+        self, inputs: tuple[torch.Tensor, ...], row_src: torch.Tensor, sampled: torch.Tensor
     ) -> torch.Tensor:
-        """Logits `[B, V]` of a decode batch given as device tensors of B rows."""
-        batch, width = page_table.shape
+        """Logits `[B, V]` of a decode batch of B rows: `inputs` are its (input_ids, positions,
+        slots, kv_lens, page_table) device tensors; row i's input id is `sampled[row_src[i]]`
+        where `row_src[i] >= 0` (a token the previous step sampled on the device)."""
+        batch = inputs[4].shape[0]
         bs = self.padded_size(batch)
-        self.input_ids[:batch].copy_(input_ids)
-        self.positions[:batch].copy_(positions)
-        self.slots[:batch].copy_(slots)
-        self.slots[batch:bs].fill_(-1)
-        self.kv_lens[:batch].copy_(kv_lens)
-        self.kv_lens[batch:bs].fill_(0)
-        self.page_table[:batch, :width].copy_(page_table)
+        static = (self.input_ids, self.positions, self.slots, self.kv_lens, self.page_table)
+        fill_decode_inputs(inputs, row_src, sampled, static, bs)
         self.graphs[bs].replay()
         return self.logits[bs][:batch]

@@ -152,28 +152,10 @@ class ModelRunner:
         launched = LaunchedStep(self.device)
         host = self._prepare(batch)
         self.num_forward_tokens += len(host.input_ids)
-        ids, positions, slots, q_lens, kv_lens, table, logits_index, dst, src = self._to_device(
-            host
-        )
-        if len(dst):
-            ids[dst] = self._last_tokens[src]
-        if self.graphs is not None and host.is_decode and len(kv_lens) <= self.graphs.max_bs:
-            logits = self.graphs.run(ids, positions, slots, kv_lens, table)[logits_index]
+        if self.graphs is not None and host.is_decode and len(host.kv_lens) <= self.graphs.max_bs:
+            logits = self._run_graph(host)
         else:
-            cu = torch.zeros(len(q_lens) + 1, dtype=torch.int64, device=self.device)
-            torch.cumsum(q_lens, 0, out=cu[1:])
-            self.attention.plan(
-                AttentionInputs(
-                    query_lens_cpu=host.query_lens.tolist(),
-                    kv_lens_cpu=host.kv_lens.tolist(),
-                    cu_query_lens=cu,
-                    kv_lens=kv_lens,
-                    page_table=table,
-                    slot_mapping=slots,
-                )
-            )
-            hidden = self.model(ids, positions, self.attention)
-            logits = self.model.compute_logits(hidden[logits_index])
+            logits = self._run_eager(host)
         sampling_reqs = [s.request for s in batch.seqs if s.samples]
         if sampling_reqs:
             sampling = SamplingBatch.from_requests(
@@ -186,6 +168,45 @@ class ModelRunner:
             launched.sampled = sampled
         launched.forward_done()
         return launched
+
+    def _run_graph(self, host: HostBatch) -> torch.Tensor:
+        """A decode batch through its CUDA graph; returns the sampling rows' logits."""
+        assert self.graphs is not None
+        # Token i of a decode batch is row i; -1: the id is known on the host.
+        row_src = np.full(len(host.kv_lens), -1, dtype=np.int64)
+        row_src[host.pending_dst] = host.pending_src
+        ids, positions, slots, kv_lens, table, row_src_d, logits_index = self._to_device(
+            host.input_ids, host.positions, host.slots, host.kv_lens, host.page_table, row_src,
+            host.logits_index,
+        )  # fmt: skip
+        sampled = self._last_tokens if len(host.pending_dst) else row_src_d
+        logits = self.graphs.run((ids, positions, slots, kv_lens, table), row_src_d, sampled)
+        if len(host.logits_index) < len(host.kv_lens):  # else every row samples, in order
+            logits = logits[logits_index]
+        return logits
+
+    def _run_eager(self, host: HostBatch) -> torch.Tensor:
+        """Any batch, layer by layer; returns the sampling rows' logits."""
+        ids, positions, slots, q_lens, kv_lens, table, logits_index, dst, src = self._to_device(
+            host.input_ids, host.positions, host.slots, host.query_lens, host.kv_lens,
+            host.page_table, host.logits_index, host.pending_dst, host.pending_src,
+        )  # fmt: skip
+        if len(dst):
+            ids[dst] = self._last_tokens[src]
+        cu = torch.zeros(len(q_lens) + 1, dtype=torch.int64, device=self.device)
+        torch.cumsum(q_lens, 0, out=cu[1:])
+        self.attention.plan(
+            AttentionInputs(
+                query_lens_cpu=host.query_lens.tolist(),
+                kv_lens_cpu=host.kv_lens.tolist(),
+                cu_query_lens=cu,
+                kv_lens=kv_lens,
+                page_table=table,
+                slot_mapping=slots,
+            )
+        )
+        hidden = self.model(ids, positions, self.attention)
+        return self.model.compute_logits(hidden[logits_index])
 
     def _prepare(self, batch: SchedulerOutput) -> HostBatch:
         seqs = batch.seqs
@@ -219,12 +240,8 @@ class ModelRunner:
             logits_index, np.array(dst, dtype=np.int64), np.array(src, dtype=np.int64),
         )  # fmt: skip
 
-    def _to_device(self, host: HostBatch) -> list[torch.Tensor]:
-        """All of a step's index arrays in one host→device copy, split back into views."""
-        arrays = [
-            host.input_ids, host.positions, host.slots, host.query_lens, host.kv_lens,
-            host.page_table, host.logits_index, host.pending_dst, host.pending_src,
-        ]  # fmt: skip
+    def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        """Int64 host arrays in one host→device copy, split back into views of their shapes."""
         sizes = [a.size for a in arrays]
         total = sum(sizes)
         self._step_parity ^= 1
@@ -240,6 +257,4 @@ class ModelRunner:
             staging[offset : offset + n] = a.reshape(-1)
             offset += n
         flat = buffer[:total].to(self.device, non_blocking=True)
-        parts = list(flat.split(sizes))
-        parts[5] = parts[5].view(host.page_table.shape)
-        return parts
+        return [part.view(a.shape) for part, a in zip(flat.split(sizes), arrays, strict=True)]

@@ -183,8 +183,11 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SampledTokens:
         """Sample on the device; nothing here waits for the GPU."""
-        logits = logits.float()
         wants_logprobs = any(n is not None for n in batch.num_logprobs)
+        plain = batch.temperature is None and batch.penalties is None and not batch.suppressed
+        if plain and not wants_logprobs:  # greedy only: argmax is exact in the logits' dtype
+            return SampledTokens(logits.argmax(dim=-1), batch.num_logprobs)
+        logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
         if batch.penalties is not None:
             logits = batch.penalties.apply(logits)
