@@ -153,35 +153,43 @@ def test_rope_norm_and_kv_store(dtype, hq: int, hkv: int, d: int, qk_norm: bool)
     qkv = _randn(tokens, (hq + 2 * hkv) * d, dtype=dtype, gen=gen)
     positions = torch.tensor([0, 5, 17, 3, 33, 8], device=DEVICE)
     slots = torch.tensor([3, 9, -1, 0, 39, 21], device=DEVICE)
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).double() / d))
-    freqs = torch.arange(64).double()[:, None] * inv[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos().float().to(DEVICE), emb.sin().float().to(DEVICE)
+    cos, sin = _rope_tables(d, 64)
     k_cache = torch.full((slots_total, hkv, d), 7.0, dtype=dtype, device=DEVICE)
     v_cache = torch.full((slots_total, hkv, d), 7.0, dtype=dtype, device=DEVICE)
-    norm = None
-    q_w = _randn(d, gen=gen)
-    k_w = _randn(d, gen=gen)
-    if qk_norm:
-        norm = (q_w, k_w, 1e-6)
+    norm = (_randn(d, gen=gen), _randn(d, gen=gen), 1e-6) if qk_norm else None
     q = rope_and_store(qkv, positions, slots, cos, sin, k_cache, v_cache, hq, hkv, d, norm)
 
-    ref = qkv.double()
-    q_ref = ref[:, : hq * d].view(tokens, hq, d)
-    k_ref = ref[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d)
-    v_ref = ref[:, (hq + hkv) * d :].view(tokens, hkv, d)
-    if qk_norm:
-        q_ref = q_w.double() * q_ref * torch.rsqrt(q_ref.pow(2).mean(-1, keepdim=True) + 1e-6)
-        k_ref = k_w.double() * k_ref * torch.rsqrt(k_ref.pow(2).mean(-1, keepdim=True) + 1e-6)
-    c, s = cos.double()[positions], sin.double()[positions]
-    _close(q, _rope_reference(q_ref, c, s), dtype)
-    k_rot = _rope_reference(k_ref, c, s)
+    q_rot, k_rot, v_ref = _rotated_reference(qkv, positions, cos, sin, norm, hq, hkv)
+    _close(q, q_rot, dtype)
     written = slots >= 0
     _close(k_cache[slots[written]], k_rot[written], dtype)
     _close(v_cache[slots[written]], v_ref[written], dtype)
     untouched = torch.ones(slots_total, dtype=torch.bool, device=DEVICE)
     untouched[slots[written]] = False
     assert (k_cache[untouched] == 7.0).all() and (v_cache[untouched] == 7.0).all()
+
+
+def _rope_tables(d: int, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).double() / d))
+    freqs = torch.arange(positions).double()[:, None] * inv[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().float().to(DEVICE), emb.sin().float().to(DEVICE)
+
+
+def _rotated_reference(qkv, positions, cos, sin, norm, hq: int, hkv: int):
+    """float64 (q, k) normalised (`norm` = (q weight, k weight, eps), optional) and rotated,
+    and v, of `qkv` [T, (hq + 2 hkv) d]."""
+    tokens, d = qkv.shape[0], qkv.shape[1] // (hq + 2 * hkv)
+    ref = qkv.double()
+    q = ref[:, : hq * d].view(tokens, hq, d)
+    k = ref[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d)
+    v = ref[:, (hq + hkv) * d :].view(tokens, hkv, d)
+    if norm is not None:
+        q_w, k_w, eps = norm
+        q = q_w.double() * q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + eps)
+        k = k_w.double() * k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + eps)
+    c, s = cos.double()[positions], sin.double()[positions]
+    return _rope_reference(q, c, s), _rope_reference(k, c, s), v
 
 
 def _paged_setup(kv_lens: list[int], page: int, hkv: int, d: int, dtype, gen):
@@ -267,6 +275,57 @@ def test_split_kv_decode(dtype, hq, hkv, d, page, window) -> None:
         _close(out[i : i + 1], ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(4, 4, 64), (8, 2, 128)])
+@pytest.mark.parametrize("window", [None, 50])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_split_kv_decode_rotates_stores_and_attends(dtype, hq, hkv, d, window, qk_norm) -> None:
+    """Decode from the new tokens' fused projections: q/k normalised and rotated, the new K/V
+    stored at their slots (none for a padded row), attention over the cached context plus the
+    new token."""
+    from tokenmill.kernels.attention import DecodeRotation
+
+    gen = torch.Generator().manual_seed(hq * 3 + d + qk_norm)
+    page = 16
+    kv_lens = [1, 77, 300, 0, 16]  # 0: a padded CUDA-graph row
+    k, v, table = _paged_setup(kv_lens, page, hkv, d, dtype, gen)
+    k_before, v_before = k.clone(), v.clone()
+    cos, sin = _rope_tables(d, 320)
+    norm = (_randn(d, gen=gen), _randn(d, gen=gen), 1e-6) if qk_norm else None
+    qkv = _randn(len(kv_lens), (hq + 2 * hkv) * d, dtype=dtype, gen=gen)
+    last = [max(n - 1, 0) for n in kv_lens]
+    positions = torch.tensor(last, device=DEVICE)
+    slots = torch.tensor([
+        int(table[i, p // page]) * page + p % page if n else -1
+        for i, (n, p) in enumerate(zip(kv_lens, last, strict=True))
+    ])  # fmt: skip
+    splits = 4
+    mid_o = torch.empty(len(kv_lens), hq, splits, d, device=DEVICE)
+    mid_lse = torch.empty(len(kv_lens), hq, splits, device=DEVICE)
+    scale = d**-0.5
+    kv = torch.tensor(kv_lens, device=DEVICE)
+    rotate = DecodeRotation(positions, slots.to(DEVICE), cos, sin, norm)
+    out = decode_attention(qkv, k, v, kv, table, page, scale, window, mid_o, mid_lse, rotate)
+    q_rot, k_rot, v_new = _rotated_reference(qkv, positions, cos, sin, norm, hq, hkv)
+    written = slots >= 0
+    _close(k[slots[written]], k_rot[written], dtype)
+    _close(v[slots[written]], v_new[written], dtype)
+    others = torch.ones(k.shape[0], dtype=torch.bool)
+    others[slots[written]] = False
+    assert torch.equal(k[others], k_before[others]) and torch.equal(v[others], v_before[others])
+    for i, n in enumerate(kv_lens):
+        if n == 0:
+            assert (out[i] == 0).all()
+            continue
+        # The reference context reads the stored (rounded) new K/V back from the cache.
+        k_ctx, v_ctx = _gather(k, table, i, n, page), _gather(v, table, i, n, page)
+        q_pos = torch.tensor([n - 1], device=DEVICE)
+        ref = _attention_reference(q_rot[i : i + 1].to(dtype), k_ctx, v_ctx, q_pos, scale, window)
+        _close(out[i : i + 1], ref, dtype)
+    with pytest.raises(ValueError, match="fused projections"):
+        decode_attention(qkv[:, :-1], k, v, kv, table, page, scale, window, mid_o, mid_lse, rotate)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_triton_backend_engine_matches_transformers(checkpoints, family: str) -> None:
     """The whole engine on the Triton backend: chunked prefill, prefix hits, decode (float32)."""
@@ -283,6 +342,9 @@ def test_triton_backend_engine_matches_transformers(checkpoints, family: str) ->
     outputs = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(path, p, 10) for p in prompts]
     assert outputs[3].num_cached_tokens > 0  # shares 24 tokens with the second prompt
+    # Batch 1: decode rotates and stores the new token inside the split kernel.
+    single = llm.generate(prompts[2:3], greedy, use_tqdm=False)
+    assert single[0].outputs[0].token_ids == outputs[2].outputs[0].token_ids
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -6,13 +6,29 @@ in slot `page_table[seq, p // page_size] * page_size + p % page_size`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from tokenmill.kernels.pdl import pdl_options, pdl_wait
+from tokenmill.kernels.rope_store import load_rotated
 
 _LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class DecodeRotation:
+    """What `decode_attention` needs to rotate and store the new tokens itself: their
+    `positions` and cache `slots` `[B]`, the `cos`/`sin` tables `[max_positions, D]` (float32),
+    and for models that RMS-normalise each head first, `qk_norm` = (q weight, k weight, eps)."""
+
+    positions: torch.Tensor
+    slots: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None
 
 
 @triton.jit
@@ -127,10 +143,14 @@ def prefill_attention(
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, mid_o_ptr, mid_lse_ptr, kv_lens_ptr, page_table_ptr,
     stride_pt, qk_scale, window,
+    positions_ptr, slots_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, eps, stride_qkv,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    ROTATE: tl.constexpr, QK_NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    """ROTATE: `q_ptr` holds the new tokens' fused projections `[B, (Hq + 2 Hkv) D]`; each
+    program normalises (QK_NORM) and rotates its q heads and the new k itself, split 0 stores
+    the new K/V, and the split whose range holds the new position attends to it directly."""
     pdl_wait(USE_PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -140,6 +160,10 @@ def _decode_split_kernel(
     split_len = tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_N) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(lo + split_len, kv_len)
+    if ROTATE:  # the new position (kv_len - 1) is not read from the cache, which split 0 writes
+        new = kv_len - 1
+        has_new = (lo <= new) & (new < hi)
+        hi = tl.minimum(hi, new)
     if HAS_WINDOW:
         lo = tl.maximum(lo, kv_len - window)
     offs_g = tl.arange(0, BLOCK_G)
@@ -147,9 +171,29 @@ def _decode_split_kernel(
     heads = kvh * group + offs_g
     g_mask = offs_g < group
     seq64 = seq.to(tl.int64)
-    q = tl.load(
-        q_ptr + seq64 * (HQ * D) + heads[:, None] * D + offs_d[None, :], mask=g_mask[:, None]
-    )
+    if ROTATE:
+        pos = tl.load(positions_ptr + seq)
+        cos = tl.load(cos_ptr + pos * D + offs_d)
+        sin = tl.load(sin_ptr + pos * D + offs_d)
+        row = q_ptr + seq64 * stride_qkv
+        q = load_rotated(
+            row, heads, offs_d, D // 2, D, g_mask, cos, sin, q_norm_ptr, eps, QK_NORM
+        ).to(q_ptr.dtype.element_ty)
+        one = kvh + tl.arange(0, 1)
+        k_new = load_rotated(
+            row + HQ * D, one, offs_d, D // 2, D, one < HKV, cos, sin, k_norm_ptr, eps, QK_NORM
+        ).to(k_cache_ptr.dtype.element_ty)
+        v_new = tl.load(row + (HQ + HKV) * D + one[:, None] * D + offs_d[None, :])
+        if split == 0:
+            slot = tl.load(slots_ptr + seq)
+            if slot >= 0:  # padded rows of a CUDA-graph batch write nothing
+                cache_off = slot * (HKV * D) + one[:, None] * D + offs_d[None, :]
+                tl.store(k_cache_ptr + cache_off, k_new)
+                tl.store(v_cache_ptr + cache_off, v_new.to(v_cache_ptr.dtype.element_ty))
+    else:
+        q = tl.load(
+            q_ptr + seq64 * (HQ * D) + heads[:, None] * D + offs_d[None, :], mask=g_mask[:, None]
+        )
     page_row = page_table_ptr + seq64 * stride_pt
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -161,12 +205,25 @@ def _decode_split_kernel(
         k = _kv_block(k_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
         v = _kv_block(v_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
         m_i, l_i, acc = _attend_block(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale)
+    if ROTATE:  # the new token, as the cache holds it (rounded to the cache dtype)
+        s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * qk_scale
+        s = tl.where(has_new, s, float("-inf"))
+        m_new = tl.maximum(m_i, s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe)
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + p
+        v_f = v_new.to(v_cache_ptr.dtype.element_ty).to(tl.float32)
+        acc = (
+            acc * alpha[:, None] + p.to(v_cache_ptr.dtype.element_ty).to(tl.float32)[:, None] * v_f
+        )
+        m_i = m_new
     # log2-sum-exp of this split's scores; -inf when the split saw no position.
     lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    row = (seq64 * HQ + heads) * SPLITS + split
-    tl.store(mid_o_ptr + row[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
-    tl.store(mid_lse_ptr + row, lse, mask=g_mask)
+    row_out = (seq64 * HQ + heads) * SPLITS + split
+    tl.store(mid_o_ptr + row_out[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
+    tl.store(mid_lse_ptr + row_out, lse, mask=g_mask)
 
 
 @triton.jit
@@ -203,25 +260,36 @@ def decode_attention(
     window: int | None,
     mid_o: torch.Tensor,
     mid_lse: torch.Tensor,
+    rotate: DecodeRotation | None = None,
 ) -> torch.Tensor:
     """One query per sequence (`q` `[B, Hq, D]`) attending to its whole paged context.
 
     The context is cut into `mid_o.shape[2]` splits processed in parallel, then merged by their
     log-sum-exp; `mid_o` `[>=B, Hq, S, D]` and `mid_lse` `[>=B, Hq, S]` are float32 scratch.
     Sequences with `kv_len == 0` (CUDA-graph padding) produce zeros.
+
+    With `rotate`, `q` is instead the new tokens' fused projections `[B, (Hq + 2 Hkv) D]`
+    (contiguous rows): q and k are normalised (optional) and rotated as `rope_and_store` does,
+    the new K/V are stored at `rotate.slots` (negative: nothing) and attended to directly.
+    Returns `[B, Hq, D]`.
     """
-    batch, hq, d = q.shape
-    hkv = k_cache.shape[-2]
-    splits = mid_o.shape[2]
-    out = torch.empty_like(q)
+    _, hkv, d = k_cache.shape
+    batch, hq, splits = q.shape[0], mid_o.shape[1], mid_o.shape[2]
+    if rotate is not None and (q.dim() != 2 or q.shape[1] != (hq + 2 * hkv) * d):
+        raise ValueError(f"fused projections must be [B, {(hq + 2 * hkv) * d}], got {q.shape}")
+    out = torch.empty((batch, hq, d), dtype=q.dtype, device=q.device)
     group = hq // hkv
     pdl = pdl_options(q.device)
+    r = rotate or DecodeRotation(kv_lens, kv_lens, mid_lse, mid_lse, None)  # unused pointers
+    q_w, k_w, eps = r.qk_norm if r.qk_norm is not None else (r.cos, r.cos, 0.0)
     _decode_split_kernel[(batch, hkv, splits)](
         q, k_cache, v_cache, mid_o, mid_lse, kv_lens, page_table, page_table.stride(0),
         scale * _LOG2E, window or 0,
+        r.positions, r.slots, r.cos, r.sin, q_w, k_w, eps, q.stride(0),
         HQ=hq, HKV=hkv, D=d, PAGE=page_size, SPLITS=splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=64,
-        HAS_WINDOW=window is not None, num_warps=4, num_stages=2, **pdl,
+        HAS_WINDOW=window is not None, ROTATE=rotate is not None,
+        QK_NORM=r.qk_norm is not None, num_warps=4, num_stages=2, **pdl,
     )  # fmt: skip
     _decode_reduce_kernel[(batch, hq)](
         mid_o, mid_lse, out, HQ=hq, D=d, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),

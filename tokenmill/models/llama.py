@@ -37,8 +37,7 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """Attention output (after `o_proj`) of the projected `qkv` of every token."""
         qk_norm = (self.q_norm, self.k_norm) if self.qk_norm else None
-        q = attn.store_qkv(qkv, positions, self.layer, self.rotary, qk_norm)
-        out = attn.attend(q, self.layer)
+        out = attn.attention(qkv, positions, self.layer, self.rotary, qk_norm)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
 
