@@ -24,7 +24,8 @@ python3 -c 'import torch, triton, transformers; print("torch", torch.__version__
 
 if [[ "$what" == tests || "$what" == all || "$what" == quick || "$what" == gputests ]]; then
   sel=(tests/kernels tests/gpu)
-  [[ "$what" == gputests ]] && sel=(tests/gpu tests/kernels -k "gpu or engine or gemv or decode or rope or pdl")
+  [[ "$what" == gputests ]] && sel=(tests/gpu tests/kernels tests/engine/test_graph_inputs.py
+    tests/engine/test_flashinfer_backend.py -k "gpu or engine or gemv or decode or rope or pdl or flashinfer")
   python3 -m pytest -q -p no:cacheprovider "${sel[@]}" 2>&1 | tee "$out/pytest.log" | tail -25
   echo "tests: $(tail -1 "$out/pytest.log")" >> "$table"
 fi

@@ -6,6 +6,7 @@ sizes are exercised without a GPU. Greedy output must equal transformers'."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("triton")  # the graph-safe backend and the input fill are Triton kernels
 
@@ -14,6 +15,8 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.runner.cuda_graphs import CudaGraphRunner
 
 PROMPTS = [list(range(3, 10)), [100, 200, 300], list(range(20, 45))]
+# On a GPU machine the Triton kernels run compiled, which needs CUDA tensors.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class _Replay:
@@ -37,7 +40,7 @@ class _ReplayingGraphRunner(CudaGraphRunner):
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_decode_through_graph_inputs_matches_transformers(checkpoints, family: str) -> None:
     path = checkpoints[family]
-    llm = LLM(str(path), device="cpu", dtype="float32", attention_backend="triton", page_size=4,
+    llm = LLM(str(path), device=DEVICE, dtype="float32", attention_backend="triton", page_size=4,
               enforce_eager=True)  # fmt: skip
     runner = llm.engine.runner
     max_pages = -(-runner.config.max_model_len // runner.page_size)
