@@ -48,14 +48,14 @@ VARIANTS = ((1, False), (2, False), (1, True), (2, True))  # (prefetch, defer)
 
 
 def configs_for(m: int) -> list[GemvConfig]:
-    """The configs swept for `m` rows (deferred sums hold M x tile registers: M <= 2 only)."""
-    return [
+    """The configs swept for `m` rows (those that serve `m` rows)."""
+    configs = [
         GemvConfig(bn, bk, sk, nw, prefetch, defer)
         for bn, bk, nw in TILES
         for sk in (1, 2)
         for prefetch, defer in VARIANTS
-        if not (defer and m > 2)
     ]
+    return [c for c in configs if c.serves(m)]
 
 
 def graph_seconds_per_call(fn: Callable[[int], object], layers: int) -> float:

@@ -43,18 +43,25 @@ def _kv_block(
 
 
 @triton.jit
-def _attend_block(q, k, v, keep, m_i, l_i, acc, qk_scale):
-    """One online-softmax step: fold the block of keys `k` / values `v` (where `keep`) into the
-    running max `m_i`, normaliser `l_i` and output `acc` (base-2 exponentials)."""
-    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-    s = tl.where(keep, s, float("-inf"))
+def _softmax_step(s, m_i, l_i):
+    """Fold scores `s` `[rows, keys]` (base 2, -inf where masked) into the running max `m_i`
+    and normaliser `l_i`; returns the new max and normaliser, the keys' weights `p` and the
+    factor `alpha` that rescales the output accumulated so far."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.math.exp2(s - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), p, alpha
+
+
+@triton.jit
+def _attend_block(q, k, v, keep, m_i, l_i, acc, qk_scale):
+    """One online-softmax step: fold the block of keys `k` / values `v` (where `keep`) into the
+    running max `m_i`, normaliser `l_i` and output `acc` (base-2 exponentials)."""
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    m_i, l_i, p, alpha = _softmax_step(tl.where(keep, s, float("-inf")), m_i, l_i)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    return m_new, l_i, acc
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -206,18 +213,11 @@ def _decode_split_kernel(
         v = _kv_block(v_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
         m_i, l_i, acc = _attend_block(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale)
     if ROTATE:  # the new token, as the cache holds it (rounded to the cache dtype)
-        s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * qk_scale
-        s = tl.where(has_new, s, float("-inf"))
-        m_new = tl.maximum(m_i, s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe)
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + p
-        v_f = v_new.to(v_cache_ptr.dtype.element_ty).to(tl.float32)
-        acc = (
-            acc * alpha[:, None] + p.to(v_cache_ptr.dtype.element_ty).to(tl.float32)[:, None] * v_f
-        )
-        m_i = m_new
+        s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1)[:, None] * qk_scale
+        m_i, l_i, p, alpha = _softmax_step(tl.where(has_new, s, float("-inf")), m_i, l_i)
+        cache_dtype = v_cache_ptr.dtype.element_ty
+        v_f = v_new.to(cache_dtype).to(tl.float32)  # [1, D]
+        acc = acc * alpha[:, None] + p.to(cache_dtype).to(tl.float32) * v_f
     # log2-sum-exp of this split's scores; -inf when the split saw no position.
     lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]

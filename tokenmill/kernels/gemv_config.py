@@ -25,6 +25,11 @@ class GemvConfig:
         if self.prefetch not in (1, 2):
             raise ValueError(f"GemvConfig.prefetch must be 1 or 2, got {self.prefetch}")
 
+    def serves(self, rows: int) -> bool:
+        """Whether the config is worth running for inputs of up to `rows` rows: deferred sums
+        hold rows x tile values per thread, so they are kept to at most two rows."""
+        return rows <= 2 or not self.defer
+
 
 @dataclass(frozen=True)
 class InputNorm:

@@ -48,12 +48,6 @@ GEMV_CANDIDATES = (
 _MARGIN = 0.97
 
 
-def gemv_candidates(rows: int) -> list[GemvConfig]:
-    """The configs worth timing for inputs of up to `rows` rows: deferred sums hold
-    rows x tile values per thread, so they are tried for at most two rows."""
-    return [c for c in GEMV_CANDIDATES if rows <= 2 or not c.defer]
-
-
 def gemv_bucket(m: int) -> int | None:
     """The row bucket whose kernel choice serves an input of `m` rows (None: too many rows)."""
     return next((b for b in GEMV_BUCKETS if m <= b), None)
@@ -164,7 +158,7 @@ def _fastest_gemv(weights: list[torch.Tensor], rows: int, kind: InputKind) -> Ge
     expected = reference(w0).float()
     best_s = _MARGIN * median_graph_seconds(cublas)
     best: GemvConfig | None = None
-    for config in gemv_candidates(rows):
+    for config in (c for c in GEMV_CANDIDATES if c.serves(rows)):
         if not _matches(lambda c=config: candidate(w0, c), expected, config):
             continue
         seconds = median_graph_seconds(lambda c=config: [candidate(w, c) for w in weights])
