@@ -147,12 +147,12 @@ def _fastest_gemv(weights: list[torch.Tensor], rows: int, kind: InputKind) -> Ge
 
     scratch = residual.clone()
 
-    def cublas() -> None:
-        if kind == "normed":  # the fused add + RMSNorm kernel updates `scratch` in place
-            h, _ = norm.add_forward(x, scratch)
-        else:
-            h = silu_and_mul(x) if kind == "gated" else x
+    def cublas() -> None:  # each layer runs its own input kernel before its product
         for w in weights:
+            if kind == "normed":  # the fused add + RMSNorm kernel updates `scratch` in place
+                h, _ = norm.add_forward(x, scratch)
+            else:
+                h = silu_and_mul(x) if kind == "gated" else x
             F.linear(h, w)
 
     expected = reference(w0).float()
