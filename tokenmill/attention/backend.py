@@ -45,9 +45,8 @@ QKNorm = tuple[RMSNorm, RMSNorm]
 class AttentionBackend(ABC):
     """Causal attention of a mixed prefill/decode batch over the paged KV cache.
 
-    Per step, `plan` once; per layer, `attention`: by default `store_qkv` (q/k norm, rotary,
-    K/V into the cache — one fused kernel where the backend has one), then `attend`; a backend
-    may fuse the two for some batches.
+    Per step, `plan` once; per layer, `store_qkv` (q/k norm, rotary, K/V into the cache — one
+    fused kernel where the backend has one), then `attend`.
     """
 
     def __init__(self, model: ModelConfig, kv_cache: KVCache, max_num_seqs: int) -> None:
@@ -74,18 +73,6 @@ class AttentionBackend(ABC):
     @abstractmethod
     def attend(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         """Attention output `[T, Hq, D]` of `q` over layer `layer`'s cache."""
-
-    def attention(
-        self,
-        qkv: torch.Tensor,
-        positions: torch.Tensor,
-        layer: int,
-        rotary: RotaryEmbedding,
-        qk_norm: QKNorm | None,
-    ) -> torch.Tensor:
-        """Attention output `[T, Hq, D]` of the fused projections `qkv` of layer `layer`, after
-        storing their K/V in its cache."""
-        return self.attend(self.store_qkv(qkv, positions, layer, rotary, qk_norm), layer)
 
     def graph_safe(self) -> bool:
         """Whether a decode step's forward can be captured in a CUDA graph."""

@@ -7,17 +7,13 @@ import torch
 from tokenmill.attention.backend import AttentionBackend, AttentionInputs, QKNorm
 from tokenmill.cache.kv_cache import KVCache
 from tokenmill.config import ModelConfig
-from tokenmill.kernels.attention import DecodeRotation, decode_attention, prefill_attention
+from tokenmill.kernels.attention import decode_attention, prefill_attention
 from tokenmill.kernels.rope_store import rope_and_store
 from tokenmill.layers.rotary import RotaryEmbedding
 
 # Decode splits the context into this many chunks per sequence, processed in parallel; fixed
 # so that a captured CUDA graph serves every context length.
 DECODE_SPLITS = 16
-# Decode batches of up to this many sequences rotate and store the new tokens inside the split
-# kernel (one kernel fewer per layer). Every split program repeats that work, which paid at
-# batch 1 on an H200 (-20 µs per step) but cost up to 36% at batch 64 (docs/perf-notes.md, v8).
-ROTATE_IN_DECODE_MAX_BATCH = 1
 
 
 class FusedStoreBackend(AttentionBackend):
@@ -62,9 +58,6 @@ class TritonAttentionBackend(FusedStoreBackend):
     def plan(self, inputs: AttentionInputs) -> None:
         self._inputs = inputs
         self._decode = inputs.is_decode
-        self._rotate_in_decode = (
-            self._decode and len(inputs.query_lens_cpu) <= ROTATE_IN_DECODE_MAX_BATCH
-        )
         self._max_q_len = max(inputs.query_lens_cpu)
 
     def graph_safe(self) -> bool:
@@ -81,26 +74,6 @@ class TritonAttentionBackend(FusedStoreBackend):
         return prefill_attention(
             q, k_cache, v_cache, inputs.cu_query_lens, inputs.kv_lens, inputs.page_table,
             self._max_q_len, ps, self.scale, window,
-        )  # fmt: skip
-
-    def attention(
-        self,
-        qkv: torch.Tensor,
-        positions: torch.Tensor,
-        layer: int,
-        rotary: RotaryEmbedding,
-        qk_norm: QKNorm | None,
-    ) -> torch.Tensor:
-        if not self._rotate_in_decode:
-            return super().attention(qkv, positions, layer, rotary, qk_norm)
-        k_cache, v_cache = self._cache(layer)
-        inputs = self._inputs
-        rotate = DecodeRotation(
-            positions, inputs.slot_mapping, rotary.cos, rotary.sin, _norm_weights(qk_norm)
-        )
-        return decode_attention(
-            qkv, k_cache, v_cache, inputs.kv_lens, inputs.page_table, self.kv_cache.page_size,
-            self.scale, self.model.sliding_window, self._mid_o, self._mid_lse, rotate,
         )  # fmt: skip
 
 

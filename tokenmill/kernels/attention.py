@@ -6,29 +6,14 @@ in slot `page_table[seq, p // page_size] * page_size + p % page_size`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from tokenmill.kernels.pdl import pdl_options, pdl_wait
-from tokenmill.kernels.rope_store import load_rotated
+from tokenmill.kernels.tickets import ticket_buffer
 
 _LOG2E = 1.4426950408889634
-
-
-@dataclass(frozen=True)
-class DecodeRotation:
-    """What `decode_attention` needs to rotate and store the new tokens itself: their
-    `positions` and cache `slots` `[B]`, the `cos`/`sin` tables `[max_positions, D]` (float32),
-    and for models that RMS-normalise each head first, `qk_norm` = (q weight, k weight, eps)."""
-
-    positions: torch.Tensor
-    slots: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None
 
 
 @triton.jit
@@ -147,30 +132,31 @@ def prefill_attention(
 
 
 @triton.jit
-def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, mid_o_ptr, mid_lse_ptr, kv_lens_ptr, page_table_ptr,
-    stride_pt, qk_scale, window,
-    positions_ptr, slots_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, eps, stride_qkv,
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, ticket_ptr, kv_lens_ptr,
+    page_table_ptr, stride_pt, qk_scale, window,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    ROTATE: tl.constexpr, QK_NORM: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """ROTATE: `q_ptr` holds the new tokens' fused projections `[B, (Hq + 2 Hkv) D]`; each
-    program normalises (QK_NORM) and rotates its q heads and the new k itself, split 0 stores
-    the new K/V, and the split whose range holds the new position attends to it directly."""
-    pdl_wait(USE_PDL)
+    """Program (seq, KV head, split) attends its group of q heads to one slice of the context.
+
+    Before its PDL wait it reads only what no kernel of this step writes — the KV length and
+    page table (filled before the step) and its first block of cached K/V, positions before the
+    new token's (earlier steps stored them) — so those loads overlap the kernel before it. The
+    new token, stored by that kernel, is folded in after the wait. The last split of each
+    (seq, KV head) to finish merges all splits by log-sum-exp (an arrival ticket)."""
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     group: tl.constexpr = HQ // HKV
     kv_len = tl.load(kv_lens_ptr + seq)
+    new = kv_len - 1  # the new token's position
     split_len = tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_N) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(lo + split_len, kv_len)
-    if ROTATE:  # the new position (kv_len - 1) is not read from the cache, which split 0 writes
-        new = kv_len - 1
-        has_new = (lo <= new) & (new < hi)
-        hi = tl.minimum(hi, new)
+    has_new = (lo <= new) & (new < hi)
+    hi = tl.minimum(hi, new)  # the loop reads positions before the new one
     if HAS_WINDOW:
         lo = tl.maximum(lo, kv_len - window)
     offs_g = tl.arange(0, BLOCK_G)
@@ -178,75 +164,85 @@ def _decode_split_kernel(
     heads = kvh * group + offs_g
     g_mask = offs_g < group
     seq64 = seq.to(tl.int64)
-    if ROTATE:
-        pos = tl.load(positions_ptr + seq)
-        cos = tl.load(cos_ptr + pos * D + offs_d)
-        sin = tl.load(sin_ptr + pos * D + offs_d)
-        row = q_ptr + seq64 * stride_qkv
-        q = load_rotated(
-            row, heads, offs_d, D // 2, D, g_mask, cos, sin, q_norm_ptr, eps, QK_NORM
-        ).to(q_ptr.dtype.element_ty)
-        one = kvh + tl.arange(0, 1)
-        k_new = load_rotated(
-            row + HQ * D, one, offs_d, D // 2, D, one < HKV, cos, sin, k_norm_ptr, eps, QK_NORM
-        ).to(k_cache_ptr.dtype.element_ty)
-        v_new = tl.load(row + (HQ + HKV) * D + one[:, None] * D + offs_d[None, :])
-        if split == 0:
-            slot = tl.load(slots_ptr + seq)
-            if slot >= 0:  # padded rows of a CUDA-graph batch write nothing
-                cache_off = slot * (HKV * D) + one[:, None] * D + offs_d[None, :]
-                tl.store(k_cache_ptr + cache_off, k_new)
-                tl.store(v_cache_ptr + cache_off, v_new.to(v_cache_ptr.dtype.element_ty))
-    else:
-        q = tl.load(
-            q_ptr + seq64 * (HQ * D) + heads[:, None] * D + offs_d[None, :], mask=g_mask[:, None]
-        )
     page_row = page_table_ptr + seq64 * stride_pt
+    offs_n = lo + tl.arange(0, BLOCK_N)
+    valid = offs_n < hi
+    k = _kv_block(k_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
+    v = _kv_block(v_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
+    new_n = new + tl.arange(0, 1)
+    new_page = tl.load(page_row + new_n // PAGE, mask=has_new, other=0)
 
+    pdl_wait(USE_PDL)
+    q = tl.load(
+        q_ptr + seq64 * (HQ * D) + heads[:, None] * D + offs_d[None, :], mask=g_mask[:, None]
+    )
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
     for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
+        m_i, l_i, acc = _attend_block(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale)
+        offs_n = start + BLOCK_N + tl.arange(0, BLOCK_N)
         valid = offs_n < hi
         k = _kv_block(k_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
         v = _kv_block(v_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
-        m_i, l_i, acc = _attend_block(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale)
-    if ROTATE:  # the new token, as the cache holds it (rounded to the cache dtype)
-        s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1)[:, None] * qk_scale
-        m_i, l_i, p, alpha = _softmax_step(tl.where(has_new, s, float("-inf")), m_i, l_i)
-        cache_dtype = v_cache_ptr.dtype.element_ty
-        v_f = v_new.to(cache_dtype).to(tl.float32)  # [1, D]
-        acc = acc * alpha[:, None] + p.to(cache_dtype).to(tl.float32) * v_f
+    # The new token (in the split whose range holds it), read back as the cache holds it.
+    new_off = (new_page.to(tl.int64) * PAGE + new_n % PAGE)[:, None] * (HKV * D) + kvh * D
+    k_new = tl.load(k_cache_ptr + new_off + offs_d[None, :], mask=has_new, other=0.0)
+    v_new = tl.load(v_cache_ptr + new_off + offs_d[None, :], mask=has_new, other=0.0)
+    s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1)[:, None] * qk_scale  # [G, 1]
+    m_i, l_i, p, alpha = _softmax_step(tl.where(has_new, s, float("-inf")), m_i, l_i)
+    p_v = p.to(v_new.dtype).to(tl.float32) * v_new.to(tl.float32)  # as tl.dot would round p
+    acc = acc * alpha[:, None] + p_v
     # log2-sum-exp of this split's scores; -inf when the split saw no position.
     lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    row_out = (seq64 * HQ + heads) * SPLITS + split
-    tl.store(mid_o_ptr + row_out[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
-    tl.store(mid_lse_ptr + row_out, lse, mask=g_mask)
+    rows = (seq64 * HQ + heads) * SPLITS
+    tl.store(mid_o_ptr + (rows + split)[:, None] * D + offs_d[None, :],
+             acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None], mask=g_mask[:, None])  # fmt: skip
+    tl.store(mid_lse_ptr + rows + split, lse, mask=g_mask)
+    tl.debug_barrier()  # every thread's partial is written before the ticket is taken
+    ticket_at = ticket_ptr + seq * HKV + kvh
+    if tl.atomic_add(ticket_at, 1, sem="acq_rel") == SPLITS - 1:
+        _merge_splits(
+            mid_o_ptr,
+            mid_lse_ptr,
+            out_ptr + seq64 * (HQ * D),
+            rows,
+            heads,
+            g_mask,
+            D,
+            SPLITS,
+            BLOCK_G,
+        )
+        tl.atomic_xchg(ticket_at, 0)
 
 
 @triton.jit
-def _decode_reduce_kernel(
-    mid_o_ptr, mid_lse_ptr, out_ptr, HQ: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
+def _merge_splits(
+    mid_o_ptr, mid_lse_ptr, out_ptr, rows, heads, g_mask, D: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
 ):  # fmt: skip
-    pdl_wait(USE_PDL)
-    seq = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, D)
-    row = (seq * HQ + h) * SPLITS + offs_s
-    lse = tl.load(mid_lse_ptr + row, mask=offs_s < SPLITS, other=float("-inf"))
-    m = tl.max(lse, axis=0)
+    """out[heads] = the splits' outputs weighted by their share of the softmax mass (`rows`:
+    each head's first split in the scratch). Loads bypass L1: other programs wrote them."""
+    lse_at = mid_lse_ptr + rows
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    for s in tl.static_range(SPLITS):
+        m = tl.maximum(
+            m, tl.load(lse_at + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
+        )
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.math.exp2(lse - m_safe)
-    parts = tl.load(
-        mid_o_ptr + row[:, None] * D + offs_d[None, :], mask=(offs_s < SPLITS)[:, None], other=0.0
-    )
-    total = tl.sum(w, axis=0)
-    out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + (seq * HQ + h) * D + offs_d, out.to(out_ptr.dtype.element_ty))
+    offs_d = tl.arange(0, D)
+    total = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    for s in tl.static_range(SPLITS):
+        lse = tl.load(lse_at + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
+        w = tl.math.exp2(lse - m_safe)
+        part_at = mid_o_ptr + (rows + s)[:, None] * D + offs_d[None, :]
+        part = tl.load(part_at, mask=g_mask[:, None], other=0.0, cache_modifier=".cg")
+        total += w
+        acc += w[:, None] * part
+    out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+    out_offs = heads[:, None] * D + offs_d[None, :]
+    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
 def decode_attention(
@@ -260,39 +256,25 @@ def decode_attention(
     window: int | None,
     mid_o: torch.Tensor,
     mid_lse: torch.Tensor,
-    rotate: DecodeRotation | None = None,
 ) -> torch.Tensor:
-    """One query per sequence (`q` `[B, Hq, D]`) attending to its whole paged context.
+    """One query per sequence (`q` `[B, Hq, D]`) attending to its whole paged context, whose
+    last position (`kv_lens - 1`) is the query's own token, already in the cache.
 
-    The context is cut into `mid_o.shape[2]` splits processed in parallel, then merged by their
-    log-sum-exp; `mid_o` `[>=B, Hq, S, D]` and `mid_lse` `[>=B, Hq, S]` are float32 scratch.
-    Sequences with `kv_len == 0` (CUDA-graph padding) produce zeros.
-
-    With `rotate`, `q` is instead the new tokens' fused projections `[B, (Hq + 2 Hkv) D]`
-    (contiguous rows): q and k are normalised (optional) and rotated as `rope_and_store` does,
-    the new K/V are stored at `rotate.slots` (negative: nothing) and attended to directly.
-    Returns `[B, Hq, D]`.
+    The context is cut into `mid_o.shape[2]` splits processed in parallel, and the last split
+    of each sequence and KV head to finish merges them by their log-sum-exp — one launch;
+    `mid_o` `[>=B, Hq, S, D]` and `mid_lse` `[>=B, Hq, S]` are float32 scratch. Sequences with
+    `kv_len == 0` (CUDA-graph padding) produce zeros.
     """
-    _, hkv, d = k_cache.shape
-    batch, hq, splits = q.shape[0], mid_o.shape[1], mid_o.shape[2]
-    if rotate is not None and (q.dim() != 2 or q.shape[1] != (hq + 2 * hkv) * d):
-        raise ValueError(f"fused projections must be [B, {(hq + 2 * hkv) * d}], got {q.shape}")
-    out = torch.empty((batch, hq, d), dtype=q.dtype, device=q.device)
-    group = hq // hkv
-    pdl = pdl_options(q.device)
-    r = rotate or DecodeRotation(kv_lens, kv_lens, mid_lse, mid_lse, None)  # unused pointers
-    q_w, k_w, eps = r.qk_norm if r.qk_norm is not None else (r.cos, r.cos, 0.0)
-    _decode_split_kernel[(batch, hkv, splits)](
-        q, k_cache, v_cache, mid_o, mid_lse, kv_lens, page_table, page_table.stride(0),
-        scale * _LOG2E, window or 0,
-        r.positions, r.slots, r.cos, r.sin, q_w, k_w, eps, q.stride(0),
+    batch, hq, d = q.shape
+    hkv = k_cache.shape[-2]
+    splits = mid_o.shape[2]
+    out = torch.empty_like(q)
+    tickets = ticket_buffer(q.device, batch * hkv)
+    _decode_kernel[(batch, hkv, splits)](
+        q, k_cache, v_cache, out, mid_o, mid_lse, tickets, kv_lens, page_table,
+        page_table.stride(0), scale * _LOG2E, window or 0,
         HQ=hq, HKV=hkv, D=d, PAGE=page_size, SPLITS=splits,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=64,
-        HAS_WINDOW=window is not None, ROTATE=rotate is not None,
-        QK_NORM=r.qk_norm is not None, num_warps=4, num_stages=2, **pdl,
-    )  # fmt: skip
-    _decode_reduce_kernel[(batch, hq)](
-        mid_o, mid_lse, out, HQ=hq, D=d, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
-        **pdl,
+        BLOCK_G=max(16, triton.next_power_of_2(hq // hkv)), BLOCK_N=64,
+        HAS_WINDOW=window is not None, num_warps=4, num_stages=2, **pdl_options(q.device),
     )  # fmt: skip
     return out

@@ -10,7 +10,7 @@ from tokenmill.kernels.pdl import pdl_options, pdl_wait
 
 
 @triton.jit
-def load_rotated(
+def _load_rotated(
     base_ptr, heads, offs_d, half: tl.constexpr, D: tl.constexpr, head_mask, cos, sin, norm_w_ptr,
     eps, QK_NORM: tl.constexpr,
 ):  # fmt: skip
@@ -50,7 +50,7 @@ def _rope_store_kernel(
     row = qkv_ptr + t * stride_qkv
 
     hq = tl.arange(0, BLOCK_HQ)
-    q = load_rotated(row, hq, offs_d, half, D, hq < HQ, cos, sin, q_norm_ptr, eps, QK_NORM)
+    q = _load_rotated(row, hq, offs_d, half, D, hq < HQ, cos, sin, q_norm_ptr, eps, QK_NORM)
     out = q_out_ptr + t * HQ * D + hq[:, None] * D + offs_d[None, :]
     tl.store(out, q.to(q_out_ptr.dtype.element_ty), mask=(hq < HQ)[:, None])
 
@@ -58,7 +58,7 @@ def _rope_store_kernel(
         hk = tl.arange(0, BLOCK_HKV)
         kmask = (hk < HKV)[:, None]
         k_row = row + HQ * D
-        k = load_rotated(k_row, hk, offs_d, half, D, hk < HKV, cos, sin, k_norm_ptr, eps, QK_NORM)
+        k = _load_rotated(k_row, hk, offs_d, half, D, hk < HKV, cos, sin, k_norm_ptr, eps, QK_NORM)
         cache_off = slot * HKV * D + hk[:, None] * D + offs_d[None, :]
         tl.store(k_cache_ptr + cache_off, k.to(k_cache_ptr.dtype.element_ty), mask=kmask)
         v = tl.load(k_row + HKV * D + hk[:, None] * D + offs_d[None, :], mask=kmask, other=0.0)

@@ -37,7 +37,8 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """Attention output (after `o_proj`) of the projected `qkv` of every token."""
         qk_norm = (self.q_norm, self.k_norm) if self.qk_norm else None
-        out = attn.attention(qkv, positions, self.layer, self.rotary, qk_norm)
+        q = attn.store_qkv(qkv, positions, self.layer, self.rotary, qk_norm)
+        out = attn.attend(q, self.layer)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
 
