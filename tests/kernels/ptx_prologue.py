@@ -15,7 +15,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from tokenmill.kernels.activation import _silu_and_mul_kernel
-from tokenmill.kernels.attention import _decode_kernel, _prefill_kernel
+from tokenmill.kernels.attention import _decode_reduce_kernel, _decode_split_kernel, _prefill_kernel
 from tokenmill.kernels.gemv import _gemv_kernel
 from tokenmill.kernels.graph_inputs import _decode_inputs_kernel
 from tokenmill.kernels.norm import _add_rms_norm_kernel
@@ -32,8 +32,9 @@ UNALIGNED = FLOAT_SCALARS | {"M", "window"}
 KERNELS = {
     "prefill": (_prefill_kernel, dict(
         HQ=16, HKV=8, D=128, PAGE=16, BLOCK_M=64, BLOCK_N=64, HAS_WINDOW=False)),
-    "decode": (_decode_kernel, dict(
+    "decode_split": (_decode_split_kernel, dict(
         HQ=16, HKV=8, D=128, PAGE=16, SPLITS=16, BLOCK_G=16, BLOCK_N=64, HAS_WINDOW=False)),
+    "decode_reduce": (_decode_reduce_kernel, dict(HQ=16, D=128, SPLITS=16, BLOCK_S=16)),
     "gemv": (_gemv_kernel, dict(
         BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, SPLIT_K=4, GATED=False, NORM=True, HAS_RES=True,
         PREFETCH=2, DEFER=True)),

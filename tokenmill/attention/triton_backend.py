@@ -39,9 +39,12 @@ class FusedStoreBackend(AttentionBackend):
     ) -> torch.Tensor:
         cfg = self.model
         k_cache, v_cache = self._cache(layer)
+        norm = None
+        if qk_norm is not None:
+            norm = (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
         return rope_and_store(
             qkv, positions, self._inputs.slot_mapping, rotary.cos, rotary.sin, k_cache, v_cache,
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, _norm_weights(qk_norm),
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, norm,
         )  # fmt: skip
 
 
@@ -75,8 +78,3 @@ class TritonAttentionBackend(FusedStoreBackend):
             q, k_cache, v_cache, inputs.cu_query_lens, inputs.kv_lens, inputs.page_table,
             self._max_q_len, ps, self.scale, window,
         )  # fmt: skip
-
-
-def _norm_weights(qk_norm: QKNorm | None) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-    """(q weight, k weight, eps) of a model's per-head q/k RMSNorm, as the kernels take it."""
-    return None if qk_norm is None else (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)

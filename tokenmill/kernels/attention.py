@@ -11,7 +11,6 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.pdl import pdl_options, pdl_wait
-from tokenmill.kernels.tickets import ticket_buffer
 
 _LOG2E = 1.4426950408889634
 
@@ -28,25 +27,18 @@ def _kv_block(
 
 
 @triton.jit
-def _softmax_step(s, m_i, l_i):
-    """Fold scores `s` `[rows, keys]` (base 2, -inf where masked) into the running max `m_i`
-    and normaliser `l_i`; returns the new max and normaliser, the keys' weights `p` and the
-    factor `alpha` that rescales the output accumulated so far."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_safe[:, None])
-    alpha = tl.math.exp2(m_i - m_safe)
-    return m_new, l_i * alpha + tl.sum(p, axis=1), p, alpha
-
-
-@triton.jit
 def _attend_block(q, k, v, keep, m_i, l_i, acc, qk_scale):
     """One online-softmax step: fold the block of keys `k` / values `v` (where `keep`) into the
     running max `m_i`, normaliser `l_i` and output `acc` (base-2 exponentials)."""
     s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-    m_i, l_i, p, alpha = _softmax_step(tl.where(keep, s, float("-inf")), m_i, l_i)
+    s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    return m_i, l_i, acc
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -132,31 +124,22 @@ def prefill_attention(
 
 
 @triton.jit
-def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, ticket_ptr, kv_lens_ptr,
-    page_table_ptr, stride_pt, qk_scale, window,
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, mid_o_ptr, mid_lse_ptr, kv_lens_ptr, page_table_ptr,
+    stride_pt, qk_scale, window,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """Program (seq, KV head, split) attends its group of q heads to one slice of the context.
-
-    Before its PDL wait it reads only what no kernel of this step writes — the KV length and
-    page table (filled before the step) and its first block of cached K/V, positions before the
-    new token's (earlier steps stored them) — so those loads overlap the kernel before it. The
-    new token, stored by that kernel, is folded in after the wait. The last split of each
-    (seq, KV head) to finish merges all splits by log-sum-exp (an arrival ticket)."""
+    pdl_wait(USE_PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     group: tl.constexpr = HQ // HKV
     kv_len = tl.load(kv_lens_ptr + seq)
-    new = kv_len - 1  # the new token's position
     split_len = tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_N) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(lo + split_len, kv_len)
-    has_new = (lo <= new) & (new < hi)
-    hi = tl.minimum(hi, new)  # the loop reads positions before the new one
     if HAS_WINDOW:
         lo = tl.maximum(lo, kv_len - window)
     offs_g = tl.arange(0, BLOCK_G)
@@ -164,85 +147,49 @@ def _decode_kernel(
     heads = kvh * group + offs_g
     g_mask = offs_g < group
     seq64 = seq.to(tl.int64)
-    page_row = page_table_ptr + seq64 * stride_pt
-    offs_n = lo + tl.arange(0, BLOCK_N)
-    valid = offs_n < hi
-    k = _kv_block(k_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
-    v = _kv_block(v_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
-    new_n = new + tl.arange(0, 1)
-    new_page = tl.load(page_row + new_n // PAGE, mask=has_new, other=0)
-
-    pdl_wait(USE_PDL)
     q = tl.load(
         q_ptr + seq64 * (HQ * D) + heads[:, None] * D + offs_d[None, :], mask=g_mask[:, None]
     )
+    page_row = page_table_ptr + seq64 * stride_pt
+
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
     for start in range(lo, hi, BLOCK_N):
-        m_i, l_i, acc = _attend_block(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale)
-        offs_n = start + BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = start + tl.arange(0, BLOCK_N)
         valid = offs_n < hi
         k = _kv_block(k_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
         v = _kv_block(v_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
-    # The new token (in the split whose range holds it), read back as the cache holds it.
-    new_off = (new_page.to(tl.int64) * PAGE + new_n % PAGE)[:, None] * (HKV * D) + kvh * D
-    k_new = tl.load(k_cache_ptr + new_off + offs_d[None, :], mask=has_new, other=0.0)
-    v_new = tl.load(v_cache_ptr + new_off + offs_d[None, :], mask=has_new, other=0.0)
-    s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1)[:, None] * qk_scale  # [G, 1]
-    m_i, l_i, p, alpha = _softmax_step(tl.where(has_new, s, float("-inf")), m_i, l_i)
-    p_v = p.to(v_new.dtype).to(tl.float32) * v_new.to(tl.float32)  # as tl.dot would round p
-    acc = acc * alpha[:, None] + p_v
+        m_i, l_i, acc = _attend_block(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale)
     # log2-sum-exp of this split's scores; -inf when the split saw no position.
     lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
-    rows = (seq64 * HQ + heads) * SPLITS
-    tl.store(mid_o_ptr + (rows + split)[:, None] * D + offs_d[None, :],
-             acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None], mask=g_mask[:, None])  # fmt: skip
-    tl.store(mid_lse_ptr + rows + split, lse, mask=g_mask)
-    tl.debug_barrier()  # every thread's partial is written before the ticket is taken
-    ticket_at = ticket_ptr + seq * HKV + kvh
-    if tl.atomic_add(ticket_at, 1, sem="acq_rel") == SPLITS - 1:
-        _merge_splits(
-            mid_o_ptr,
-            mid_lse_ptr,
-            out_ptr + seq64 * (HQ * D),
-            rows,
-            heads,
-            g_mask,
-            D,
-            SPLITS,
-            BLOCK_G,
-        )
-        tl.atomic_xchg(ticket_at, 0)
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    row = (seq64 * HQ + heads) * SPLITS + split
+    tl.store(mid_o_ptr + row[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
+    tl.store(mid_lse_ptr + row, lse, mask=g_mask)
 
 
 @triton.jit
-def _merge_splits(
-    mid_o_ptr, mid_lse_ptr, out_ptr, rows, heads, g_mask, D: tl.constexpr, SPLITS: tl.constexpr,
-    BLOCK_G: tl.constexpr,
+def _decode_reduce_kernel(
+    mid_o_ptr, mid_lse_ptr, out_ptr, HQ: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """out[heads] = the splits' outputs weighted by their share of the softmax mass (`rows`:
-    each head's first split in the scratch). Loads bypass L1: other programs wrote them."""
-    lse_at = mid_lse_ptr + rows
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    for s in tl.static_range(SPLITS):
-        m = tl.maximum(
-            m, tl.load(lse_at + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
-        )
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    pdl_wait(USE_PDL)
+    seq = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, D)
-    total = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, D], tl.float32)
-    for s in tl.static_range(SPLITS):
-        lse = tl.load(lse_at + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
-        w = tl.math.exp2(lse - m_safe)
-        part_at = mid_o_ptr + (rows + s)[:, None] * D + offs_d[None, :]
-        part = tl.load(part_at, mask=g_mask[:, None], other=0.0, cache_modifier=".cg")
-        total += w
-        acc += w[:, None] * part
-    out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
-    out_offs = heads[:, None] * D + offs_d[None, :]
-    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    row = (seq * HQ + h) * SPLITS + offs_s
+    lse = tl.load(mid_lse_ptr + row, mask=offs_s < SPLITS, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(lse - m_safe)
+    parts = tl.load(
+        mid_o_ptr + row[:, None] * D + offs_d[None, :], mask=(offs_s < SPLITS)[:, None], other=0.0
+    )
+    total = tl.sum(w, axis=0)
+    out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + (seq * HQ + h) * D + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
 def decode_attention(
@@ -257,24 +204,27 @@ def decode_attention(
     mid_o: torch.Tensor,
     mid_lse: torch.Tensor,
 ) -> torch.Tensor:
-    """One query per sequence (`q` `[B, Hq, D]`) attending to its whole paged context, whose
-    last position (`kv_lens - 1`) is the query's own token, already in the cache.
+    """One query per sequence (`q` `[B, Hq, D]`) attending to its whole paged context.
 
-    The context is cut into `mid_o.shape[2]` splits processed in parallel, and the last split
-    of each sequence and KV head to finish merges them by their log-sum-exp — one launch;
-    `mid_o` `[>=B, Hq, S, D]` and `mid_lse` `[>=B, Hq, S]` are float32 scratch. Sequences with
-    `kv_len == 0` (CUDA-graph padding) produce zeros.
+    The context is cut into `mid_o.shape[2]` splits processed in parallel, then merged by their
+    log-sum-exp; `mid_o` `[>=B, Hq, S, D]` and `mid_lse` `[>=B, Hq, S]` are float32 scratch.
+    Sequences with `kv_len == 0` (CUDA-graph padding) produce zeros.
     """
     batch, hq, d = q.shape
     hkv = k_cache.shape[-2]
     splits = mid_o.shape[2]
     out = torch.empty_like(q)
-    tickets = ticket_buffer(q.device, batch * hkv)
-    _decode_kernel[(batch, hkv, splits)](
-        q, k_cache, v_cache, out, mid_o, mid_lse, tickets, kv_lens, page_table,
-        page_table.stride(0), scale * _LOG2E, window or 0,
+    group = hq // hkv
+    pdl = pdl_options(q.device)
+    _decode_split_kernel[(batch, hkv, splits)](
+        q, k_cache, v_cache, mid_o, mid_lse, kv_lens, page_table, page_table.stride(0),
+        scale * _LOG2E, window or 0,
         HQ=hq, HKV=hkv, D=d, PAGE=page_size, SPLITS=splits,
-        BLOCK_G=max(16, triton.next_power_of_2(hq // hkv)), BLOCK_N=64,
-        HAS_WINDOW=window is not None, num_warps=4, num_stages=2, **pdl_options(q.device),
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=64,
+        HAS_WINDOW=window is not None, num_warps=4, num_stages=2, **pdl,
+    )  # fmt: skip
+    _decode_reduce_kernel[(batch, hq)](
+        mid_o, mid_lse, out, HQ=hq, D=d, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+        **pdl,
     )  # fmt: skip
     return out
