@@ -6,14 +6,18 @@ python benchmarks/profile_decode.py --config shared/models/qwen3-0.6b [--batch 1
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import time
+from collections import defaultdict
 
 import numpy as np
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.engine.engine_core import EngineCore
 from tokenmill.kernels.pdl import set_pdl_enabled
 from tokenmill.observability.cuda_timing import median_cuda_seconds
 
@@ -63,8 +67,37 @@ def main() -> None:
                     graphs.graphs[padded].replay()
                 torch.cuda.synchronize()
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+            _print_step_timeline(engine, steps=20)
         for rid in engine.request_ids():
             engine.abort_request(rid)
+
+
+def _print_step_timeline(engine: EngineCore, steps: int) -> None:
+    """Where the GPU idles across whole engine steps (inside and between graph replays): busy
+    vs. span, and the kernel pairs with the most idle time between them, per step."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
+    if len(kernels) < 2:
+        return
+    span = kernels[-1].time_range.end - kernels[0].time_range.start
+    busy = sum(e.time_range.elapsed_us() for e in kernels)  # overlapping (PDL) counted twice
+    gaps: dict[tuple[str, str], float] = defaultdict(float)
+    end = kernels[0].time_range.end
+    for prev, e in itertools.pairwise(kernels):
+        end = max(end, prev.time_range.end)
+        if (idle := e.time_range.start - end) > 0:
+            gaps[(prev.name[:40], e.name[:40])] += idle
+    idle = sum(gaps.values())
+    print(f"timeline of {steps} steps: {span / steps:.1f} us/step, kernels {busy / steps:.1f} "
+          f"us/step (PDL overlap counted twice), idle {idle / steps:.1f} us/step")  # fmt: skip
+    for (a, b), total in sorted(gaps.items(), key=lambda kv: -kv[1])[:8]:
+        print(f"  idle {total / steps:6.1f} us/step between {a} -> {b}")
 
 
 if __name__ == "__main__":
