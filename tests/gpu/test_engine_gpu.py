@@ -103,14 +103,20 @@ def test_bfloat16_tracks_float32_transformers(tmp_path_factory, family: str) -> 
 def test_gemv_choice_keeps_outputs() -> None:
     """A forced GEMV config gives cuBLAS's result to bf16 rounding, and the start-up choice only
     ever picks configs from the candidate list."""
-    from tokenmill.layers.linear import GEMV_BUCKETS, GEMV_CANDIDATES, Linear, choose_gemv_kernels
+    from tokenmill.layers.linear import (
+        GEMV_BUCKETS,
+        GEMV_CANDIDATES,
+        GemvChoice,
+        Linear,
+        choose_gemv_kernels,
+    )
 
     hidden = 1024
     layer = Linear(hidden, 3 * hidden).cuda().to(torch.bfloat16)
     layer.weight.normal_()
     x = torch.randn(3, hidden, device="cuda", dtype=torch.bfloat16)
     reference = layer(x).float()
-    layer.gemv_configs = dict.fromkeys(GEMV_BUCKETS, GEMV_CANDIDATES[3])
+    layer.gemv_choices = dict.fromkeys(GEMV_BUCKETS, GemvChoice(GEMV_CANDIDATES[3]))
     forced = layer(x).float()
     assert (forced - reference).abs().max() <= 0.02 * reference.abs().max()
     layers = (
@@ -124,8 +130,10 @@ def test_gemv_choice_keeps_outputs() -> None:
         .cuda()
         .to(torch.bfloat16)
     )
-    layer.gemv_configs = {}
+    layer.gemv_choices = {}
     for each in layers:
         each.weight.normal_()
     assert 0 <= choose_gemv_kernels(layers) <= 3 * len(GEMV_BUCKETS)
-    assert all(c in GEMV_CANDIDATES for each in layers for c in each.gemv_configs.values())
+    choices = [c for each in layers for c in each.gemv_choices.values()]
+    assert all(c.config in GEMV_CANDIDATES for c in choices)
+    assert all(c.fused for c in layers[0].gemv_choices.values())  # a plain input: no kernel

@@ -298,11 +298,12 @@ def test_triton_backend_engine_matches_transformers(checkpoints, family: str) ->
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_engine_with_every_gemv_fusion_matches_transformers(checkpoints, family: str) -> None:
-    """Every linear layer forced onto the GEMV kernel (with add+RMSNorm fused into q/k/v and
-    gate/up, SwiGLU into down) for decode batches of up to 4: greedy output unchanged."""
+    """Every linear layer forced onto the GEMV kernel for decode batches of up to 4 (most with
+    add+RMSNorm fused into q/k/v and gate/up and SwiGLU into down, some behind those kernels):
+    greedy output unchanged."""
     from tests.conftest import hf_greedy
     from tokenmill import LLM, SamplingParams
-    from tokenmill.layers.linear import GEMV_BUCKETS, Linear
+    from tokenmill.layers.linear import GEMV_BUCKETS, GemvChoice, Linear
 
     path = checkpoints[family]
     prompts = [list(range(3, 10)), [100, 200, 300], list(range(20, 45))]
@@ -311,17 +312,50 @@ def test_engine_with_every_gemv_fusion_matches_transformers(checkpoints, family:
     assert {layer.input_kind for layer in layers} == {"plain", "gated", "normed"}
     for i, layer in enumerate(layers):
         config = GemvConfig(8, 32, 1 + i % 3, prefetch=1 + i % 2, defer=i % 4 < 2)
-        layer.gemv_configs = dict.fromkeys(GEMV_BUCKETS, config)
+        layer.gemv_choices = dict.fromkeys(GEMV_BUCKETS, GemvChoice(config, fused=i % 5 < 3))
+    assert {c.fused for layer in layers for c in layer.gemv_choices.values()} == {True, False}
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outputs = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(path, p, 8) for p in prompts]
 
 
+@pytest.mark.parametrize("kind", ["plain", "gated", "normed"])
+def test_gemv_choice_takes_the_fastest_correct_candidate(monkeypatch, kind: str) -> None:
+    """The start-up choice over fused and unfused GEMVs (device times faked; every candidate
+    still runs and matches cuBLAS, or the times would be misaligned): cuBLAS stays when nothing
+    beats it by the margin, else the fastest wins; a plain input is always 'fused'."""
+    from tokenmill.layers import linear
+
+    calls: list[object] = []
+
+    def fake_seconds(fn) -> float:  # cuBLAS first, then the candidates in order
+        fn()
+        calls.append(fn)
+        return times[len(calls) - 1]
+
+    monkeypatch.setattr(linear, "median_graph_seconds", fake_seconds)
+    gen = torch.Generator().manual_seed(0)
+    weights = [_randn(16, 64, gen=gen) for _ in range(2)]
+    choices = [
+        linear.GemvChoice(c, fused)
+        for c in linear.GEMV_CANDIDATES
+        if c.serves(1)
+        for fused in ((True,) if kind == "plain" else (True, False))
+    ]
+    times = [1.0] + [0.98] * len(choices)  # within the margin of cuBLAS: not worth it
+    assert linear._fastest_gemv(weights, 1, kind) == (None, 1.0, 1.0)
+    calls.clear()
+    pick = len(choices) - 1
+    times = [1.0] + [0.98] * pick + [0.5]
+    assert linear._fastest_gemv(weights, 1, kind) == (choices[pick], 0.5, 1.0)
+    assert choices[pick].fused == (kind == "plain")
+
+
 def test_gemv_candidate_check_rejects_wrong_or_failing_kernels(caplog) -> None:
-    from tokenmill.layers.linear import _matches
+    from tokenmill.layers.linear import GemvChoice, _matches
 
     expected = torch.tensor([[1.0, -2.0, 3.0]])
-    config = GemvConfig(8, 32, 1)
+    config = GemvChoice(GemvConfig(8, 32, 1))
     assert _matches(lambda: expected + 0.01, expected, config)
     assert not _matches(lambda: expected * 1.5, expected, config)
 

@@ -4,7 +4,8 @@ On CUDA, decode-sized inputs may take the split-K GEMV kernel instead of cuBLAS,
 and row bucket, where `choose_gemv_kernels` measured it correct and faster at start-up. The
 kernel can also absorb the layer's input transform: SwiGLU for a down projection
 (`input_kind="gated"`), or residual-add + RMSNorm for a projection behind a norm
-(`input_kind="normed"`, called through `forward_normed`).
+(`input_kind="normed"`, called through `forward_normed`); the start-up check also times the
+GEMV behind the transform's own kernel, and keeps whichever of the three is fastest.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -48,6 +50,15 @@ GEMV_CANDIDATES = (
 _MARGIN = 0.97
 
 
+@dataclass(frozen=True)
+class GemvChoice:
+    """The GEMV kernel a layer runs for one row bucket; `fused`: a gated or normed layer's
+    input transform (SwiGLU, add + RMSNorm) runs inside it, else as its own kernel before."""
+
+    config: GemvConfig
+    fused: bool = True
+
+
 def gemv_bucket(m: int) -> int | None:
     """The row bucket whose kernel choice serves an input of `m` rows (None: too many rows)."""
     return next((b for b in GEMV_BUCKETS if m <= b), None)
@@ -72,32 +83,39 @@ class Linear(nn.Module):
         self.input_kind = input_kind
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        # Row bucket -> GEMV config, filled by `choose_gemv_kernels` (empty: always cuBLAS).
-        self.gemv_configs: dict[int, GemvConfig] = {}
+        # Row bucket -> GEMV kernel, filled by `choose_gemv_kernels` (empty: always cuBLAS).
+        self.gemv_choices: dict[int, GemvChoice] = {}
 
-    def _gemv_config(self, x: torch.Tensor) -> GemvConfig | None:
-        bucket = gemv_bucket(x.shape[0]) if self.gemv_configs and x.dim() == 2 else None
-        return self.gemv_configs.get(bucket) if bucket is not None else None
+    def _gemv_choice(self, x: torch.Tensor) -> GemvChoice | None:
+        bucket = gemv_bucket(x.shape[0]) if self.gemv_choices and x.dim() == 2 else None
+        return self.gemv_choices.get(bucket) if bucket is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gated = self.input_kind == "gated"
-        config = self._gemv_config(x) if self.input_kind != "normed" else None
-        if config is not None:
-            return gemv(x, self.weight, config, gated)
-        return F.linear(silu_and_mul(x) if gated else x, self.weight, self.bias)
+        choice = self._gemv_choice(x) if self.input_kind != "normed" else None
+        if choice is not None and choice.fused:
+            return gemv(x, self.weight, choice.config, gated)
+        return self._product(silu_and_mul(x) if gated else x, choice)
 
     def forward_normed(
         self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`(self(norm(x + residual)), x + residual)`; without a residual, `x` is the next one."""
-        config = self._gemv_config(x)
-        if config is not None:
-            return norm_gemv(x, self.weight, config, InputNorm(norm.weight, norm.eps, residual))
+        choice = self._gemv_choice(x)
+        if choice is not None and choice.fused:
+            inputs = InputNorm(norm.weight, norm.eps, residual)
+            return norm_gemv(x, self.weight, choice.config, inputs)
         if residual is None:
             residual, h = x, norm(x)
         else:
             h, residual = norm.add_forward(x, residual)
-        return F.linear(h, self.weight, self.bias), residual
+        return self._product(h, choice), residual
+
+    def _product(self, h: torch.Tensor, choice: GemvChoice | None) -> torch.Tensor:
+        """`h W^T (+ b)` of an already transformed input: the chosen GEMV, else cuBLAS."""
+        if choice is None:
+            return F.linear(h, self.weight, self.bias)
+        return gemv(h, self.weight, choice.config)
 
 
 def choose_gemv_kernels(model: nn.Module) -> int:
@@ -113,11 +131,15 @@ def choose_gemv_kernels(model: nn.Module) -> int:
     chosen = 0
     for (n, k, kind), layers in groups.items():
         for bucket in GEMV_BUCKETS:
-            best = _fastest_gemv([layer.weight for layer in layers], bucket, kind)
-            logger.info("GEMM %dx%d (%s input), M<=%d: %s", n, k, kind, bucket, best or "cuBLAS")
+            best, seconds, cublas = _fastest_gemv([layer.weight for layer in layers], bucket, kind)
+            logger.info(
+                "GEMM %dx%d (%s input), M<=%d: %s, %.1f us per layer (cuBLAS %.1f us)",
+                n, k, kind, bucket, best or "cuBLAS", 1e6 * seconds / len(layers),
+                1e6 * cublas / len(layers),
+            )  # fmt: skip
             if best is not None:
                 for layer in layers:
-                    layer.gemv_configs[bucket] = best
+                    layer.gemv_choices[bucket] = best
                 chosen += len(layers)
     return chosen
 
@@ -126,59 +148,59 @@ def _half_on_cuda(weight: torch.Tensor) -> bool:
     return weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16)
 
 
-def _fastest_gemv(weights: list[torch.Tensor], rows: int, kind: InputKind) -> GemvConfig | None:
-    """The candidate that runs `rows` x every weight fastest, if its first product matches
-    cuBLAS's and it beats cuBLAS by the margin. cuBLAS's time includes the separate input
-    kernel (SwiGLU, or add + RMSNorm) that the GEMV absorbs."""
+def _fastest_gemv(
+    weights: list[torch.Tensor], rows: int, kind: InputKind
+) -> tuple[GemvChoice | None, float, float]:
+    """The candidate (None: cuBLAS) that runs `rows` x every weight fastest, with its seconds
+    and cuBLAS's: one whose first product matches cuBLAS's and beats it by the margin. Each
+    layer runs its input kernel (SwiGLU, or add + RMSNorm) before cuBLAS or an unfused GEMV."""
     w0 = weights[0]
     width = w0.shape[1] * (2 if kind == "gated" else 1)
     x, residual = (torch.randn(rows, width, dtype=w0.dtype, device=w0.device) for _ in range(2))
     norm = RMSNorm(w0.shape[1], 1e-6).to(w0.device, w0.dtype)
 
-    def reference(w: torch.Tensor) -> torch.Tensor:
-        if kind == "normed":
-            return F.linear(norm(x + residual), w)
-        return F.linear(silu_and_mul(x) if kind == "gated" else x, w)
-
-    def candidate(w: torch.Tensor, config: GemvConfig) -> torch.Tensor:
-        if kind == "normed":
-            return norm_gemv(x, w, config, InputNorm(norm.weight, norm.eps, residual))[0]
-        return gemv(x, w, config, kind == "gated")
+    def run(w: torch.Tensor, choice: GemvChoice | None, res: torch.Tensor) -> torch.Tensor:
+        if choice is not None and choice.fused:
+            if kind == "normed":
+                return norm_gemv(x, w, choice.config, InputNorm(norm.weight, norm.eps, res))[0]
+            return gemv(x, w, choice.config, kind == "gated")
+        if kind == "normed":  # the fused add + RMSNorm kernel updates `res` in place
+            h, _ = norm.add_forward(x, res)
+        else:
+            h = silu_and_mul(x) if kind == "gated" else x
+        return F.linear(h, w) if choice is None else gemv(h, w, choice.config)
 
     scratch = residual.clone()
 
-    def cublas() -> None:  # each layer runs its own input kernel before its product
-        for w in weights:
-            if kind == "normed":  # the fused add + RMSNorm kernel updates `scratch` in place
-                h, _ = norm.add_forward(x, scratch)
-            else:
-                h = silu_and_mul(x) if kind == "gated" else x
-            F.linear(h, w)
+    def seconds(choice: GemvChoice | None) -> float:
+        return median_graph_seconds(lambda: [run(w, choice, scratch) for w in weights])
 
-    expected = reference(w0).float()
-    best_s = _MARGIN * median_graph_seconds(cublas)
-    best: GemvConfig | None = None
-    for config in (c for c in GEMV_CANDIDATES if c.serves(rows)):
-        if not _matches(lambda c=config: candidate(w0, c), expected, config):
+    expected = run(w0, None, residual.clone()).float()
+    cublas_s = seconds(None)
+    best, best_s = None, _MARGIN * cublas_s
+    fusions = (True,) if kind == "plain" else (True, False)
+    for choice in (
+        GemvChoice(c, fused) for c in GEMV_CANDIDATES if c.serves(rows) for fused in fusions
+    ):
+        if not _matches(lambda c=choice: run(w0, c, residual.clone()), expected, choice):
             continue
-        seconds = median_graph_seconds(lambda c=config: [candidate(w, c) for w in weights])
-        if seconds < best_s:
-            best_s, best = seconds, config
-    return best
+        if (s := seconds(choice)) < best_s:
+            best, best_s = choice, s
+    return best, (best_s if best else cublas_s), cublas_s
 
 
-def _matches(run: Callable[[], torch.Tensor], expected: torch.Tensor, config: GemvConfig) -> bool:
+def _matches(run: Callable[[], torch.Tensor], expected: torch.Tensor, choice: GemvChoice) -> bool:
     """Whether the candidate's product is cuBLAS's to bf16 rounding (a GPU-specific fault in a
     candidate, wrong results or a kernel that does not build here, must cost speed, never
     correctness or the start-up)."""
     try:
         got = run().float()
     except Exception as exc:  # e.g. triton's CompilationError / OutOfResources on this GPU
-        logger.warning("GEMV %s failed here (%s); not used", config, exc)
+        logger.warning("GEMV %s failed here (%s); not used", choice, exc)
         return False
     ok = bool(torch.allclose(got, expected, rtol=0.02, atol=0.02 * expected.abs().max().item()))
     if not ok:
-        logger.warning("GEMV %s disagrees with cuBLAS (max error %.3g); not used", config,
+        logger.warning("GEMV %s disagrees with cuBLAS (max error %.3g); not used", choice,
                        (got - expected).abs().max().item())  # fmt: skip
     return ok
 
