@@ -47,6 +47,8 @@ if [[ "$what" == profile || "$what" == all || "$what" == gputests ]]; then
     grep -E "GEMM .*M<=1:" "$out/profile-$m.log" | sed 's/^.*GEMM/  GEMM/' >> "$table"
     grep -E "^timeline" "$out/profile-$m.log" >> "$table"
     grep -m3 -E "^  idle" "$out/profile-$m.log" >> "$table"
+    python3 benchmarks/profile_prefill.py --config "$models/$m" 2>&1 | tee "$out/prefill-$m.log" \
+      | grep -E "^prefill" >> "$table"
     if [[ "$what" == profile ]]; then  # A/B: the same without programmatic dependent launch
       python3 benchmarks/profile_decode.py --config "$models/$m" --no-pdl 2>&1 \
         | tee "$out/profile-$m-nopdl.log" | grep -E "^no PDL bs=" >> "$table"
