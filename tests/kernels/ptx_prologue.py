@@ -15,15 +15,17 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from tokenmill.kernels.activation import _silu_and_mul_kernel
+from tokenmill.kernels.argmax import _argmax_kernel
 from tokenmill.kernels.attention import _decode_reduce_kernel, _decode_split_kernel, _prefill_kernel
 from tokenmill.kernels.gemv import _gemv_kernel
 from tokenmill.kernels.graph_inputs import _decode_inputs_kernel
 from tokenmill.kernels.norm import _add_rms_norm_kernel
 from tokenmill.kernels.rope_store import _rope_store_kernel
 
-FP32_PTRS = {"mid_o_ptr", "mid_lse_ptr", "part_ptr", "ss_ptr", "cos_ptr", "sin_ptr"}
+FP32_PTRS = {"mid_o_ptr", "mid_lse_ptr", "part_ptr", "ss_ptr", "cos_ptr", "sin_ptr", "part_val_ptr"}
 INT_PTRS = {"cu_q_ptr", "kv_lens_ptr", "page_table_ptr", "positions_ptr", "slots_ptr",
-            "ticket_ptr"}  # fmt: skip
+            "ticket_ptr", "part_idx_ptr"}  # fmt: skip
+INT64_PTRS = {"tokens_ptr"}
 INT64_KERNELS = {"decode_inputs"}  # every pointer of these is int64
 FLOAT_SCALARS = {"eps", "qk_scale"}
 UNALIGNED = FLOAT_SCALARS | {"M", "window"}
@@ -43,13 +45,14 @@ KERNELS = {
         HQ=16, HKV=8, D=128, BLOCK_HQ=16, BLOCK_HKV=8, QK_NORM=True)),
     "silu_and_mul": (_silu_and_mul_kernel, dict(BLOCK=1024)),
     "decode_inputs": (_decode_inputs_kernel, dict(BLOCK_W=128)),
+    "argmax": (_argmax_kernel, dict(CHUNKS=75, BLOCK=2048, BLOCK_C=128)),
 }  # fmt: skip
 MEMORY_OP = re.compile(r"^\s*(?:@%\w+\s+)?((?:ld|st|atom|red)\.global\S*)")
 
 
 def _type(name: str, int64: bool) -> str:
     if name.endswith("_ptr"):
-        if int64:
+        if int64 or name in INT64_PTRS:
             return "*i64"
         return "*fp32" if name in FP32_PTRS else "*i32" if name in INT_PTRS else "*bf16"
     return "fp32" if name in FLOAT_SCALARS else "i32"

@@ -412,3 +412,21 @@ def test_fill_decode_inputs(batch: int, padded: int, width: int) -> None:
         assert torch.equal(got[padded:], old[padded:])
     with pytest.raises(ValueError, match="does not fit"):
         fill_decode_inputs(inputs, row_src, sampled, static, batch - 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 5), (3, 2048), (2, 5000)])
+def test_argmax_rows_is_torch_argmax(dtype: torch.dtype, rows: int, vocab: int) -> None:
+    """Equal to `torch.argmax`, ties (within and across vocabulary chunks) to the lowest index;
+    a second launch finds the tickets reset."""
+    from tokenmill.kernels.argmax import argmax_rows
+
+    gen = torch.Generator().manual_seed(rows * vocab)
+    logits = _randn(rows, vocab, dtype=dtype, gen=gen)
+    logits[0, vocab - 1] = logits[0, vocab // 3] = 100.0  # a tie, across chunks when long
+    if rows > 1:
+        logits[1] = float("-inf")
+    for _ in range(2):
+        assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+    with pytest.raises(ValueError, match="contiguous"):
+        argmax_rows(logits.t())

@@ -13,6 +13,7 @@ from tokenmill.kernels.gemv_config import GemvConfig, InputNorm
 
 try:
     from tokenmill.kernels.activation import silu_and_mul as fused_silu_and_mul
+    from tokenmill.kernels.argmax import argmax_rows
     from tokenmill.kernels.gemv import gemv, norm_gemv
     from tokenmill.kernels.norm import rms_norm
 except ImportError:  # triton is not installed
@@ -20,10 +21,19 @@ except ImportError:  # triton is not installed
     def _missing(*_: Any, **__: Any) -> Any:
         raise RuntimeError("CUDA kernels need triton: pip install triton")
 
+    argmax_rows: Callable[..., Any] = _missing  # type: ignore[no-redef]
     fused_silu_and_mul: Callable[..., Any] = _missing  # type: ignore[no-redef]
     rms_norm: Callable[..., Any] = _missing  # type: ignore[no-redef]
     gemv: Callable[..., Any] = _missing  # type: ignore[no-redef]
     norm_gemv: Callable[..., Any] = _missing  # type: ignore[no-redef]
 
 
-__all__ = ["GemvConfig", "InputNorm", "fused_silu_and_mul", "gemv", "norm_gemv", "rms_norm"]
+__all__ = [
+    "GemvConfig",
+    "InputNorm",
+    "argmax_rows",
+    "fused_silu_and_mul",
+    "gemv",
+    "norm_gemv",
+    "rms_norm",
+]

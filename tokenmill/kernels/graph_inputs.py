@@ -14,7 +14,9 @@ import triton.language as tl
 from tokenmill.kernels.pdl import pdl_options, pdl_wait
 
 
-@triton.jit
+# Batch size and page-table width change from step to step: not specialised on (a value of 1 or
+# a multiple of 16 would otherwise compile a new variant in the middle of serving).
+@triton.jit(do_not_specialize=["batch", "width"])
 def _decode_inputs_kernel(
     ids_ptr, pos_ptr, slots_ptr, kv_lens_ptr, table_ptr, row_src_ptr, sampled_ptr,
     out_ids_ptr, out_pos_ptr, out_slots_ptr, out_kv_lens_ptr, out_table_ptr,

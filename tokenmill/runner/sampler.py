@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.engine.request import Logprob, Request
+from tokenmill.kernels import argmax_rows
 
 
 @dataclass(frozen=True)
@@ -186,14 +187,14 @@ class Sampler:
         wants_logprobs = any(n is not None for n in batch.num_logprobs)
         plain = batch.temperature is None and batch.penalties is None and not batch.suppressed
         if plain and not wants_logprobs:  # greedy only: argmax is exact in the logits' dtype
-            return SampledTokens(logits.argmax(dim=-1), batch.num_logprobs)
+            return SampledTokens(_greedy(logits), batch.num_logprobs)
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
         if batch.penalties is not None:
             logits = batch.penalties.apply(logits)
         for row, ids in batch.suppressed:
             logits[row, ids] = float("-inf")
-        tokens = logits.argmax(dim=-1)
+        tokens = _greedy(logits)
         if batch.temperature is not None:
             sampled = self._sample(logits, batch, batch.temperature)
             tokens = torch.where(batch.temperature == 0, tokens, sampled)
@@ -228,6 +229,12 @@ class Sampler:
             if gen is not None:
                 noise[row].exponential_(generator=gen)
         return (probs / noise).argmax(dim=-1)
+
+
+def _greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax: one Triton launch on CUDA (torch's takes several times longer on a
+    single long row), torch elsewhere."""
+    return argmax_rows(logits) if logits.is_cuda else logits.argmax(dim=-1)
 
 
 def _top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
