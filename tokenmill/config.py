@@ -216,6 +216,7 @@ class EngineConfig:
     attention_backend: str = "torch"
     enforce_eager: bool = False
     cuda_graph_max_bs: int = 256
+    cuda_graph_max_prefill_tokens: int = 512
     overlap_scheduling: bool = True
 
     @property
@@ -288,6 +289,12 @@ class EngineArgs:
     cuda_graph_max_bs: int = _opt(
         256, "Largest decode batch run from a CUDA graph (capped by max_num_seqs)."
     )
+    cuda_graph_max_prefill_tokens: int = _opt(
+        512,
+        "Longest one-sequence prefill (new tokens) run from a CUDA graph, padded to a ladder "
+        "of lengths (cuts a short prompt's time to first token where launching the kernels "
+        "one by one takes longer than running them); 0: none.",
+    )
     overlap_scheduling: bool = _opt(
         True, "Prepare step N+1 on the host while the GPU runs step N (hides host overhead)."
     )
@@ -301,6 +308,11 @@ class EngineArgs:
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.cuda_graph_max_prefill_tokens < 0:
+            raise ValueError(
+                "cuda_graph_max_prefill_tokens must be >= 0, got "
+                f"{self.cuda_graph_max_prefill_tokens}"
+            )
         model = ModelConfig.from_pretrained(self.model, self.dtype)
         return EngineConfig(
             model=model,
@@ -324,5 +336,6 @@ class EngineArgs:
             or ("triton" if device.startswith("cuda") else "torch"),
             enforce_eager=self.enforce_eager,
             cuda_graph_max_bs=self.cuda_graph_max_bs,
+            cuda_graph_max_prefill_tokens=self.cuda_graph_max_prefill_tokens,
             overlap_scheduling=self.overlap_scheduling,
         )

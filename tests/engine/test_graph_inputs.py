@@ -1,9 +1,12 @@
-"""The decode path through CUDA graphs, on the CPU: graphs stood in for by re-running the
-captured forward on the static buffers, so that the input fill (`fill_decode_inputs`: copies,
-padding rows, tokens sampled by the previous step still on the device) and the padded batch
-sizes are exercised without a GPU. Greedy output must equal transformers'."""
+"""The decode and prefill paths through CUDA graphs, on the CPU: graphs stood in for by
+re-running the captured forward on the static buffers, so that the input fill
+(`fill_decode_inputs`: copies, padding rows, tokens sampled by the previous step still on the
+device), the padded batch sizes and the packed, padded one-sequence prefill (with a
+prefix-cache hit) are exercised without a GPU. Greedy output must equal transformers'."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -20,21 +23,26 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class _Replay:
-    def __init__(self, runner: CudaGraphRunner, bs: int) -> None:
-        self.runner, self.bs = runner, bs
+    """Stands in for a captured graph: a replay re-plans (as planned at capture time) and
+    writes the forward's logits into the captured logits tensor."""
+
+    replays = 0
+
+    def __init__(self, plan: Callable[[], None], forward: Callable[[], torch.Tensor],
+                 logits: torch.Tensor) -> None:  # fmt: skip
+        self.plan, self.forward, self.logits = plan, forward, logits
 
     def replay(self) -> None:
-        """What a replay of the captured graph computes: the forward of the static buffers,
-        with the attention plan made at capture time."""
-        self.runner._plan(self.bs)
-        self.runner.logits[self.bs].copy_(self.runner._forward(self.bs))
+        _Replay.replays += 1
+        self.plan()
+        self.logits.copy_(self.forward())
 
 
 class _ReplayingGraphRunner(CudaGraphRunner):
-    def _capture(self, bs: int) -> None:
-        self._plan(bs)
-        self.logits[bs] = self._forward(bs)
-        self.graphs[bs] = _Replay(self, bs)  # type: ignore[assignment]
+    def _capture(self, plan, forward):  # type: ignore[no-untyped-def]
+        plan()
+        logits = forward()
+        return _Replay(plan, forward, logits), logits
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -44,24 +52,19 @@ def test_decode_through_graph_inputs_matches_transformers(checkpoints, family: s
               enforce_eager=True)  # fmt: skip
     runner = llm.engine.runner
     max_pages = -(-runner.config.max_model_len // runner.page_size)
-    graphs = _ReplayingGraphRunner(runner.model, runner.attention, 4, max_pages, runner.device)
+    graphs = _ReplayingGraphRunner(runner.model, runner.attention, 4, max_pages, runner.device,
+                                   max_prefill_tokens=16)  # fmt: skip
     graphs.capture()
+    assert graphs.prefill_sizes == [16]
     runner.graphs = graphs
-    replays = 0
-    original = _Replay.replay
-
-    def counted(self: _Replay) -> None:
-        nonlocal replays
-        replays += 1
-        original(self)
-
-    _Replay.replay = counted  # type: ignore[method-assign]
-    try:
-        greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-        outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)  # 3 rows: padded to 4
-        single = llm.generate(PROMPTS[:1], greedy, use_tqdm=False)  # 1 row: no padding
-    finally:
-        _Replay.replay = original  # type: ignore[method-assign]
+    _Replay.replays = 0
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)  # 3 rows: padded to 4
+    assert _Replay.replays >= 7  # decode steps; the batched prefill runs eagerly
+    _Replay.replays = 0
+    single = llm.generate(PROMPTS[:1], greedy, use_tqdm=False)  # 1 row: no padding
+    assert _Replay.replays == 8  # the prefill (7 tokens padded to 16) and 7 decode steps
+    long = llm.generate(PROMPTS[2:], greedy, use_tqdm=False)  # 25 tokens: eager prefill
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(path, p, 8) for p in PROMPTS]
     assert single[0].outputs[0].token_ids == outputs[0].outputs[0].token_ids
-    assert replays >= 14  # 7 decode steps per generate call
+    assert long[0].outputs[0].token_ids == outputs[2].outputs[0].token_ids

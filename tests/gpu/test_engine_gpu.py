@@ -55,6 +55,20 @@ def test_float32_greedy_equals_transformers_on_gpu(checkpoints, family: str, set
     assert sum(o.num_cached_tokens for o in again) > 0
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_sequence_prefill_graphs_equal_transformers(checkpoints, family: str) -> None:
+    """Prompts sent one at a time prefill through the prefill graphs (7, 57, 3, 34 and 42
+    tokens padded to 16 or 64; the last one after a prefix-cache hit)."""
+    path = checkpoints[family]
+    llm = LLM(str(path), device="cuda", dtype="float32", cuda_graph_max_prefill_tokens=64)
+    assert llm.engine.runner.graphs is not None
+    assert llm.engine.runner.graphs.prefill_sizes == [16, 32, 64]
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = [llm.generate([p], greedy, use_tqdm=False)[0] for p in PROMPTS]
+    assert [o.outputs[0].token_ids for o in outputs] == _hf_greedy_gpu(path, torch.float32)
+    assert outputs[-1].num_cached_tokens > 0
+
+
 def test_cuda_graph_batch_sizes_match_eager(checkpoints) -> None:
     path = str(checkpoints["qwen3"])
     prompts = [[5 + i, 9, 11 + i] for i in range(37)]  # 37 decodes: padded to a graph of 48

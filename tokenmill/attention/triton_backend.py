@@ -8,6 +8,7 @@ from tokenmill.attention.backend import AttentionBackend, AttentionInputs, QKNor
 from tokenmill.cache.kv_cache import KVCache
 from tokenmill.config import ModelConfig
 from tokenmill.kernels.attention import decode_attention, prefill_attention
+from tokenmill.kernels.gemv_config import RopeStore
 from tokenmill.kernels.rope_store import rope_and_store
 from tokenmill.layers.rotary import RotaryEmbedding
 
@@ -37,13 +38,26 @@ class FusedStoreBackend(AttentionBackend):
         rotary: RotaryEmbedding,
         qk_norm: QKNorm | None,
     ) -> torch.Tensor:
+        s = self.fused_store(positions, layer, rotary, qk_norm)
+        return rope_and_store(
+            qkv, positions, s.slots, s.cos, s.sin, s.k_cache, s.v_cache, s.num_heads,
+            s.num_kv_heads, s.head_dim, s.qk_norm,
+        )  # fmt: skip
+
+    def fused_store(
+        self,
+        positions: torch.Tensor,
+        layer: int,
+        rotary: RotaryEmbedding,
+        qk_norm: QKNorm | None,
+    ) -> RopeStore:
         cfg = self.model
         k_cache, v_cache = self._cache(layer)
         norm = None
         if qk_norm is not None:
             norm = (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
-        return rope_and_store(
-            qkv, positions, self._inputs.slot_mapping, rotary.cos, rotary.sin, k_cache, v_cache,
+        return RopeStore(
+            positions, self._inputs.slot_mapping, rotary.cos, rotary.sin, k_cache, v_cache,
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, norm,
         )  # fmt: skip
 
@@ -65,6 +79,9 @@ class TritonAttentionBackend(FusedStoreBackend):
 
     def graph_safe(self) -> bool:
         return True
+
+    def prefill_graph_safe(self) -> bool:
+        return True  # the prefill kernel's programs past a sequence's query length return
 
     def attend(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         k_cache, v_cache = self._cache(layer)

@@ -116,8 +116,11 @@ class ModelRunner:
             logger.info("GEMV kernel chosen over cuBLAS for %d (layer, row bucket) pairs", chosen)
             max_pages = -(-config.max_model_len // self.page_size)
             max_bs = min(config.cuda_graph_max_bs, max_seqs)
+            max_prefill = min(
+                config.cuda_graph_max_prefill_tokens, config.scheduler.max_num_batched_tokens
+            )
             self.graphs = CudaGraphRunner(
-                self.model, self.attention, max_bs, max_pages, self.device
+                self.model, self.attention, max_bs, max_pages, self.device, max_prefill
             )
             self.graphs.capture()
 
@@ -152,8 +155,15 @@ class ModelRunner:
         launched = LaunchedStep(self.device)
         host = self._prepare(batch)
         self.num_forward_tokens += len(host.input_ids)
-        if self.graphs is not None and host.is_decode and len(host.kv_lens) <= self.graphs.max_bs:
+        graphs = self.graphs
+        if graphs is not None and host.is_decode and len(host.kv_lens) <= graphs.max_bs:
             logits = self._run_graph(host)
+        elif graphs is not None and self._prefill_graph_serves(host, graphs):
+            block = graphs.pack_prefill(
+                host.input_ids, host.positions, host.slots, int(host.kv_lens[0]),
+                host.page_table[0],
+            )  # fmt: skip
+            logits = graphs.run_prefill(self._to_device(block)[0], len(host.input_ids))
         else:
             logits = self._run_eager(host)
         sampling_reqs = [s.request for s in batch.seqs if s.samples]
@@ -184,6 +194,12 @@ class ModelRunner:
         if len(host.logits_index) < len(host.kv_lens):  # else every row samples, in order
             logits = logits[logits_index]
         return logits
+
+    @staticmethod
+    def _prefill_graph_serves(host: HostBatch, graphs: CudaGraphRunner) -> bool:
+        """One sequence's prefill, every input token known on the host, with a graph."""
+        one = len(host.kv_lens) == 1 and len(host.pending_dst) == 0
+        return one and graphs.serves_prefill(len(host.input_ids), host.page_table.shape[1])
 
     def _run_eager(self, host: HostBatch) -> torch.Tensor:
         """Any batch, layer by layer; returns the sampling rows' logits."""
