@@ -27,7 +27,7 @@ INT_PTRS = {"cu_q_ptr", "kv_lens_ptr", "page_table_ptr", "positions_ptr", "slots
             "ticket_ptr", "part_idx_ptr"}  # fmt: skip
 INT64_PTRS = {"tokens_ptr"}
 INT64_KERNELS = {"decode_inputs"}  # every pointer of these is int64
-FLOAT_SCALARS = {"eps", "qk_scale", "qk_eps"}
+FLOAT_SCALARS = {"eps", "qk_scale"}
 UNALIGNED = FLOAT_SCALARS | {"M", "window"}
 # Constexprs of each kernel (USE_PDL is set for all), as the decode path of a
 # qwen3-like layer uses them.
@@ -39,10 +39,7 @@ KERNELS = {
     "decode_reduce": (_decode_reduce_kernel, dict(HQ=16, D=128, SPLITS=16, BLOCK_S=16)),
     "gemv": (_gemv_kernel, dict(
         BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, SPLIT_K=4, GATED=False, NORM=True, HAS_RES=True,
-        PREFETCH=2, DEFER=True, ROPE=False, QK_NORM=False, HQ=1, HKV=1, D=1)),
-    "gemv_rope": (_gemv_kernel, dict(
-        BLOCK_M=1, BLOCK_N=4, BLOCK_K=512, SPLIT_K=1, GATED=False, NORM=True, HAS_RES=True,
-        PREFETCH=1, DEFER=True, ROPE=True, QK_NORM=True, HQ=16, HKV=8, D=128)),
+        PREFETCH=2, DEFER=True)),
     "add_rms_norm": (_add_rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=1024)),
     "rope_store": (_rope_store_kernel, dict(
         HQ=16, HKV=8, D=128, BLOCK_HQ=16, BLOCK_HKV=8, QK_NORM=True)),

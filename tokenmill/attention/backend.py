@@ -11,7 +11,6 @@ import torch
 
 from tokenmill.cache.kv_cache import KVCache
 from tokenmill.config import ModelConfig
-from tokenmill.kernels.gemv_config import RopeStore
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 
@@ -70,17 +69,6 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """From fused projections `qkv` `[T, (Hq + 2 Hkv) D]`: normalise (optional) and rotate q
         and k, write k and v into layer `layer`'s cache; returns q `[T, Hq, D]`."""
-
-    def fused_store(
-        self,
-        positions: torch.Tensor,
-        layer: int,
-        rotary: RotaryEmbedding,
-        qk_norm: QKNorm | None,
-    ) -> RopeStore | None:
-        """`store_qkv`'s work as arguments for a q/k/v projection kernel that can do it in its
-        epilogue (`norm_gemv`), or None where this backend stores its own way."""
-        return None
 
     @abstractmethod
     def attend(self, q: torch.Tensor, layer: int) -> torch.Tensor:

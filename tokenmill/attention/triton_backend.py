@@ -8,7 +8,6 @@ from tokenmill.attention.backend import AttentionBackend, AttentionInputs, QKNor
 from tokenmill.cache.kv_cache import KVCache
 from tokenmill.config import ModelConfig
 from tokenmill.kernels.attention import decode_attention, prefill_attention
-from tokenmill.kernels.gemv_config import RopeStore
 from tokenmill.kernels.rope_store import rope_and_store
 from tokenmill.layers.rotary import RotaryEmbedding
 
@@ -38,26 +37,13 @@ class FusedStoreBackend(AttentionBackend):
         rotary: RotaryEmbedding,
         qk_norm: QKNorm | None,
     ) -> torch.Tensor:
-        s = self.fused_store(positions, layer, rotary, qk_norm)
-        return rope_and_store(
-            qkv, positions, s.slots, s.cos, s.sin, s.k_cache, s.v_cache, s.num_heads,
-            s.num_kv_heads, s.head_dim, s.qk_norm,
-        )  # fmt: skip
-
-    def fused_store(
-        self,
-        positions: torch.Tensor,
-        layer: int,
-        rotary: RotaryEmbedding,
-        qk_norm: QKNorm | None,
-    ) -> RopeStore:
         cfg = self.model
         k_cache, v_cache = self._cache(layer)
         norm = None
         if qk_norm is not None:
             norm = (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
-        return RopeStore(
-            positions, self._inputs.slot_mapping, rotary.cos, rotary.sin, k_cache, v_cache,
+        return rope_and_store(
+            qkv, positions, self._inputs.slot_mapping, rotary.cos, rotary.sin, k_cache, v_cache,
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, norm,
         )  # fmt: skip
 

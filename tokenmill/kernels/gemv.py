@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.gemv_config import GemvConfig, InputNorm, RopeStore
+from tokenmill.kernels.gemv_config import GemvConfig, InputNorm
 from tokenmill.kernels.pdl import pdl_options, pdl_wait
 from tokenmill.kernels.tickets import ticket_buffer
 
@@ -32,13 +32,10 @@ def _w_slab(w_rows, k, k_hi, n_mask, BLOCK_K: tl.constexpr):
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, part_ptr, ticket_ptr, res_ptr, new_res_ptr, norm_w_ptr, ss_ptr, eps,
-    positions_ptr, slots_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, q_out_ptr, k_cache_ptr,
-    v_cache_ptr, qk_eps,
     M, N, K, k_per_split, stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, PREFETCH: tl.constexpr,
-    DEFER: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr, HQ: tl.constexpr,
-    HKV: tl.constexpr, D: tl.constexpr, USE_PDL: tl.constexpr,
+    DEFER: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -107,17 +104,6 @@ def _gemv_kernel(
         if NORM:
             acc = acc * tl.rsqrt(sumsq / K + eps)[:, None]
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-        if ROPE:  # the last program to finish a head rotates and stores it
-            tl.debug_barrier()  # every thread's outputs are written before the ticket is taken
-            head = pid_n * BLOCK_N // D
-            ticket = tl.atomic_add(ticket_ptr + head, 1, sem="acq_rel")
-            if ticket == D // BLOCK_N - 1:
-                _rope_store_head(
-                    out_ptr, head, M, stride_om, positions_ptr, slots_ptr, cos_ptr, sin_ptr,
-                    q_norm_ptr, k_norm_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, qk_eps,
-                    BLOCK_M, QK_NORM, HQ, HKV, D,
-                )  # fmt: skip
-                tl.atomic_xchg(ticket_ptr + head, 0)
     else:
         part_offs = offs_m[:, None] * N + offs_n[None, :]
         tl.store(part_ptr + pid_k * M * N + part_offs, acc, mask=out_mask)
@@ -142,53 +128,6 @@ def _gemv_kernel(
             tl.atomic_xchg(ticket_ptr + pid_n, 0)
 
 
-@triton.jit
-def _rope_store_head(
-    qkv_ptr, head, M, stride_m, positions_ptr, slots_ptr, cos_ptr, sin_ptr, q_norm_ptr,
-    k_norm_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, eps,
-    BLOCK_M: tl.constexpr, QK_NORM: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
-    D: tl.constexpr,
-):  # fmt: skip
-    """`rope_and_store` of one head of the finished q/k/v rows: q heads (normalised, rotated)
-    to `q_out`, k heads (normalised, rotated) and v heads to the cache at each row's slot."""
-    offs_d = tl.arange(0, D)
-    half: tl.constexpr = D // 2
-    rot_d = (offs_d + half) % D
-    is_q = head < HQ
-    rotate = head < HQ + HKV
-    for m in tl.static_range(BLOCK_M):
-        if m < M:
-            base = qkv_ptr + m * stride_m + head * D
-            slot = tl.load(slots_ptr + m)
-            y = tl.load(base + offs_d, cache_modifier=".cg").to(tl.float32)
-            if rotate:
-                pos = tl.load(positions_ptr + m)
-                cos = tl.load(cos_ptr + pos * D + offs_d)
-                sin = tl.load(sin_ptr + pos * D + offs_d)
-                yr = tl.load(base + rot_d, cache_modifier=".cg").to(tl.float32)
-                if QK_NORM:
-                    inv = tl.rsqrt(tl.sum(y * y, axis=0) / D + eps)
-                    if is_q:
-                        w = tl.load(q_norm_ptr + offs_d).to(tl.float32)
-                        w_rot = tl.load(q_norm_ptr + rot_d).to(tl.float32)
-                    else:
-                        w = tl.load(k_norm_ptr + offs_d).to(tl.float32)
-                        w_rot = tl.load(k_norm_ptr + rot_d).to(tl.float32)
-                    y = y * inv * w
-                    yr = yr * inv * w_rot
-                y = y * cos + yr * tl.where(offs_d < half, -1.0, 1.0) * sin
-            if is_q:
-                out = q_out_ptr + (m * HQ + head) * D + offs_d
-                tl.store(out, y.to(q_out_ptr.dtype.element_ty))
-            elif slot >= 0:  # padded rows of a CUDA-graph batch write nothing
-                if rotate:
-                    k_out = k_cache_ptr + (slot * HKV + head - HQ) * D + offs_d
-                    tl.store(k_out, y.to(k_cache_ptr.dtype.element_ty))
-                else:
-                    v_out = v_cache_ptr + (slot * HKV + head - HQ - HKV) * D + offs_d
-                    tl.store(v_out, y.to(v_cache_ptr.dtype.element_ty))
-
-
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, gated: bool = False
 ) -> torch.Tensor:
@@ -200,20 +139,12 @@ def gemv(
 
 
 def norm_gemv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    config: GemvConfig,
-    norm: InputNorm,
-    rope: RopeStore | None = None,
+    x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, norm: InputNorm
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(rmsnorm(x + residual) @ weight.T, x + residual)` in one launch (`x` itself stands for
     the sum when `norm.residual` is None). Each row's RMS scale is applied to the finished dot
-    products, so the input is read once; the new residual is a new tensor.
-
-    With `rope` (a q/k/v projection, `config.split_k == 1`), the product is followed by
-    `rope_and_store` in the same launch — the last program to finish each head rotates and
-    stores it — and the first result is q `[M, Hq, D]`."""
-    out, new_residual = _launch(x, weight, config, False, norm, rope)
+    products, so the input is read once; the new residual is a new tensor."""
+    out, new_residual = _launch(x, weight, config, False, norm)
     return out, x if new_residual is None else new_residual
 
 
@@ -223,7 +154,6 @@ def _launch(
     config: GemvConfig,
     gated: bool,
     norm: InputNorm | None,
-    rope: RopeStore | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     m, k = x.shape
     k = k // 2 if gated else k
@@ -245,42 +175,14 @@ def _launch(
     if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()):
         raise ValueError(f"residual {tuple(residual.shape)} must be contiguous, shaped as x")
     new_residual = torch.empty_like(x) if residual is not None else None
-    tickets = grid_n if split_k > 1 else 0
-    q, rope_args, heads = out, [x] * 9 + [0.0], (1, 1, 1)
-    if rope is not None:
-        q, rope_args, heads = _rope_args(rope, out, config, split_k)
-        tickets = heads[0] + 2 * heads[1]
     _gemv_kernel[(grid_n, split_k)](
-        x, weight, out, part, ticket_buffer(x.device, tickets),
+        x, weight, out, part, ticket_buffer(x.device, grid_n if split_k > 1 else 0),
         residual if residual is not None else x, new_residual if new_residual is not None else x,
         norm.weight if norm is not None else x, sumsq, norm.eps if norm is not None else 0.0,
-        *rope_args, m, n, k, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
+        m, n, k, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, SPLIT_K=split_k, GATED=gated, NORM=norm is not None,
         HAS_RES=residual is not None, PREFETCH=config.prefetch, DEFER=config.defer,
-        ROPE=rope is not None, QK_NORM=rope is not None and rope.qk_norm is not None,
-        HQ=heads[0], HKV=heads[1], D=heads[2], num_warps=config.num_warps,
-        **pdl_options(x.device),
+        num_warps=config.num_warps, **pdl_options(x.device),
     )  # fmt: skip
-    return q, new_residual
-
-
-def _rope_args(
-    rope: RopeStore, out: torch.Tensor, config: GemvConfig, split_k: int
-) -> tuple[torch.Tensor, list, tuple[int, int, int]]:
-    """q's tensor, the kernel's rotary + store arguments and (Hq, Hkv, D) of a fused launch."""
-    hq, hkv, d = rope.num_heads, rope.num_kv_heads, rope.head_dim
-    m, n = out.shape
-    if split_k != 1 or d % config.block_n or n != (hq + 2 * hkv) * d:
-        raise ValueError(
-            f"a rotary-fused GEMV needs split_k 1, block_n dividing head_dim {d} and "
-            f"{(hq + 2 * hkv) * d} output columns; got split {split_k}, block_n "
-            f"{config.block_n}, {n} columns"
-        )
-    if rope.positions.shape[0] < m or rope.slots.shape[0] < m:
-        raise ValueError(f"rotary-fused GEMV of {m} rows needs a position and slot per row")
-    q = torch.empty((m, hq, d), dtype=out.dtype, device=out.device)
-    q_w, k_w, eps = rope.qk_norm if rope.qk_norm is not None else (rope.cos, rope.cos, 0.0)
-    args = [rope.positions, rope.slots, rope.cos, rope.sin, q_w, k_w, q, rope.k_cache,
-            rope.v_cache, eps]  # fmt: skip
-    return q, args, (hq, hkv, d)
+    return out, new_residual

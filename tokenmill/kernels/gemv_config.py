@@ -38,21 +38,3 @@ class InputNorm:
     weight: torch.Tensor
     eps: float
     residual: torch.Tensor | None
-
-
-@dataclass(frozen=True)
-class RopeStore:
-    """What `rope_and_store` does after a q/k/v projection, for a GEMV that fuses it: q/k RMSNorm
-    (`qk_norm`: q weight, k weight, eps), rotary by `positions` (`cos`/`sin` tables
-    `[max_positions, D]`), and K/V into `k_cache`/`v_cache` `[slots, Hkv, D]` at `slots`."""
-
-    positions: torch.Tensor
-    slots: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None

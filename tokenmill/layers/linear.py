@@ -21,7 +21,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from tokenmill.kernels import GemvConfig, InputNorm, gemv, norm_gemv
-from tokenmill.kernels.gemv_config import RopeStore
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.observability.cuda_timing import median_graph_seconds
@@ -247,17 +246,3 @@ class QKVLinear(MergedLinear):
         kv = num_kv_heads * head_dim
         shards = {"q": num_heads * head_dim, "k": kv, "v": kv}
         super().__init__(hidden_size, shards, bias, input_kind="normed")
-
-    def forward_normed_rotated(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, rope: RopeStore
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """`(q, x + residual)` with k and v stored, q/k normalised and rotated (`rope`) in the
-        epilogue of this input's GEMV: where the kernel chosen for it is a fused GEMV without a
-        K split whose column blocks tile a head; None otherwise (project, then store)."""
-        choice = self._gemv_choice(x)
-        if choice is None or not choice.fused or choice.config.split_k != 1:
-            return None
-        if rope.head_dim % choice.config.block_n or self.bias is not None:
-            return None
-        inputs = InputNorm(norm.weight, norm.eps, residual)
-        return norm_gemv(x, self.weight, choice.config, inputs, rope)

@@ -16,10 +16,7 @@ from tokenmill.layers.rotary import RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
-    """Self-attention: fused q/k/v projection, optional q/k norm, rotary, paged attention.
-
-    `project` (behind the input norm) returns the rotated queries with k and v already in the
-    cache; `forward` attends and applies the output projection."""
+    """Self-attention: fused q/k/v projection, optional q/k norm, rotary, paged attention."""
 
     def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -35,27 +32,12 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
-    def project(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm: RMSNorm,
-        attn: AttentionBackend,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(q, x + residual)` from the layer input: normed, projected, q/k normed and rotated,
-        k and v stored in the cache — in the projection's kernel where it can (decode GEMV)."""
+    def forward(
+        self, positions: torch.Tensor, qkv: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        """Attention output (after `o_proj`) of the projected `qkv` of every token."""
         qk_norm = (self.q_norm, self.k_norm) if self.qk_norm else None
-        store = attn.fused_store(positions, self.layer, self.rotary, qk_norm)
-        if store is not None:
-            fused = self.qkv_proj.forward_normed_rotated(x, residual, norm, store)
-            if fused is not None:
-                return fused
-        qkv, residual = self.qkv_proj.forward_normed(x, residual, norm)
-        return attn.store_qkv(qkv, positions, self.layer, self.rotary, qk_norm), residual
-
-    def forward(self, q: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        """Attention output (after `o_proj`) of the rotated queries `q` `[T, Hq, D]`."""
+        q = attn.store_qkv(qkv, positions, self.layer, self.rotary, qk_norm)
         out = attn.attend(q, self.layer)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
@@ -91,8 +73,9 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         attn: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        q, residual = self.self_attn.project(positions, x, residual, self.input_layernorm, attn)
-        x = self.self_attn(q, attn)
+        attn_in = self.self_attn.qkv_proj
+        qkv, residual = attn_in.forward_normed(x, residual, self.input_layernorm)
+        x = self.self_attn(positions, qkv, attn)
         mlp_in = self.mlp.gate_up_proj
         gate_up, residual = mlp_in.forward_normed(x, residual, self.post_attention_layernorm)
         return self.mlp.down_proj(gate_up), residual
