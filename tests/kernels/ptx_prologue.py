@@ -25,7 +25,7 @@ from tokenmill.kernels.rope_store import _rope_store_kernel
 FP32_PTRS = {"mid_o_ptr", "mid_lse_ptr", "part_ptr", "ss_ptr", "cos_ptr", "sin_ptr", "part_val_ptr"}
 INT_PTRS = {"cu_q_ptr", "kv_lens_ptr", "page_table_ptr", "positions_ptr", "slots_ptr",
             "ticket_ptr", "part_idx_ptr"}  # fmt: skip
-INT64_PTRS = {"tokens_ptr"}
+INT64_PTRS = {"tokens_ptr", "host_ptr"}
 INT64_KERNELS = {"decode_inputs"}  # every pointer of these is int64
 FLOAT_SCALARS = {"eps", "qk_scale"}
 UNALIGNED = FLOAT_SCALARS | {"M", "window"}
@@ -45,7 +45,7 @@ KERNELS = {
         HQ=16, HKV=8, D=128, BLOCK_HQ=16, BLOCK_HKV=8, QK_NORM=True)),
     "silu_and_mul": (_silu_and_mul_kernel, dict(BLOCK=1024)),
     "decode_inputs": (_decode_inputs_kernel, dict(BLOCK_W=128)),
-    "argmax": (_argmax_kernel, dict(CHUNKS=75, BLOCK=2048, BLOCK_C=128)),
+    "argmax": (_argmax_kernel, dict(CHUNKS=75, BLOCK=2048, BLOCK_C=128, TO_HOST=True)),
 }  # fmt: skip
 MEMORY_OP = re.compile(r"^\s*(?:@%\w+\s+)?((?:ld|st|atom|red)\.global\S*)")
 

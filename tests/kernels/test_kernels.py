@@ -418,7 +418,8 @@ def test_fill_decode_inputs(batch: int, padded: int, width: int) -> None:
 @pytest.mark.parametrize(("rows", "vocab"), [(1, 5), (3, 2048), (2, 5000)])
 def test_argmax_rows_is_torch_argmax(dtype: torch.dtype, rows: int, vocab: int) -> None:
     """Equal to `torch.argmax`, ties (within and across vocabulary chunks) to the lowest index;
-    a second launch finds the tickets reset."""
+    a second launch finds the tickets reset; with `host_out` the tokens also land in (pinned)
+    host memory."""
     from tokenmill.kernels.argmax import argmax_rows
 
     gen = torch.Generator().manual_seed(rows * vocab)
@@ -428,5 +429,14 @@ def test_argmax_rows_is_torch_argmax(dtype: torch.dtype, rows: int, vocab: int) 
         logits[1] = float("-inf")
     for _ in range(2):
         assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+    host = torch.full((rows,), -1, dtype=torch.int64)
+    if DEVICE == "cuda":
+        host = host.pin_memory()
+    assert torch.equal(argmax_rows(logits, host_out=host), logits.argmax(dim=-1))
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(host, logits.argmax(dim=-1).cpu())  # written by the kernel itself
     with pytest.raises(ValueError, match="contiguous"):
         argmax_rows(logits.t())
+    with pytest.raises(ValueError, match="host_out"):
+        argmax_rows(logits, host_out=host[:0])

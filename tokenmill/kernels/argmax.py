@@ -20,8 +20,9 @@ BLOCK = 2048  # vocabulary entries per program
 
 @triton.jit
 def _argmax_kernel(
-    logits_ptr, tokens_ptr, part_val_ptr, part_idx_ptr, ticket_ptr, vocab, stride_row,
-    CHUNKS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr,
+    logits_ptr, tokens_ptr, host_ptr, part_val_ptr, part_idx_ptr, ticket_ptr, vocab, stride_row,
+    CHUNKS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, TO_HOST: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(USE_PDL)
     row = tl.program_id(0)
@@ -44,25 +45,32 @@ def _argmax_kernel(
         top = tl.max(vals, axis=0)
         winner = tl.min(tl.where(mask & (vals == top), idxs, vocab), axis=0)
         tl.store(tokens_ptr + row, winner.to(tl.int64))
+        if TO_HOST:  # pinned host memory, mapped: no device-to-host copy after the kernel
+            tl.store(host_ptr + row, winner.to(tl.int64))
         tl.atomic_xchg(ticket_ptr + row, 0)
 
 
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+def argmax_rows(logits: torch.Tensor, host_out: torch.Tensor | None = None) -> torch.Tensor:
     """`logits.argmax(dim=-1)` (int64) of a 2-D `[rows, vocab]` tensor, contiguous along vocab.
 
-    Rows whose maximum is NaN are not defined (torch returns the NaN's index)."""
+    With `host_out` (int64 `[rows]` in pinned host memory) the kernel also writes the tokens
+    there, readable once the kernel is done, so the host needs no separate copy. Rows whose
+    maximum is NaN are not defined (torch returns the NaN's index)."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"argmax_rows takes [rows, vocab] contiguous rows, got {logits.shape}")
     rows, vocab = logits.shape
     chunks = triton.cdiv(vocab, BLOCK)
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if host_out is not None and (host_out.shape != (rows,) or host_out.dtype != torch.int64):
+        raise ValueError(f"host_out must be int64 [{rows}], got {host_out.dtype} {host_out.shape}")
     if rows == 0:
         return out
     part_val = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)
     part_idx = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
     _argmax_kernel[(rows, chunks)](
-        logits, out, part_val, part_idx, ticket_buffer(logits.device, rows), vocab,
-        logits.stride(0), CHUNKS=chunks, BLOCK=BLOCK, BLOCK_C=triton.next_power_of_2(chunks),
+        logits, out, host_out if host_out is not None else out, part_val, part_idx,
+        ticket_buffer(logits.device, rows), vocab, logits.stride(0), CHUNKS=chunks, BLOCK=BLOCK,
+        BLOCK_C=triton.next_power_of_2(chunks), TO_HOST=host_out is not None,
         **pdl_options(logits.device),
     )  # fmt: skip
     return out

@@ -123,7 +123,8 @@ class SampledTokens:
     """A step's sampling results on the device, and their copy on its way to the host.
 
     `start_copy` queues the device→host copy right behind the sampling kernels and records an
-    event; `to_host` waits for that event only, not for steps launched after this one.
+    event; `to_host` waits for that event only, not for steps launched after this one. Greedy
+    tokens need no copy: the argmax kernel writes them to pinned host memory itself.
     """
 
     token_ids: torch.Tensor  # [S]
@@ -132,6 +133,7 @@ class SampledTokens:
     ranks: torch.Tensor | None = None  # [S]
     top_logprobs: torch.Tensor | None = None  # [S, n]
     top_ids: torch.Tensor | None = None  # [S, n]
+    host_token_ids: torch.Tensor | None = None  # [S] pinned, written by the sampling kernel
     _host: list[torch.Tensor | None] | None = None
     _ready: torch.cuda.Event | None = None
 
@@ -140,7 +142,10 @@ class SampledTokens:
         if not self.token_ids.is_cuda:
             self._host = parts
             return
-        self._host = [None if t is None else _pinned_copy(t) for t in parts]
+        tokens = self.host_token_ids
+        if tokens is None:
+            tokens = _pinned_copy(self.token_ids)
+        self._host = [tokens, *(None if t is None else _pinned_copy(t) for t in parts[1:])]
         self._ready = torch.cuda.Event()
         self._ready.record()
 
@@ -187,7 +192,11 @@ class Sampler:
         wants_logprobs = any(n is not None for n in batch.num_logprobs)
         plain = batch.temperature is None and batch.penalties is None and not batch.suppressed
         if plain and not wants_logprobs:  # greedy only: argmax is exact in the logits' dtype
-            return SampledTokens(_greedy(logits), batch.num_logprobs)
+            if not logits.is_cuda:
+                return SampledTokens(logits.argmax(dim=-1), batch.num_logprobs)
+            host = torch.empty(logits.shape[0], dtype=torch.int64, pin_memory=True)
+            tokens = argmax_rows(logits, host_out=host)
+            return SampledTokens(tokens, batch.num_logprobs, host_token_ids=host)
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
         if batch.penalties is not None:
