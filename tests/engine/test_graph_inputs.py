@@ -52,8 +52,10 @@ def test_decode_through_graph_inputs_matches_transformers(checkpoints, family: s
               enforce_eager=True)  # fmt: skip
     runner = llm.engine.runner
     max_pages = -(-runner.config.max_model_len // runner.page_size)
+    runner._tokens = torch.zeros(runner.config.scheduler.max_num_seqs, dtype=torch.int64,
+                                 device=runner.device)  # fmt: skip
     graphs = _ReplayingGraphRunner(runner.model, runner.attention, 4, max_pages, runner.device,
-                                   max_prefill_tokens=16)  # fmt: skip
+                                   runner._tokens, max_prefill_tokens=16)  # fmt: skip
     graphs.capture()
     assert graphs.prefill_sizes == [16]
     runner.graphs = graphs

@@ -386,32 +386,39 @@ def test_pdl_kernels_wait_before_touching_memory() -> None:
 
 @pytest.mark.parametrize(("batch", "padded", "width"), [(1, 1, 3), (3, 4, 130), (5, 8, 1)])
 def test_fill_decode_inputs(batch: int, padded: int, width: int) -> None:
-    """Rows < batch copied (the pending ones take the previous step's sample), padding rows get
-    slot -1 and KV length 0, static columns beyond the batch's width and rows beyond `padded`
-    untouched."""
-    from tokenmill.kernels.graph_inputs import fill_decode_inputs
+    """From the packed block: rows < batch copied (the pending ones take the previous step's
+    sample), padding rows get slot -1 and KV length 0, static columns beyond the batch's width
+    and rows beyond `padded` untouched."""
+    from tokenmill.kernels.graph_inputs import (
+        decode_block_size,
+        fill_decode_inputs,
+        pack_decode_inputs,
+    )
 
     gen = torch.Generator().manual_seed(batch)
 
     def ints(*shape: int) -> torch.Tensor:
-        return torch.randint(0, 1000, shape, generator=gen).to(DEVICE)
+        return torch.randint(0, 1000, shape, generator=gen)
 
     inputs = (ints(batch), ints(batch), ints(batch), ints(batch), ints(batch, width))
-    row_src = torch.tensor([i % 3 - 1 for i in range(batch)], device=DEVICE)  # -1, 0, 1, -1, ...
-    sampled = ints(4)
-    static = (ints(10), ints(10), ints(10), ints(10), ints(10, 140))
+    row_src = torch.tensor([i % 3 - 1 for i in range(batch)])  # -1, 0, 1, -1, ...
+    sampled = ints(4).to(DEVICE)
+    static = tuple(t.to(DEVICE) for t in (ints(10), ints(10), ints(10), ints(10), ints(10, 140)))
     before = tuple(t.clone() for t in static)
-    fill_decode_inputs(inputs, row_src, sampled, static, padded)
-    ids = torch.where(row_src >= 0, sampled[row_src.clamp(min=0)], inputs[0])
+    packed = pack_decode_inputs(*(t.numpy() for t in inputs), row_src.numpy(), padded)
+    block = torch.full((decode_block_size(10, 140),), 7, dtype=torch.int64)  # stale tail
+    block[: packed.size] = torch.from_numpy(packed)
+    fill_decode_inputs(block.to(DEVICE), sampled, static, padded)
+    ids = torch.where(row_src >= 0, sampled.cpu()[row_src.clamp(min=0)], inputs[0])
     for got, want in zip(static[:4], (ids, *inputs[1:4]), strict=True):
-        assert torch.equal(got[:batch], want)
-    assert torch.equal(static[4][:batch, :width], inputs[4])
+        assert torch.equal(got[:batch].cpu(), want)
+    assert torch.equal(static[4][:batch, :width].cpu(), inputs[4])
     assert (static[2][batch:padded] == -1).all() and (static[3][batch:padded] == 0).all()
     assert torch.equal(static[4][:, width:], before[4][:, width:])
     for got, old in zip(static, before, strict=True):
         assert torch.equal(got[padded:], old[padded:])
     with pytest.raises(ValueError, match="does not fit"):
-        fill_decode_inputs(inputs, row_src, sampled, static, batch - 1)
+        pack_decode_inputs(*(t.numpy() for t in inputs), row_src.numpy(), batch - 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -50,8 +50,11 @@ def _argmax_kernel(
         tl.atomic_xchg(ticket_ptr + row, 0)
 
 
-def argmax_rows(logits: torch.Tensor, host_out: torch.Tensor | None = None) -> torch.Tensor:
-    """`logits.argmax(dim=-1)` (int64) of a 2-D `[rows, vocab]` tensor, contiguous along vocab.
+def argmax_rows(
+    logits: torch.Tensor, host_out: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`logits.argmax(dim=-1)` (int64) of a 2-D `[rows, vocab]` tensor, contiguous along vocab,
+    written to `out` (a new tensor if None) and returned.
 
     With `host_out` (int64 `[rows]` in pinned host memory) the kernel also writes the tokens
     there, readable once the kernel is done, so the host needs no separate copy. Rows whose
@@ -60,9 +63,11 @@ def argmax_rows(logits: torch.Tensor, host_out: torch.Tensor | None = None) -> t
         raise ValueError(f"argmax_rows takes [rows, vocab] contiguous rows, got {logits.shape}")
     rows, vocab = logits.shape
     chunks = triton.cdiv(vocab, BLOCK)
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    if host_out is not None and (host_out.shape != (rows,) or host_out.dtype != torch.int64):
-        raise ValueError(f"host_out must be int64 [{rows}], got {host_out.dtype} {host_out.shape}")
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    for name, t in (("out", out), ("host_out", host_out)):
+        if t is not None and (t.shape != (rows,) or t.dtype != torch.int64):
+            raise ValueError(f"{name} must be int64 [{rows}], got {t.dtype} {tuple(t.shape)}")
     if rows == 0:
         return out
     part_val = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)

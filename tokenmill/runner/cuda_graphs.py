@@ -14,7 +14,11 @@ import torch
 from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend, AttentionInputs
-from tokenmill.kernels.graph_inputs import fill_decode_inputs
+from tokenmill.kernels.graph_inputs import (
+    decode_block_size,
+    fill_decode_inputs,
+    pack_decode_inputs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +46,13 @@ class CudaGraphRunner:
     """Replays captured forwards (+ logits): decode batches of up to `max_bs` sequences, and
     prefills of one sequence with up to `max_prefill_tokens` new tokens.
 
-    Inputs live in static device buffers. A decode batch of B sequences runs the graph of the
-    smallest captured size >= B, its extra rows padded with `kv_len = 0` and slot -1 (they write
-    nothing and attend to nothing). A prefill of n tokens runs the graph of the smallest
-    captured length >= n, its extra tokens with slot -1, outside the sequence's query length.
+    Inputs live in static device buffers, uploaded as one packed block per step. A decode batch
+    of B sequences runs the graph of the smallest captured size >= B, which begins by spreading
+    its block (`pack_decode_inputs`) into the model's inputs, taking pending input tokens from
+    `sampled` (the previous step's samples, kept on the device), and padding the extra rows with
+    `kv_len = 0` and slot -1 (they write nothing and attend to nothing). A prefill of n tokens
+    runs the graph of the smallest captured length >= n, its extra tokens with slot -1, outside
+    the sequence's query length.
     Prefill graphs replace hundreds of kernel launches from Python by one, so a short prompt's
     first token no longer waits for the host.
     """
@@ -57,9 +64,11 @@ class CudaGraphRunner:
         max_bs: int,
         max_pages_per_seq: int,
         device: torch.device,
+        sampled: torch.Tensor,
         max_prefill_tokens: int = 0,
     ) -> None:
         self.model = model
+        self.sampled = sampled
         self.attention = attention
         self.sizes = batch_size_ladder(max_bs)
         self.max_bs = max_bs
@@ -76,12 +85,13 @@ class CudaGraphRunner:
         self.kv_lens = zeros(max_bs)
         self.page_table = zeros(max_bs, max_pages_per_seq)
         self.cu = torch.arange(max_bs + 1, dtype=torch.int64, device=device)
+        self.decode_block = zeros(decode_block_size(max_bs, max_pages_per_seq))
         # A prefill's inputs, one block (one copy per step): the header, then token ids,
         # positions and slots of `max_prefill` tokens, then the sequence's page-table row.
         self.max_prefill = max(self.prefill_sizes, default=0)
         t = self.max_prefill
-        self._prefill = zeros(_HEADER + 3 * t + max_pages_per_seq)
-        self._prefill[_HEADER + 2 * t : _HEADER + 3 * t] = -1  # capture: write no KV
+        self.prefill_block = zeros(_HEADER + 3 * t + max_pages_per_seq)
+        self.prefill_block[_HEADER + 2 * t : _HEADER + 3 * t] = -1  # capture: write no KV
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -134,13 +144,15 @@ class CudaGraphRunner:
         )
 
     def _forward(self, bs: int) -> torch.Tensor:
+        static = (self.input_ids, self.positions, self.slots, self.kv_lens, self.page_table)
+        fill_decode_inputs(self.decode_block, self.sampled, static, bs)
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], self.attention)
         return self.model.compute_logits(hidden)
 
     def _prefill_views(self, t: int) -> tuple[torch.Tensor, ...]:
         """(cu_query_lens, logits row, kv_lens, ids, positions, slots, page-table row) of a
         prefill graph of `t` tokens, as views of the prefill block."""
-        block, n = self._prefill, self.max_prefill
+        block, n = self.prefill_block, self.max_prefill
         ids, positions, slots = (block[_HEADER + i * n : _HEADER + i * n + t] for i in range(3))
         table = block[_HEADER + 3 * n :].view(1, -1)
         return block[0:2], block[2:3], block[3:4], ids, positions, slots, table
@@ -167,16 +179,20 @@ class CudaGraphRunner:
         """The smallest captured batch size that holds `batch` sequences."""
         return self.sizes[bisect.bisect_left(self.sizes, batch)]
 
-    def run(
-        self, inputs: tuple[torch.Tensor, ...], row_src: torch.Tensor, sampled: torch.Tensor
-    ) -> torch.Tensor:
-        """Logits `[B, V]` of a decode batch of B rows: `inputs` are its (input_ids, positions,
-        slots, kv_lens, page_table) device tensors; row i's input id is `sampled[row_src[i]]`
-        where `row_src[i] >= 0` (a token the previous step sampled on the device)."""
-        batch = inputs[4].shape[0]
+    def pack_decode(
+        self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, kv_lens: np.ndarray,
+        page_table: np.ndarray, row_src: np.ndarray,
+    ) -> np.ndarray:  # fmt: skip
+        """A decode batch's inputs laid out as `decode_block` for its graph, to be copied there
+        in one piece before `run`; row i's input id is the previous step's sample in row
+        `row_src[i]` where that is >= 0."""
+        padded = self.padded_size(len(kv_lens))
+        return pack_decode_inputs(ids, positions, slots, kv_lens, page_table, row_src, padded)
+
+    def run(self, batch: int) -> torch.Tensor:
+        """Logits `[B, V]` of a decode batch of B rows whose inputs, packed for the graph of
+        `padded_size(B)` rows, are in `decode_block`."""
         bs = self.padded_size(batch)
-        static = (self.input_ids, self.positions, self.slots, self.kv_lens, self.page_table)
-        fill_decode_inputs(inputs, row_src, sampled, static, bs)
         self.graphs[bs].replay()
         return self.logits[bs][:batch]
 
@@ -189,8 +205,8 @@ class CudaGraphRunner:
         self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, kv_len: int,
         pages: np.ndarray,
     ) -> np.ndarray:  # fmt: skip
-        """A one-sequence prefill's inputs laid out as the prefill block (padding included),
-        to be copied to the device in one piece and passed to `run_prefill`."""
+        """A one-sequence prefill's inputs laid out as `prefill_block` (padding included), to
+        be copied there in one piece before `run_prefill`."""
         n, t = len(ids), self.max_prefill
         block = np.zeros(_HEADER + 3 * t + len(pages), dtype=np.int64)
         block[:_HEADER] = (0, n, n - 1, kv_len)
@@ -200,10 +216,9 @@ class CudaGraphRunner:
         block[_HEADER + 3 * t :] = pages
         return block
 
-    def run_prefill(self, block: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        """Logits `[1, V]` of the last of `num_tokens` prefilled tokens of one sequence, from
-        its inputs packed by `pack_prefill`, already on the device."""
+    def run_prefill(self, num_tokens: int) -> torch.Tensor:
+        """Logits `[1, V]` of the last of `num_tokens` prefilled tokens of one sequence, whose
+        inputs (`pack_prefill`) are in `prefill_block`."""
         t = self.prefill_sizes[bisect.bisect_left(self.prefill_sizes, num_tokens)]
-        self._prefill[: block.shape[0]].copy_(block)
         self.prefill_graphs[t].replay()
         return self.prefill_logits[t]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -15,8 +17,10 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.layers.linear import choose_gemv_kernels
 from tokenmill.models.loader import load_model
-from tokenmill.runner.cuda_graphs import CudaGraphRunner
 from tokenmill.runner.sampler import SampledTokens, Sampler, SamplerOutput, SamplingBatch
+
+if TYPE_CHECKING:
+    from tokenmill.runner.cuda_graphs import CudaGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +99,10 @@ class ModelRunner:
         self._staging = [torch.empty(0, dtype=torch.int64) for _ in range(2)]
         self._step_parity = 0
         # The last launched step's sampled tokens (on the device) and each request's row there.
+        # With CUDA graphs the sampler writes them into one static buffer the graphs read.
         self._last_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
         self._last_rows: dict[str, int] = {}
+        self._tokens: torch.Tensor | None = None
         logger.info(
             "model %s on %s (%s attention): KV cache of %d pages x %d tokens",
             config.model.architecture,
@@ -119,9 +125,14 @@ class ModelRunner:
             max_prefill = min(
                 config.cuda_graph_max_prefill_tokens, config.scheduler.max_num_batched_tokens
             )
+            # Imported here: CUDA graphs need triton, which CPU-only installs may lack.
+            from tokenmill.runner.cuda_graphs import CudaGraphRunner
+
+            self._tokens = torch.zeros(max_seqs, dtype=torch.int64, device=self.device)
             self.graphs = CudaGraphRunner(
-                self.model, self.attention, max_bs, max_pages, self.device, max_prefill
-            )
+                self.model, self.attention, max_bs, max_pages, self.device, self._tokens,
+                max_prefill,
+            )  # fmt: skip
             self.graphs.capture()
 
     def _num_pages(self) -> int:
@@ -163,7 +174,8 @@ class ModelRunner:
                 host.input_ids, host.positions, host.slots, int(host.kv_lens[0]),
                 host.page_table[0],
             )  # fmt: skip
-            logits = graphs.run_prefill(self._to_device(block)[0], len(host.input_ids))
+            self._upload(block, graphs.prefill_block)
+            logits = graphs.run_prefill(len(host.input_ids))
         else:
             logits = self._run_eager(host)
         sampling_reqs = [s.request for s in batch.seqs if s.samples]
@@ -171,7 +183,8 @@ class ModelRunner:
             sampling = SamplingBatch.from_requests(
                 sampling_reqs, self.config.model.vocab_size, self.device
             )
-            sampled = self.sampler(logits, sampling)
+            out = self._tokens[: len(sampling_reqs)] if self._tokens is not None else None
+            sampled = self.sampler(logits, sampling, out)
             sampled.start_copy()
             self._last_tokens = sampled.token_ids
             self._last_rows = {r.request_id: row for row, r in enumerate(sampling_reqs)}
@@ -182,17 +195,18 @@ class ModelRunner:
     def _run_graph(self, host: HostBatch) -> torch.Tensor:
         """A decode batch through its CUDA graph; returns the sampling rows' logits."""
         assert self.graphs is not None
+        batch = len(host.kv_lens)
         # Token i of a decode batch is row i; -1: the id is known on the host.
-        row_src = np.full(len(host.kv_lens), -1, dtype=np.int64)
+        row_src = np.full(batch, -1, dtype=np.int64)
         row_src[host.pending_dst] = host.pending_src
-        ids, positions, slots, kv_lens, table, row_src_d, logits_index = self._to_device(
-            host.input_ids, host.positions, host.slots, host.kv_lens, host.page_table, row_src,
-            host.logits_index,
-        )  # fmt: skip
-        sampled = self._last_tokens if len(host.pending_dst) else row_src_d
-        logits = self.graphs.run((ids, positions, slots, kv_lens, table), row_src_d, sampled)
-        if len(host.logits_index) < len(host.kv_lens):  # else every row samples, in order
-            logits = logits[logits_index]
+        block = self.graphs.pack_decode(
+            host.input_ids, host.positions, host.slots, host.kv_lens, host.page_table, row_src
+        )
+        self._upload(block, self.graphs.decode_block)
+        logits = self.graphs.run(batch)
+        if len(host.logits_index) < batch:  # else every row samples, in order
+            (index,) = self._to_device(host.logits_index)
+            logits = logits[index]
         return logits
 
     @staticmethod
@@ -258,8 +272,18 @@ class ModelRunner:
 
     def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """Int64 host arrays in one host→device copy, split back into views of their shapes."""
+        flat = self._stage(arrays).to(self.device, non_blocking=True)
         sizes = [a.size for a in arrays]
-        total = sum(sizes)
+        return [part.view(a.shape) for part, a in zip(flat.split(sizes), arrays, strict=True)]
+
+    def _upload(self, array: np.ndarray, dst: torch.Tensor) -> None:
+        """An int64 host array into the start of the device tensor `dst`, in one copy."""
+        dst[: array.size].copy_(self._stage([array]), non_blocking=True)
+
+    def _stage(self, arrays: Sequence[np.ndarray]) -> torch.Tensor:
+        """The arrays, flattened one after another into a (pinned, on CUDA) host buffer; two
+        buffers are used in turn, so this step's copy never overwrites one still queued."""
+        total = sum(a.size for a in arrays)
         self._step_parity ^= 1
         buffer = self._staging[self._step_parity]
         if buffer.numel() < total:
@@ -269,8 +293,7 @@ class ModelRunner:
             self._staging[self._step_parity] = buffer
         staging = buffer.numpy()
         offset = 0
-        for a, n in zip(arrays, sizes, strict=True):
-            staging[offset : offset + n] = a.reshape(-1)
-            offset += n
-        flat = buffer[:total].to(self.device, non_blocking=True)
-        return [part.view(a.shape) for part, a in zip(flat.split(sizes), arrays, strict=True)]
+        for a in arrays:
+            staging[offset : offset + a.size] = a.reshape(-1)
+            offset += a.size
+        return buffer[:total]

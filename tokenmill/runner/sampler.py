@@ -139,8 +139,8 @@ class SampledTokens:
 
     def start_copy(self) -> None:
         parts = [self.token_ids, self.chosen_logprobs, self.ranks, self.top_logprobs, self.top_ids]
-        if not self.token_ids.is_cuda:
-            self._host = parts
+        if not self.token_ids.is_cuda:  # a snapshot: `token_ids` may be a reused buffer
+            self._host = [None if t is None else t.clone() for t in parts]
             return
         tokens = self.host_token_ids
         if tokens is None:
@@ -187,15 +187,18 @@ class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SampledTokens:
-        """Sample on the device; nothing here waits for the GPU."""
+    def __call__(
+        self, logits: torch.Tensor, batch: SamplingBatch, out: torch.Tensor | None = None
+    ) -> SampledTokens:
+        """Sample on the device (the tokens into `out` where given); nothing here waits for
+        the GPU."""
         wants_logprobs = any(n is not None for n in batch.num_logprobs)
         plain = batch.temperature is None and batch.penalties is None and not batch.suppressed
         if plain and not wants_logprobs:  # greedy only: argmax is exact in the logits' dtype
             if not logits.is_cuda:
-                return SampledTokens(logits.argmax(dim=-1), batch.num_logprobs)
+                return SampledTokens(_into(logits.argmax(dim=-1), out), batch.num_logprobs)
             host = torch.empty(logits.shape[0], dtype=torch.int64, pin_memory=True)
-            tokens = argmax_rows(logits, host_out=host)
+            tokens = argmax_rows(logits, host_out=host, out=out)
             return SampledTokens(tokens, batch.num_logprobs, host_token_ids=host)
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
@@ -207,6 +210,7 @@ class Sampler:
         if batch.temperature is not None:
             sampled = self._sample(logits, batch, batch.temperature)
             tokens = torch.where(batch.temperature == 0, tokens, sampled)
+        tokens = _into(tokens, out)
         if raw_logprobs is None:
             return SampledTokens(tokens, batch.num_logprobs)
         chosen = raw_logprobs.gather(1, tokens[:, None])
@@ -238,6 +242,10 @@ class Sampler:
             if gen is not None:
                 noise[row].exponential_(generator=gen)
         return (probs / noise).argmax(dim=-1)
+
+
+def _into(tokens: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    return tokens if out is None else out.copy_(tokens)
 
 
 def _greedy(logits: torch.Tensor) -> torch.Tensor:
