@@ -204,8 +204,8 @@ class ModelRunner:
         )
         self._upload(block, self.graphs.decode_block)
         logits = self.graphs.run(batch)
-        if len(host.logits_index) < batch:  # else every row samples, in order
-            (index,) = self._to_device(host.logits_index)
+        if len(host.logits_index) < batch:  # rare (a 1-token prefill chunk); pageable copy
+            index = torch.from_numpy(host.logits_index).to(self.device, non_blocking=True)
             logits = logits[index]
         return logits
 
