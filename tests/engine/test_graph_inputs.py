@@ -45,11 +45,11 @@ class _ReplayingGraphRunner(CudaGraphRunner):
         return _Replay(plan, forward, logits), logits
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_decode_through_graph_inputs_matches_transformers(checkpoints, family: str) -> None:
-    path = checkpoints[family]
+def _graphed_llm(path, **engine_args) -> LLM:  # type: ignore[no-untyped-def]
+    """An LLM whose runner replays stand-in graphs (decode batches up to 4 rows, prefills up to
+    16 tokens) on the CPU."""
     llm = LLM(str(path), device=DEVICE, dtype="float32", attention_backend="triton", page_size=4,
-              enforce_eager=True)  # fmt: skip
+              enforce_eager=True, **engine_args)  # fmt: skip
     runner = llm.engine.runner
     max_pages = -(-runner.config.max_model_len // runner.page_size)
     runner._tokens = torch.zeros(runner.config.scheduler.max_num_seqs, dtype=torch.int64,
@@ -59,6 +59,13 @@ def test_decode_through_graph_inputs_matches_transformers(checkpoints, family: s
     graphs.capture()
     assert graphs.prefill_sizes == [16]
     runner.graphs = graphs
+    return llm
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_decode_through_graph_inputs_matches_transformers(checkpoints, family: str) -> None:
+    path = checkpoints[family]
+    llm = _graphed_llm(path)
     _Replay.replays = 0
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)  # 3 rows: padded to 4
@@ -70,3 +77,27 @@ def test_decode_through_graph_inputs_matches_transformers(checkpoints, family: s
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(path, p, 8) for p in PROMPTS]
     assert single[0].outputs[0].token_ids == outputs[0].outputs[0].token_ids
     assert long[0].outputs[0].token_ids == outputs[2].outputs[0].token_ids
+
+
+def test_graph_batch_with_a_non_sampling_row(checkpoints, monkeypatch) -> None:
+    """A 4-token budget puts a 1-token prefill chunk (which samples nothing) beside decode rows
+    in a decode-shaped batch: it runs through a graph, its logits rows gathered."""
+    from tokenmill.runner.model_runner import ModelRunner
+
+    path = checkpoints["llama"]
+    llm = _graphed_llm(path, max_num_batched_tokens=4)
+    shapes = []
+    original = ModelRunner._run_graph
+
+    def spy(self, host):  # type: ignore[no-untyped-def]
+        shapes.append((len(host.logits_index), len(host.kv_lens)))
+        return original(self, host)
+
+    monkeypatch.setattr(ModelRunner, "_run_graph", spy)
+    # Step 1 prefills 3 + 1 tokens; step 2 is one token each of four sequences, the last one a
+    # chunk of the long prompt.
+    prompts = [[5, 6, 7], [8, 9], [10], list(range(11, 31))]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = llm.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(path, p, 8) for p in prompts]
+    assert any(sampling < rows for sampling, rows in shapes), shapes
