@@ -131,38 +131,61 @@ def _decode_split_kernel(
     SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl_wait(USE_PDL)
+    # Positions before the query's own (kv_len - 1) were cached by earlier steps, and the step's
+    # KV lengths and page table were written before the previous kernel started (see
+    # `tokenmill.kernels.pdl`): each split reads them, and its first K/V block, before the wait.
+    # The new token's K/V (stored by the previous kernel) is folded in by the last split after it.
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     group: tl.constexpr = HQ // HKV
     kv_len = tl.load(kv_lens_ptr + seq)
-    split_len = tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_N) * BLOCK_N
+    cached = tl.maximum(kv_len - 1, 0)
+    split_len = tl.cdiv(tl.cdiv(cached, SPLITS), BLOCK_N) * BLOCK_N
     lo = split * split_len
-    hi = tl.minimum(lo + split_len, kv_len)
+    hi = tl.minimum(lo + split_len, cached)
     if HAS_WINDOW:
         lo = tl.maximum(lo, kv_len - window)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, D)
+    seq64 = seq.to(tl.int64)
+    page_row = page_table_ptr + seq64 * stride_pt
+    offs_n = lo + tl.arange(0, BLOCK_N)
+    valid = offs_n < hi
+    k = _kv_block(k_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
+    v = _kv_block(v_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
+    fold_new = (split == SPLITS - 1) & (kv_len > 0)
+    new_page = tl.load(page_row + cached // PAGE, mask=fold_new, other=0)
+    new_at = (new_page.to(tl.int64) * PAGE + cached % PAGE) * (HKV * D) + kvh * D + offs_d
+    pdl_wait(USE_PDL)
+
     heads = kvh * group + offs_g
     g_mask = offs_g < group
-    seq64 = seq.to(tl.int64)
     q = tl.load(
         q_ptr + seq64 * (HQ * D) + heads[:, None] * D + offs_d[None, :], mask=g_mask[:, None]
     )
-    page_row = page_table_ptr + seq64 * stride_pt
-
+    k_new = tl.load(k_cache_ptr + new_at, mask=fold_new & (offs_d < D), other=0.0)
+    v_new = tl.load(v_cache_ptr + new_at, mask=fold_new & (offs_d < D), other=0.0)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
     for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
+        m_i, l_i, acc = _attend_block(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale)
+        offs_n = start + BLOCK_N + tl.arange(0, BLOCK_N)
         valid = offs_n < hi
         k = _kv_block(k_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
         v = _kv_block(v_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
-        m_i, l_i, acc = _attend_block(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale)
+    # The new token, as one more key of the online softmax (-inf score: not this split's).
+    s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale
+    s = tl.where(fold_new, s, float("-inf"))
+    m_new = tl.maximum(m_i, s)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe)
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + p
+    acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
     # log2-sum-exp of this split's scores; -inf when the split saw no position.
-    lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+    lse = tl.where(l_i > 0.0, m_new + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     row = (seq64 * HQ + heads) * SPLITS + split
     tl.store(mid_o_ptr + row[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])

@@ -4,10 +4,15 @@ On Hopper and newer GPUs a kernel launched with PDL may start while the kernel b
 stream is still finishing (also inside CUDA graphs): its programs are placed early, do whatever
 does not depend on the previous kernel — a GEMV loads its first slab of weights — and then wait
 (`griddepcontrol.wait`) until the previous kernel has finished and its writes are visible.
-Each kernel launched this way must therefore wait before it reads or writes any activation,
-cache or scratch memory; only constant inputs (weights) may be touched before the wait. Every
-kernel in `tokenmill/kernels` takes a `USE_PDL` constexpr, calls `pdl_wait` first, and is
-launched with `**pdl_options(device)`.
+Each kernel launched this way must therefore wait before it writes anything, and before it
+reads what the previous kernel writes (activations, scratch, the K/V it stores). Because every
+kernel here lets the next one launch only after its own wait (`pdl_wait`), all kernels before
+the previous one have finished when a kernel starts: it may read before its wait what was
+written earlier than that — weights and tables, the step's inputs (positions, slots, KV
+lengths, page table: written before the step's first layer), and K/V cached by earlier steps.
+Every kernel in `tokenmill/kernels` takes a `USE_PDL` constexpr, calls `pdl_wait` before its
+first store and its first read of the previous kernel's output, and is launched with
+`**pdl_options(device)`.
 """
 
 from __future__ import annotations

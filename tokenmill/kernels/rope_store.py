@@ -10,22 +10,26 @@ from tokenmill.kernels.pdl import pdl_options, pdl_wait
 
 
 @triton.jit
-def _load_rotated(
-    base_ptr, heads, offs_d, half: tl.constexpr, D: tl.constexpr, head_mask, cos, sin, norm_w_ptr,
-    eps, QK_NORM: tl.constexpr,
-):  # fmt: skip
-    """Load `[H, D]` heads, RMS-normalise each (optional) and rotate-half by (cos, sin)."""
-    x = tl.load(base_ptr + heads[:, None] * D + offs_d[None, :], mask=head_mask[:, None], other=0.0)
+def _load_heads(base_ptr, heads, offs_d, half: tl.constexpr, D: tl.constexpr, mask):
+    """Load `[H, D]` heads and the same heads with their halves swapped (for rotate-half)."""
+    x = tl.load(base_ptr + heads[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
     rot_d = (offs_d + half) % D
-    x_rot = tl.load(
-        base_ptr + heads[:, None] * D + rot_d[None, :], mask=head_mask[:, None], other=0.0
-    )
+    x_rot = tl.load(base_ptr + heads[:, None] * D + rot_d[None, :], mask=mask, other=0.0)
+    return x, x_rot
+
+
+@triton.jit
+def _rotate(
+    x, x_rot, offs_d, half: tl.constexpr, D: tl.constexpr, cos, sin, norm_w_ptr, eps,
+    QK_NORM: tl.constexpr,
+):  # fmt: skip
+    """RMS-normalise each head of `x` (optional), then rotate-half by (cos, sin)."""
     xf = x.to(tl.float32)
     xr = x_rot.to(tl.float32)
     if QK_NORM:
         inv = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
         w = tl.load(norm_w_ptr + offs_d).to(tl.float32)
-        w_rot = tl.load(norm_w_ptr + rot_d).to(tl.float32)
+        w_rot = tl.load(norm_w_ptr + (offs_d + half) % D).to(tl.float32)
         xf = xf * inv[:, None] * w[None, :]
         xr = xr * inv[:, None] * w_rot[None, :]
     sign = tl.where(offs_d < half, -1.0, 1.0)
@@ -39,7 +43,9 @@ def _rope_store_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, QK_NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl_wait(USE_PDL)
+    # The step's positions and slots were written before the previous kernel (the q/k/v
+    # projection) started, and the rotary tables are constant: read before the wait (see
+    # `tokenmill.kernels.pdl`). After it, every load of the token's q, k and v goes out at once.
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t)
     slot = tl.load(slots_ptr + t)
@@ -47,22 +53,23 @@ def _rope_store_kernel(
     half: tl.constexpr = D // 2
     cos = tl.load(cos_ptr + pos * D + offs_d)
     sin = tl.load(sin_ptr + pos * D + offs_d)
+    pdl_wait(USE_PDL)
+
     row = qkv_ptr + t * stride_qkv
-
     hq = tl.arange(0, BLOCK_HQ)
-    q = _load_rotated(row, hq, offs_d, half, D, hq < HQ, cos, sin, q_norm_ptr, eps, QK_NORM)
+    hk = tl.arange(0, BLOCK_HKV)
+    q_mask = (hq < HQ)[:, None]
+    kv_mask = (hk < HKV)[:, None] & (slot >= 0)  # padded rows of a CUDA-graph batch store nothing
+    q, q_rot = _load_heads(row, hq, offs_d, half, D, q_mask)
+    k, k_rot = _load_heads(row + HQ * D, hk, offs_d, half, D, kv_mask)
+    v = tl.load(row + (HQ + HKV) * D + hk[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
+    q = _rotate(q, q_rot, offs_d, half, D, cos, sin, q_norm_ptr, eps, QK_NORM)
+    k = _rotate(k, k_rot, offs_d, half, D, cos, sin, k_norm_ptr, eps, QK_NORM)
     out = q_out_ptr + t * HQ * D + hq[:, None] * D + offs_d[None, :]
-    tl.store(out, q.to(q_out_ptr.dtype.element_ty), mask=(hq < HQ)[:, None])
-
-    if slot >= 0:  # padded rows of a CUDA-graph batch write nothing
-        hk = tl.arange(0, BLOCK_HKV)
-        kmask = (hk < HKV)[:, None]
-        k_row = row + HQ * D
-        k = _load_rotated(k_row, hk, offs_d, half, D, hk < HKV, cos, sin, k_norm_ptr, eps, QK_NORM)
-        cache_off = slot * HKV * D + hk[:, None] * D + offs_d[None, :]
-        tl.store(k_cache_ptr + cache_off, k.to(k_cache_ptr.dtype.element_ty), mask=kmask)
-        v = tl.load(k_row + HKV * D + hk[:, None] * D + offs_d[None, :], mask=kmask, other=0.0)
-        tl.store(v_cache_ptr + cache_off, v, mask=kmask)
+    tl.store(out, q.to(q_out_ptr.dtype.element_ty), mask=q_mask)
+    cache_off = slot * HKV * D + hk[:, None] * D + offs_d[None, :]
+    tl.store(k_cache_ptr + cache_off, k.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(v_cache_ptr + cache_off, v, mask=kv_mask)
 
 
 def rope_and_store(
