@@ -30,6 +30,26 @@ def _w_slab(w_rows, k, k_hi, n_mask, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _x_slab(
+    x_ptr, res_ptr, offs_m, m_mask, stride_xm, k, k_hi, K, BLOCK_K: tl.constexpr,
+    GATED: tl.constexpr, HAS_RES: tl.constexpr,
+):  # fmt: skip
+    """Columns `k .. k + BLOCK_K` (below `k_hi`) of the input rows: (x, up half, residual); the
+    last two only where GATED / HAS_RES, else `x` again."""
+    offs = k + tl.arange(0, BLOCK_K)
+    x_offs = offs_m[:, None] * stride_xm + offs[None, :]
+    mask = m_mask[:, None] & (offs < k_hi)[None, :]
+    x = tl.load(x_ptr + x_offs, mask=mask, other=0.0)
+    up = x
+    r = x
+    if GATED:  # the up half follows K columns after the gate
+        up = tl.load(x_ptr + x_offs + K, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(res_ptr + x_offs, mask=mask, other=0.0)
+    return x, up, r
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, part_ptr, ticket_ptr, res_ptr, new_res_ptr, norm_w_ptr, ss_ptr, eps,
     M, N, K, k_per_split, stride_xm, stride_wn, stride_om,
@@ -60,6 +80,11 @@ def _gemv_kernel(
     if PREFETCH == 2:
         w_after = _w_slab(w_rows, k_lo + BLOCK_K, k_hi, n_mask, BLOCK_K)
     pdl_wait(USE_PDL)
+    # The input is loaded one slab ahead too, so each slab's loads are in flight while the
+    # previous one is summed (one load latency after the wait, not one per slab).
+    x_next, up_next, r_next = _x_slab(
+        x_ptr, res_ptr, offs_m, m_mask, stride_xm, k_lo, k_hi, K, BLOCK_K, GATED, HAS_RES
+    )
     for k in range(k_lo, k_lo + k_per_split, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
@@ -69,17 +94,19 @@ def _gemv_kernel(
             w_after = _w_slab(w_rows, k + 2 * BLOCK_K, k_hi, n_mask, BLOCK_K)
         else:
             w_next = _w_slab(w_rows, k + BLOCK_K, k_hi, n_mask, BLOCK_K)
+        x, up, r = x_next, up_next, r_next
+        x_next, up_next, r_next = _x_slab(
+            x_ptr, res_ptr, offs_m, m_mask, stride_xm, k + BLOCK_K, k_hi, K, BLOCK_K, GATED,
+            HAS_RES,
+        )  # fmt: skip
         w = w_cur.to(tl.float32)
         x_offs = offs_m[:, None] * stride_xm + offs_k[None, :]
         x_mask = m_mask[:, None] & k_mask[None, :]
-        x = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
-        if GATED:  # x is the gate; the up half follows K columns later
-            up = tl.load(x_ptr + x_offs + K, mask=x_mask, other=0.0).to(tl.float32)
+        if GATED:  # x is the gate
             x = x.to(tl.float32)
-            x = x * tl.sigmoid(x) * up
+            x = x * tl.sigmoid(x) * up.to(tl.float32)
         if NORM:
             if HAS_RES:  # the sum is rounded to the activation dtype, as an eager add does
-                r = tl.load(res_ptr + x_offs, mask=x_mask, other=0.0)
                 x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
                 if pid_n == 0:
                     tl.store(new_res_ptr + x_offs, x, mask=x_mask)
