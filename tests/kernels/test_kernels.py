@@ -253,7 +253,8 @@ def test_prefill_attention_with_prefix(dtype, hq, hkv, d, page, window) -> None:
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(4, 4, 64), (8, 2, 128), (16, 2, 64)])
 @pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("window", [None, 50])
-def test_split_kv_decode(dtype, hq, hkv, d, page, window) -> None:
+@pytest.mark.parametrize("early_kv", [True, False])
+def test_split_kv_decode(dtype, hq, hkv, d, page, window, early_kv) -> None:
     gen = torch.Generator().manual_seed(hq * 3 + d + page)
     kv_lens = [1, 77, 300, 0, 16]  # 0: a padded CUDA-graph row
     k, v, table = _paged_setup(kv_lens, page, hkv, d, dtype, gen)
@@ -263,7 +264,7 @@ def test_split_kv_decode(dtype, hq, hkv, d, page, window) -> None:
     mid_lse = torch.empty(len(kv_lens), hq, splits, device=DEVICE)
     scale = d**-0.5
     kv = torch.tensor(kv_lens, device=DEVICE)
-    out = decode_attention(q, k, v, kv, table, page, scale, window, mid_o, mid_lse)
+    out = decode_attention(q, k, v, kv, table, page, scale, window, mid_o, mid_lse, early_kv)
     for i, n in enumerate(kv_lens):
         if n == 0:
             assert (out[i] == 0).all()
@@ -379,7 +380,7 @@ def test_pdl_kernels_wait_before_touching_memory() -> None:
     before_wait = json.loads(run.stdout)
     assert set(before_wait) >= {"decode_split", "decode_reduce", "gemv", "rope_store"}
     for name, ops in before_wait.items():
-        if name in {"gemv", "rope_store", "decode_split"}:
+        if name in {"gemv", "rope_store", "decode_split", "decode_split_late"}:
             assert ops and all(op.startswith("ld.global") for op in ops), (name, ops)
         else:
             assert ops == [], (name, ops)

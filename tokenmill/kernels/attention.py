@@ -6,6 +6,8 @@ in slot `page_table[seq, p // page_size] * page_size + p % page_size`.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -129,34 +131,37 @@ def _decode_split_kernel(
     stride_pt, qk_scale, window,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    EARLY_KV: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    # Positions before the query's own (kv_len - 1) were cached by earlier steps, and the step's
-    # KV lengths and page table were written before the previous kernel started (see
-    # `tokenmill.kernels.pdl`): each split reads them, and its first K/V block, before the wait.
-    # The new token's K/V (stored by the previous kernel) is folded in by the last split after it.
+    # The step's KV lengths and page table were written before the previous kernel started (see
+    # `tokenmill.kernels.pdl`): read before the wait. With EARLY_KV (for grids of one wave) the
+    # splits cover the positions cached by earlier steps, each loads its first K/V block before
+    # the wait too (held in registers), and the last split folds in the new token's K/V (stored
+    # by the previous kernel) after it. Without, all K/V is loaded in the loop, after the wait,
+    # which the compiler pipelines through shared memory (fewer registers: more programs per SM).
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     group: tl.constexpr = HQ // HKV
     kv_len = tl.load(kv_lens_ptr + seq)
-    cached = tl.maximum(kv_len - 1, 0)
-    split_len = tl.cdiv(tl.cdiv(cached, SPLITS), BLOCK_N) * BLOCK_N
+    n = tl.maximum(kv_len - 1, 0) if EARLY_KV else kv_len  # positions the splits cover
+    split_len = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK_N) * BLOCK_N
     lo = split * split_len
-    hi = tl.minimum(lo + split_len, cached)
+    hi = tl.minimum(lo + split_len, n)
     if HAS_WINDOW:
         lo = tl.maximum(lo, kv_len - window)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, D)
     seq64 = seq.to(tl.int64)
     page_row = page_table_ptr + seq64 * stride_pt
-    offs_n = lo + tl.arange(0, BLOCK_N)
-    valid = offs_n < hi
-    k = _kv_block(k_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
-    v = _kv_block(v_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
-    fold_new = (split == SPLITS - 1) & (kv_len > 0)
-    new_page = tl.load(page_row + cached // PAGE, mask=fold_new, other=0)
-    new_at = (new_page.to(tl.int64) * PAGE + cached % PAGE) * (HKV * D) + kvh * D + offs_d
+    if EARLY_KV:
+        offs_n = lo + tl.arange(0, BLOCK_N)
+        valid = offs_n < hi
+        k = _kv_block(k_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
+        v = _kv_block(v_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
+        fold_new = (split == SPLITS - 1) & (kv_len > 0)
+        new_page = tl.load(page_row + n // PAGE, mask=fold_new, other=0)
+        new_at = (new_page.to(tl.int64) * PAGE + n % PAGE) * (HKV * D) + kvh * D + offs_d
     pdl_wait(USE_PDL)
 
     heads = kvh * group + offs_g
@@ -164,28 +169,36 @@ def _decode_split_kernel(
     q = tl.load(
         q_ptr + seq64 * (HQ * D) + heads[:, None] * D + offs_d[None, :], mask=g_mask[:, None]
     )
-    k_new = tl.load(k_cache_ptr + new_at, mask=fold_new & (offs_d < D), other=0.0)
-    v_new = tl.load(v_cache_ptr + new_at, mask=fold_new & (offs_d < D), other=0.0)
+    if EARLY_KV:
+        k_new = tl.load(k_cache_ptr + new_at, mask=fold_new & (offs_d < D), other=0.0)
+        v_new = tl.load(v_cache_ptr + new_at, mask=fold_new & (offs_d < D), other=0.0)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
     for start in range(lo, hi, BLOCK_N):
+        if not EARLY_KV:
+            offs_n = start + tl.arange(0, BLOCK_N)
+            valid = offs_n < hi
+            k = _kv_block(k_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
+            v = _kv_block(v_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
         m_i, l_i, acc = _attend_block(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale)
-        offs_n = start + BLOCK_N + tl.arange(0, BLOCK_N)
-        valid = offs_n < hi
-        k = _kv_block(k_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
-        v = _kv_block(v_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
-    # The new token, as one more key of the online softmax (-inf score: not this split's).
-    s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale
-    s = tl.where(fold_new, s, float("-inf"))
-    m_new = tl.maximum(m_i, s)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_safe)
-    alpha = tl.math.exp2(m_i - m_safe)
-    l_i = l_i * alpha + p
-    acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
+        if EARLY_KV:  # the next block, loaded while this one's scores are summed
+            offs_n = start + BLOCK_N + tl.arange(0, BLOCK_N)
+            valid = offs_n < hi
+            k = _kv_block(k_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
+            v = _kv_block(v_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
+    if EARLY_KV:  # the new token, as one more key (-inf score: not this split's)
+        s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale
+        s = tl.where(fold_new, s, float("-inf"))
+        m_new = tl.maximum(m_i, s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe)
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
+        m_i = m_new
     # log2-sum-exp of this split's scores; -inf when the split saw no position.
-    lse = tl.where(l_i > 0.0, m_new + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+    lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     row = (seq64 * HQ + heads) * SPLITS + split
     tl.store(mid_o_ptr + row[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
@@ -215,6 +228,14 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + (seq * HQ + h) * D + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
+@functools.cache
+def _one_wave(device: torch.device) -> int:
+    """Programs of the split-decode kernel that run at once: one per SM (on the CPU, any)."""
+    if device.type != "cuda":
+        return 1 << 30
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -226,12 +247,14 @@ def decode_attention(
     window: int | None,
     mid_o: torch.Tensor,
     mid_lse: torch.Tensor,
+    early_kv: bool | None = None,
 ) -> torch.Tensor:
     """One query per sequence (`q` `[B, Hq, D]`) attending to its whole paged context.
 
     The context is cut into `mid_o.shape[2]` splits processed in parallel, then merged by their
     log-sum-exp; `mid_o` `[>=B, Hq, S, D]` and `mid_lse` `[>=B, Hq, S]` are float32 scratch.
-    Sequences with `kv_len == 0` (CUDA-graph padding) produce zeros.
+    Sequences with `kv_len == 0` (CUDA-graph padding) produce zeros. `early_kv` (default: when
+    the grid fits in one wave of the GPU) loads each split's first K/V block before the PDL wait.
     """
     batch, hq, d = q.shape
     hkv = k_cache.shape[-2]
@@ -239,12 +262,15 @@ def decode_attention(
     out = torch.empty_like(q)
     group = hq // hkv
     pdl = pdl_options(q.device)
-    _decode_split_kernel[(batch, hkv, splits)](
+    grid = (batch, hkv, splits)
+    if early_kv is None:
+        early_kv = batch * hkv * splits <= _one_wave(q.device)
+    _decode_split_kernel[grid](
         q, k_cache, v_cache, mid_o, mid_lse, kv_lens, page_table, page_table.stride(0),
         scale * _LOG2E, window or 0,
         HQ=hq, HKV=hkv, D=d, PAGE=page_size, SPLITS=splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=64,
-        HAS_WINDOW=window is not None, num_warps=4, num_stages=2, **pdl,
+        HAS_WINDOW=window is not None, EARLY_KV=early_kv, num_warps=4, num_stages=2, **pdl,
     )  # fmt: skip
     _decode_reduce_kernel[(batch, hq)](
         mid_o, mid_lse, out, HQ=hq, D=d, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
