@@ -10,17 +10,16 @@ from tokenmill.kernels.pdl import pdl_options, pdl_wait
 
 
 @triton.jit
-def _load_heads(base_ptr, heads, offs_d, half: tl.constexpr, D: tl.constexpr, mask):
-    """Load `[H, D]` heads and the same heads with their halves swapped (for rotate-half)."""
+def _load_heads(base_ptr, heads, offs_d, rot_d, D: tl.constexpr, mask):
+    """Load `[H, D]` heads, and the same heads with their halves swapped (columns `rot_d`)."""
     x = tl.load(base_ptr + heads[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
-    rot_d = (offs_d + half) % D
     x_rot = tl.load(base_ptr + heads[:, None] * D + rot_d[None, :], mask=mask, other=0.0)
     return x, x_rot
 
 
 @triton.jit
 def _rotate(
-    x, x_rot, offs_d, half: tl.constexpr, D: tl.constexpr, cos, sin, norm_w_ptr, eps,
+    x, x_rot, offs_d, rot_d, half: tl.constexpr, D: tl.constexpr, cos, sin, norm_w_ptr, eps,
     QK_NORM: tl.constexpr,
 ):  # fmt: skip
     """RMS-normalise each head of `x` (optional), then rotate-half by (cos, sin)."""
@@ -29,7 +28,7 @@ def _rotate(
     if QK_NORM:
         inv = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
         w = tl.load(norm_w_ptr + offs_d).to(tl.float32)
-        w_rot = tl.load(norm_w_ptr + (offs_d + half) % D).to(tl.float32)
+        w_rot = tl.load(norm_w_ptr + rot_d).to(tl.float32)
         xf = xf * inv[:, None] * w[None, :]
         xr = xr * inv[:, None] * w_rot[None, :]
     sign = tl.where(offs_d < half, -1.0, 1.0)
@@ -51,6 +50,7 @@ def _rope_store_kernel(
     slot = tl.load(slots_ptr + t)
     offs_d = tl.arange(0, D)
     half: tl.constexpr = D // 2
+    rot_d = (offs_d + half) % D  # rotate-half's partner column
     cos = tl.load(cos_ptr + pos * D + offs_d)
     sin = tl.load(sin_ptr + pos * D + offs_d)
     pdl_wait(USE_PDL)
@@ -60,11 +60,11 @@ def _rope_store_kernel(
     hk = tl.arange(0, BLOCK_HKV)
     q_mask = (hq < HQ)[:, None]
     kv_mask = (hk < HKV)[:, None] & (slot >= 0)  # padded rows of a CUDA-graph batch store nothing
-    q, q_rot = _load_heads(row, hq, offs_d, half, D, q_mask)
-    k, k_rot = _load_heads(row + HQ * D, hk, offs_d, half, D, kv_mask)
+    q, q_rot = _load_heads(row, hq, offs_d, rot_d, D, q_mask)
+    k, k_rot = _load_heads(row + HQ * D, hk, offs_d, rot_d, D, kv_mask)
     v = tl.load(row + (HQ + HKV) * D + hk[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
-    q = _rotate(q, q_rot, offs_d, half, D, cos, sin, q_norm_ptr, eps, QK_NORM)
-    k = _rotate(k, k_rot, offs_d, half, D, cos, sin, k_norm_ptr, eps, QK_NORM)
+    q = _rotate(q, q_rot, offs_d, rot_d, half, D, cos, sin, q_norm_ptr, eps, QK_NORM)
+    k = _rotate(k, k_rot, offs_d, rot_d, half, D, cos, sin, k_norm_ptr, eps, QK_NORM)
     out = q_out_ptr + t * HQ * D + hq[:, None] * D + offs_d[None, :]
     tl.store(out, q.to(q_out_ptr.dtype.element_ty), mask=q_mask)
     cache_off = slot * HKV * D + hk[:, None] * D + offs_d[None, :]

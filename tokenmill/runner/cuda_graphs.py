@@ -33,6 +33,11 @@ def batch_size_ladder(max_bs: int) -> list[int]:
     return [*sizes, max_bs]
 
 
+def _fitting(ladder: list[int], n: int) -> int:
+    """The smallest size of `ladder` (ascending) that holds `n`."""
+    return ladder[bisect.bisect_left(ladder, n)]
+
+
 def prefill_size_ladder(max_tokens: int) -> list[int]:
     """16, 32, 64, 128, then every multiple of 128 up to `max_tokens` (empty below 16)."""
     if max_tokens < 16:
@@ -177,7 +182,7 @@ class CudaGraphRunner:
 
     def padded_size(self, batch: int) -> int:
         """The smallest captured batch size that holds `batch` sequences."""
-        return self.sizes[bisect.bisect_left(self.sizes, batch)]
+        return _fitting(self.sizes, batch)
 
     def pack_decode(
         self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, kv_lens: np.ndarray,
@@ -219,6 +224,6 @@ class CudaGraphRunner:
     def run_prefill(self, num_tokens: int) -> torch.Tensor:
         """Logits `[1, V]` of the last of `num_tokens` prefilled tokens of one sequence, whose
         inputs (`pack_prefill`) are in `prefill_block`."""
-        t = self.prefill_sizes[bisect.bisect_left(self.prefill_sizes, num_tokens)]
+        t = _fitting(self.prefill_sizes, num_tokens)
         self.prefill_graphs[t].replay()
         return self.prefill_logits[t]
