@@ -77,3 +77,21 @@ def test_bench_roofline_prints_the_floor(capsys) -> None:
     out = capsys.readouterr().out
     # 15.0 GB of bf16 weights per step at 4.27 TB/s: ~3.5 ms, ~283 tok/s.
     assert "B1 floor: 3.5" in out and "283 tok/s" in out
+
+
+def test_version_answers_without_importing_torch() -> None:
+    code = "import sys; from tokenmill.__main__ import main; main(['--version']); " \
+        "print('torch' in sys.modules)"  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["tokenmill", "0.1.0", "False"]
+
+
+def test_log_level_is_accepted_after_the_subcommand() -> None:
+    from tokenmill.entrypoints.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["generate", "x", "--log-level", "DEBUG"]).log_level == "DEBUG"
+    assert parser.parse_args(["--log-level", "ERROR", "generate", "x"]).log_level == "ERROR"
+    assert parser.parse_args(["generate", "x"]).log_level == "INFO"
+    bench = ["bench", "serve", "--model", "m", "--log-level", "WARNING"]
+    assert parser.parse_args(bench).log_level == "WARNING"

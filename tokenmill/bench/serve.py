@@ -11,6 +11,7 @@ import asyncio
 import json
 import re
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -231,6 +232,12 @@ def summarize(
     }
 
 
+def _failure_reasons(report: dict[str, Any], limit: int = 5) -> list[tuple[str, int]]:
+    """The commonest errors of the failed requests, most frequent first."""
+    errors = Counter(r["error"] for r in report["records"] if not r["success"])
+    return [(error or "unknown error", n) for error, n in errors.most_common(limit)]
+
+
 def format_table(report: dict[str, Any]) -> str:
     """The report as a readable table."""
     rows = [
@@ -245,6 +252,7 @@ def format_table(report: dict[str, Any]) -> str:
     if report["prefix_cache_hit_rate"] is not None:
         rows.append(("prefix cache hit rate", f"{100 * report['prefix_cache_hit_rate']:.1f} %"))
     lines = [f"{k:<32}{v}" for k, v in rows]
+    lines += [f"  failed: {count} x {error}" for error, count in _failure_reasons(report)]
     lines.append(f"{'(ms)':<18}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'max':>10}")
     for key in ("ttft_s", "itl_s", "tpot_s", "e2e_s", "session_completion_s"):
         s = report[key]

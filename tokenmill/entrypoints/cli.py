@@ -74,18 +74,34 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ignore-eos", action="store_true", help="Keep going past end-of-sequence.")
 
 
+def _add_log_level(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument(
+        "--log-level",
+        default=default,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="Logging verbosity (default: INFO).",
+    )
+
+
+def _log_level_anywhere(parser: argparse.ArgumentParser) -> None:
+    """Accept `--log-level` after the subcommand too: each leaf parser takes it, and sets it only
+    when given (SUPPRESS), so the top-level default stands otherwise."""
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not actions:
+        if not any("--log-level" in a.option_strings for a in parser._actions):
+            _add_log_level(parser, argparse.SUPPRESS)
+        return
+    for sub in actions[0].choices.values():
+        _log_level_anywhere(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `tokenmill` argument parser with every subcommand."""
     parser = argparse.ArgumentParser(
         prog="tokenmill", description="tokenmill: a small, fast, observable LLM inference engine."
     )
     parser.add_argument("--version", action="version", version=f"tokenmill {__version__}")
-    parser.add_argument(
-        "--log-level",
-        default="INFO",
-        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-        help="Logging verbosity (default: INFO).",
-    )
+    _add_log_level(parser, "INFO")
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser(
         "generate",
@@ -141,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     add_engine_args(srv)
     _add_bench_parser(commands)
+    for sub in commands.choices.values():
+        _log_level_anywhere(sub)
     return parser
 
 
