@@ -95,3 +95,9 @@ def test_log_level_is_accepted_after_the_subcommand() -> None:
     assert parser.parse_args(["generate", "x"]).log_level == "INFO"
     bench = ["bench", "serve", "--model", "m", "--log-level", "WARNING"]
     assert parser.parse_args(bench).log_level == "WARNING"
+
+
+def test_bad_sampling_option_fails_before_the_model_loads(tmp_path: Path, capsys) -> None:
+    missing = tmp_path / "no-such-checkpoint"  # loading it would fail with another message
+    assert main(["generate", "--model", str(missing), "x", "--max-tokens", "0"]) == 2
+    assert "max_tokens must be an integer >= 1" in capsys.readouterr().err

@@ -384,8 +384,8 @@ def _sampling_params(ns: argparse.Namespace) -> SamplingParams:
 def _chat(ns: argparse.Namespace) -> int:
     from tokenmill.entrypoints.llm import LLM
 
+    params = _sampling_params(ns)  # bad sampling options fail before the model loads
     llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
-    params = _sampling_params(ns)
     messages = [{"role": "system", "content": ns.system}] if ns.system else []
     for line in sys.stdin:
         if not line.strip():
@@ -400,9 +400,8 @@ def _chat(ns: argparse.Namespace) -> int:
 def _generate(ns: argparse.Namespace) -> int:
     from tokenmill.entrypoints.llm import LLM
 
-    args = engine_args_from(ns)
-    llm = LLM(**dataclasses.asdict(args))
-    params = _sampling_params(ns)
+    params = _sampling_params(ns)  # bad sampling options fail before the model loads
+    llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
     if ns.chat:
         chats = [[{"role": "user", "content": p}] for p in ns.prompts]
         outputs = llm.chat(chats, params, use_tqdm=False)
