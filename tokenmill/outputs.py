@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenmill.engine.request import Logprob
+from tokenmill.batch import Logprob
 
 
 @dataclass

@@ -114,8 +114,8 @@ def assert_pages_partitioned(cache: CacheManager, engine: EngineCore) -> None:
     owned: list[int] = []
     requests = [*engine.scheduler.running, *engine.scheduler.waiting]
     for req in requests:
-        owned.extend(req.page_ids[req.num_tree_pages :])
-        assert set(req.page_ids[: req.num_tree_pages]) <= set(tree)
+        owned.extend(req.pages.page_ids[req.pages.num_tree_pages :])
+        assert set(req.pages.page_ids[: req.pages.num_tree_pages]) <= set(tree)
     everything = [*free, *tree, *owned]
     assert len(everything) == len(set(everything)) == pool.num_pages
     assert len(free) == pool.num_free
@@ -123,7 +123,7 @@ def assert_pages_partitioned(cache: CacheManager, engine: EngineCore) -> None:
     if cache.radix is not None:
         expected: dict[int, int] = {}
         for req in requests:
-            node = req.prefix_node
+            node = req.pages.prefix_node
             while node is not None:
                 expected[id(node)] = expected.get(id(node), 0) + 1
                 node = node.parent

@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import hf_greedy
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.request import FinishReason
+from tokenmill.batch import FinishReason
 
 PROMPT = list(range(30, 50))
 

@@ -1,12 +1,15 @@
-"""CacheManager: gives requests KV pages, reusing and recording cached prefixes on the way."""
+"""CacheManager: gives sequences KV pages, reusing and recording cached prefixes on the way.
+
+It knows token ids and page lists, not requests: each sequence's pages are a `SeqPages` the
+caller keeps (the engine's `Request` holds one as an opaque handle).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenmill.cache.page_pool import PagePool
-from tokenmill.cache.radix_cache import RadixCache
-from tokenmill.engine.request import Request
+from tokenmill.cache.radix_cache import RadixCache, RadixNode
 
 
 @dataclass
@@ -17,12 +20,23 @@ class PrefixCacheStats:
     hits: int = 0
 
 
+@dataclass(eq=False)
+class SeqPages:
+    """The KV pages of one sequence, token i in page `page_ids[i // page_size]`.
+
+    The leading `num_tree_pages` are owned by the radix tree (locked through `prefix_node`); the
+    rest are owned by this sequence alone. Only `CacheManager` changes it.
+    """
+
+    page_ids: list[int] = field(default_factory=list)
+    prefix_node: RadixNode | None = None  # deepest locked radix node of the shared prefix
+    num_tree_pages: int = 0
+
+
 class CacheManager:
     """Owns the page pool and the optional radix prefix cache; every page move goes through here.
 
-    A request's `page_ids` start with the pages of its matched prefix (owned by the tree, locked
-    through `request.prefix_node`) followed by pages it owns alone. Every page is exactly one of:
-    free, owned by the tree, or owned by one request.
+    Every page is exactly one of: free, owned by the tree, or owned by one sequence.
     """
 
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool) -> None:
@@ -33,7 +47,7 @@ class CacheManager:
 
     @property
     def num_used_pages(self) -> int:
-        """Pages held by requests or cached prefixes that are still referenced."""
+        """Pages held by sequences or cached prefixes that are still referenced."""
         evictable = self.radix.num_evictable_pages if self.radix is not None else 0
         return self.pool.num_pages - self.pool.num_free - evictable
 
@@ -41,35 +55,33 @@ class CacheManager:
         """Pages that hold `num_tokens` tokens."""
         return -(-num_tokens // self.page_size)
 
-    def cached_length(self, req: Request) -> int:
-        """Tokens of `req` a prefix match would find now (read-only; 0 without caching)."""
+    def cached_length(self, token_ids: list[int]) -> int:
+        """Leading tokens of `token_ids` a prefix match would find now (read-only; 0 without
+        caching)."""
         if self.radix is None:
             return 0
-        return self.radix.cached_length(req.all_token_ids[: req.num_tokens - 1])
+        return self.radix.cached_length(token_ids)
 
-    def match_prefix(self, req: Request) -> None:
-        """Give a request with no pages the longest cached prefix of its tokens."""
-        assert not req.page_ids and req.num_computed_tokens == 0
+    def match_prefix(self, seq: SeqPages, token_ids: list[int]) -> int:
+        """Give a sequence with no pages the longest cached prefix of `token_ids`; returns how
+        many tokens it covers (whole pages)."""
+        assert not seq.page_ids
         if self.radix is None:
-            return
-        # The last token is always computed: its logits give the next token.
-        tokens = req.all_token_ids[: req.num_tokens - 1]
-        match = self.radix.match_prefix(tokens)
-        req.page_ids = list(match.pages)
-        req.prefix_node = match.node
-        req.num_tree_pages = match.num_pages
-        req.num_computed_tokens = match.num_pages * self.page_size
+            return 0
+        match = self.radix.match_prefix(token_ids)
+        seq.page_ids = list(match.pages)
+        seq.prefix_node = match.node
+        seq.num_tree_pages = match.num_pages
+        return match.num_pages * self.page_size
 
-    def record_admission(self, req: Request) -> None:
-        """Count an admitted request's prefix lookup; first admission sets `num_cached_tokens`."""
-        self.stats.queries += req.num_tokens
-        self.stats.hits += req.num_computed_tokens
-        if req.num_preemptions == 0:
-            req.num_cached_tokens = req.num_computed_tokens
+    def record_lookup(self, num_tokens: int, num_cached: int) -> None:
+        """Count an admitted sequence's prefix lookup: `num_cached` of `num_tokens` found."""
+        self.stats.queries += num_tokens
+        self.stats.hits += num_cached
 
-    def allocate(self, req: Request, num_new_tokens: int) -> bool:
-        """Ensure pages for `num_new_tokens` more tokens, evicting cached prefixes if needed."""
-        needed = self.pages_needed(req.num_computed_tokens + num_new_tokens) - len(req.page_ids)
+    def allocate(self, seq: SeqPages, num_tokens: int) -> bool:
+        """Ensure `seq` has pages for `num_tokens` tokens, evicting cached prefixes if needed."""
+        needed = self.pages_needed(num_tokens) - len(seq.page_ids)
         if needed <= 0:
             return True
         shortfall = needed - self.pool.num_free
@@ -77,39 +89,38 @@ class CacheManager:
             self.radix.evict(shortfall)
         if needed > self.pool.num_free:
             return False
-        req.page_ids.extend(self.pool.alloc(needed))
+        seq.page_ids.extend(self.pool.alloc(needed))
         return True
 
-    def cache_computed(self, req: Request) -> None:
-        """Share a request's newly completed pages through the tree while it keeps running."""
-        if (
-            self.radix is not None
-            and req.num_computed_tokens // self.page_size > req.num_tree_pages
-        ):
-            self._insert(req)
+    def has_uncached_pages(self, seq: SeqPages, num_computed: int) -> bool:
+        """Whether `num_computed` tokens fill pages of `seq` the tree does not share yet."""
+        return self.radix is not None and num_computed // self.page_size > seq.num_tree_pages
 
-    def _insert(self, req: Request) -> None:
+    def cache_computed(self, seq: SeqPages, computed_token_ids: list[int]) -> None:
+        """Share the full pages holding `computed_token_ids` (the sequence's leading tokens
+        whose KV is computed) through the tree while the sequence keeps running."""
+        if not self.has_uncached_pages(seq, len(computed_token_ids)):
+            return
         assert self.radix is not None
-        tokens = req.all_token_ids[: req.num_computed_tokens]
-        node, tree_pages = self.radix.insert(tokens, req.page_ids)
-        req.page_ids[: len(tree_pages)] = tree_pages
+        node, tree_pages = self.radix.insert(computed_token_ids, seq.page_ids)
+        seq.page_ids[: len(tree_pages)] = tree_pages
         self.radix.lock(node)
-        if req.prefix_node is not None:
-            self.radix.unlock(req.prefix_node)
-        req.prefix_node = node
-        req.num_tree_pages = len(tree_pages)
+        if seq.prefix_node is not None:
+            self.radix.unlock(seq.prefix_node)
+        seq.prefix_node = node
+        seq.num_tree_pages = len(tree_pages)
 
-    def release(self, req: Request) -> None:
-        """Take back a finished or preempted request's pages, caching its computed prefix."""
-        self.cache_computed(req)
-        self.pool.free(req.page_ids[req.num_tree_pages :])
-        if req.prefix_node is not None:
+    def release(self, seq: SeqPages, computed_token_ids: list[int]) -> None:
+        """Take back a finished or preempted sequence's pages, caching its computed prefix."""
+        self.cache_computed(seq, computed_token_ids)
+        self.pool.free(seq.page_ids[seq.num_tree_pages :])
+        if seq.prefix_node is not None:
             assert self.radix is not None
-            self.radix.unlock(req.prefix_node)
-        req.page_ids = []
-        req.prefix_node = None
-        req.num_tree_pages = 0
+            self.radix.unlock(seq.prefix_node)
+        seq.page_ids = []
+        seq.prefix_node = None
+        seq.num_tree_pages = 0
 
     def flush(self) -> int:
-        """Drop every cached prefix no request is using; returns pages freed."""
+        """Drop every cached prefix no sequence is using; returns pages freed."""
         return self.radix.flush() if self.radix is not None else 0

@@ -11,9 +11,9 @@ import msgspec
 import torch
 import zmq
 
+from tokenmill.batch import FinishReason
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine_core import EngineCore, EngineOutput
-from tokenmill.engine.request import FinishReason
 from tokenmill.ipc.messages import (
     AbortRequest,
     EngineInput,

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.batch import FinishReason, Logprob, Request, SchedulerOutput
 from tokenmill.cache.cache_manager import CacheManager
 from tokenmill.config import EngineConfig
-from tokenmill.engine.request import FinishReason, Logprob, Request
-from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
+from tokenmill.engine.scheduler import Scheduler
 from tokenmill.observability.histogram import (
     STEP_SECONDS_BUCKETS,
     TOKEN_COUNT_BUCKETS,

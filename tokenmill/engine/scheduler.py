@@ -6,47 +6,23 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from tokenmill.batch import (
+    FinishReason,
+    Logprob,
+    Request,
+    RequestStatus,
+    ScheduledSeq,
+    SchedulerOutput,
+)
 from tokenmill.cache.cache_manager import CacheManager
 from tokenmill.config import SchedulerConfig
-from tokenmill.engine.request import FinishReason, Logprob, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
 # How many waiting requests the cache-aware policy compares per admission.
 CACHE_AWARE_SCAN = 128
-
-
-@dataclass(frozen=True)
-class ScheduledSeq:
-    """A request's share of one step: `num_new_tokens` tokens from `start`.
-
-    `samples`: the step reaches the end of the request's tokens, so the next one is sampled.
-    """
-
-    request: Request
-    start: int
-    num_new_tokens: int
-    samples: bool
-
-    @staticmethod
-    def of(req: Request, num_new: int) -> ScheduledSeq:
-        """Schedule `num_new` tokens of `req` from its computed ones."""
-        samples = num_new == req.num_uncomputed_tokens
-        return ScheduledSeq(req, req.num_computed_tokens, num_new, samples)
-
-
-@dataclass
-class SchedulerOutput:
-    """One step's batch, in the order the runner lays it out."""
-
-    seqs: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.seqs)
 
 
 @dataclass
@@ -97,7 +73,7 @@ class Scheduler:
                 i += 1  # its in-flight token is its last: nothing more to compute
                 continue
             num_new = min(req.num_uncomputed_tokens, budget)
-            while not self.cache.allocate(req, num_new):
+            while not self.cache.allocate(req.pages, req.num_computed_tokens + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -110,7 +86,7 @@ class Scheduler:
         return budget
 
     def _preempt(self, req: Request) -> None:
-        self.cache.release(req)
+        self._release(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -123,14 +99,16 @@ class Scheduler:
             req = self._next_waiting()
             if req.num_pending:
                 return  # preempted while its last token was in flight: admit once it lands
-            self.cache.match_prefix(req)
+            req.num_computed_tokens = self.cache.match_prefix(req.pages, _prefix_key(req))
             num_new = min(req.num_uncomputed_tokens, budget)
-            if not self.cache.allocate(req, num_new):
-                self.cache.release(req)
+            if not self.cache.allocate(req.pages, req.num_computed_tokens + num_new):
+                self._release(req)
                 req.num_computed_tokens = 0
                 return
             self.waiting.remove(req)
-            self.cache.record_admission(req)
+            self.cache.record_lookup(req.num_tokens, req.num_computed_tokens)
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = req.num_computed_tokens
             if req.scheduled_time is None:
                 req.scheduled_time = time.time()
             req.status = RequestStatus.RUNNING
@@ -151,7 +129,7 @@ class Scheduler:
         if time.time() - head.arrival_time > self.config.cache_aware_max_wait:
             return head
         candidates = itertools.islice(self.waiting, CACHE_AWARE_SCAN)
-        return max(candidates, key=self.cache.cached_length)
+        return max(candidates, key=lambda r: self.cache.cached_length(_prefix_key(r)))
 
     def mark_launched(self, out: SchedulerOutput) -> None:
         """The batch is on its way: its tokens count as computed, its samples as pending."""
@@ -184,7 +162,8 @@ class Scheduler:
                 if req.is_finished:
                     self._remove_finished(req)
                     continue
-            self.cache.cache_computed(req)
+            if self.cache.has_uncached_pages(req.pages, req.num_computed_tokens):
+                self.cache.cache_computed(req.pages, req.token_slice(0, req.num_computed_tokens))
         return touched
 
     def _remove_finished(self, req: Request) -> None:
@@ -192,14 +171,17 @@ class Scheduler:
             self.waiting.remove(req)
         else:
             self.running.remove(req)
-        self.cache.release(req)
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
+        self.cache.release(req.pages, req.token_slice(0, req.num_computed_tokens))
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Request | None:
         """Finish a waiting or running request now; returns it, or None if unknown or finished."""
         for req in self.waiting:
             if req.request_id == request_id:
                 self.waiting.remove(req)
-                self.cache.release(req)
+                self._release(req)
                 req.finish(reason)
                 return req
         for req in self.running:
@@ -208,3 +190,9 @@ class Scheduler:
                 self._remove_finished(req)
                 return req
         return None
+
+
+def _prefix_key(req: Request) -> list[int]:
+    """The tokens a prefix match may cover: all but the last, which is always computed (its
+    logits give the next token)."""
+    return req.token_slice(0, req.num_tokens - 1)

@@ -10,9 +10,9 @@ from typing import Any
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
+from tokenmill.batch import FinishReason
 from tokenmill.config import EngineArgs
 from tokenmill.engine.engine_core import EngineCore, EngineOutput
-from tokenmill.engine.request import FinishReason
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenization.detokenizer import IncrementalDetokenizer

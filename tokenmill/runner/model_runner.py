@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 from tokenmill.attention.backend import AttentionInputs, create_backend
+from tokenmill.batch import SchedulerOutput
 from tokenmill.cache.kv_cache import KVCache
 from tokenmill.config import EngineConfig
-from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.layers.linear import choose_gemv_kernels
 from tokenmill.models.loader import load_model
 from tokenmill.runner.sampler import SampledTokens, Sampler, SamplerOutput, SamplingBatch
@@ -259,7 +259,7 @@ class ModelRunner:
         width = int(-(-kv_lens.max() // ps))
         page_table = np.zeros((len(seqs), width), dtype=np.int64)
         for i, s in enumerate(seqs):
-            pages = s.request.page_ids[:width]
+            pages = s.request.pages.page_ids[:width]
             page_table[i, : len(pages)] = pages
         slots = page_table[seq_of_token, positions // ps] * ps + positions % ps
         logits_index = np.array(

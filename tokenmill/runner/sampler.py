@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.engine.request import Logprob, Request
+from tokenmill.batch import Logprob, Request
 from tokenmill.kernels import argmax_rows
 
 

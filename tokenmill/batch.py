@@ -1,4 +1,10 @@
-"""Request: one sequence's state, WAITING → RUNNING → FINISHED (or back to waiting if preempted)."""
+"""The batch types every layer of the engine shares: requests, and the batch of one step.
+
+`Request` is one sequence's state (WAITING → RUNNING → FINISHED, or back to waiting if
+preempted); `ScheduledSeq` and `SchedulerOutput` are the scheduler's decision for one step.
+They live here, below `engine`, `runner` and beside `cache`, so that the runner and the cache
+need not import the engine: the engine owns the loop, not the vocabulary.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenmill.cache.radix_cache import RadixNode
+from tokenmill.cache.cache_manager import SeqPages
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -42,8 +48,8 @@ class Logprob:
 class Request:
     """Token ids and KV pages of one sequence, plus what the scheduler needs to place it.
 
-    Tokens `[0, num_computed_tokens)` have KV in `page_ids`; a step computes the next run of tokens
-    and, once all known tokens are computed, samples one more.
+    Tokens `[0, num_computed_tokens)` have KV in the pages of `pages` (the cache's handle); a step
+    computes the next run of tokens and, once all known tokens are computed, samples one more.
     """
 
     request_id: str
@@ -65,9 +71,7 @@ class Request:
     num_preemptions: int = 0
     # Tokens sampled by launched steps the host has not read yet (overlap scheduling: up to 2).
     num_pending: int = 0
-    page_ids: list[int] = field(default_factory=list)
-    prefix_node: RadixNode | None = None  # deepest locked radix node of the shared prefix
-    num_tree_pages: int = 0  # leading page_ids owned by the radix tree
+    pages: SeqPages = field(default_factory=SeqPages)
     generator: torch.Generator | None = None
 
     @property
@@ -132,3 +136,34 @@ class Request:
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.finish_time = time.time()
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """A request's share of one step: `num_new_tokens` tokens from `start`.
+
+    `samples`: the step reaches the end of the request's tokens, so the next one is sampled.
+    """
+
+    request: Request
+    start: int
+    num_new_tokens: int
+    samples: bool
+
+    @staticmethod
+    def of(req: Request, num_new: int) -> ScheduledSeq:
+        """Schedule `num_new` tokens of `req` from its computed ones."""
+        samples = num_new == req.num_uncomputed_tokens
+        return ScheduledSeq(req, req.num_computed_tokens, num_new, samples)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's batch, in the order the runner lays it out."""
+
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
