@@ -1,9 +1,11 @@
-"""The batch types every layer of the engine shares: requests, and the batch of one step.
+"""The batch types every layer of the engine shares: requests, and the record of one step.
 
 `Request` is one sequence's state (WAITING → RUNNING → FINISHED, or back to waiting if
-preempted); `ScheduledSeq` and `SchedulerOutput` are the scheduler's decision for one step.
-They live here, below `engine`, `runner` and beside `cache`, so that the runner and the cache
-need not import the engine: the engine owns the loop, not the vocabulary.
+preempted). `ScheduledSeq` and `SchedulerOutput` are the scheduler's decision for one step, on
+the host, holding requests; `StepPlan` is the same step as plain arrays, all the runner reads
+(and what a tensor-parallel rank 0 would broadcast). They live here, below `engine` and
+`runner` and above `cache` only, so that the runner need not import the engine: the engine owns
+the loop, not the vocabulary. The step protocol itself is explained in `engine.engine_core`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from tokenmill.cache.cache_manager import SeqPages
 from tokenmill.sampling_params import SamplingParams
@@ -44,12 +46,20 @@ class Logprob:
     rank: int
 
 
+def has_penalties(params: SamplingParams) -> bool:
+    """Whether sampling with `params` depends on the tokens generated so far."""
+    p = params
+    return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+
+
 @dataclass(eq=False)
 class Request:
     """Token ids and KV pages of one sequence, plus what the scheduler needs to place it.
 
-    Tokens `[0, num_computed_tokens)` have KV in the pages of `pages` (the cache's handle); a step
-    computes the next run of tokens and, once all known tokens are computed, samples one more.
+    Tokens `[0, num_computed_tokens)` have KV in the pages of `pages` (the cache's handle) or
+    are being computed by a launched step; a step computes the next run of tokens and, once all
+    known tokens are computed, samples one more. Tokens a launched step sampled that the host
+    has not read yet are not here: the engine core tracks them (`InFlight`).
     """
 
     request_id: str
@@ -69,10 +79,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
-    # Tokens sampled by launched steps the host has not read yet (overlap scheduling: up to 2).
-    num_pending: int = 0
     pages: SeqPages = field(default_factory=SeqPages)
-    generator: torch.Generator | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -89,19 +96,20 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    @property
-    def num_uncomputed_tokens(self) -> int:
-        """Tokens whose KV is not computed yet, counting a pending token."""
-        return self.num_tokens + self.num_pending - self.num_computed_tokens
+    def num_uncomputed_tokens(self, num_in_flight: int) -> int:
+        """Tokens whose KV is not computed yet, counting `num_in_flight` sampled tokens the host
+        has not read."""
+        return self.num_tokens + num_in_flight - self.num_computed_tokens
 
-    def finishes_with_pending(self) -> bool:
-        """True if the pending tokens will end the request by length, whatever their values."""
-        if not self.num_pending:
+    def finishes_with(self, num_in_flight: int) -> bool:
+        """True if `num_in_flight` unread sampled tokens end the request by length, whatever
+        their values."""
+        if not num_in_flight:
             return False
         limit = self.params.max_tokens
-        if limit is not None and len(self.output_token_ids) + self.num_pending >= limit:
+        if limit is not None and len(self.output_token_ids) + num_in_flight >= limit:
             return True
-        return self.num_tokens + self.num_pending >= self.max_model_len
+        return self.num_tokens + num_in_flight >= self.max_model_len
 
     @property
     def is_finished(self) -> bool:
@@ -140,29 +148,150 @@ class Request:
 
 @dataclass(frozen=True)
 class ScheduledSeq:
-    """A request's share of one step: `num_new_tokens` tokens from `start`.
+    """A request's row in one step: `num_new_tokens` query tokens from position `start`.
 
-    `samples`: the step reaches the end of the request's tokens, so the next one is sampled.
+    The last `len(device_tokens)` of them were sampled by the previous step and are not on the
+    host yet: they are rows `device_tokens` of that step's sampled tokens, on the device. The
+    row samples `num_samples` tokens, from the logits of its last `num_samples` positions (0
+    for a prefill chunk that does not reach the end of the known tokens, 1 otherwise; 1 + k
+    when a speculative row verifies k draft tokens).
     """
 
     request: Request
     start: int
     num_new_tokens: int
-    samples: bool
+    num_samples: int
+    device_tokens: range = range(0)
+
+    @property
+    def samples(self) -> bool:
+        return self.num_samples > 0
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """How one sampled position draws its token, as plain values (no tensors, no generators).
+
+    `num_output_tokens`: tokens the request generated before this one, unread ones included;
+    it numbers the seeded draws and decides `min_tokens`. `suppressed`: token ids banned at
+    this position (end-of-sequence and stop ids before `min_tokens`). `prompt_token_ids` and
+    `output_token_ids` are filled only where a penalty needs them (their steps are blocking, so
+    no generated token is unread).
+    """
+
+    params: SamplingParams
+    num_output_tokens: int
+    suppressed: tuple[int, ...] = ()
+    prompt_token_ids: tuple[int, ...] = ()
+    output_token_ids: tuple[int, ...] = ()
 
     @staticmethod
-    def of(req: Request, num_new: int) -> ScheduledSeq:
-        """Schedule `num_new` tokens of `req` from its computed ones."""
-        samples = num_new == req.num_uncomputed_tokens
-        return ScheduledSeq(req, req.num_computed_tokens, num_new, samples)
+    def of(req: Request, num_in_flight: int) -> RowSampling:
+        """The next draw of `req`, which has `num_in_flight` sampled tokens the host has not
+        read."""
+        params = req.params
+        num_out = len(req.output_token_ids) + num_in_flight
+        suppressed: tuple[int, ...] = ()
+        if num_out < params.min_tokens:
+            suppressed = (*req.eos_token_ids, *params.stop_token_ids)
+        if not has_penalties(params):
+            return RowSampling(params, num_out, suppressed)
+        prompt, output = tuple(req.prompt_token_ids), tuple(req.output_token_ids)
+        return RowSampling(params, num_out, suppressed, prompt, output)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step as plain data: the runner's whole input (see `engine.engine_core` for the
+    protocol). B rows, T query tokens, S sampled positions; arrays are int64.
+
+    Row b runs `query_lens[b]` query tokens at positions `kv_lens[b] - query_lens[b]` ..
+    `kv_lens[b] - 1`, over KV pages `page_table[b]`, and samples from the logits of its last
+    `num_samples[b]` positions; its sampled tokens are entries `sample_offsets[b]` ..
+    `sample_offsets[b] + num_samples[b] - 1` of the step's sampled tokens, in row order. Query
+    token t is `input_ids[t]`, or, where `input_src[t] >= 0`, entry `input_src[t]` of the
+    sampled tokens of the step launched just before this one (still on the device).
+    """
+
+    input_ids: np.ndarray  # [T]
+    input_src: np.ndarray  # [T]
+    query_lens: np.ndarray  # [B]
+    kv_lens: np.ndarray  # [B]
+    num_samples: np.ndarray  # [B]
+    page_table: np.ndarray  # [B, W], W = most pages any row needs
+    sampling: tuple[RowSampling, ...]  # [S]
+    # The next step must not be scheduled before this one's tokens are on the host: a
+    # penalty counts every generated token.
+    blocking: bool
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_sampled(self) -> int:
+        return len(self.sampling)
+
+    @property
+    def sample_offsets(self) -> np.ndarray:
+        """[B] where each row's sampled tokens start in the step's sampled tokens."""
+        return np.cumsum(self.num_samples) - self.num_samples
+
+    @property
+    def has_device_tokens(self) -> bool:
+        return bool((self.input_src >= 0).any())
+
+    @staticmethod
+    def build(seqs: list[ScheduledSeq], page_size: int) -> StepPlan:
+        """The plan of a scheduled batch (each request's tokens and pages read as they are
+        now, before the scheduler advances `num_computed_tokens`)."""
+        ids: list[int] = []
+        src: list[int] = []
+        sampling: list[RowSampling] = []
+        for s in seqs:
+            req, num_device = s.request, len(s.device_tokens)
+            known = req.token_slice(s.start, s.start + s.num_new_tokens - num_device)
+            assert len(known) + num_device == s.num_new_tokens, (s, req.num_tokens)
+            ids += known
+            ids += [0] * num_device
+            src += [-1] * len(known)
+            src += s.device_tokens
+            sampling += (RowSampling.of(req, num_device + j) for j in range(s.num_samples))
+        q_lens = np.array([s.num_new_tokens for s in seqs], dtype=np.int64)
+        kv_lens = np.array([s.start + s.num_new_tokens for s in seqs], dtype=np.int64)
+        return StepPlan(
+            input_ids=np.array(ids, dtype=np.int64),
+            input_src=np.array(src, dtype=np.int64),
+            query_lens=q_lens,
+            kv_lens=kv_lens,
+            num_samples=np.array([s.num_samples for s in seqs], dtype=np.int64),
+            page_table=_page_table([s.request.pages.page_ids for s in seqs], kv_lens, page_size),
+            sampling=tuple(sampling),
+            blocking=any(has_penalties(r.params) for r in sampling),
+        )
+
+
+def _page_table(pages: list[list[int]], kv_lens: np.ndarray, page_size: int) -> np.ndarray:
+    """[B, W] the pages holding each row's `kv_lens` tokens, zero-padded to the widest row."""
+    width = int(-(-kv_lens.max() // page_size)) if len(kv_lens) else 0
+    table = np.zeros((len(pages), width), dtype=np.int64)
+    for i, row in enumerate(pages):
+        row = row[:width]
+        table[i, : len(row)] = row
+    return table
 
 
 @dataclass
 class SchedulerOutput:
-    """One step's batch, in the order the runner lays it out."""
+    """One step's batch: its rows in the order the runner lays them out, and its plan."""
 
     seqs: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    plan: StepPlan | None = None  # None when no row is scheduled
 
     @property
     def num_tokens(self) -> int:

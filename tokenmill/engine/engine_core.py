@@ -1,4 +1,31 @@
-"""EngineCore: the single point of control; owns requests, pages and the batch, steps the model."""
+"""EngineCore: the single point of control; owns requests, pages and the batch, steps the model.
+
+The step protocol
+-----------------
+Every step is one record, a `StepPlan` (tokenmill/batch.py), built by the scheduler and read
+by the runner; the runner sees no requests. Per row it says which query tokens are known on
+the host (`input_ids`) and which were sampled by the previous step and are still on the device
+(`input_src`: their entry among that step's sampled tokens), how many query tokens the row runs
+(`query_lens`: a prefill chunk, 1 for decode, 1 + k to verify k draft tokens), its context
+(`kv_lens`, `page_table`), and how many tokens it samples (`num_samples`: from the logits of its
+last positions, into consecutive entries of the step's sampled tokens, rows in order).
+
+This class is the one place where host and device meet. With overlap scheduling, `step()`:
+
+1. schedules step N+1 while step N runs: a request N sampled for has its token unread, so
+   `InFlight.unread` (built once from N's plan) tells the scheduler where that token will be,
+   and N+1's row takes it from the device (`input_src`) instead of the host;
+2. launches N+1 (the runner keeps the last launched step's sampled tokens on the device, where
+   N+1's `input_src` points);
+3. only then waits for N's tokens and applies them to the requests (append, stop, cache).
+
+So at most two steps are launched and one is unread when the scheduler runs. A plan marked
+`blocking` (a penalty counts every generated token) is read before the next step is scheduled,
+and without overlap every step is read right after its launch. A request preempted while its
+token is unread waits until the token lands. Scheduling counts a row's tokens as computed
+(its KV is being written); a speculative row whose drafts are rejected gives back the rejected
+positions after reading (its KV slots stay allocated and are overwritten).
+"""
 
 from __future__ import annotations
 
@@ -7,9 +34,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-import torch
-
-from tokenmill.batch import FinishReason, Logprob, Request, SchedulerOutput
+from tokenmill.batch import FinishReason, Logprob, Request, SchedulerOutput, StepPlan
 from tokenmill.cache.cache_manager import CacheManager
 from tokenmill.config import EngineConfig
 from tokenmill.engine.scheduler import Scheduler
@@ -55,20 +80,26 @@ class EngineCounters:
 
 
 @dataclass(frozen=True)
-class _InFlight:
-    """A launched step whose sampled tokens the host has not read yet."""
+class InFlight:
+    """A launched step whose sampled tokens the host has not read yet.
+
+    `unread`: for each request it samples for, its entries among the step's sampled tokens.
+    """
 
     batch: SchedulerOutput
+    plan: StepPlan
     launched: LaunchedStep
+    unread: dict[Request, range]
 
-    @property
-    def needs_sync(self) -> bool:
-        """Penalties count generated tokens, so the next step must see these ones first."""
-        return any(s.samples and _has_penalties(s.request.params) for s in self.batch.seqs)
-
-
-def _has_penalties(p: SamplingParams) -> bool:
-    return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+    @staticmethod
+    def of(batch: SchedulerOutput, plan: StepPlan, launched: LaunchedStep) -> InFlight:
+        offsets = plan.sample_offsets.tolist()
+        unread = {
+            s.request: range(offsets[i], offsets[i] + s.num_samples)
+            for i, s in enumerate(batch.seqs)
+            if s.num_samples
+        }
+        return InFlight(batch, plan, launched, unread)
 
 
 class EngineCore:
@@ -82,7 +113,7 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler, self.cache)
         self._requests: dict[str, Request] = {}
-        self._in_flight: _InFlight | None = None
+        self._in_flight: InFlight | None = None
         self.stats = EngineCounters()
         self._waited = 0.0  # seconds the current step spent waiting for the GPU
 
@@ -93,16 +124,12 @@ class EngineCore:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         self._validate_prompt(prompt_token_ids)
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         req = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             params=params,
             eos_token_ids=self.config.model.eos_token_ids,
             max_model_len=self.config.max_model_len,
-            generator=generator,
         )
         self._requests[request_id] = req
         self.scheduler.add_request(req)
@@ -148,19 +175,18 @@ class EngineCore:
 
         With overlap scheduling the host schedules and prepares step N+1 while the GPU runs
         step N, and reads step N's tokens only after N+1 is queued, so the GPU never waits for
-        Python. Batches whose sampling needs exact token counts (penalties) run synchronously.
+        Python (the protocol: this module's docstring).
         """
         start = time.perf_counter()
         self._waited = 0.0
         outputs: list[EngineOutput] = []
         previous, self._in_flight = self._in_flight, None
-        if previous is not None and (not self.config.overlap_scheduling or previous.needs_sync):
+        if previous is not None and (not self.config.overlap_scheduling or previous.plan.blocking):
             outputs, previous = self._finish(previous), None
-        batch = self.scheduler.schedule()
-        if batch.seqs:
-            launched = self.runner.launch(batch)
-            self.scheduler.mark_launched(batch)
-            self._in_flight = _InFlight(batch, launched)
+        batch = self.scheduler.schedule(previous.unread if previous is not None else None)
+        if batch.plan is not None:
+            launched = self.runner.launch(batch.plan)
+            self._in_flight = InFlight.of(batch, batch.plan, launched)
             self.stats.iteration_tokens.observe(batch.num_tokens)
         elif previous is None and self.scheduler.waiting and not self.scheduler.running:
             raise RuntimeError("scheduler could not admit a request into an idle engine")
@@ -173,7 +199,7 @@ class EngineCore:
         self.stats.step_seconds.observe(time.perf_counter() - start - self._waited)
         return outputs
 
-    def _finish(self, step: _InFlight) -> list[EngineOutput]:
+    def _finish(self, step: InFlight) -> list[EngineOutput]:
         """Wait for a launched step's tokens and apply them."""
         wait_start = time.perf_counter()
         sampled = step.launched.read()

@@ -6,6 +6,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tokenmill.batch import (
@@ -15,6 +16,7 @@ from tokenmill.batch import (
     RequestStatus,
     ScheduledSeq,
     SchedulerOutput,
+    StepPlan,
 )
 from tokenmill.cache.cache_manager import CacheManager
 from tokenmill.config import SchedulerConfig
@@ -56,23 +58,36 @@ class Scheduler:
         """Whether any request waits or runs."""
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
-        """Build the next batch."""
+    def schedule(self, in_flight: Mapping[Request, range] | None = None) -> SchedulerOutput:
+        """Build the next batch and its plan, and count its tokens as computed (the caller
+        launches it).
+
+        `in_flight`: for each request the previous (launched, unread) step sampled for, that
+        token's entries among its sampled tokens; the batch feeds them back from the device.
+        """
+        in_flight = in_flight or {}
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
+        budget = self._schedule_running(out, budget, in_flight)
         if not out.preempted:
-            self._admit_waiting(out, budget)
+            self._admit_waiting(out, budget, in_flight)
+        if out.seqs:
+            out.plan = StepPlan.build(out.seqs, self.cache.page_size)
+        for seq in out.seqs:
+            seq.request.num_computed_tokens += seq.num_new_tokens
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(
+        self, out: SchedulerOutput, budget: int, in_flight: Mapping[Request, range]
+    ) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.finishes_with_pending():
+            unread = in_flight.get(req, range(0))
+            if req.finishes_with(len(unread)):
                 i += 1  # its in-flight token is its last: nothing more to compute
                 continue
-            num_new = min(req.num_uncomputed_tokens, budget)
+            num_new = min(req.num_uncomputed_tokens(len(unread)), budget)
             while not self.cache.allocate(req.pages, req.num_computed_tokens + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -80,7 +95,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.seqs.append(ScheduledSeq.of(req, num_new))
+                out.seqs.append(_row(req, num_new, unread))
                 budget -= num_new
                 i += 1
         return budget
@@ -94,13 +109,15 @@ class Scheduler:
         self.waiting.appendleft(req)
         logger.debug("preempted %s at %d tokens", req.request_id, req.num_tokens)
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(
+        self, out: SchedulerOutput, budget: int, in_flight: Mapping[Request, range]
+    ) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._next_waiting()
-            if req.num_pending:
+            if req in in_flight:
                 return  # preempted while its last token was in flight: admit once it lands
             req.num_computed_tokens = self.cache.match_prefix(req.pages, _prefix_key(req))
-            num_new = min(req.num_uncomputed_tokens, budget)
+            num_new = min(req.num_uncomputed_tokens(0), budget)
             if not self.cache.allocate(req.pages, req.num_computed_tokens + num_new):
                 self._release(req)
                 req.num_computed_tokens = 0
@@ -113,7 +130,7 @@ class Scheduler:
                 req.scheduled_time = time.time()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.seqs.append(ScheduledSeq.of(req, num_new))
+            out.seqs.append(_row(req, num_new, range(0)))
             budget -= num_new
 
     def _next_waiting(self) -> Request:
@@ -131,12 +148,6 @@ class Scheduler:
         candidates = itertools.islice(self.waiting, CACHE_AWARE_SCAN)
         return max(candidates, key=lambda r: self.cache.cached_length(_prefix_key(r)))
 
-    def mark_launched(self, out: SchedulerOutput) -> None:
-        """The batch is on its way: its tokens count as computed, its samples as pending."""
-        for seq in out.seqs:
-            seq.request.num_computed_tokens += seq.num_new_tokens
-            seq.request.num_pending += seq.samples
-
     def update(
         self,
         out: SchedulerOutput,
@@ -145,23 +156,25 @@ class Scheduler:
     ) -> list[Request]:
         """Apply a launched step's sampled tokens: append them, finish requests, cache pages.
 
-        `token_ids` has one entry per sampling sequence, in batch order. Returns the requests that
-        received a token or finished.
+        `token_ids` has one entry per sampled position, in batch order (`num_samples` per row).
+        Returns the requests that received a token or finished.
         """
         touched: list[Request] = []
-        sampled = iter(zip(token_ids, logprobs, strict=True))
+        sampled = zip(token_ids, logprobs, strict=True)
         for seq in out.seqs:
             req = seq.request
-            result = next(sampled) if seq.samples else None
+            results = list(itertools.islice(sampled, seq.num_samples))
             if req.is_finished:  # aborted, or finished by the previous step, while this one ran
                 continue
-            if result is not None:
-                req.num_pending -= 1
+            for result in results:
                 req.append_token(*result)
-                touched.append(req)
                 if req.is_finished:
-                    self._remove_finished(req)
-                    continue
+                    break
+            if results:
+                touched.append(req)
+            if req.is_finished:
+                self._remove_finished(req)
+                continue
             if self.cache.has_uncached_pages(req.pages, req.num_computed_tokens):
                 self.cache.cache_computed(req.pages, req.token_slice(0, req.num_computed_tokens))
         return touched
@@ -196,3 +209,12 @@ def _prefix_key(req: Request) -> list[int]:
     """The tokens a prefix match may cover: all but the last, which is always computed (its
     logits give the next token)."""
     return req.token_slice(0, req.num_tokens - 1)
+
+
+def _row(req: Request, num_new: int, unread: range) -> ScheduledSeq:
+    """`num_new` tokens of `req` from its computed ones, the last `len(unread)` of them sampled
+    by the previous step (entries `unread` of its sampled tokens); it samples when the row
+    reaches the end of the request's tokens."""
+    samples = num_new == req.num_uncomputed_tokens(len(unread))
+    device = unread if samples else range(0)
+    return ScheduledSeq(req, req.num_computed_tokens, num_new, int(samples), device)

@@ -186,13 +186,13 @@ class CudaGraphRunner:
 
     def pack_decode(
         self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, kv_lens: np.ndarray,
-        page_table: np.ndarray, row_src: np.ndarray,
+        page_table: np.ndarray, input_src: np.ndarray,
     ) -> np.ndarray:  # fmt: skip
         """A decode batch's inputs laid out as `decode_block` for its graph, to be copied there
         in one piece before `run`; row i's input id is the previous step's sample in row
-        `row_src[i]` where that is >= 0."""
+        `input_src[i]` where that is >= 0."""
         padded = self.padded_size(len(kv_lens))
-        return pack_decode_inputs(ids, positions, slots, kv_lens, page_table, row_src, padded)
+        return pack_decode_inputs(ids, positions, slots, kv_lens, page_table, input_src, padded)
 
     def run(self, batch: int) -> torch.Tensor:
         """Logits `[B, V]` of a decode batch of B rows whose inputs, packed for the graph of

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from tokenmill.attention.backend import AttentionInputs, create_backend
-from tokenmill.batch import SchedulerOutput
+from tokenmill.batch import StepPlan
 from tokenmill.cache.kv_cache import KVCache
 from tokenmill.config import EngineConfig
 from tokenmill.layers.linear import choose_gemv_kernels
@@ -38,13 +38,31 @@ class HostBatch:
     query_lens: np.ndarray  # [B]
     kv_lens: np.ndarray  # [B]
     page_table: np.ndarray  # [B, W] pages of each sequence, W = most pages any one needs
-    logits_index: np.ndarray  # [S] rows whose last token is sampled
-    pending_dst: np.ndarray  # [P] input positions whose token the previous step sampled...
-    pending_src: np.ndarray  # [P] ...and its row in that step's sampled tokens
+    logits_index: np.ndarray  # [S] tokens whose logits are sampled
+    input_src: np.ndarray  # [T] -1, or the previous step's sampled token that is the input
 
     @property
     def is_decode(self) -> bool:
         return len(self.input_ids) == len(self.kv_lens)
+
+
+def lay_out(plan: StepPlan, page_size: int) -> HostBatch:
+    """The plan's positions, KV slots and sampled token indices, derived on the host."""
+    ps = page_size
+    q_lens, kv_lens, num_samples = plan.query_lens, plan.kv_lens, plan.num_samples
+    cu = np.concatenate(([0], np.cumsum(q_lens)))
+    row_of_token = np.repeat(np.arange(plan.num_rows), q_lens)
+    positions = np.arange(cu[-1]) - cu[row_of_token] + (kv_lens - q_lens)[row_of_token]
+    slots = plan.page_table[row_of_token, positions // ps] * ps + positions % ps
+    # Each row's last `num_samples` tokens, rows in order.
+    row_of_sample = np.repeat(np.arange(plan.num_rows), num_samples)
+    sample_cu = np.cumsum(num_samples)
+    from_end = sample_cu[row_of_sample] - np.arange(int(sample_cu[-1]))
+    logits_index = cu[row_of_sample + 1] - from_end
+    return HostBatch(
+        plan.input_ids, positions, slots, q_lens, kv_lens, plan.page_table, logits_index,
+        plan.input_src,
+    )  # fmt: skip
 
 
 class LaunchedStep:
@@ -98,10 +116,10 @@ class ModelRunner:
         # while the previous step's copy from the other may still be queued on the GPU.
         self._staging = [torch.empty(0, dtype=torch.int64) for _ in range(2)]
         self._step_parity = 0
-        # The last launched step's sampled tokens (on the device) and each request's row there.
-        # With CUDA graphs the sampler writes them into one static buffer the graphs read.
+        # The last launched step's sampled tokens, on the device: a plan's `input_src` points
+        # into them. With CUDA graphs the sampler writes them into one static buffer the graphs
+        # read, long enough for one sample per token of a step.
         self._last_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
-        self._last_rows: dict[str, int] = {}
         self._tokens: torch.Tensor | None = None
         logger.info(
             "model %s on %s (%s attention): KV cache of %d pages x %d tokens",
@@ -128,7 +146,8 @@ class ModelRunner:
             # Imported here: CUDA graphs need triton, which CPU-only installs may lack.
             from tokenmill.runner.cuda_graphs import CudaGraphRunner
 
-            self._tokens = torch.zeros(max_seqs, dtype=torch.int64, device=self.device)
+            max_samples = config.scheduler.max_num_batched_tokens
+            self._tokens = torch.zeros(max_samples, dtype=torch.int64, device=self.device)
             self.graphs = CudaGraphRunner(
                 self.model, self.attention, max_bs, max_pages, self.device, self._tokens,
                 max_prefill,
@@ -157,14 +176,14 @@ class ModelRunner:
         return pages
 
     @torch.inference_mode()
-    def launch(self, batch: SchedulerOutput) -> LaunchedStep:
-        """Queue one forward pass over `batch` and the sampling of each sequence that needs a token.
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """Queue one forward pass over `plan` and the sampling of the positions it samples.
 
-        Nothing waits for the GPU: a token the previous step sampled and the host has not seen
-        yet is read on the device.
+        Nothing waits for the GPU: an input token the previous launched step sampled (and the
+        host may not have seen yet) is read on the device.
         """
         launched = LaunchedStep(self.device)
-        host = self._prepare(batch)
+        host = lay_out(plan, self.page_size)
         self.num_forward_tokens += len(host.input_ids)
         graphs = self.graphs
         if graphs is not None and host.is_decode and len(host.kv_lens) <= graphs.max_bs:
@@ -178,16 +197,14 @@ class ModelRunner:
             logits = graphs.run_prefill(len(host.input_ids))
         else:
             logits = self._run_eager(host)
-        sampling_reqs = [s.request for s in batch.seqs if s.samples]
-        if sampling_reqs:
-            sampling = SamplingBatch.from_requests(
-                sampling_reqs, self.config.model.vocab_size, self.device
+        if plan.sampling:
+            sampling = SamplingBatch.from_rows(
+                plan.sampling, self.config.model.vocab_size, self.device
             )
-            out = self._tokens[: len(sampling_reqs)] if self._tokens is not None else None
+            out = self._tokens[: plan.num_sampled] if self._tokens is not None else None
             sampled = self.sampler(logits, sampling, out)
             sampled.start_copy()
             self._last_tokens = sampled.token_ids
-            self._last_rows = {r.request_id: row for row, r in enumerate(sampling_reqs)}
             launched.sampled = sampled
         launched.forward_done()
         return launched
@@ -196,12 +213,11 @@ class ModelRunner:
         """A decode batch through its CUDA graph; returns the sampling rows' logits."""
         assert self.graphs is not None
         batch = len(host.kv_lens)
-        # Token i of a decode batch is row i; -1: the id is known on the host.
-        row_src = np.full(batch, -1, dtype=np.int64)
-        row_src[host.pending_dst] = host.pending_src
+        # Token i of a decode batch is row i.
         block = self.graphs.pack_decode(
-            host.input_ids, host.positions, host.slots, host.kv_lens, host.page_table, row_src
-        )
+            host.input_ids, host.positions, host.slots, host.kv_lens, host.page_table,
+            host.input_src,
+        )  # fmt: skip
         self._upload(block, self.graphs.decode_block)
         logits = self.graphs.run(batch)
         if len(host.logits_index) < batch:  # rare (a 1-token prefill chunk); pageable copy
@@ -212,17 +228,21 @@ class ModelRunner:
     @staticmethod
     def _prefill_graph_serves(host: HostBatch, graphs: CudaGraphRunner) -> bool:
         """One sequence's prefill, every input token known on the host, with a graph."""
-        one = len(host.kv_lens) == 1 and len(host.pending_dst) == 0
+        one = len(host.kv_lens) == 1 and not (host.input_src >= 0).any()
         return one and graphs.serves_prefill(len(host.input_ids), host.page_table.shape[1])
 
     def _run_eager(self, host: HostBatch) -> torch.Tensor:
         """Any batch, layer by layer; returns the sampling rows' logits."""
-        ids, positions, slots, q_lens, kv_lens, table, logits_index, dst, src = self._to_device(
-            host.input_ids, host.positions, host.slots, host.query_lens, host.kv_lens,
-            host.page_table, host.logits_index, host.pending_dst, host.pending_src,
+        # The inputs sampled by the previous step: positions `dst` take its tokens `src`.
+        dst = np.flatnonzero(host.input_src >= 0)
+        ids, positions, slots, q_lens, kv_lens, table, logits_index, dst_d, src_d = (
+            self._to_device(
+                host.input_ids, host.positions, host.slots, host.query_lens, host.kv_lens,
+                host.page_table, host.logits_index, dst, host.input_src[dst],
+            )
         )  # fmt: skip
         if len(dst):
-            ids[dst] = self._last_tokens[src]
+            ids[dst_d] = self._last_tokens[src_d]
         cu = torch.zeros(len(q_lens) + 1, dtype=torch.int64, device=self.device)
         torch.cumsum(q_lens, 0, out=cu[1:])
         self.attention.plan(
@@ -237,38 +257,6 @@ class ModelRunner:
         )
         hidden = self.model(ids, positions, self.attention)
         return self.model.compute_logits(hidden[logits_index])
-
-    def _prepare(self, batch: SchedulerOutput) -> HostBatch:
-        seqs = batch.seqs
-        ps = self.page_size
-        tokens: list[int] = []
-        dst: list[int] = []
-        src: list[int] = []
-        for s in seqs:
-            known = s.request.token_slice(s.start, s.start + s.num_new_tokens)
-            if len(known) < s.num_new_tokens:  # its last input is the in-flight sampled token
-                dst.append(len(tokens) + len(known))
-                src.append(self._last_rows[s.request.request_id])
-                known.append(0)
-            tokens.extend(known)
-        q_lens = np.array([s.num_new_tokens for s in seqs], dtype=np.int64)
-        kv_lens = np.array([s.start + s.num_new_tokens for s in seqs], dtype=np.int64)
-        cu = np.concatenate(([0], np.cumsum(q_lens)))
-        seq_of_token = np.repeat(np.arange(len(seqs)), q_lens)
-        positions = np.arange(cu[-1]) - cu[seq_of_token] + (kv_lens - q_lens)[seq_of_token]
-        width = int(-(-kv_lens.max() // ps))
-        page_table = np.zeros((len(seqs), width), dtype=np.int64)
-        for i, s in enumerate(seqs):
-            pages = s.request.pages.page_ids[:width]
-            page_table[i, : len(pages)] = pages
-        slots = page_table[seq_of_token, positions // ps] * ps + positions % ps
-        logits_index = np.array(
-            [cu[i + 1] - 1 for i, s in enumerate(seqs) if s.samples], dtype=np.int64
-        )
-        return HostBatch(
-            np.array(tokens, dtype=np.int64), positions, slots, q_lens, kv_lens, page_table,
-            logits_index, np.array(dst, dtype=np.int64), np.array(src, dtype=np.int64),
-        )  # fmt: skip
 
     def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """Int64 host arrays in one host→device copy, split back into views of their shapes."""

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from tokenmill.batch import Logprob, Request
+from tokenmill.batch import Logprob, RowSampling, has_penalties
 from tokenmill.kernels import argmax_rows
 
 
@@ -27,8 +28,11 @@ class SamplingBatch:
     num_logprobs: list[int | None]
 
     @staticmethod
-    def from_requests(reqs: list[Request], vocab_size: int, device: torch.device) -> SamplingBatch:
-        params = [r.params for r in reqs]
+    def from_rows(
+        rows: Sequence[RowSampling], vocab_size: int, device: torch.device
+    ) -> SamplingBatch:
+        """The device-side settings of a plan's sampled positions."""
+        params = [r.params for r in rows]
         greedy = [p.greedy for p in params]
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
         all_greedy = all(greedy)
@@ -37,11 +41,7 @@ class SamplingBatch:
             # Greedy batches need no per-row settings: no host→device copies for them.
             return None if all_greedy else torch.tensor(values, device=device)
 
-        suppressed = [
-            (i, [*r.eos_token_ids, *r.params.stop_token_ids])
-            for i, r in enumerate(reqs)
-            if len(r.output_token_ids) + r.num_pending < r.params.min_tokens
-        ]
+        suppressed = [(i, list(r.suppressed)) for i, r in enumerate(rows) if r.suppressed]
         return SamplingBatch(
             temperature=tensor(
                 [0.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
@@ -52,8 +52,8 @@ class SamplingBatch:
             use_top_k=any(k < vocab_size for k in top_k),
             use_top_p=any(p.top_p < 1 for p in params),
             use_min_p=any(p.min_p > 0 for p in params),
-            generators=[r.generator for r in reqs],
-            penalties=_Penalties.from_requests(reqs, vocab_size, device),
+            generators=[_generator(r, device) for r in rows],
+            penalties=_Penalties.from_rows(rows, vocab_size, device),
             suppressed=suppressed,
             num_logprobs=[p.logprobs for p in params],
         )
@@ -68,17 +68,15 @@ class _Penalties:
     seen: torch.Tensor  # [B, V] bool: in prompt or generated
 
     @staticmethod
-    def from_requests(
-        reqs: list[Request], vocab_size: int, device: torch.device
+    def from_rows(
+        rows: Sequence[RowSampling], vocab_size: int, device: torch.device
     ) -> _Penalties | None:
-        params = [r.params for r in reqs]
-        if all(
-            p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1
-            for p in params
-        ):
+        params = [r.params for r in rows]
+        if not any(has_penalties(p) for p in params):
             return None
-        output = _token_counts([r.output_token_ids for r in reqs], vocab_size, device)
-        prompt = _token_counts([r.prompt_token_ids for r in reqs], vocab_size, device)
+        # Rows without penalties carry no token ids: their factors leave the logits unchanged.
+        output = _token_counts([r.output_token_ids for r in rows], vocab_size, device)
+        prompt = _token_counts([r.prompt_token_ids for r in rows], vocab_size, device)
 
         def column(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, device=device, dtype=torch.float32)[:, None]
@@ -98,7 +96,23 @@ class _Penalties:
         return logits - self.presence * (self.output_counts > 0).float()
 
 
-def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+def _generator(row: RowSampling, device: torch.device) -> torch.Generator | None:
+    """A seeded position's own generator, seeded from the request's seed and the index of the
+    token it draws: the draw depends on neither the batch nor the step, so a seeded request
+    repeats itself alone, in any batch, with or without overlap, after preemption."""
+    seed = row.params.seed
+    if seed is None:
+        return None
+    # Tuples of ints hash the same in every process (no hash randomisation for ints).
+    return torch.Generator(device=device).manual_seed(hash((seed, row.num_output_tokens)) & _MASK)
+
+
+_MASK = (1 << 63) - 1
+
+
+def _token_counts(
+    rows: Sequence[Sequence[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
     """`[B, V]` float counts of each token id per row."""
     width = max((len(r) for r in rows), default=0)
     padded = torch.full((len(rows), width + 1), vocab_size, dtype=torch.int64)

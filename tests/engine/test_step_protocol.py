@@ -1,0 +1,126 @@
+"""The step protocol as data: what the scheduler's `StepPlan` says, and how the runner lays it out.
+
+No model runs here: the scheduler works on a real `CacheManager`, and the tests play the
+engine core's part (launch = schedule, read = update) to check each field of the record.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tokenmill.batch import Request, RowSampling, ScheduledSeq, StepPlan
+from tokenmill.cache.cache_manager import CacheManager
+from tokenmill.config import SchedulerConfig
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.runner.model_runner import lay_out
+from tokenmill.sampling_params import SamplingParams
+
+PAGE = 4
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def _scheduler(budget: int = 64, num_pages: int = 64) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget)
+    return Scheduler(config, CacheManager(num_pages, PAGE, enable_prefix_caching=False))
+
+
+def _request(rid: str, prompt: list[int], params: SamplingParams = GREEDY) -> Request:
+    return Request(rid, prompt, params, eos_token_ids=(2,), max_model_len=64)
+
+
+def test_prefill_rows_are_known_on_the_host_and_sample_at_their_end() -> None:
+    sched = _scheduler(budget=8)
+    a, b = _request("a", [10, 11, 12]), _request("b", list(range(20, 30)))
+    sched.add_request(a)
+    sched.add_request(b)
+    plan = sched.schedule().plan
+    assert plan is not None
+    # a: all 3 tokens, samples; b: a 5-token chunk of 10, does not sample.
+    assert plan.input_ids.tolist() == [10, 11, 12, 20, 21, 22, 23, 24]
+    assert plan.input_src.tolist() == [-1] * 8
+    assert plan.query_lens.tolist() == [3, 5] and plan.kv_lens.tolist() == [3, 5]
+    assert plan.num_samples.tolist() == [1, 0]
+    assert plan.sample_offsets.tolist() == [0, 1]
+    assert plan.page_table.shape == (2, 2) and plan.page_table[0, 1] == 0  # a needs one page
+    assert [r.num_output_tokens for r in plan.sampling] == [0]
+    assert not plan.blocking
+    assert (a.num_computed_tokens, b.num_computed_tokens) == (3, 5)  # counted at scheduling
+
+
+def test_an_unread_token_comes_from_the_device() -> None:
+    """Overlap: step 2 is scheduled before step 1's tokens are read."""
+    sched = _scheduler()
+    a, b = _request("a", [10, 11, 12]), _request("b", [20, 21])
+    sched.add_request(a)
+    sched.add_request(b)
+    first = sched.schedule()
+    assert first.plan is not None
+    unread = {s.request: range(o, o + s.num_samples) for s, o in _offsets(first)}
+    second = sched.schedule(unread)
+    plan = second.plan
+    assert plan is not None
+    assert plan.input_src.tolist() == [0, 1]  # both inputs are step 1's samples...
+    assert plan.input_ids.tolist() == [0, 0]  # ...so the host has no ids for them
+    assert plan.kv_lens.tolist() == [4, 3] and plan.num_samples.tolist() == [1, 1]
+    # The second draw of each request: its first token is unread but counted.
+    assert [r.num_output_tokens for r in plan.sampling] == [1, 1]
+    assert [s.device_tokens for s in second.seqs] == [range(0, 1), range(1, 2)]
+    # Reading step 1 appends its tokens; step 3 (after step 2 is read) knows them on the host.
+    sched.update(first, [7, 8], [None, None])
+    sched.update(second, [9, 5], [None, None])
+    third = sched.schedule()
+    assert third.plan is not None
+    assert third.plan.input_ids.tolist() == [9, 5] and third.plan.input_src.tolist() == [-1, -1]
+    assert a.output_token_ids == [7, 9] and b.output_token_ids == [8, 5]
+
+
+def test_a_request_ending_with_its_unread_token_is_not_scheduled() -> None:
+    sched = _scheduler()
+    a = _request("a", [10, 11], SamplingParams(max_tokens=1, temperature=0))
+    sched.add_request(a)
+    first = sched.schedule()
+    assert sched.schedule({a: range(0, 1)}).plan is None
+    sched.update(first, [3], [None])
+    assert a.is_finished and not sched.has_unfinished()
+
+
+def test_penalties_make_a_step_blocking_and_carry_the_tokens_they_count() -> None:
+    sched = _scheduler()
+    params = SamplingParams(repetition_penalty=1.2, max_tokens=4, min_tokens=2)
+    sched.add_request(_request("p", [10, 11], params))
+    sched.add_request(_request("g", [12]))
+    plan = sched.schedule().plan
+    assert plan is not None and plan.blocking
+    penalised, greedy = plan.sampling
+    assert penalised.prompt_token_ids == (10, 11) and penalised.suppressed == (2,)
+    assert greedy.prompt_token_ids == () and greedy.suppressed == ()
+
+
+def test_lay_out_samples_the_last_positions_of_each_row() -> None:
+    """Rows sampling 0, 1 and 3 tokens (a chunk, a decode, a verify of 2 drafts)."""
+    req = _request("x", [1])
+    rows = [
+        ScheduledSeq(req, 0, 4, 0),
+        ScheduledSeq(req, 4, 1, 1),
+        ScheduledSeq(req, 0, 3, 3),
+    ]
+    plan = StepPlan(
+        input_ids=np.arange(8, dtype=np.int64),
+        input_src=np.full(8, -1, dtype=np.int64),
+        query_lens=np.array([s.num_new_tokens for s in rows]),
+        kv_lens=np.array([4, 5, 3]),
+        num_samples=np.array([s.num_samples for s in rows]),
+        page_table=np.array([[3, 0], [3, 5], [7, 0]]),
+        sampling=tuple(RowSampling(GREEDY, 0) for _ in range(4)),
+        blocking=False,
+    )
+    host = lay_out(plan, PAGE)
+    assert host.positions.tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
+    assert host.slots.tolist() == [12, 13, 14, 15, 20, 28, 29, 30]
+    assert host.logits_index.tolist() == [4, 5, 6, 7]
+    assert plan.sample_offsets.tolist() == [0, 0, 1]
+
+
+def _offsets(out):  # type: ignore[no-untyped-def]
+    assert out.plan is not None
+    return zip(out.seqs, out.plan.sample_offsets.tolist(), strict=True)
