@@ -46,12 +46,6 @@ class Logprob:
     rank: int
 
 
-def has_penalties(params: SamplingParams) -> bool:
-    """Whether sampling with `params` depends on the tokens generated so far."""
-    p = params
-    return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
-
-
 @dataclass(eq=False)
 class Request:
     """Token ids and KV pages of one sequence, plus what the scheduler needs to place it.
@@ -163,41 +157,39 @@ class ScheduledSeq:
     num_samples: int
     device_tokens: range = range(0)
 
-    @property
-    def samples(self) -> bool:
-        return self.num_samples > 0
-
 
 @dataclass(frozen=True)
-class RowSampling:
-    """How one sampled position draws its token, as plain values (no tensors, no generators).
+class SamplingRows:
+    """How each of a step's S sampled positions draws its token, as plain values (no tensors,
+    no generators; a list per field rather than an object per position, built every step).
 
-    `num_output_tokens`: tokens the request generated before this one, unread ones included;
-    it numbers the seeded draws and decides `min_tokens`. `suppressed`: token ids banned at
-    this position (end-of-sequence and stop ids before `min_tokens`). `prompt_token_ids` and
-    `output_token_ids` are filled only where a penalty needs them (their steps are blocking, so
-    no generated token is unread).
+    `token_index[s]`: how many tokens the request generated before this one, unread ones
+    included; it numbers the seeded draws and decides `min_tokens`. `suppressed`: position ->
+    token ids banned there (end-of-sequence and stop ids before `min_tokens`). `history`:
+    position -> (prompt, generated) token ids, where a penalty counts them (such steps are
+    blocking, so no generated token is unread).
     """
 
-    params: SamplingParams
-    num_output_tokens: int
-    suppressed: tuple[int, ...] = ()
-    prompt_token_ids: tuple[int, ...] = ()
-    output_token_ids: tuple[int, ...] = ()
+    params: list[SamplingParams] = field(default_factory=list)
+    token_index: list[int] = field(default_factory=list)
+    suppressed: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    history: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
 
-    @staticmethod
-    def of(req: Request, num_in_flight: int) -> RowSampling:
-        """The next draw of `req`, which has `num_in_flight` sampled tokens the host has not
-        read."""
-        params = req.params
-        num_out = len(req.output_token_ids) + num_in_flight
-        suppressed: tuple[int, ...] = ()
-        if num_out < params.min_tokens:
-            suppressed = (*req.eos_token_ids, *params.stop_token_ids)
-        if not has_penalties(params):
-            return RowSampling(params, num_out, suppressed)
-        prompt, output = tuple(req.prompt_token_ids), tuple(req.output_token_ids)
-        return RowSampling(params, num_out, suppressed, prompt, output)
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def add(self, req: Request, num_in_flight: int) -> None:
+        """Append the next draw of `req`, which has `num_in_flight` sampled tokens the host has
+        not read."""
+        p, position = req.params, len(self.params)
+        index = len(req.output_token_ids) + num_in_flight
+        self.params.append(p)
+        self.token_index.append(index)
+        if index < p.min_tokens:
+            self.suppressed[position] = (*req.eos_token_ids, *p.stop_token_ids)
+        # Penalties count the tokens so far (one test, inlined: this runs for every sampled row).
+        if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1:
+            self.history[position] = (req.prompt_token_ids, req.output_token_ids)
 
 
 @dataclass(frozen=True)
@@ -219,10 +211,13 @@ class StepPlan:
     kv_lens: np.ndarray  # [B]
     num_samples: np.ndarray  # [B]
     page_table: np.ndarray  # [B, W], W = most pages any row needs
-    sampling: tuple[RowSampling, ...]  # [S]
-    # The next step must not be scheduled before this one's tokens are on the host: a
-    # penalty counts every generated token.
-    blocking: bool
+    sampling: SamplingRows  # [S]
+
+    @property
+    def blocking(self) -> bool:
+        """The next step must not be scheduled before this one's tokens are on the host: a
+        penalty counts every generated token."""
+        return bool(self.sampling.history)
 
     @property
     def num_rows(self) -> int:
@@ -249,29 +244,39 @@ class StepPlan:
     def build(seqs: list[ScheduledSeq], page_size: int) -> StepPlan:
         """The plan of a scheduled batch (each request's tokens and pages read as they are
         now, before the scheduler advances `num_computed_tokens`)."""
+        # One pass over the rows, plain lists (this runs every step, for every row).
         ids: list[int] = []
-        src: list[int] = []
-        sampling: list[RowSampling] = []
+        device_at: list[int] = []  # input positions taken from the previous step's samples
+        device_src: list[int] = []
+        q_lens: list[int] = []
+        kv_lens: list[int] = []
+        num_samples: list[int] = []
+        pages: list[list[int]] = []
+        sampling = SamplingRows()
         for s in seqs:
-            req, num_device = s.request, len(s.device_tokens)
-            known = req.token_slice(s.start, s.start + s.num_new_tokens - num_device)
-            assert len(known) + num_device == s.num_new_tokens, (s, req.num_tokens)
-            ids += known
-            ids += [0] * num_device
-            src += [-1] * len(known)
-            src += s.device_tokens
-            sampling += (RowSampling.of(req, num_device + j) for j in range(s.num_samples))
-        q_lens = np.array([s.num_new_tokens for s in seqs], dtype=np.int64)
-        kv_lens = np.array([s.start + s.num_new_tokens for s in seqs], dtype=np.int64)
+            req, num_new, num_device = s.request, s.num_new_tokens, len(s.device_tokens)
+            ids += req.token_slice(s.start, s.start + num_new - num_device)
+            if num_device:
+                device_at += range(len(ids), len(ids) + num_device)
+                device_src += s.device_tokens
+                ids += [0] * num_device
+            q_lens.append(num_new)
+            kv_lens.append(s.start + num_new)
+            num_samples.append(s.num_samples)
+            pages.append(req.pages.page_ids)
+            for j in range(s.num_samples):
+                sampling.add(req, num_device + j)
+        input_src = np.full(len(ids), -1, dtype=np.int64)
+        input_src[device_at] = device_src
+        kv = np.array(kv_lens, dtype=np.int64)
         return StepPlan(
             input_ids=np.array(ids, dtype=np.int64),
-            input_src=np.array(src, dtype=np.int64),
-            query_lens=q_lens,
-            kv_lens=kv_lens,
-            num_samples=np.array([s.num_samples for s in seqs], dtype=np.int64),
-            page_table=_page_table([s.request.pages.page_ids for s in seqs], kv_lens, page_size),
-            sampling=tuple(sampling),
-            blocking=any(has_penalties(r.params) for r in sampling),
+            input_src=input_src,
+            query_lens=np.array(q_lens, dtype=np.int64),
+            kv_lens=kv,
+            num_samples=np.array(num_samples, dtype=np.int64),
+            page_table=_page_table(pages, kv, page_size),
+            sampling=sampling,
         )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tokenmill.batch import Request, RowSampling, ScheduledSeq, StepPlan
+from tokenmill.batch import Request, SamplingRows, ScheduledSeq, StepPlan
 from tokenmill.cache.cache_manager import CacheManager
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.scheduler import Scheduler
@@ -42,7 +42,7 @@ def test_prefill_rows_are_known_on_the_host_and_sample_at_their_end() -> None:
     assert plan.num_samples.tolist() == [1, 0]
     assert plan.sample_offsets.tolist() == [0, 1]
     assert plan.page_table.shape == (2, 2) and plan.page_table[0, 1] == 0  # a needs one page
-    assert [r.num_output_tokens for r in plan.sampling] == [0]
+    assert plan.sampling.token_index == [0]
     assert not plan.blocking
     assert (a.num_computed_tokens, b.num_computed_tokens) == (3, 5)  # counted at scheduling
 
@@ -63,7 +63,7 @@ def test_an_unread_token_comes_from_the_device() -> None:
     assert plan.input_ids.tolist() == [0, 0]  # ...so the host has no ids for them
     assert plan.kv_lens.tolist() == [4, 3] and plan.num_samples.tolist() == [1, 1]
     # The second draw of each request: its first token is unread but counted.
-    assert [r.num_output_tokens for r in plan.sampling] == [1, 1]
+    assert plan.sampling.token_index == [1, 1]
     assert [s.device_tokens for s in second.seqs] == [range(0, 1), range(1, 2)]
     # Reading step 1 appends its tokens; step 3 (after step 2 is read) knows them on the host.
     sched.update(first, [7, 8], [None, None])
@@ -91,9 +91,8 @@ def test_penalties_make_a_step_blocking_and_carry_the_tokens_they_count() -> Non
     sched.add_request(_request("g", [12]))
     plan = sched.schedule().plan
     assert plan is not None and plan.blocking
-    penalised, greedy = plan.sampling
-    assert penalised.prompt_token_ids == (10, 11) and penalised.suppressed == (2,)
-    assert greedy.prompt_token_ids == () and greedy.suppressed == ()
+    assert plan.sampling.history == {0: ([10, 11], [])}  # the greedy row carries no history
+    assert plan.sampling.suppressed == {0: (2,)}  # eos banned before min_tokens
 
 
 def test_lay_out_samples_the_last_positions_of_each_row() -> None:
@@ -111,8 +110,7 @@ def test_lay_out_samples_the_last_positions_of_each_row() -> None:
         kv_lens=np.array([4, 5, 3]),
         num_samples=np.array([s.num_samples for s in rows]),
         page_table=np.array([[3, 0], [3, 5], [7, 0]]),
-        sampling=tuple(RowSampling(GREEDY, 0) for _ in range(4)),
-        blocking=False,
+        sampling=SamplingRows([GREEDY] * 4, [0] * 4),
     )
     host = lay_out(plan, PAGE)
     assert host.positions.tolist() == [0, 1, 2, 3, 4, 0, 1, 2]

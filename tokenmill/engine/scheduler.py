@@ -83,11 +83,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            unread = in_flight.get(req, range(0))
-            if req.finishes_with(len(unread)):
+            unread = in_flight.get(req)
+            num_unread = len(unread) if unread else 0
+            if num_unread and req.finishes_with(num_unread):
                 i += 1  # its in-flight token is its last: nothing more to compute
                 continue
-            num_new = min(req.num_uncomputed_tokens(len(unread)), budget)
+            uncomputed = req.num_uncomputed_tokens(num_unread)
+            num_new = min(uncomputed, budget)
             while not self.cache.allocate(req.pages, req.num_computed_tokens + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -95,7 +97,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.seqs.append(_row(req, num_new, unread))
+                out.seqs.append(_row(req, num_new, uncomputed, unread))
                 budget -= num_new
                 i += 1
         return budget
@@ -117,7 +119,8 @@ class Scheduler:
             if req in in_flight:
                 return  # preempted while its last token was in flight: admit once it lands
             req.num_computed_tokens = self.cache.match_prefix(req.pages, _prefix_key(req))
-            num_new = min(req.num_uncomputed_tokens(0), budget)
+            uncomputed = req.num_uncomputed_tokens(0)
+            num_new = min(uncomputed, budget)
             if not self.cache.allocate(req.pages, req.num_computed_tokens + num_new):
                 self._release(req)
                 req.num_computed_tokens = 0
@@ -130,7 +133,7 @@ class Scheduler:
                 req.scheduled_time = time.time()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.seqs.append(_row(req, num_new, range(0)))
+            out.seqs.append(_row(req, num_new, uncomputed, None))
             budget -= num_new
 
     def _next_waiting(self) -> Request:
@@ -211,10 +214,10 @@ def _prefix_key(req: Request) -> list[int]:
     return req.token_slice(0, req.num_tokens - 1)
 
 
-def _row(req: Request, num_new: int, unread: range) -> ScheduledSeq:
-    """`num_new` tokens of `req` from its computed ones, the last `len(unread)` of them sampled
-    by the previous step (entries `unread` of its sampled tokens); it samples when the row
-    reaches the end of the request's tokens."""
-    samples = num_new == req.num_uncomputed_tokens(len(unread))
-    device = unread if samples else range(0)
-    return ScheduledSeq(req, req.num_computed_tokens, num_new, int(samples), device)
+def _row(req: Request, num_new: int, uncomputed: int, unread: range | None) -> ScheduledSeq:
+    """`num_new` of the `uncomputed` tokens of `req`, from its computed ones; the last
+    `len(unread)` of those were sampled by the previous step (entries `unread` of its sampled
+    tokens). The row samples when it reaches the end of the request's tokens."""
+    if num_new < uncomputed:  # a prefill chunk: every token on the host, nothing sampled
+        return ScheduledSeq(req, req.num_computed_tokens, num_new, 0)
+    return ScheduledSeq(req, req.num_computed_tokens, num_new, 1, unread or range(0))

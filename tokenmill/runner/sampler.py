@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.batch import Logprob, RowSampling, has_penalties
+from tokenmill.batch import Logprob, SamplingRows
 from tokenmill.kernels import argmax_rows
 
 
@@ -28,11 +28,9 @@ class SamplingBatch:
     num_logprobs: list[int | None]
 
     @staticmethod
-    def from_rows(
-        rows: Sequence[RowSampling], vocab_size: int, device: torch.device
-    ) -> SamplingBatch:
+    def from_rows(rows: SamplingRows, vocab_size: int, device: torch.device) -> SamplingBatch:
         """The device-side settings of a plan's sampled positions."""
-        params = [r.params for r in rows]
+        params = rows.params
         greedy = [p.greedy for p in params]
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
         all_greedy = all(greedy)
@@ -41,7 +39,7 @@ class SamplingBatch:
             # Greedy batches need no per-row settings: no host→device copies for them.
             return None if all_greedy else torch.tensor(values, device=device)
 
-        suppressed = [(i, list(r.suppressed)) for i, r in enumerate(rows) if r.suppressed]
+        suppressed = [(i, list(ids)) for i, ids in rows.suppressed.items()]
         return SamplingBatch(
             temperature=tensor(
                 [0.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
@@ -52,7 +50,10 @@ class SamplingBatch:
             use_top_k=any(k < vocab_size for k in top_k),
             use_top_p=any(p.top_p < 1 for p in params),
             use_min_p=any(p.min_p > 0 for p in params),
-            generators=[_generator(r, device) for r in rows],
+            generators=[
+                None if p.seed is None else _generator(p.seed, index, device)
+                for p, index in zip(params, rows.token_index, strict=True)
+            ],
             penalties=_Penalties.from_rows(rows, vocab_size, device),
             suppressed=suppressed,
             num_logprobs=[p.logprobs for p in params],
@@ -68,15 +69,14 @@ class _Penalties:
     seen: torch.Tensor  # [B, V] bool: in prompt or generated
 
     @staticmethod
-    def from_rows(
-        rows: Sequence[RowSampling], vocab_size: int, device: torch.device
-    ) -> _Penalties | None:
-        params = [r.params for r in rows]
-        if not any(has_penalties(p) for p in params):
+    def from_rows(rows: SamplingRows, vocab_size: int, device: torch.device) -> _Penalties | None:
+        if not rows.history:
             return None
+        params = rows.params
         # Rows without penalties carry no token ids: their factors leave the logits unchanged.
-        output = _token_counts([r.output_token_ids for r in rows], vocab_size, device)
-        prompt = _token_counts([r.prompt_token_ids for r in rows], vocab_size, device)
+        history = [rows.history.get(i, ((), ())) for i in range(len(params))]
+        output = _token_counts([h[1] for h in history], vocab_size, device)
+        prompt = _token_counts([h[0] for h in history], vocab_size, device)
 
         def column(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, device=device, dtype=torch.float32)[:, None]
@@ -96,18 +96,15 @@ class _Penalties:
         return logits - self.presence * (self.output_counts > 0).float()
 
 
-def _generator(row: RowSampling, device: torch.device) -> torch.Generator | None:
+_MASK = (1 << 63) - 1
+
+
+def _generator(seed: int, token_index: int, device: torch.device) -> torch.Generator:
     """A seeded position's own generator, seeded from the request's seed and the index of the
     token it draws: the draw depends on neither the batch nor the step, so a seeded request
     repeats itself alone, in any batch, with or without overlap, after preemption."""
-    seed = row.params.seed
-    if seed is None:
-        return None
     # Tuples of ints hash the same in every process (no hash randomisation for ints).
-    return torch.Generator(device=device).manual_seed(hash((seed, row.num_output_tokens)) & _MASK)
-
-
-_MASK = (1 << 63) - 1
+    return torch.Generator(device=device).manual_seed(hash((seed, token_index)) & _MASK)
 
 
 def _token_counts(
