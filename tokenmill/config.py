@@ -1,4 +1,4 @@
-"""Frozen configuration for the engine: model, KV cache, scheduler, and the whole engine."""
+"""Frozen configuration for the engine: model, KV cache, scheduler, runner, and the whole engine."""
 
 from __future__ import annotations
 
@@ -9,12 +9,11 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
+from tokenmill.models.registry import MODEL_REGISTRY
+
+# The architectures (config.json `architectures`) the model registry implements.
+SUPPORTED_ARCHITECTURES = tuple(MODEL_REGISTRY)
+ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -204,20 +203,46 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """Everything the engine core needs, resolved: model, cache, scheduler, device, seed."""
+class RunnerConfig:
+    """How the model runs: attention kernels, CUDA graphs, overlap, GPU memory for the KV cache."""
 
-    model: ModelConfig
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    device: str = "cpu"
-    seed: int = 0
-    load_format: str = "auto"
     attention_backend: str = "torch"
     enforce_eager: bool = False
     cuda_graph_max_bs: int = 256
     cuda_graph_max_prefill_tokens: int = 512
     overlap_scheduling: bool = True
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                f"got {self.attention_backend!r}"
+            )
+        if self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.cuda_graph_max_prefill_tokens < 0:
+            raise ValueError(
+                "cuda_graph_max_prefill_tokens must be >= 0, got "
+                f"{self.cuda_graph_max_prefill_tokens}"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine core needs, resolved: model, cache, scheduler, runner, device."""
+
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    device: str = "cpu"
+    seed: int = 0
+    load_format: str = "auto"
 
     @property
     def max_model_len(self) -> int:
@@ -225,7 +250,10 @@ class EngineConfig:
         return self.scheduler.max_model_len or self.model.max_position_embeddings
 
 
-def _opt(default: Any, help: str, **extra: Any) -> Any:
+def option(default: Any, help: str, **extra: Any) -> Any:
+    """A dataclass field that is also a command-line option: `help` is its flag's help text,
+    `extra` (e.g. `choices`) goes to `argparse` (see `entrypoints.cli.add_options`); a
+    `dataclasses.MISSING` default makes the field, and its flag, required."""
     return field(default=default, metadata={"help": help, **extra})
 
 
@@ -237,66 +265,75 @@ class EngineArgs:
     the frozen `EngineConfig` the engine runs with.
     """
 
-    model: str = _opt(
+    model: str = option(
         "", "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer)."
     )
-    tokenizer: str | None = _opt(None, "Tokenizer directory, if not the model directory.")
-    dtype: str = _opt(
+    tokenizer: str | None = option(None, "Tokenizer directory, if not the model directory.")
+    dtype: str = option(
         "auto",
         "Weights and activations: auto (config.json's torch_dtype), float32, bfloat16, float16.",
     )
-    device: str | None = _opt(
+    device: str | None = option(
         None, "Device to run on: cpu, cuda, cuda:N (default: cuda if present)."
     )
-    load_format: str = _opt(
+    load_format: str = option(
         "auto",
         "auto: read *.safetensors; dummy: random weights from config.json alone (benchmarks).",
         choices=("auto", "dummy"),
     )
-    seed: int = _opt(0, "Seed for weights (dummy) and for sampling requests that give no seed.")
-    max_model_len: int | None = _opt(
+    seed: int = option(0, "Seed for weights (dummy) and for sampling requests that give no seed.")
+    max_model_len: int | None = option(
         None, "Longest prompt + output in tokens (default: max_position_embeddings)."
     )
-    max_num_seqs: int = _opt(64, "Most sequences in one batch.")
-    max_num_batched_tokens: int = _opt(
+    max_num_seqs: int = option(64, "Most sequences in one batch.")
+    max_num_batched_tokens: int = option(
         2048, "Token budget of one step; long prompts are prefilled in chunks of at most this."
     )
-    page_size: int = _opt(16, "Tokens per KV-cache page.")
-    num_pages: int | None = _opt(None, "KV-cache pages to allocate (default: from memory budget).")
-    kv_cache_memory_bytes: int | None = _opt(
+    page_size: int = option(16, "Tokens per KV-cache page.")
+    num_pages: int | None = option(
+        None, "KV-cache pages to allocate (default: from memory budget)."
+    )
+    kv_cache_memory_bytes: int | None = option(
         None,
         "KV-cache memory budget in bytes (default: enough for max_num_seqs full sequences, "
         "at most 2 GiB on the CPU).",
     )
-    enable_prefix_caching: bool = _opt(True, "Reuse the KV of shared prompt prefixes (radix tree).")
-    scheduling_policy: str = _opt(
+    enable_prefix_caching: bool = option(
+        True, "Reuse the KV of shared prompt prefixes (radix tree)."
+    )
+    scheduling_policy: str = option(
         "fcfs",
         "Waiting-queue order: fcfs, or cache-aware (longest cached prefix first, bounded by age).",
         choices=SCHEDULING_POLICIES,
     )
-    cache_aware_max_wait: float = _opt(
+    cache_aware_max_wait: float = option(
         2.0,
         "cache-aware policy: seconds a request may wait before it is admitted in arrival order, "
         "whatever its cached prefix.",
     )
-    attention_backend: str | None = _opt(
+    attention_backend: str | None = option(
         None,
         "Attention implementation: torch (reference, any device), triton (default on CUDA) or "
         "flashinfer (CUDA, needs the flashinfer package and --enforce-eager).",
-        choices=("torch", "triton", "flashinfer"),
+        choices=ATTENTION_BACKENDS,
     )
-    enforce_eager: bool = _opt(False, "Never use CUDA graphs (they speed up decode steps).")
-    cuda_graph_max_bs: int = _opt(
+    enforce_eager: bool = option(False, "Never use CUDA graphs (they speed up decode steps).")
+    cuda_graph_max_bs: int = option(
         256, "Largest decode batch run from a CUDA graph (capped by max_num_seqs)."
     )
-    cuda_graph_max_prefill_tokens: int = _opt(
+    cuda_graph_max_prefill_tokens: int = option(
         512,
         "Longest one-sequence prefill (new tokens) run from a CUDA graph, padded to a ladder "
         "of lengths (cuts a short prompt's time to first token where launching the kernels "
         "one by one takes longer than running them); 0: none.",
     )
-    overlap_scheduling: bool = _opt(
+    overlap_scheduling: bool = option(
         True, "Prepare step N+1 on the host while the GPU runs step N (hides host overhead)."
+    )
+    gpu_memory_utilization: float = option(
+        0.9,
+        "Fraction of the GPU memory free after loading the weights that the KV cache takes "
+        "(when neither num_pages nor kv_cache_memory_bytes is given).",
     )
 
     def create_engine_config(self) -> EngineConfig:
@@ -306,13 +343,15 @@ class EngineArgs:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if self.cuda_graph_max_bs < 1:
-            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
-        if self.cuda_graph_max_prefill_tokens < 0:
-            raise ValueError(
-                "cuda_graph_max_prefill_tokens must be >= 0, got "
-                f"{self.cuda_graph_max_prefill_tokens}"
-            )
+        runner = RunnerConfig(
+            attention_backend=self.attention_backend
+            or ("triton" if device.startswith("cuda") else "torch"),
+            enforce_eager=self.enforce_eager,
+            cuda_graph_max_bs=self.cuda_graph_max_bs,
+            cuda_graph_max_prefill_tokens=self.cuda_graph_max_prefill_tokens,
+            overlap_scheduling=self.overlap_scheduling,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+        )
         model = ModelConfig.from_pretrained(self.model, self.dtype)
         return EngineConfig(
             model=model,
@@ -329,13 +368,8 @@ class EngineArgs:
                 policy=self.scheduling_policy,
                 cache_aware_max_wait=self.cache_aware_max_wait,
             ),
+            runner=runner,
             device=device,
             seed=self.seed,
             load_format=self.load_format,
-            attention_backend=self.attention_backend
-            or ("triton" if device.startswith("cuda") else "torch"),
-            enforce_eager=self.enforce_eager,
-            cuda_graph_max_bs=self.cuda_graph_max_bs,
-            cuda_graph_max_prefill_tokens=self.cuda_graph_max_prefill_tokens,
-            overlap_scheduling=self.overlap_scheduling,
         )

@@ -117,13 +117,8 @@ def test_bfloat16_tracks_float32_transformers(tmp_path_factory, family: str) -> 
 def test_gemv_choice_keeps_outputs() -> None:
     """A forced GEMV config gives cuBLAS's result to bf16 rounding, and the start-up choice only
     ever picks configs from the candidate list."""
-    from tokenmill.layers.linear import (
-        GEMV_BUCKETS,
-        GEMV_CANDIDATES,
-        GemvChoice,
-        Linear,
-        choose_gemv_kernels,
-    )
+    from tokenmill.kernels.gemv_tuning import GEMV_BUCKETS, GEMV_CANDIDATES, GemvChoice
+    from tokenmill.layers.linear import Linear, choose_gemv_kernels
 
     hidden = 1024
     layer = Linear(hidden, 3 * hidden).cuda().to(torch.bfloat16)

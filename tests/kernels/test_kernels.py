@@ -304,7 +304,8 @@ def test_engine_with_every_gemv_fusion_matches_transformers(checkpoints, family:
     greedy output unchanged."""
     from tests.conftest import hf_greedy
     from tokenmill import LLM, SamplingParams
-    from tokenmill.layers.linear import GEMV_BUCKETS, GemvChoice, Linear
+    from tokenmill.kernels.gemv_tuning import GEMV_BUCKETS, GemvChoice
+    from tokenmill.layers.linear import Linear
 
     path = checkpoints[family]
     prompts = [list(range(3, 10)), [100, 200, 300], list(range(20, 45))]
@@ -325,7 +326,7 @@ def test_gemv_choice_takes_the_fastest_correct_candidate(monkeypatch, kind: str)
     """The start-up choice over fused and unfused GEMVs (device times faked; every candidate
     still runs and matches cuBLAS, or the times would be misaligned): cuBLAS stays when nothing
     beats it by the margin, else the fastest wins; a plain input is always 'fused'."""
-    from tokenmill.layers import linear
+    from tokenmill.kernels import gemv_tuning
 
     calls: list[object] = []
 
@@ -334,26 +335,27 @@ def test_gemv_choice_takes_the_fastest_correct_candidate(monkeypatch, kind: str)
         calls.append(fn)
         return times[len(calls) - 1]
 
-    monkeypatch.setattr(linear, "median_graph_seconds", fake_seconds)
+    monkeypatch.setattr(gemv_tuning, "median_graph_seconds", fake_seconds)
     gen = torch.Generator().manual_seed(0)
     weights = [_randn(16, 64, gen=gen) for _ in range(2)]
     choices = [
-        linear.GemvChoice(c, fused)
-        for c in linear.GEMV_CANDIDATES
+        gemv_tuning.GemvChoice(c, fused)
+        for c in gemv_tuning.GEMV_CANDIDATES
         if c.serves(1)
         for fused in ((True,) if kind == "plain" else (True, False))
     ]
     times = [1.0] + [0.98] * len(choices)  # within the margin of cuBLAS: not worth it
-    assert linear._fastest_gemv(weights, 1, kind) == (None, 1.0, 1.0)
+    assert gemv_tuning.fastest_gemv(weights, 1, kind) == (None, 1.0, 1.0)
     calls.clear()
     pick = len(choices) - 1
     times = [1.0] + [0.98] * pick + [0.5]
-    assert linear._fastest_gemv(weights, 1, kind) == (choices[pick], 0.5, 1.0)
+    assert gemv_tuning.fastest_gemv(weights, 1, kind) == (choices[pick], 0.5, 1.0)
     assert choices[pick].fused == (kind == "plain")
 
 
 def test_gemv_candidate_check_rejects_wrong_or_failing_kernels(caplog) -> None:
-    from tokenmill.layers.linear import GemvChoice, _matches
+    from tokenmill.kernels.gemv_tuning import GemvChoice
+    from tokenmill.kernels.gemv_tuning import matches_cublas as _matches
 
     expected = torch.tensor([[1.0, -2.0, 3.0]])
     config = GemvChoice(GemvConfig(8, 32, 1))

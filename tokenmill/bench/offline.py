@@ -7,12 +7,12 @@ import json
 import logging
 import statistics
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from tokenmill.bench.options import OfflineBenchArgs
 from tokenmill.bench.roofline import (
     Hardware,
     ModelCost,
@@ -25,23 +25,6 @@ from tokenmill.entrypoints.llm import LLM
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class OfflineBenchArgs:
-    config: str
-    workload: str = "b1"  # b1 | b2
-    dtype: str = "bfloat16"
-    device: str | None = None
-    num_requests: int = 256
-    input_len: int = 512  # b1
-    output_len: int = 256  # b1
-    min_len: int = 100  # b2 inputs and outputs uniform in [min_len, max_len]
-    max_len: int = 1024
-    seed: int = 0
-    peer: bool = True
-    peer_requests: int = 32  # b2: transformers generate_batch on the first N requests
-    engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 def _hardware(device: torch.device) -> Hardware | None:

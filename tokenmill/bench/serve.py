@@ -19,7 +19,8 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from tokenmill.bench.workloads import Session, WorkloadSpec, build_workload, reply_placeholder
+from tokenmill.bench.options import ServeBenchArgs
+from tokenmill.bench.workloads import Session, build_workload, reply_placeholder
 
 
 @dataclass
@@ -43,21 +44,6 @@ class RequestRecord:
         if self.e2e is None or self.ttft is None or self.output_tokens < 2:
             return None
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
-
-
-@dataclass(frozen=True)
-class ServeBenchArgs:
-    base_url: str
-    model: str
-    workload: WorkloadSpec
-    request_rate: float = float("inf")  # sessions per second; inf = all at once
-    burstiness: float = 1.0  # gamma shape: 1 = Poisson, < 1 burstier
-    max_concurrency: int | None = None
-    duration: float | None = None  # stop starting sessions after this many seconds
-    slo_ttft: float | None = None  # seconds
-    slo_itl: float | None = None  # seconds (mean inter-token gap of a request)
-    timeout: float = 600.0
-    progress: bool = True
 
 
 async def _stream_one(

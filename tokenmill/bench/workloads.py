@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tokenmill.config import option
+
 WORKLOADS = ("random", "shared-prefix", "chatbot", "agent", "data")
 
 
@@ -41,11 +43,13 @@ class WorkloadSpec:
     name: str
     num_sessions: int = 16
     vocab_size: int = 32000
-    seed: int = 0
-    input_len: int = 512  # random
-    output_len: int = 128  # random
-    prefix_len: int | None = None  # shared-prefix / chatbot / agent shared prompt length
-    length_scale: float = 1.0  # multiplies every length (e.g. 0.25 for a small CPU model)
+    seed: int = option(0, "Seed of lengths, ids, arrivals.")
+    input_len: int = option(512, "random: prompt tokens.")
+    output_len: int = option(128, "random: output tokens.")
+    prefix_len: int | None = option(
+        None, "Shared prefix tokens (shared-prefix, chatbot and agent workloads)."
+    )
+    length_scale: float = option(1.0, "Scale every length (e.g. 0.25 for a small CPU model).")
 
 
 def build_workload(spec: WorkloadSpec) -> list[Session]:

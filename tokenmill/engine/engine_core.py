@@ -181,7 +181,9 @@ class EngineCore:
         self._waited = 0.0
         outputs: list[EngineOutput] = []
         previous, self._in_flight = self._in_flight, None
-        if previous is not None and (not self.config.overlap_scheduling or previous.plan.blocking):
+        if previous is not None and (
+            not self.config.runner.overlap_scheduling or previous.plan.blocking
+        ):
             outputs, previous = self._finish(previous), None
         batch = self.scheduler.schedule(previous.unread if previous is not None else None)
         if batch.plan is not None:
@@ -192,7 +194,7 @@ class EngineCore:
             raise RuntimeError("scheduler could not admit a request into an idle engine")
         if previous is not None:
             outputs += self._finish(previous)
-        if self._in_flight is not None and not self.config.overlap_scheduling:
+        if self._in_flight is not None and not self.config.runner.overlap_scheduling:
             outputs += self._finish(self._in_flight)
             self._in_flight = None
         # Host time of the step: everything but waiting for the GPU.

@@ -8,11 +8,13 @@ import logging
 import sys
 import types
 from collections.abc import Sequence
-from typing import Any, get_args, get_type_hints
+from typing import Any, TypeVar, get_args, get_type_hints
 
 from tokenmill import __version__
 from tokenmill.config import DEMO_MODEL_DIR, EngineArgs
 from tokenmill.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 MODEL_HELP = (
     "Hugging Face checkpoint directory (default: the embedded demo model, a 15.7 M parameter "
@@ -20,28 +22,45 @@ MODEL_HELP = (
 )
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One `--flag` per `EngineArgs` field (except the model), with that field's help."""
-    hints = get_type_hints(EngineArgs)
-    group = parser.add_argument_group("engine options")
-    for f in dataclasses.fields(EngineArgs):
-        if f.name == "model":
+def add_options(
+    parser: argparse.ArgumentParser, cls: type, title: str, skip: Sequence[str] = ()
+) -> None:
+    """One `--flag` per field of dataclass `cls` (except `skip`), in an argument group `title`,
+    with the field's `help` metadata (`config.option`) and default; a field without a default
+    is a required flag, a bool one is `--flag/--no-flag`."""
+    hints = get_type_hints(cls)
+    group = parser.add_argument_group(title)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
         kind = _base_type(hints[f.name])
-        help_text = f"{f.metadata['help']} (default: {f.default})"
+        required = f.default is dataclasses.MISSING
+        help_text = f.metadata["help"] + ("" if required else f" (default: {f.default})")
         if kind is bool:
             group.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
             )
+        elif required:
+            group.add_argument(flag, type=kind, required=True, help=help_text)
         else:
             group.add_argument(
-                flag,
-                type=kind,
-                default=f.default,
-                choices=f.metadata.get("choices"),
+                flag, type=kind, default=f.default, choices=f.metadata.get("choices"),
                 help=help_text,
-            )
+            )  # fmt: skip
+
+
+def options_from(ns: argparse.Namespace, cls: type[T], **extra: Any) -> T:
+    """The `cls` named by parsed flags: every field that has a flag, except those given in
+    `extra`, which win; the others keep their defaults."""
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    values = {f.name: getattr(ns, f.name) for f in fields if hasattr(ns, f.name)}
+    return cls(**{**values, **extra})
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One `--flag` per `EngineArgs` field (except the model), with that field's help."""
+    add_options(parser, EngineArgs, "engine options", skip=("model",))
 
 
 def _base_type(hint: Any) -> type:
@@ -53,7 +72,7 @@ def _base_type(hint: Any) -> type:
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     """The `EngineArgs` named by parsed flags."""
-    return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
+    return options_from(ns, EngineArgs)
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -163,7 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
-    bench = commands.add_parser("bench", help="Benchmarks (see ../shared/BENCHMARKS.md).")
+    from tokenmill.bench.options import OfflineBenchArgs
+
+    bench = commands.add_parser("bench", help="Benchmarks: B1/B2 offline, roofline, serving load.")
     kinds = bench.add_subparsers(dest="bench", required=True)
     offline = kinds.add_parser(
         "offline",
@@ -172,34 +193,23 @@ def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
         "directory, with the roofline (bandwidth and matmul rate measured in the same run) and "
         "the transformers peer measured in the same run.",
     )
-    roofline = kinds.add_parser(
-        "roofline", help="Print the hardware floor of a config and a workload."
-    )
-    for p in (offline, roofline):
-        p.add_argument("--config", required=True, help="Directory holding config.json.")
-        p.add_argument("--workload", choices=("b1", "b2"), default="b1", help="B1 or B2.")
-        p.add_argument("--dtype", default="bfloat16", help="Weight dtype (default: bfloat16).")
-        p.add_argument("--input-len", type=int, default=512, help="B1 prompt tokens.")
-        p.add_argument("--output-len", type=int, default=256, help="B1 output tokens.")
-        p.add_argument("--num-requests", type=int, default=256, help="B2 requests.")
-        p.add_argument("--min-len", type=int, default=100, help="B2 shortest input/output.")
-        p.add_argument("--max-len", type=int, default=1024, help="B2 longest input/output.")
-        p.add_argument("--seed", type=int, default=0, help="Seed for lengths and token ids.")
-    _add_serve_bench_parser(kinds)
-    offline.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present).")
-    offline.add_argument("--no-peer", action="store_true", help="Skip the transformers peer.")
-    offline.add_argument(
-        "--peer-requests", type=int, default=32, help="B2: requests the peer runs (it is slow)."
-    )
+    add_options(offline, OfflineBenchArgs, "benchmark options", skip=("engine_kwargs",))
     offline.add_argument("--output", default=None, help="Write the full report as JSON here.")
     offline.add_argument(
         "--engine-arg", action="append", default=[], metavar="KEY=VALUE",
         help="Extra engine option, e.g. max_num_seqs=256 (repeatable).",
     )  # fmt: skip
+    roofline = kinds.add_parser(
+        "roofline", help="Print the hardware floor of a config and a workload."
+    )
+    machine = ("device", "peer", "peer_requests", "engine_kwargs")  # only for a run
+    add_options(roofline, OfflineBenchArgs, "benchmark options", skip=machine)
+    _add_serve_bench_parser(kinds)
 
 
 def _add_serve_bench_parser(kinds: argparse._SubParsersAction) -> None:
-    from tokenmill.bench.workloads import WORKLOADS
+    from tokenmill.bench.options import ServeBenchArgs
+    from tokenmill.bench.workloads import WORKLOADS, WorkloadSpec
 
     serve = kinds.add_parser(
         "serve",
@@ -208,7 +218,6 @@ def _add_serve_bench_parser(kinds: argparse._SubParsersAction) -> None:
         "server and reports TTFT, ITL, TPOT and E2E percentiles, throughput and goodput.",
     )
     serve.add_argument("--base-url", default="http://127.0.0.1:8000", help="Server address.")
-    serve.add_argument("--model", required=True, help="Model name the server serves.")
     serve.add_argument("--workload", choices=WORKLOADS, default="random", help="Traffic profile.")
     arrivals = serve.add_mutually_exclusive_group()
     arrivals.add_argument(
@@ -218,27 +227,21 @@ def _add_serve_bench_parser(kinds: argparse._SubParsersAction) -> None:
     arrivals.add_argument(
         "--sweep-rates", default=None, help="Comma-separated rates to run in turn, e.g. 1,2,4,8."
     )
-    serve.add_argument(
-        "--burstiness", type=float, default=1.0, help="Gamma shape of arrivals (1 = Poisson)."
-    )
-    serve.add_argument("--max-concurrency", type=int, default=None, help="Cap on open requests.")
+    # Set by the flags above and below, or made of several: --slo gives both SLOs.
+    manual = ("base_url", "workload", "request_rate", "slo_ttft", "slo_itl")
+    add_options(serve, ServeBenchArgs, "load options", skip=manual)
+    serve.add_argument("--slo", default=None, help="Goodput SLO, e.g. ttft:500,itl:50 (ms).")
     serve.add_argument(
         "--num-requests", type=int, default=16,
         help="Sessions to run (one request each, several for chatbot/agent).",
     )  # fmt: skip
-    serve.add_argument("--duration", type=float, default=None, help="Stop starting after S s.")
-    serve.add_argument("--seed", type=int, default=0, help="Seed of lengths, ids, arrivals.")
-    serve.add_argument("--slo", default=None, help="Goodput SLO, e.g. ttft:500,itl:50 (ms).")
-    serve.add_argument("--input-len", type=int, default=512, help="random: prompt tokens.")
-    serve.add_argument("--output-len", type=int, default=128, help="random: output tokens.")
-    serve.add_argument("--prefix-len", type=int, default=None, help="Shared prefix tokens.")
-    serve.add_argument(
-        "--length-scale", type=float, default=1.0, help="Scale every length (small models)."
-    )
     serve.add_argument(
         "--vocab-size", type=int, default=None,
         help="Token ids are drawn below this (default: the server's, else 32000).",
     )  # fmt: skip
+    add_options(
+        serve, WorkloadSpec, "workload options", skip=("name", "num_sessions", "vocab_size")
+    )
     serve.add_argument("--output", default=None, help="Write the JSON report (every request).")
     serve.add_argument("--plot", default=None, help="Write PNG charts here.")
 
@@ -257,29 +260,26 @@ def _parse_slo(text: str | None) -> tuple[float | None, float | None]:
 
 def _serve_bench(ns: argparse.Namespace) -> int:
     import asyncio
-    import dataclasses
     import json
 
     import httpx
 
     from tokenmill.bench import plots
-    from tokenmill.bench.serve import ServeBenchArgs, format_table, run_serve_bench
+    from tokenmill.bench.options import ServeBenchArgs
+    from tokenmill.bench.serve import format_table, run_serve_bench
     from tokenmill.bench.workloads import WorkloadSpec
 
     vocab = ns.vocab_size
     if vocab is None:
         cards = httpx.get(ns.base_url + "/v1/models", timeout=30).json().get("data", [])
         vocab = next((c["vocab_size"] for c in cards if "vocab_size" in c), 32000)
-    spec = WorkloadSpec(
-        name=ns.workload, num_sessions=ns.num_requests, vocab_size=vocab, seed=ns.seed,
-        input_len=ns.input_len, output_len=ns.output_len, prefix_len=ns.prefix_len,
-        length_scale=ns.length_scale,
-    )  # fmt: skip
+    spec = options_from(
+        ns, WorkloadSpec, name=ns.workload, num_sessions=ns.num_requests, vocab_size=vocab
+    )
     slo_ttft, slo_itl = _parse_slo(ns.slo)
-    base = ServeBenchArgs(
-        base_url=ns.base_url, model=ns.model, workload=spec, request_rate=ns.request_rate,
-        burstiness=ns.burstiness, max_concurrency=ns.max_concurrency, duration=ns.duration,
-        slo_ttft=slo_ttft, slo_itl=slo_itl,
+    base = options_from(
+        ns, ServeBenchArgs, base_url=ns.base_url, workload=spec, slo_ttft=slo_ttft,
+        slo_itl=slo_itl,
     )  # fmt: skip
     rates = [float(r) for r in ns.sweep_rates.split(",")] if ns.sweep_rates else [ns.request_rate]
     reports = []
@@ -316,6 +316,7 @@ def _bench(ns: argparse.Namespace) -> int:
     import numpy as np
 
     from tokenmill.bench import offline, roofline
+    from tokenmill.bench.options import OfflineBenchArgs
     from tokenmill.config import ModelConfig
 
     if ns.bench == "serve":
@@ -337,12 +338,7 @@ def _bench(ns: argparse.Namespace) -> int:
         print(f"(weights read per step: {cost.weight_bytes_per_step / 1e9:.2f} GB; "
               f"{hw.bandwidth / 1e12:.2f} TB/s, {hw.matmul_flops / 1e12:.0f} TFLOP/s)")  # fmt: skip
         return 0
-    args = offline.OfflineBenchArgs(
-        config=ns.config, workload=ns.workload, dtype=ns.dtype, device=ns.device,
-        num_requests=ns.num_requests, input_len=ns.input_len, output_len=ns.output_len,
-        min_len=ns.min_len, max_len=ns.max_len, seed=ns.seed, peer=not ns.no_peer,
-        peer_requests=ns.peer_requests, engine_kwargs=_engine_kwargs(ns.engine_arg),
-    )  # fmt: skip
+    args = options_from(ns, OfflineBenchArgs, engine_kwargs=_engine_kwargs(ns.engine_arg))
     report = offline.run_offline(args)
     offline.write_report(report, ns.output)
     for row in offline.summary_rows(report):

@@ -1,67 +1,32 @@
 """Linear layers: plain, and several checkpoint tensors stacked (fused q/k/v, gate/up).
 
 On CUDA, decode-sized inputs may take the split-K GEMV kernel instead of cuBLAS, per weight shape
-and row bucket, where `choose_gemv_kernels` measured it correct and faster at start-up. The
-kernel can also absorb the layer's input transform: SwiGLU for a down projection
-(`input_kind="gated"`), or residual-add + RMSNorm for a projection behind a norm
-(`input_kind="normed"`, called through `forward_normed`); the start-up check also times the
-GEMV behind the transform's own kernel, and keeps whichever of the three is fastest.
+and row bucket, where the start-up tuning (`kernels/gemv_tuning.py`, applied by
+`choose_gemv_kernels`) measured it correct and faster. The kernel can also absorb the layer's
+input transform: SwiGLU for a down projection (`input_kind="gated"`), or residual-add + RMSNorm
+for a projection behind a norm (`input_kind="normed"`, called through `forward_normed`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from tokenmill.kernels import GemvConfig, InputNorm, gemv, norm_gemv
+from tokenmill.kernels import InputNorm, gemv, norm_gemv
+from tokenmill.kernels.gemv_tuning import (
+    GemvChoice,
+    InputKind,
+    choose_gemv_configs,
+    gemv_bucket,
+)
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.observability.cuda_timing import median_graph_seconds
 
 logger = logging.getLogger(__name__)
-
-InputKind = Literal["plain", "gated", "normed"]
-
-# Inputs of M rows use the choice made for the smallest bucket >= M; larger M use cuBLAS.
-GEMV_BUCKETS = (1, 4)
-# The configs of `benchmarks/gemv_sweep.py` that came within a few percent of the best on the
-# decode shapes of qwen3-0.6b and llama-3.1-8b on an H200 (docs/perf-notes.md, v9), plus split-K
-# ones for M > 1, where each program's product is M times the work.
-GEMV_CANDIDATES = (
-    GemvConfig(4, 512, 1, num_warps=2, defer=True),
-    GemvConfig(4, 256, 1, num_warps=2, prefetch=2, defer=True),
-    GemvConfig(4, 1024, 1, num_warps=4, prefetch=2, defer=True),
-    GemvConfig(2, 1024, 1, num_warps=4, defer=True),
-    GemvConfig(2, 512, 1, num_warps=2, defer=True),
-    GemvConfig(2, 1024, 1, num_warps=2),
-    GemvConfig(4, 1024, 1, num_warps=4),
-    GemvConfig(8, 512, 1),
-    GemvConfig(8, 512, 2),
-    GemvConfig(8, 512, 4),
-)
-# A candidate must beat cuBLAS by this factor to be chosen (timing noise is a few percent).
-_MARGIN = 0.97
-
-
-@dataclass(frozen=True)
-class GemvChoice:
-    """The GEMV kernel a layer runs for one row bucket; `fused`: a gated or normed layer's
-    input transform (SwiGLU, add + RMSNorm) runs inside it, else as its own kernel before."""
-
-    config: GemvConfig
-    fused: bool = True
-
-
-def gemv_bucket(m: int) -> int | None:
-    """The row bucket whose kernel choice serves an input of `m` rows (None: too many rows)."""
-    return next((b for b in GEMV_BUCKETS if m <= b), None)
 
 
 class Linear(nn.Module):
@@ -119,90 +84,25 @@ class Linear(nn.Module):
 
 
 def choose_gemv_kernels(model: nn.Module) -> int:
-    """For each half-precision CUDA weight shape, input kind and row bucket, keep the GEMV
-    config that matches cuBLAS's result and beats its time, timed in a CUDA graph over every
-    layer of that shape (weights streamed from memory, as in a decode step). Returns how many
+    """Give every half-precision CUDA `Linear` of `model` the GEMV kernels the start-up tuning
+    (`kernels.gemv_tuning`) chose for its weight shape and input kind. Returns how many
     (layer, bucket) pairs took a GEMV kernel."""
     groups: dict[tuple[int, int, InputKind], list[Linear]] = defaultdict(list)
     for module in model.modules():
         if isinstance(module, Linear) and module.bias is None and _half_on_cuda(module.weight):
             n, k = module.weight.shape
             groups[(n, k, module.input_kind)].append(module)
+    weights = {key: [layer.weight for layer in layers] for key, layers in groups.items()}
     chosen = 0
-    for (n, k, kind), layers in groups.items():
-        for bucket in GEMV_BUCKETS:
-            best, seconds, cublas = _fastest_gemv([layer.weight for layer in layers], bucket, kind)
-            logger.info(
-                "GEMM %dx%d (%s input), M<=%d: %s, %.1f us per layer (cuBLAS %.1f us)",
-                n, k, kind, bucket, best or "cuBLAS", 1e6 * seconds / len(layers),
-                1e6 * cublas / len(layers),
-            )  # fmt: skip
-            if best is not None:
-                for layer in layers:
-                    layer.gemv_choices[bucket] = best
-                chosen += len(layers)
+    for key, choices in choose_gemv_configs(weights).items():
+        for layer in groups[key]:
+            layer.gemv_choices.update(choices)
+        chosen += len(groups[key]) * len(choices)
     return chosen
 
 
 def _half_on_cuda(weight: torch.Tensor) -> bool:
     return weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16)
-
-
-def _fastest_gemv(
-    weights: list[torch.Tensor], rows: int, kind: InputKind
-) -> tuple[GemvChoice | None, float, float]:
-    """The candidate (None: cuBLAS) that runs `rows` x every weight fastest, with its seconds
-    and cuBLAS's: one whose first product matches cuBLAS's and beats it by the margin. Each
-    layer runs its input kernel (SwiGLU, or add + RMSNorm) before cuBLAS or an unfused GEMV."""
-    w0 = weights[0]
-    width = w0.shape[1] * (2 if kind == "gated" else 1)
-    x, residual = (torch.randn(rows, width, dtype=w0.dtype, device=w0.device) for _ in range(2))
-    norm = RMSNorm(w0.shape[1], 1e-6).to(w0.device, w0.dtype)
-
-    def run(w: torch.Tensor, choice: GemvChoice | None, res: torch.Tensor) -> torch.Tensor:
-        if choice is not None and choice.fused:
-            if kind == "normed":
-                return norm_gemv(x, w, choice.config, InputNorm(norm.weight, norm.eps, res))[0]
-            return gemv(x, w, choice.config, kind == "gated")
-        if kind == "normed":  # the fused add + RMSNorm kernel updates `res` in place
-            h, _ = norm.add_forward(x, res)
-        else:
-            h = silu_and_mul(x) if kind == "gated" else x
-        return F.linear(h, w) if choice is None else gemv(h, w, choice.config)
-
-    scratch = residual.clone()
-
-    def seconds(choice: GemvChoice | None) -> float:
-        return median_graph_seconds(lambda: [run(w, choice, scratch) for w in weights])
-
-    expected = run(w0, None, residual.clone()).float()
-    cublas_s = seconds(None)
-    best, best_s = None, _MARGIN * cublas_s
-    fusions = (True,) if kind == "plain" else (True, False)
-    for choice in (
-        GemvChoice(c, fused) for c in GEMV_CANDIDATES if c.serves(rows) for fused in fusions
-    ):
-        if not _matches(lambda c=choice: run(w0, c, residual.clone()), expected, choice):
-            continue
-        if (s := seconds(choice)) < best_s:
-            best, best_s = choice, s
-    return best, (best_s if best else cublas_s), cublas_s
-
-
-def _matches(run: Callable[[], torch.Tensor], expected: torch.Tensor, choice: GemvChoice) -> bool:
-    """Whether the candidate's product is cuBLAS's to bf16 rounding (a GPU-specific fault in a
-    candidate, wrong results or a kernel that does not build here, must cost speed, never
-    correctness or the start-up)."""
-    try:
-        got = run().float()
-    except Exception as exc:  # e.g. triton's CompilationError / OutOfResources on this GPU
-        logger.warning("GEMV %s failed here (%s); not used", choice, exc)
-        return False
-    ok = bool(torch.allclose(got, expected, rtol=0.02, atol=0.02 * expected.abs().max().item()))
-    if not ok:
-        logger.warning("GEMV %s disagrees with cuBLAS (max error %.3g); not used", choice,
-                       (got - expected).abs().max().item())  # fmt: skip
-    return ok
 
 
 class MergedLinear(Linear):

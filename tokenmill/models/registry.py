@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
-from torch import nn
+import importlib
+from typing import TYPE_CHECKING
 
-from tokenmill.config import ModelConfig
-from tokenmill.models.llama import LlamaForCausalLM
+if TYPE_CHECKING:  # only for annotations: tokenmill.config reads this registry at import time
+    from torch import nn
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
+    from tokenmill.config import ModelConfig
+
+# Architecture -> "module:class" of its implementation, imported on first use, so that this table
+# (the one list of supported architectures) is importable from `tokenmill.config` without the
+# model code.
+MODEL_REGISTRY: dict[str, str] = {
+    "LlamaForCausalLM": "tokenmill.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "tokenmill.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "tokenmill.models.llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "tokenmill.models.llama:LlamaForCausalLM",
 }
 
 
@@ -21,4 +27,5 @@ def model_class(cfg: ModelConfig) -> type[nn.Module]:
         raise ValueError(
             f"unsupported architecture {cfg.architecture!r}; supported: {', '.join(MODEL_REGISTRY)}"
         )
-    return MODEL_REGISTRY[cfg.architecture]
+    module, name = MODEL_REGISTRY[cfg.architecture].split(":")
+    return getattr(importlib.import_module(module), name)

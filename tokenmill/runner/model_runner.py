@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 2 << 30
-GPU_MEMORY_UTILIZATION = 0.9
 
 
 @dataclass(frozen=True)
@@ -108,7 +107,7 @@ class ModelRunner:
         self.kv_cache = KVCache.allocate(config.model, self.num_pages, self.page_size, self.device)
         max_seqs = config.scheduler.max_num_seqs
         self.attention = create_backend(
-            config.attention_backend, config.model, self.kv_cache, max_seqs
+            config.runner.attention_backend, config.model, self.kv_cache, max_seqs
         )
         self.sampler = Sampler(self.device, config.seed)
         self.num_forward_tokens = 0
@@ -125,23 +124,23 @@ class ModelRunner:
             "model %s on %s (%s attention): KV cache of %d pages x %d tokens",
             config.model.architecture,
             self.device,
-            config.attention_backend,
+            config.runner.attention_backend,
             self.num_pages,
             self.page_size,
         )
         self.graphs: CudaGraphRunner | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if self.device.type == "cuda" and not config.runner.enforce_eager:
             if not self.attention.graph_safe():
                 raise ValueError(
-                    f"attention_backend {config.attention_backend!r} cannot run in CUDA graphs; "
-                    "use enforce_eager=True"
+                    f"attention_backend {config.runner.attention_backend!r} cannot run in CUDA "
+                    "graphs; use enforce_eager=True"
                 )
             chosen = choose_gemv_kernels(self.model)
             logger.info("GEMV kernel chosen over cuBLAS for %d (layer, row bucket) pairs", chosen)
             max_pages = -(-config.max_model_len // self.page_size)
-            max_bs = min(config.cuda_graph_max_bs, max_seqs)
+            max_bs = min(config.runner.cuda_graph_max_bs, max_seqs)
             max_prefill = min(
-                config.cuda_graph_max_prefill_tokens, config.scheduler.max_num_batched_tokens
+                config.runner.cuda_graph_max_prefill_tokens, config.scheduler.max_num_batched_tokens
             )
             # Imported here: CUDA graphs need triton, which CPU-only installs may lack.
             from tokenmill.runner.cuda_graphs import CudaGraphRunner
@@ -163,7 +162,7 @@ class ModelRunner:
             pages = cfg.cache.kv_cache_memory_bytes // per_page
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            pages = int(free * GPU_MEMORY_UTILIZATION) // per_page
+            pages = int(free * cfg.runner.gpu_memory_utilization) // per_page
         else:
             full = cfg.scheduler.max_num_seqs * -(-cfg.max_model_len // self.page_size)
             pages = min(full, CPU_KV_CACHE_BYTES // per_page)

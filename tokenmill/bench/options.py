@@ -1,0 +1,49 @@
+"""The options of each `tokenmill bench` command, as dataclasses: the CLI makes one flag per
+field (`entrypoints.cli.add_options`), and the benchmarks take the dataclass. Kept apart from the
+benchmarks so that building the CLI imports no model code."""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, field
+from typing import Any
+
+from tokenmill.bench.workloads import WorkloadSpec
+from tokenmill.config import option
+
+
+@dataclass
+class OfflineBenchArgs:
+    """`tokenmill bench offline` (and the sizes `bench roofline` reads): B1 or B2 on dummy
+    weights built from a config directory."""
+
+    config: str = option(MISSING, "Directory holding config.json.")
+    workload: str = option("b1", "B1 (single-stream decode) or B2 (throughput).",
+                           choices=("b1", "b2"))  # fmt: skip
+    dtype: str = option("bfloat16", "Weight dtype.")
+    device: str | None = option(None, "cpu or cuda (None: cuda if present).")
+    num_requests: int = option(256, "B2 requests.")
+    input_len: int = option(512, "B1 prompt tokens.")
+    output_len: int = option(256, "B1 output tokens.")
+    min_len: int = option(100, "B2 shortest input/output (lengths uniform in [min, max]).")
+    max_len: int = option(1024, "B2 longest input/output.")
+    seed: int = option(0, "Seed for lengths and token ids.")
+    peer: bool = option(True, "Also run the transformers peer.")
+    peer_requests: int = option(32, "B2: requests the peer runs (it is slow).")
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # engine options, by name
+
+
+@dataclass(frozen=True)
+class ServeBenchArgs:
+    """`tokenmill bench serve`: a load test of an OpenAI-compatible server."""
+
+    base_url: str
+    model: str = option(MISSING, "Model name the server serves.")
+    workload: WorkloadSpec
+    request_rate: float = float("inf")  # sessions per second; inf = all at once
+    burstiness: float = option(1.0, "Gamma shape of arrivals (1 = Poisson, < 1 burstier).")
+    max_concurrency: int | None = option(None, "Cap on open requests.")
+    duration: float | None = option(None, "Stop starting sessions after this many seconds.")
+    slo_ttft: float | None = None  # seconds
+    slo_itl: float | None = None  # seconds (mean inter-token gap of a request)
+    timeout: float = option(600.0, "Seconds one request may take.")
+    progress: bool = option(True, "Show a progress bar.")

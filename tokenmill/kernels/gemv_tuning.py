@@ -1,0 +1,143 @@
+"""Start-up tuning of the GEMV kernel: for each weight shape, input kind and row bucket, the
+launch config (if any) that matches cuBLAS and beats it, measured on this GPU.
+
+The choice is made per shape over every weight of that shape, timed in a CUDA graph (weights
+streamed from memory, as in a decode step). A kernel may absorb its layer's input transform:
+SwiGLU (`"gated"`) or residual-add + RMSNorm (`"normed"`); the tuning also times the GEMV behind
+the transform's own kernel, and keeps whichever of the three is fastest. The layers
+(`layers/linear.py`) hold the result and call the kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch.nn import functional as F
+
+from tokenmill.kernels import GemvConfig, InputNorm, fused_silu_and_mul, gemv, norm_gemv, rms_norm
+from tokenmill.observability.cuda_timing import median_graph_seconds
+
+logger = logging.getLogger(__name__)
+
+InputKind = Literal["plain", "gated", "normed"]
+
+# Inputs of M rows use the choice made for the smallest bucket >= M; larger M use cuBLAS.
+GEMV_BUCKETS = (1, 4)
+# The configs of `benchmarks/gemv_sweep.py` that came within a few percent of the best on the
+# decode shapes of qwen3-0.6b and llama-3.1-8b on an H200 (docs/perf-notes.md, v9), plus split-K
+# ones for M > 1, where each program's product is M times the work.
+GEMV_CANDIDATES = (
+    GemvConfig(4, 512, 1, num_warps=2, defer=True),
+    GemvConfig(4, 256, 1, num_warps=2, prefetch=2, defer=True),
+    GemvConfig(4, 1024, 1, num_warps=4, prefetch=2, defer=True),
+    GemvConfig(2, 1024, 1, num_warps=4, defer=True),
+    GemvConfig(2, 512, 1, num_warps=2, defer=True),
+    GemvConfig(2, 1024, 1, num_warps=2),
+    GemvConfig(4, 1024, 1, num_warps=4),
+    GemvConfig(8, 512, 1),
+    GemvConfig(8, 512, 2),
+    GemvConfig(8, 512, 4),
+)
+# A candidate must beat cuBLAS by this factor to be chosen (timing noise is a few percent).
+MARGIN = 0.97
+
+
+@dataclass(frozen=True)
+class GemvChoice:
+    """The GEMV kernel a layer runs for one row bucket; `fused`: a gated or normed layer's
+    input transform (SwiGLU, add + RMSNorm) runs inside it, else as its own kernel before."""
+
+    config: GemvConfig
+    fused: bool = True
+
+
+def gemv_bucket(m: int) -> int | None:
+    """The row bucket whose kernel choice serves an input of `m` rows (None: too many rows)."""
+    return next((b for b in GEMV_BUCKETS if m <= b), None)
+
+
+# The RMSNorm epsilon of the tuning inputs (any small value: only speed and agreement count).
+_EPS = 1e-6
+
+
+def choose_gemv_configs(
+    weights: Mapping[tuple[int, int, InputKind], Sequence[torch.Tensor]],
+) -> dict[tuple[int, int, InputKind], dict[int, GemvChoice]]:
+    """For each group of same-shape weights (`(n, k, input kind)` -> weights), the GEMV choice
+    per row bucket where one matches cuBLAS's result and beats its time (buckets left out run
+    cuBLAS)."""
+    chosen: dict[tuple[int, int, InputKind], dict[int, GemvChoice]] = {}
+    for (n, k, kind), group in weights.items():
+        for bucket in GEMV_BUCKETS:
+            best, seconds, cublas = fastest_gemv(list(group), bucket, kind)
+            logger.info(
+                "GEMM %dx%d (%s input), M<=%d: %s, %.1f us per layer (cuBLAS %.1f us)",
+                n, k, kind, bucket, best or "cuBLAS", 1e6 * seconds / len(group),
+                1e6 * cublas / len(group),
+            )  # fmt: skip
+            if best is not None:
+                chosen.setdefault((n, k, kind), {})[bucket] = best
+    return chosen
+
+
+def fastest_gemv(
+    weights: list[torch.Tensor], rows: int, kind: InputKind
+) -> tuple[GemvChoice | None, float, float]:
+    """The candidate (None: cuBLAS) that runs `rows` x every weight fastest, with its seconds
+    and cuBLAS's: one whose first product matches cuBLAS's and beats it by the margin. Each
+    layer runs its input kernel (SwiGLU, or add + RMSNorm) before cuBLAS or an unfused GEMV."""
+    w0 = weights[0]
+    width = w0.shape[1] * (2 if kind == "gated" else 1)
+    x, residual = (torch.randn(rows, width, dtype=w0.dtype, device=w0.device) for _ in range(2))
+    norm_weight = torch.ones(w0.shape[1], dtype=w0.dtype, device=w0.device)
+
+    def run(w: torch.Tensor, choice: GemvChoice | None, res: torch.Tensor) -> torch.Tensor:
+        if choice is not None and choice.fused:
+            if kind == "normed":
+                return norm_gemv(x, w, choice.config, InputNorm(norm_weight, _EPS, res))[0]
+            return gemv(x, w, choice.config, kind == "gated")
+        if kind == "normed":  # the fused add + RMSNorm kernel updates `res` in place
+            h = rms_norm(x, norm_weight, _EPS, res)
+        else:
+            h = fused_silu_and_mul(x) if kind == "gated" else x
+        return F.linear(h, w) if choice is None else gemv(h, w, choice.config)
+
+    scratch = residual.clone()
+
+    def seconds(choice: GemvChoice | None) -> float:
+        return median_graph_seconds(lambda: [run(w, choice, scratch) for w in weights])
+
+    expected = run(w0, None, residual.clone()).float()
+    cublas_s = seconds(None)
+    best, best_s = None, MARGIN * cublas_s
+    fusions = (True,) if kind == "plain" else (True, False)
+    for choice in (
+        GemvChoice(c, fused) for c in GEMV_CANDIDATES if c.serves(rows) for fused in fusions
+    ):
+        if not matches_cublas(lambda c=choice: run(w0, c, residual.clone()), expected, choice):
+            continue
+        if (s := seconds(choice)) < best_s:
+            best, best_s = choice, s
+    return best, (best_s if best else cublas_s), cublas_s
+
+
+def matches_cublas(
+    run: Callable[[], torch.Tensor], expected: torch.Tensor, choice: GemvChoice
+) -> bool:
+    """Whether the candidate's product is cuBLAS's to bf16 rounding (a GPU-specific fault in a
+    candidate, wrong results or a kernel that does not build here, must cost speed, never
+    correctness or the start-up)."""
+    try:
+        got = run().float()
+    except Exception as exc:  # e.g. triton's CompilationError / OutOfResources on this GPU
+        logger.warning("GEMV %s failed here (%s); not used", choice, exc)
+        return False
+    ok = bool(torch.allclose(got, expected, rtol=0.02, atol=0.02 * expected.abs().max().item()))
+    if not ok:
+        logger.warning("GEMV %s disagrees with cuBLAS (max error %.3g); not used", choice,
+                       (got - expected).abs().max().item())  # fmt: skip
+    return ok
