@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call (see ../shared/device/README.md).
 # Usage on the device: bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|all]
+#   or TREES="ab/before ab/after" bash scripts/gpu_check.sh [ab-b1|ab-b2]: B1 or B2 without the
+#   transformers peer, each source tree in turn, run from inside it (see docs/perf-notes.md)
 # (gputests = the GPU engine tests and the GEMV, decode and rotary kernel tests + profile + B1)
 # Full logs and JSON reports go to $OUT (or ./gpu-out); a short table is printed last.
 set -uo pipefail
@@ -69,6 +71,23 @@ if [[ "$what" == b2 || "$what" == all ]]; then
   b2=(--engine-arg max_num_seqs=256 --engine-arg max_num_batched_tokens=8192 --engine-arg max_model_len=4096)
   bench qwen3-0.6b b2 "${kv2[@]}" "${b2[@]}"
   bench llama-3.1-8b b2 "${kv2[@]}" "${b2[@]}"
+fi
+if [[ "$what" == ab-b1 || "$what" == ab-b2 ]]; then
+  # A/B of source trees in one call: `python -m` from inside each tree imports that tree's
+  # tokenmill (the current directory comes first on sys.path), whatever PYTHONPATH says.
+  workload=${what#ab-}
+  args=(--engine-arg max_num_seqs=8 "${kv[@]}")
+  [[ "$workload" == b2 ]] && args=(--engine-arg max_num_seqs=256 --engine-arg max_num_batched_tokens=8192
+    --engine-arg max_model_len=4096 "${kv2[@]}")
+  abs_models=$(realpath "$models")
+  for t in ${TREES:?set TREES to the source trees to compare}; do
+    for m in qwen3-0.6b llama-3.1-8b; do
+      log="$out/$workload-$m-$(basename "$t").log"
+      (cd "$t" && python3 -m tokenmill.entrypoints.cli --log-level WARNING bench offline \
+        --config "$abs_models/$m" --workload "$workload" --no-peer "${args[@]}") > "$log" 2>&1
+      echo "$t $m: $(tail -1 "$log")" | tee -a "$table"
+    done
+  done
 fi
 echo
 echo "=== summary ==="
