@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from tokenmill.bench.options import OfflineBenchArgs, ServeBenchArgs
-from tokenmill.config import SUPPORTED_ARCHITECTURES, EngineArgs, RunnerConfig, option
+from tokenmill.config import (
+    ATTENTION_BACKENDS,
+    SUPPORTED_ARCHITECTURES,
+    EngineArgs,
+    RunnerConfig,
+    option,
+)
 from tokenmill.entrypoints.cli import add_options, build_parser, options_from
 from tokenmill.models.registry import MODEL_REGISTRY, model_class
 
@@ -39,6 +45,13 @@ def test_engine_args_reach_the_runner_config(llama_dir) -> None:  # type: ignore
     assert config.runner.attention_backend == "torch"  # the CPU default
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         EngineArgs(model=str(llama_dir), gpu_memory_utilization=2.0).create_engine_config()
+
+
+def test_the_attention_backend_names_are_the_registry() -> None:
+    """config lists the names (it cannot import the backends); they must be the registry's."""
+    from tokenmill.attention import backend
+
+    assert set(ATTENTION_BACKENDS) == set(backend._BACKENDS)
 
 
 def test_every_supported_architecture_resolves_to_a_model_class() -> None:
