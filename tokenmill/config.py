@@ -14,7 +14,9 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
+_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -77,8 +79,58 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """The mixture-of-experts feed-forward of a sparse decoder (Qwen3-MoE's config.json fields).
+
+    Layer `i` is sparse when `i not in mlp_only_layers` and `(i + 1) % decoder_sparse_step == 0`;
+    the others keep a dense MLP of the model's `intermediate_size`.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 1:
+            raise ValueError(f"num_experts must be >= 1, got {self.num_experts}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                f"got {self.top_k}"
+            )
+        if self.intermediate_size < 1:
+            raise ValueError(f"moe_intermediate_size must be >= 1, got {self.intermediate_size}")
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (0-based) routes its tokens to experts."""
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+    @staticmethod
+    def from_hf(cfg: dict[str, Any]) -> MoeConfig:
+        """Read the expert settings of a config.json dict (transformers 5 writes the expert
+        count as `num_local_experts`, the hub's checkpoints as `num_experts`)."""
+        experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+        if experts is None:
+            raise ValueError("a mixture-of-experts config.json needs num_experts")
+        return MoeConfig(
+            num_experts=int(experts),
+            top_k=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg["moe_intermediate_size"]),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1)),
+            mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+        )
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a Llama-family decoder, read from a Hugging Face config.json."""
+    """Hyper-parameters of a Llama-family decoder, read from a Hugging Face config.json;
+    `moe` is set for mixture-of-experts models (None: every layer has a dense MLP)."""
 
     path: str
     architecture: str
@@ -99,6 +151,7 @@ class ModelConfig:
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    moe: MoeConfig | None = None
 
     @staticmethod
     def from_pretrained(path: str | Path, dtype: str | torch.dtype = "auto") -> ModelConfig:
@@ -141,11 +194,12 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=int(window) if window else None,
             dtype=parse_dtype(dtype),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
+            moe=MoeConfig.from_hf(cfg) if arch in _MOE_ARCHITECTURES else None,
         )
 
 

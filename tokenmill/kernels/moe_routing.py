@@ -1,0 +1,104 @@
+"""Mixture-of-experts routing in torch: top-k selection, the token→expert sort padded to the
+expert kernel's row blocks, and the kernel's tile table. No triton import: the CPU reference
+path and the large-batch GPU path both use these.
+
+The sorted layout (`SortedPairs`) is the contract between routing and the grouped-GEMM kernels
+in `fused_moe.py`: pair `p = token * top_k + slot` is one (token, chosen expert) product; pairs
+are grouped by expert, each expert's run padded to a multiple of `block_m` with the sentinel
+`num_pairs`, so that every block of `block_m` rows belongs to one expert. Its sizes depend only
+on the number of tokens (never on the routing), so a CUDA graph can hold it.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+
+
+def select_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the experts, the `top_k` largest probabilities (renormalised to sum to 1
+    when `renormalize`): float32 weights and int32 expert ids, each `[T, top_k]`."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """An upper bound of the sorted buffer's length: every pair, plus at most `block_m - 1`
+    padding rows for each expert that has pairs (at most `min(E, num_pairs)` of them)."""
+    return num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+
+
+@dataclass(frozen=True)
+class SortedPairs:
+    """The pairs grouped by expert: `pair_ids` `[P]` (int32; `num_pairs` marks padding),
+    `block_experts` `[P / block_m]` (int32, each block's expert; blocks at or past
+    `num_padded` are unused and hold `num_experts`), `num_padded` `[1]` (int32, the rows in use)."""
+
+    pair_ids: torch.Tensor
+    block_experts: torch.Tensor
+    num_padded: torch.Tensor
+    block_m: int
+
+
+def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> SortedPairs:
+    """Group the pairs of `topk_ids` `[T, top_k]` by expert (in pair order within an expert),
+    each expert's run padded to a multiple of `block_m`: torch ops of static shapes, no host
+    sync."""
+    flat = topk_ids.reshape(-1).long()
+    n = flat.numel()
+    device = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    expert_of = flat[order]
+    first = counts.cumsum(0) - counts  # index in `order` of each expert's first pair
+    rows = (ends - padded)[expert_of] + torch.arange(n, device=device) - first[expert_of]
+    total = max_padded_pairs(n, num_experts, block_m)
+    pair_ids = torch.full((total,), n, dtype=torch.int32, device=device)
+    pair_ids[rows] = order.to(torch.int32)
+    block_starts = torch.arange(0, total, block_m, device=device)
+    block_experts = torch.searchsorted(ends, block_starts, right=True).to(torch.int32)
+    return SortedPairs(pair_ids, block_experts, ends[-1:].to(torch.int32), block_m)
+
+
+@dataclass(frozen=True)
+class MoeKernelConfig:
+    """Tiles of the expert kernels: `block_m` rows (pairs) of one expert, `block_n` output
+    columns (the gate/up kernel computes `block_n` of gate and of up each), `block_k` of the
+    reduction per step; Triton's `num_warps` and `num_stages`."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# Tiles by batch size (tokens): the smallest entry >= the batch applies (the last one beyond).
+# Small batches read few rows per expert, so short, wide blocks keep the weights streaming;
+# large ones reuse each weight tile over many rows. Starting points from the published H200
+# tunings of E=128, N=768 expert GEMMs (vLLM's fused_moe config tables), halved in N for the
+# two gate/up accumulators; re-measure with `bash scripts/gpu_check.sh moe`.
+MOE_CONFIGS: dict[int, MoeKernelConfig] = {
+    8: MoeKernelConfig(16, 64, 128, num_warps=4, num_stages=3),
+    32: MoeKernelConfig(16, 64, 128, num_warps=4, num_stages=2),
+    128: MoeKernelConfig(16, 64, 128, num_warps=4, num_stages=2),
+    256: MoeKernelConfig(32, 64, 128, num_warps=4, num_stages=2),
+    512: MoeKernelConfig(64, 64, 64, num_warps=4, num_stages=3),
+    1 << 62: MoeKernelConfig(64, 128, 64, num_warps=8, num_stages=3),
+}
+_BOUNDS = sorted(MOE_CONFIGS)
+
+
+def moe_config_for(num_tokens: int) -> MoeKernelConfig:
+    """The tiles for a batch of `num_tokens` tokens (`MOE_CONFIGS`)."""
+    return MOE_CONFIGS[_BOUNDS[bisect.bisect_left(_BOUNDS, num_tokens)]]
