@@ -51,10 +51,9 @@ def _route_align_kernel(
         token_ok = tokens < num_tokens
         ptrs = logits_ptr + tokens[:, None].to(tl.int64) * stride_logits + experts[None, :]
         x = tl.load(ptrs, mask=token_ok[:, None] & expert_ok[None, :], other=float("-inf"))
-        x = x.to(tl.float32)
+        x = tl.where(token_ok[:, None], x.to(tl.float32), 0.0)  # no NaN from rows past the end
         p = tl.exp(x - tl.max(x, axis=1)[:, None])
-        p = p / tl.sum(p, axis=1)[:, None]
-        p = tl.where(token_ok[:, None], p, 0.0)
+        p = tl.where(token_ok[:, None], p / tl.sum(p, axis=1)[:, None], 0.0)
         scale = tl.full((ROWS,), 1.0, tl.float32)
         if RENORMALIZE:  # a first pass sums the chosen probabilities
             rest, total = p, tl.zeros((ROWS,), dtype=tl.float32)
