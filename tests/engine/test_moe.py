@@ -114,19 +114,16 @@ def test_fused_checkpoint_layout_loads_the_same_weights(tmp_path, moe_checkpoint
     saved as is loads into the same parameters as the hub's per-expert tensors."""
     src = moe_checkpoints["norm_topk_mlp_only_layer"]
     tensors = load_file(src / "model.safetensors")
-    fused: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        if ".experts." not in name:
-            fused[name] = t
+    fused = {name: t for name, t in tensors.items() if ".experts." not in name}
     for layer in (0, 2):
         prefix = f"model.layers.{layer}.mlp.experts"
-        stack = [
-            torch.cat([tensors[f"{prefix}.{e}.gate_proj.weight"], tensors[f"{prefix}.{e}.up_proj.weight"]])
-            for e in range(8)
-        ]  # fmt: skip
-        fused[f"{prefix}.gate_up_proj"] = torch.stack(stack)
-        down = [tensors[f"{prefix}.{e}.down_proj.weight"] for e in range(8)]
-        fused[f"{prefix}.down_proj"] = torch.stack(down)
+
+        def expert(e: int, proj: str, prefix: str = prefix) -> torch.Tensor:
+            return tensors[f"{prefix}.{e}.{proj}.weight"]
+
+        gate_up = [torch.cat([expert(e, "gate_proj"), expert(e, "up_proj")]) for e in range(8)]
+        fused[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
+        fused[f"{prefix}.down_proj"] = torch.stack([expert(e, "down_proj") for e in range(8)])
     dst = tmp_path / "fused"
     dst.mkdir()
     (dst / "config.json").write_text((src / "config.json").read_text())
