@@ -30,7 +30,7 @@ from tokenmill.kernels.moe_routing import (  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
-SMALL = MoeKernelConfig(block_m=16, block_n=16, block_k=16)
+SMALL = MoeKernelConfig(block_m=16, block_n=32, block_k=16)
 
 
 def _experts_f64(
@@ -191,6 +191,13 @@ def test_fused_moe_of_8192_tokens_with_table_configs(dtype: torch.dtype) -> None
     _close(out[:64], _experts_f64(x[:64], gate_up, down, weights[:64], ids[:64]), dtype)
     rows = torch.arange(0, tokens, 97)  # spot-check rows across the batch
     _close(out[rows], _experts_f64(x[rows], gate_up, down, weights[rows], ids[rows]), dtype)
+
+
+def test_kernel_config_rejects_bad_tiles() -> None:
+    with pytest.raises(ValueError, match="block_n must be a power of 2 >= 32"):
+        MoeKernelConfig(16, 16, 16)
+    with pytest.raises(ValueError, match="block_m must be a power of 2 >= 16"):
+        MoeKernelConfig(24, 32, 16)
 
 
 def test_config_table_covers_every_batch_size() -> None:

@@ -54,25 +54,25 @@ def _route_align_kernel(
         x = tl.where(token_ok[:, None], x.to(tl.float32), 0.0)  # no NaN from rows past the end
         p = tl.exp(x - tl.max(x, axis=1)[:, None])
         p = tl.where(token_ok[:, None], p / tl.sum(p, axis=1)[:, None], 0.0)
-        scale = tl.full((ROWS,), 1.0, tl.float32)
-        if RENORMALIZE:  # a first pass sums the chosen probabilities
-            rest, total = p, tl.zeros((ROWS,), dtype=tl.float32)
-            for _ in tl.static_range(TOP_K):
-                best = tl.max(rest, axis=1)
-                pick = tl.min(tl.where(rest == best[:, None], experts[None, :], EXPERTS), axis=1)
-                total += best
-                rest = tl.where(experts[None, :] == pick[:, None], -1.0, rest)
-            scale = 1.0 / tl.where(token_ok, total, 1.0)
+        # Pick the top k one by one (the lowest expert id among equal probabilities, as
+        # torch.topk keeps them), holding each pick's probability and slot in place.
         rest = p
+        picked = tl.zeros((ROWS, EXPERTS), dtype=tl.float32)
+        slots = tl.full((ROWS, EXPERTS), -1, tl.int32)
         for slot in tl.static_range(TOP_K):
             best = tl.max(rest, axis=1)
-            # The lowest expert id among equal probabilities, as torch.topk keeps them.
             pick = tl.min(tl.where(rest == best[:, None], experts[None, :], EXPERTS), axis=1)
             chosen = experts[None, :] == pick[:, None]
+            picked = tl.where(chosen, best[:, None], picked)
+            slots = tl.where(chosen, slot, slots)
             rest = tl.where(chosen, -1.0, rest)
-            counts += tl.sum((chosen & token_ok[:, None]).to(tl.int32), axis=0)
-            tl.store(weights_ptr + tokens * TOP_K + slot, best * scale, mask=token_ok)
-            tl.store(ids_ptr + tokens * TOP_K + slot, pick, mask=token_ok)
+        if RENORMALIZE:
+            picked = picked / tl.where(token_ok, tl.sum(picked, axis=1), 1.0)[:, None]
+        chosen = (slots >= 0) & token_ok[:, None]
+        counts += tl.sum(chosen.to(tl.int32), axis=0)
+        out = tokens[:, None] * TOP_K + slots
+        tl.store(weights_ptr + out, picked, mask=chosen)
+        tl.store(ids_ptr + out, tl.zeros((ROWS, EXPERTS), tl.int32) + experts[None, :], mask=chosen)
     # 2. Lay out each expert's run, padded to BLOCK_M rows; name each block's expert.
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
@@ -107,10 +107,11 @@ def _route_align_kernel(
 def _gate_up_kernel(
     x_ptr, w_ptr, out_ptr, pair_ids_ptr, block_experts_ptr, num_padded_ptr,
     num_pairs, hidden, inter, stride_x, stride_we, stride_wn, stride_out,
-    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, HALF_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """out[pair, cols] = silu(x[token] @ W_gate[e, cols]^T) * (x[token] @ W_up[e, cols]^T)."""
+    """out[pair, cols] = silu(x[token] @ W_gate[e, cols]^T) * (x[token] @ W_up[e, cols]^T), for
+    `HALF_N` columns: the program's output tile is `2 HALF_N` columns of the gate|up product."""
     pdl_wait(USE_PDL)
     block = tl.program_id(0)
     if block * BLOCK_M >= tl.load(num_padded_ptr):
@@ -119,14 +120,14 @@ def _gate_up_kernel(
     pairs = tl.load(pair_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pairs < num_pairs
     tokens = (pairs // TOP_K).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * HALF_N + tl.arange(0, HALF_N)
     col_ok = cols < inter
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tokens[:, None] * stride_x + ks[None, :]
     g_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
     u_ptrs = g_ptrs + inter * stride_wn
-    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    gate = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         k_ok = ks < hidden - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
@@ -225,19 +226,19 @@ def fused_experts(
         return out
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     blocks = sorted_pairs.block_experts.numel()
-    pdl = pdl_options(x.device)
-    meta = {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
-            "num_warps": config.num_warps, "num_stages": config.num_stages, **pdl}  # fmt: skip
+    meta = {"BLOCK_M": config.block_m, "BLOCK_K": config.block_k, "num_warps": config.num_warps,
+            "num_stages": config.num_stages, **pdl_options(x.device)}  # fmt: skip
     s = sorted_pairs
-    _gate_up_kernel[(blocks, triton.cdiv(inter, config.block_n))](
+    half = config.block_n // 2
+    _gate_up_kernel[(blocks, triton.cdiv(inter, half))](
         x, gate_up, h, s.pair_ids, s.block_experts, s.num_padded,
         num_pairs, hidden, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
-        TOP_K=top_k, **meta,
+        TOP_K=top_k, HALF_N=half, **meta,
     )  # fmt: skip
     _down_kernel[(blocks, triton.cdiv(hidden, config.block_n))](
         h, down, out, topk_weights, s.pair_ids, s.block_experts, s.num_padded,
         num_pairs, hidden, inter, h.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        **meta,
+        BLOCK_N=config.block_n, **meta,
     )  # fmt: skip
     return out.view(num_tokens, top_k, hidden).sum(dim=1) if top_k > 1 else out
 

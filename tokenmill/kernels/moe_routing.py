@@ -73,8 +73,9 @@ def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
 @dataclass(frozen=True)
 class MoeKernelConfig:
     """Tiles of the expert kernels: `block_m` rows (pairs) of one expert, `block_n` output
-    columns (the gate/up kernel computes `block_n` of gate and of up each), `block_k` of the
-    reduction per step; Triton's `num_warps` and `num_stages`."""
+    columns (for the gate/up kernel, `block_n / 2` of gate and the same of up), `block_k` of
+    the reduction per step; Triton's `num_warps` and `num_stages`. Tiles are powers of two,
+    at least 16 (`tl.dot`'s smallest), `block_n` at least 32."""
 
     block_m: int
     block_n: int
@@ -82,19 +83,30 @@ class MoeKernelConfig:
     num_warps: int = 4
     num_stages: int = 2
 
+    def __post_init__(self) -> None:
+        for name, size, least in (
+            ("block_m", self.block_m, 16), ("block_n", self.block_n, 32),
+            ("block_k", self.block_k, 16),
+        ):  # fmt: skip
+            if size < least or size & (size - 1):
+                raise ValueError(
+                    f"MoeKernelConfig.{name} must be a power of 2 >= {least}, got {size}"
+                )
+
 
 # Tiles by batch size (tokens): the smallest entry >= the batch applies (the last one beyond).
-# Small batches read few rows per expert, so short, wide blocks keep the weights streaming;
-# large ones reuse each weight tile over many rows. Starting points from the published H200
-# tunings of E=128, N=768 expert GEMMs (vLLM's fused_moe config tables), halved in N for the
-# two gate/up accumulators; re-measure with `bash scripts/gpu_check.sh moe`.
+# Small batches read few rows per expert, so short blocks and many programs keep the weights
+# streaming; large ones reuse each weight tile over many rows. Starting points: the published
+# H200 tunings of E=128, N=768 expert GEMMs (vLLM's fused_moe config tables, which tile the
+# same gate|up product); `benchmarks/moe_sweep.py` measures the candidates here.
 MOE_CONFIGS: dict[int, MoeKernelConfig] = {
-    8: MoeKernelConfig(16, 64, 128, num_warps=4, num_stages=3),
-    32: MoeKernelConfig(16, 64, 128, num_warps=4, num_stages=2),
-    128: MoeKernelConfig(16, 64, 128, num_warps=4, num_stages=2),
-    256: MoeKernelConfig(32, 64, 128, num_warps=4, num_stages=2),
-    512: MoeKernelConfig(64, 64, 64, num_warps=4, num_stages=3),
-    1 << 62: MoeKernelConfig(64, 128, 64, num_warps=8, num_stages=3),
+    2: MoeKernelConfig(16, 64, 64, num_warps=4, num_stages=4),
+    16: MoeKernelConfig(16, 64, 128, num_warps=4, num_stages=3),
+    48: MoeKernelConfig(16, 128, 128, num_warps=4, num_stages=3),
+    128: MoeKernelConfig(16, 128, 128, num_warps=4, num_stages=2),
+    256: MoeKernelConfig(32, 256, 128, num_warps=4, num_stages=2),
+    512: MoeKernelConfig(64, 128, 64, num_warps=4, num_stages=3),
+    1 << 62: MoeKernelConfig(128, 256, 64, num_warps=8, num_stages=4),
 }
 _BOUNDS = sorted(MOE_CONFIGS)
 
