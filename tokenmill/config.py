@@ -15,8 +15,9 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM",
 )
-_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -80,10 +81,13 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """The mixture-of-experts feed-forward of a sparse decoder (Qwen3-MoE's config.json fields).
+    """The mixture-of-experts feed-forward of a sparse decoder (Qwen3-MoE's and Qwen2-MoE's
+    config.json fields).
 
     Layer `i` is sparse when `i not in mlp_only_layers` and `(i + 1) % decoder_sparse_step == 0`;
-    the others keep a dense MLP of the model's `intermediate_size`.
+    the others keep a dense MLP of the model's `intermediate_size`. A sparse layer may also have
+    a shared expert (a dense MLP every token passes, scaled by a sigmoid gate; Qwen2-MoE) of
+    `shared_expert_intermediate_size` (0: none).
     """
 
     num_experts: int
@@ -92,6 +96,7 @@ class MoeConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         if self.num_experts < 1:
@@ -105,6 +110,11 @@ class MoeConfig:
             raise ValueError(f"moe_intermediate_size must be >= 1, got {self.intermediate_size}")
         if self.decoder_sparse_step < 1:
             raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+        if self.shared_expert_intermediate_size < 0:
+            raise ValueError(
+                "shared_expert_intermediate_size must be >= 0, got "
+                f"{self.shared_expert_intermediate_size}"
+            )
 
     def is_sparse(self, layer: int) -> bool:
         """Whether decoder layer `layer` (0-based) routes its tokens to experts."""
@@ -124,6 +134,7 @@ class MoeConfig:
             norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
             decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1)),
             mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
         )
 
 
@@ -177,7 +188,8 @@ class ModelConfig:
         if dtype == "auto":
             dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
         window = cfg.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+        qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+        if qwen2 and not cfg.get("use_sliding_window", False):
             window = None
         return ModelConfig(
             path=str(root),
@@ -193,7 +205,7 @@ class ModelConfig:
             rope=RopeConfig.from_hf(cfg),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", qwen2))),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=int(window) if window else None,
             dtype=parse_dtype(dtype),

@@ -1,6 +1,6 @@
-"""Qwen3-MoE: greedy decoding equals transformers' `Qwen3MoeForCausalLM` token for token (float32,
-CPU) under every engine setting, for each routing variant; the checkpoint's experts load into
-the stacked weights (hub layout and transformers' fused layout); MoE config fields are checked."""
+"""Qwen3-MoE (and Qwen2-MoE): greedy decoding equals transformers' token for token (float32, CPU)
+under every engine setting, for each routing variant; the checkpoint's experts load into the
+stacked weights (hub layout and transformers' fused layout); MoE config fields are checked."""
 
 from __future__ import annotations
 
@@ -25,14 +25,19 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 # The tiny family's defaults: 8 experts, top-2, norm_topk_prob, layer 1 of 3 dense
 # (mlp_only_layers); the other variant: no renormalisation, every second layer sparse.
+# Qwen2-MoE: a shared expert behind a sigmoid gate, layer 0 dense, no renormalisation.
 VARIANTS = {
-    "norm_topk_mlp_only_layer": {},
-    "no_norm_sparse_step_2": {
-        "norm_topk_prob": False,
-        "decoder_sparse_step": 2,
-        "mlp_only_layers": [],
-        "num_hidden_layers": 4,
-    },
+    "norm_topk_mlp_only_layer": ("qwen3_moe", {}),
+    "no_norm_sparse_step_2": (
+        "qwen3_moe",
+        {
+            "norm_topk_prob": False,
+            "decoder_sparse_step": 2,
+            "mlp_only_layers": [],
+            "num_hidden_layers": 4,
+        },
+    ),
+    "qwen2_moe_shared_expert": ("qwen2_moe", {}),
 }
 
 
@@ -40,8 +45,8 @@ VARIANTS = {
 def moe_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("moe")
     return {
-        name: build_checkpoint(root / name, "qwen3_moe", seed=i, **overrides)
-        for i, (name, overrides) in enumerate(VARIANTS.items())
+        name: build_checkpoint(root / name, family, seed=i, **overrides)
+        for i, (name, (family, overrides)) in enumerate(VARIANTS.items())
     }
 
 
@@ -59,15 +64,18 @@ def _greedy(llm: LLM) -> list[list[int]]:
 
 def test_variants_build_the_layers_their_config_names(moe_checkpoints) -> None:
     """Sparse layers route to experts; mlp_only_layers and decoder_sparse_step keep dense MLPs."""
-    sparse = {}
+    sparse, shared = {}, {}
     for name, path in moe_checkpoints.items():
         llm = LLM(str(path), device="cpu")
         layers = llm.engine.runner.model.model.layers
         sparse[name] = [isinstance(layer.mlp, SparseMoeBlock) for layer in layers]
+        shared[name] = any(getattr(layer.mlp, "shared_expert", None) for layer in layers)
     assert sparse == {
         "norm_topk_mlp_only_layer": [True, False, True],
         "no_norm_sparse_step_2": [False, True, False, True],
+        "qwen2_moe_shared_expert": [False, True, True],
     }
+    assert shared == {name: name.startswith("qwen2") for name in VARIANTS}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -90,10 +98,10 @@ SETTINGS = {
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("variant", ["norm_topk_mlp_only_layer", "qwen2_moe_shared_expert"])
 def test_constrained_moe_engine_matches_transformers(
-    setting, moe_checkpoints, moe_references
+    variant, setting, moe_checkpoints, moe_references
 ) -> None:
-    variant = "norm_topk_mlp_only_layer"
     llm = LLM(str(moe_checkpoints[variant]), device="cpu", **SETTINGS[setting])
     assert _greedy(llm) == moe_references[variant]
     if "preempts" in setting:
@@ -173,6 +181,7 @@ def test_moe_config_reads_both_expert_count_names(tmp_path, moe_checkpoints) -> 
         ({"top_k": 9}, r"num_experts_per_tok must be in \[1, num_experts=8\]"),
         ({"intermediate_size": 0}, "moe_intermediate_size"),
         ({"decoder_sparse_step": 0}, "decoder_sparse_step must be >= 1"),
+        ({"shared_expert_intermediate_size": -1}, "shared_expert_intermediate_size must be >= 0"),
     ],
 )
 def test_bad_moe_config_is_rejected(fields: dict, message: str) -> None:

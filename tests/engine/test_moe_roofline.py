@@ -79,3 +79,21 @@ def test_bench_offline_runs_a_moe_config_with_dummy_weights(tmp_path: Path, caps
     assert result["tokenmill"]["output_tok_s"] > 0
     assert result["transformers"]["output_tok_s"] > 0
     assert "B1 tiny-moe" in capsys.readouterr().out
+
+
+def test_shared_expert_is_read_at_every_step(tmp_path: Path) -> None:
+    import json
+
+    config = json.loads((DATA / "qwen3-30b-a3b" / "config.json").read_text())
+    (tmp_path / "shared").mkdir()
+    with_shared = config | {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+                            "shared_expert_intermediate_size": 1024}  # fmt: skip
+    (tmp_path / "shared" / "config.json").write_text(json.dumps(with_shared))
+    base = ModelCost.of(ModelConfig.from_pretrained(DATA / "qwen3-30b-a3b"), 2)
+    cost = ModelCost.of(ModelConfig.from_pretrained(tmp_path / "shared"), 2)
+    shared_bytes = 48 * (3 * 2048 * 1024 + 2048) * 2
+    # Qwen2-MoE's q/k/v bias and missing q/k norms change the dense bytes a little, too.
+    assert cost.dense_weight_bytes - base.dense_weight_bytes == pytest.approx(
+        shared_bytes, rel=0.01
+    )
+    assert cost.expert_bytes == base.expert_bytes

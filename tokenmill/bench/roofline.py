@@ -52,11 +52,13 @@ class ModelCost:
         sparse = sum(moe.is_sparse(i) for i in range(layers)) if moe else 0
         experts, top_k = (moe.num_experts, moe.top_k) if moe else (0, 0)
         expert = 3 * h * moe.intermediate_size if moe else 0
-        router = h * experts
-        # Per token: every layer's attention, the dense layers' MLPs, top-k experts + router.
-        mlp_macs = (layers - sparse) * dense_mlp + sparse * (top_k * expert + router)
+        # Read at every step by a sparse layer: the router, and a shared expert and its gate.
+        shared = moe.shared_expert_intermediate_size if moe else 0
+        routed = h * experts + (3 * h * shared + h if shared else 0)
+        # Per token: every layer's attention, the dense layers' MLPs, top-k experts + the rest.
+        mlp_macs = (layers - sparse) * dense_mlp + sparse * (top_k * expert + routed)
         lm_head = cfg.vocab_size * h
-        dense = layers * (attn + norms) + (layers - sparse) * dense_mlp + sparse * router
+        dense = layers * (attn + norms) + (layers - sparse) * dense_mlp + sparse * routed
         return ModelCost(
             dense_weight_bytes=(dense + lm_head + h) * dtype_bytes,
             flops_per_token=2.0 * (layers * attn + mlp_macs + lm_head),

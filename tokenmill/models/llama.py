@@ -11,7 +11,7 @@ from torch.nn import functional as F
 
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.config import ModelConfig
-from tokenmill.layers.linear import Linear, MergedLinear, QKVLinear
+from tokenmill.layers.linear import InputKind, Linear, MergedLinear, QKVLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 
@@ -44,16 +44,25 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward: fused gate/up projection behind the decoder layer's post-attention
-    norm, then the down projection, which applies SiLU-and-mul to its input."""
+    """SwiGLU feed-forward of `intermediate_size` (default: the model's): fused gate/up
+    projection behind the decoder layer's post-attention norm (or, `input_kind="plain"`, of an
+    input normed already: `product`), then the down projection, which applies SiLU-and-mul to
+    its input."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(
+        self, cfg: ModelConfig, intermediate_size: int | None = None,
+        input_kind: InputKind = "normed",
+    ) -> None:  # fmt: skip
         super().__init__()
-        size = cfg.intermediate_size
+        size = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = MergedLinear(
-            cfg.hidden_size, {"gate": size, "up": size}, input_kind="normed"
+            cfg.hidden_size, {"gate": size, "up": size}, input_kind=input_kind
         )
         self.down_proj = Linear(size, cfg.hidden_size, input_kind="gated")
+
+    def product(self, h: torch.Tensor) -> torch.Tensor:
+        """The MLP of `h`, normed already."""
+        return self.down_proj(self.gate_up_proj(h))
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm

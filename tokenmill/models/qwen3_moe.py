@@ -1,4 +1,5 @@
-"""Qwen3-MoE: the Qwen3 decoder (q/k norm) with a mixture of experts in its sparse layers."""
+"""Qwen3-MoE (the Qwen3 decoder, q/k norm, with a mixture of experts in its sparse layers) and
+Qwen2-MoE (the Qwen2 decoder, q/k/v bias, whose experts come with a gated shared expert)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from tokenmill.models.llama import LlamaForCausalLM, LlamaMLP
 
 
 class SparseMoeBlock(nn.Module):
-    """Router (`gate`: hidden → one logit per expert) and the experts it routes to."""
+    """Router (`gate`: hidden → one logit per expert) and the experts it routes to; with
+    `moe.shared_expert_intermediate_size`, also a shared expert every token passes, scaled by
+    `sigmoid(shared_expert_gate(h))`."""
 
     def __init__(self, cfg: ModelConfig, moe: MoeConfig) -> None:
         super().__init__()
@@ -24,6 +27,11 @@ class SparseMoeBlock(nn.Module):
             moe.num_experts, cfg.hidden_size, moe.intermediate_size, moe.top_k,
             moe.norm_topk_prob,
         )  # fmt: skip
+        self.shared_expert: LlamaMLP | None = None
+        if moe.shared_expert_intermediate_size:
+            size = moe.shared_expert_intermediate_size
+            self.shared_expert = LlamaMLP(cfg, size, input_kind="plain")
+            self.shared_expert_gate = Linear(cfg.hidden_size, 1)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
@@ -34,10 +42,14 @@ class SparseMoeBlock(nn.Module):
             h, residual = norm(x), x
         else:
             h, residual = norm.add_forward(x, residual)
-        return self.experts(h, self.gate(h)), residual
+        out = self.experts(h, self.gate(h))
+        if self.shared_expert is not None:
+            shared = self.shared_expert.product(h)
+            out = out + torch.sigmoid(self.shared_expert_gate(h)) * shared
+        return out, residual
 
 
-def qwen3_moe_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+def sparse_or_dense_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
     """A sparse layer's mixture of experts, or the dense MLP of an `mlp_only_layers` entry (or
     a layer skipped by `decoder_sparse_step`)."""
     if cfg.moe is None:
@@ -53,4 +65,10 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         "up_proj": "up",
         "down_proj": "down",
     }
-    make_mlp = staticmethod(qwen3_moe_mlp)
+    make_mlp = staticmethod(sparse_or_dense_mlp)
+
+
+class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
+    """Qwen2-MoE: the same checkpoint names, plus `mlp.shared_expert.{gate,up,down}_proj` and
+    `mlp.shared_expert_gate` (the architecture differs in config only: q/k/v bias, no q/k
+    norm, a shared expert size)."""

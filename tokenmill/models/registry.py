@@ -6,7 +6,7 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.models.llama import LlamaForCausalLM
-from tokenmill.models.qwen3_moe import Qwen3MoeForCausalLM
+from tokenmill.models.qwen3_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -14,6 +14,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
 }
 
 

@@ -64,6 +64,18 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "norm_topk_prob": True,
         "mlp_only_layers": [1],
     },
+    "qwen2_moe": {
+        "model_type": "qwen2_moe",
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "tie_word_embeddings": False,
+        "num_hidden_layers": 3,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 48,
+        "shared_expert_intermediate_size": 80,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [0],
+    },
 }
 
 
