@@ -205,3 +205,8 @@ def test_config_table_covers_every_batch_size() -> None:
     configs = [moe_config_for(n) for n in sizes]
     assert all(c.block_m in (16, 32, 64, 128) for c in configs)
     assert configs[0].block_m <= configs[-1].block_m
+    # Float32 tiles fit in shared memory: at most 48 KiB per pipeline stage, 2 stages.
+    for n in sizes:
+        c = moe_config_for(n, torch.float32)
+        stage = 4 * (c.block_m * c.block_k + c.block_k * c.block_n)
+        assert stage * c.num_stages <= 2 * 48 * 1024

@@ -255,7 +255,7 @@ def fused_moe(
     """The MoE feed-forward of `x` `[T, H]`: route by `router_logits` `[T, E]` (softmax top-k,
     renormalised when `renormalize`), then `fused_experts`. `config` defaults to the table entry
     for T tokens (`moe_routing.moe_config_for`)."""
-    config = config or moe_config_for(x.shape[0])
+    config = config or moe_config_for(x.shape[0], x.dtype)
     num_experts = gate_up.shape[0]
     if x.shape[0] <= ROUTE_ALIGN_MAX_TOKENS:
         weights, _, pairs = route_and_align(router_logits, top_k, renormalize, config.block_m)

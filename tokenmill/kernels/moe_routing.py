@@ -12,6 +12,7 @@ on the number of tokens (never on the routing), so a CUDA graph can hold it.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -111,6 +112,13 @@ MOE_CONFIGS: dict[int, MoeKernelConfig] = {
 _BOUNDS = sorted(MOE_CONFIGS)
 
 
-def moe_config_for(num_tokens: int) -> MoeKernelConfig:
-    """The tiles for a batch of `num_tokens` tokens (`MOE_CONFIGS`)."""
-    return MOE_CONFIGS[_BOUNDS[bisect.bisect_left(_BOUNDS, num_tokens)]]
+def moe_config_for(num_tokens: int, dtype: torch.dtype = torch.bfloat16) -> MoeKernelConfig:
+    """The tiles for a batch of `num_tokens` tokens (`MOE_CONFIGS`). Float32 operands take
+    twice the shared memory per tile: their K tiles and pipeline are cut to fit (float32 runs
+    are for checking correctness, not speed)."""
+    config = MOE_CONFIGS[_BOUNDS[bisect.bisect_left(_BOUNDS, num_tokens)]]
+    if dtype.itemsize > 2:
+        config = dataclasses.replace(
+            config, block_k=min(config.block_k, 32), num_stages=min(config.num_stages, 2)
+        )
+    return config
