@@ -13,12 +13,16 @@ import torch
 triton = pytest.importorskip("triton")
 
 from tokenmill.kernels.fused_moe import (  # noqa: E402
+    GEMV_MAX_TOKENS,
     ROUTE_ALIGN_MAX_TOKENS,
+    experts_gemv,
     fused_experts,
     fused_moe,
+    route,
     route_and_align,
 )
 from tokenmill.kernels.moe_routing import (  # noqa: E402
+    MoeGemvConfig,
     MoeKernelConfig,
     SortedPairs,
     align_block_size,
@@ -135,6 +139,30 @@ def test_fused_experts_match_float64(dtype, tokens: int, num_experts: int, top_k
     _close(out, _experts_f64(x, gate_up, down, weights, ids), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", list(range(1, GEMV_MAX_TOKENS + 1)))
+@pytest.mark.parametrize(("num_experts", "top_k"), [(8, 1), (8, 2), (16, 8)])
+def test_small_batch_gemv_experts_match_float64(dtype, tokens, num_experts, top_k) -> None:
+    hidden, inter = 80, 40  # not multiples of the tiles
+    x, gate_up, down, logits = _problem(tokens, num_experts, hidden, inter, dtype, seed=top_k)
+    weights, ids = route(logits, top_k, renormalize=top_k > 1)
+    ref_weights, ref_ids = select_experts(logits.double(), top_k, renormalize=top_k > 1)
+    assert torch.equal(ids.cpu(), ref_ids.cpu())
+    torch.testing.assert_close(weights.cpu(), ref_weights.float().cpu(), rtol=1e-5, atol=1e-7)
+    out = experts_gemv(x, gate_up, down, weights, ids, MoeGemvConfig(8, 32))
+    assert out.shape == (tokens, hidden) and out.dtype == dtype
+    _close(out, _experts_f64(x, gate_up, down, weights, ids), dtype)
+
+
+def test_route_kernel_spreads_over_programs() -> None:
+    """More tokens than one program routes (16 per program)."""
+    *_, logits = _problem(37, 12, 8, 8, torch.float32, seed=9)
+    weights, ids = route(logits, 3, renormalize=False)
+    ref_weights, ref_ids = select_experts(logits, 3, renormalize=False)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-7)
+
+
 def test_experts_without_tokens_are_skipped() -> None:
     """Every token picks experts 5 and 2 of 8: six experts stay empty (and their weights,
     here NaN, are never read)."""
@@ -165,9 +193,12 @@ def test_fused_experts_rejects_pairs_sorted_for_other_blocks() -> None:
 
 
 @pytest.mark.parametrize("renormalize", [False, True])
-def test_fused_moe_routes_and_runs_experts(renormalize: bool) -> None:
-    x, gate_up, down, logits = _problem(11, 8, 32, 16, torch.float32, seed=5)
-    out = fused_moe(x, gate_up, down, logits, 2, renormalize, SMALL)
+@pytest.mark.parametrize("tokens", [GEMV_MAX_TOKENS, 11])
+def test_fused_moe_routes_and_runs_experts(renormalize: bool, tokens: int) -> None:
+    """A decode-sized batch takes the GEMV kernels, a larger one the grouped GEMMs."""
+    x, gate_up, down, logits = _problem(tokens, 8, 32, 16, torch.float32, seed=5)
+    config = None if tokens <= GEMV_MAX_TOKENS else SMALL
+    out = fused_moe(x, gate_up, down, logits, 2, renormalize, config)
     weights, ids = select_experts(logits.double(), 2, renormalize)
     _close(out, _experts_f64(x, gate_up, down, weights, ids), torch.float32)
 
@@ -194,6 +225,8 @@ def test_fused_moe_of_8192_tokens_with_table_configs(dtype: torch.dtype) -> None
 
 
 def test_kernel_config_rejects_bad_tiles() -> None:
+    with pytest.raises(ValueError, match="block_k must be a power of 2"):
+        MoeGemvConfig(8, 100)
     with pytest.raises(ValueError, match="block_n must be a power of 2 >= 32"):
         MoeKernelConfig(16, 16, 16)
     with pytest.raises(ValueError, match="block_m must be a power of 2 >= 16"):

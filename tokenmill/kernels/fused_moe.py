@@ -1,6 +1,8 @@
 """Fused mixture-of-experts: routing + token→expert sort in one kernel, then two grouped GEMMs.
 
-`fused_moe` runs an MoE feed-forward in at most four launches for a batch of up to
+`fused_moe` runs an MoE feed-forward in three launches for a batch of up to `GEMV_MAX_TOKENS`
+tokens (`_route_kernel`, then a GEMV per (token, expert) pair for gate/up and one per token for
+down, which also sums the token's top k), and in four for a batch of up to
 `ROUTE_ALIGN_MAX_TOKENS` tokens: `_route_align_kernel` (softmax, top-k, renormalisation and the
 padded sort of `moe_routing.SortedPairs`, in one program), `_gate_up_kernel` (each row block is
 one expert's pairs: x @ W_gate^T and x @ W_up^T, then SiLU(gate) * up), `_down_kernel` (the
@@ -18,6 +20,8 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.moe_routing import (
+    MOE_GEMV_CONFIG,
+    MoeGemvConfig,
     MoeKernelConfig,
     SortedPairs,
     align_block_size,
@@ -27,11 +31,64 @@ from tokenmill.kernels.moe_routing import (
 )
 from tokenmill.kernels.pdl import pdl_options, pdl_wait
 
+# Batches up to this many tokens skip the sort: GEMV kernels per (token, expert) pair, as the
+# dense layers' GEMV for decode batches of 1-4 rows (`benchmarks/moe_sweep.py` compares).
+GEMV_MAX_TOKENS = 4
 # Batches up to this many tokens route and sort in one single-program kernel (decode steps and
 # short prefills); larger ones use torch's multi-block sort.
 ROUTE_ALIGN_MAX_TOKENS = 512
 _ROUTE_ROWS = 16  # tokens per step of the routing loop
 _SORT_PAIRS = 64  # pairs per step of the sorting loop
+
+
+@triton.jit
+def _route_rows(
+    logits_ptr, weights_ptr, ids_ptr, t0, num_tokens, num_experts, stride_logits,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, EXPERTS: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    """Softmax and top-k of tokens `t0 .. t0 + ROWS`: stores their weights and expert ids;
+    returns the `[ROWS, EXPERTS]` mask of the pairs chosen."""
+    experts = tl.arange(0, EXPERTS)
+    tokens = t0 + tl.arange(0, ROWS)
+    token_ok = tokens < num_tokens
+    ptrs = logits_ptr + tokens[:, None].to(tl.int64) * stride_logits + experts[None, :]
+    mask = token_ok[:, None] & (experts < num_experts)[None, :]
+    x = tl.load(ptrs, mask=mask, other=float("-inf"))
+    x = tl.where(token_ok[:, None], x.to(tl.float32), 0.0)  # no NaN from rows past the end
+    p = tl.exp(x - tl.max(x, axis=1)[:, None])
+    p = tl.where(token_ok[:, None], p / tl.sum(p, axis=1)[:, None], 0.0)
+    # Pick the top k one by one (the lowest expert id among equal probabilities, as
+    # torch.topk keeps them), holding each pick's probability and slot in place.
+    rest = p
+    picked = tl.zeros((ROWS, EXPERTS), dtype=tl.float32)
+    slots = tl.full((ROWS, EXPERTS), -1, tl.int32)
+    for slot in tl.static_range(TOP_K):
+        best = tl.max(rest, axis=1)
+        pick = tl.min(tl.where(rest == best[:, None], experts[None, :], EXPERTS), axis=1)
+        chosen = experts[None, :] == pick[:, None]
+        picked = tl.where(chosen, best[:, None], picked)
+        slots = tl.where(chosen, slot, slots)
+        rest = tl.where(chosen, -1.0, rest)
+    if RENORMALIZE:
+        picked = picked / tl.where(token_ok, tl.sum(picked, axis=1), 1.0)[:, None]
+    chosen = (slots >= 0) & token_ok[:, None]
+    out = tokens[:, None] * TOP_K + slots
+    tl.store(weights_ptr + out, picked, mask=chosen)
+    tl.store(ids_ptr + out, tl.zeros((ROWS, EXPERTS), tl.int32) + experts[None, :], mask=chosen)
+    return chosen
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_logits,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, EXPERTS: tl.constexpr, ROWS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_wait(USE_PDL)
+    _route_rows(
+        logits_ptr, weights_ptr, ids_ptr, tl.program_id(0) * ROWS, num_tokens, num_experts,
+        stride_logits, TOP_K, RENORMALIZE, EXPERTS, ROWS,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -43,36 +100,14 @@ def _route_align_kernel(
 ):  # fmt: skip
     pdl_wait(USE_PDL)
     experts = tl.arange(0, EXPERTS)
-    expert_ok = experts < num_experts
     counts = tl.zeros((EXPERTS,), dtype=tl.int32)
-    # 1. Route: softmax and top-k of each token's logits; count the pairs of each expert.
+    # 1. Route each token; count the pairs of each expert.
     for t0 in range(0, num_tokens, ROWS):
-        tokens = t0 + tl.arange(0, ROWS)
-        token_ok = tokens < num_tokens
-        ptrs = logits_ptr + tokens[:, None].to(tl.int64) * stride_logits + experts[None, :]
-        x = tl.load(ptrs, mask=token_ok[:, None] & expert_ok[None, :], other=float("-inf"))
-        x = tl.where(token_ok[:, None], x.to(tl.float32), 0.0)  # no NaN from rows past the end
-        p = tl.exp(x - tl.max(x, axis=1)[:, None])
-        p = tl.where(token_ok[:, None], p / tl.sum(p, axis=1)[:, None], 0.0)
-        # Pick the top k one by one (the lowest expert id among equal probabilities, as
-        # torch.topk keeps them), holding each pick's probability and slot in place.
-        rest = p
-        picked = tl.zeros((ROWS, EXPERTS), dtype=tl.float32)
-        slots = tl.full((ROWS, EXPERTS), -1, tl.int32)
-        for slot in tl.static_range(TOP_K):
-            best = tl.max(rest, axis=1)
-            pick = tl.min(tl.where(rest == best[:, None], experts[None, :], EXPERTS), axis=1)
-            chosen = experts[None, :] == pick[:, None]
-            picked = tl.where(chosen, best[:, None], picked)
-            slots = tl.where(chosen, slot, slots)
-            rest = tl.where(chosen, -1.0, rest)
-        if RENORMALIZE:
-            picked = picked / tl.where(token_ok, tl.sum(picked, axis=1), 1.0)[:, None]
-        chosen = (slots >= 0) & token_ok[:, None]
+        chosen = _route_rows(
+            logits_ptr, weights_ptr, ids_ptr, t0, num_tokens, num_experts, stride_logits,
+            TOP_K, RENORMALIZE, EXPERTS, ROWS,
+        )  # fmt: skip
         counts += tl.sum(chosen.to(tl.int32), axis=0)
-        out = tokens[:, None] * TOP_K + slots
-        tl.store(weights_ptr + out, picked, mask=chosen)
-        tl.store(ids_ptr + out, tl.zeros((ROWS, EXPERTS), tl.int32) + experts[None, :], mask=chosen)
     # 2. Lay out each expert's run, padded to BLOCK_M rows; name each block's expert.
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
@@ -174,6 +209,118 @@ def _down_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _gate_up_gemv_kernel(
+    x_ptr, w_ptr, out_ptr, ids_ptr, hidden, inter, stride_x, stride_we, stride_wn, stride_out,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Small batches, one pair per program row: out[pair, cols] = silu(W_gate[e] x) * W_up[e] x
+    for `BLOCK_N` columns, as products summed over K slabs (no tensor-core tiles to fill)."""
+    pdl_wait(USE_PDL)
+    pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    ks = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_x
+    g_ptrs = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    u_ptrs = g_ptrs + inter * stride_wn
+    gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_ok = ks < hidden - k0
+        x = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        w_mask = col_ok[:, None] & k_ok[None, :]
+        gate += tl.sum(tl.load(g_ptrs + k0, mask=w_mask, other=0.0).to(tl.float32) * x, axis=1)
+        up += tl.sum(tl.load(u_ptrs + k0, mask=w_mask, other=0.0).to(tl.float32) * x, axis=1)
+    h = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + pair * stride_out + cols, h.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _down_gemv_kernel(
+    h_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, hidden, inter, stride_h, stride_we,
+    stride_wn, stride_out,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Small batches, one token per program row: out[token, cols] = sum over its k pairs of
+    weight * W_down[e] h[pair], the top-k sum included (no separate reduction)."""
+    pdl_wait(USE_PDL)
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):
+        pair = token * TOP_K + slot
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        w_ptrs = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+        h_row = h_ptr + pair.to(tl.int64) * stride_h
+        part = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            k_ok = ks < inter - k0
+            h = tl.load(h_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            w = tl.load(w_ptrs + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            part += tl.sum(w.to(tl.float32) * h, axis=1)
+        acc += tl.load(weights_ptr + pair) * part
+    out = out_ptr + token.to(tl.int64) * stride_out + cols
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_routing.select_experts` as one kernel: (weights `[T, top_k]` float32, expert ids
+    `[T, top_k]` int32)."""
+    num_tokens, num_experts = router_logits.shape
+    device = router_logits.device
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
+    if num_tokens:
+        _route_kernel[(triton.cdiv(num_tokens, _ROUTE_ROWS),)](
+            router_logits, weights, ids, num_tokens, num_experts, router_logits.stride(0),
+            TOP_K=top_k, RENORMALIZE=renormalize, EXPERTS=triton.next_power_of_2(num_experts),
+            ROWS=_ROUTE_ROWS, **pdl_options(device),
+        )  # fmt: skip
+    return weights, ids
+
+
+def experts_gemv(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: MoeGemvConfig,
+) -> torch.Tensor:
+    """`fused_experts` for a few tokens, without sorting: each (token, expert) pair reads its
+    expert's rows, and the down kernel sums each token's top k."""
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    inter = down.shape[2]
+    _check_rows_contiguous(x, gate_up, down)
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+    h = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    meta = {"TOP_K": top_k, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
+            "num_warps": config.num_warps, **pdl_options(x.device)}  # fmt: skip
+    _gate_up_gemv_kernel[(num_tokens * top_k, triton.cdiv(inter, config.block_n))](
+        x, gate_up, h, topk_ids, hidden, inter, x.stride(0), gate_up.stride(0),
+        gate_up.stride(1), h.stride(0), **meta,
+    )  # fmt: skip
+    _down_gemv_kernel[(num_tokens, triton.cdiv(hidden, config.block_n))](
+        h, down, out, topk_weights, topk_ids, hidden, inter, h.stride(0), down.stride(0),
+        down.stride(1), out.stride(0), **meta,
+    )  # fmt: skip
+    return out
+
+
+def _check_rows_contiguous(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+    if gate_up.stride(2) != 1 or down.stride(2) != 1 or x.stride(1) != 1:
+        raise ValueError("the MoE kernels need x and the expert weights contiguous in their rows")
+
+
 def route_and_align(
     router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, SortedPairs]:
@@ -219,8 +366,7 @@ def fused_experts(
         raise ValueError(
             f"pairs sorted for block_m={sorted_pairs.block_m}, config has {config.block_m}"
         )
-    if gate_up.stride(2) != 1 or down.stride(2) != 1 or x.stride(1) != 1:
-        raise ValueError("fused_experts needs x and the expert weights contiguous in their rows")
+    _check_rows_contiguous(x, gate_up, down)
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
@@ -253,11 +399,15 @@ def fused_moe(
     config: MoeKernelConfig | None = None,
 ) -> torch.Tensor:
     """The MoE feed-forward of `x` `[T, H]`: route by `router_logits` `[T, E]` (softmax top-k,
-    renormalised when `renormalize`), then `fused_experts`. `config` defaults to the table entry
-    for T tokens (`moe_routing.moe_config_for`)."""
-    config = config or moe_config_for(x.shape[0], x.dtype)
-    num_experts = gate_up.shape[0]
-    if x.shape[0] <= ROUTE_ALIGN_MAX_TOKENS:
+    renormalised when `renormalize`), then the experts: `experts_gemv` for up to
+    `GEMV_MAX_TOKENS` tokens (unless a grouped-GEMM `config` is given), else `fused_experts`
+    with `config` or the table entry for T tokens (`moe_routing.moe_config_for`)."""
+    num_tokens, num_experts = router_logits.shape
+    if config is None and num_tokens <= GEMV_MAX_TOKENS:
+        weights, ids = route(router_logits, top_k, renormalize)
+        return experts_gemv(x, gate_up, down, weights, ids, MOE_GEMV_CONFIG)
+    config = config or moe_config_for(num_tokens, x.dtype)
+    if num_tokens <= ROUTE_ALIGN_MAX_TOKENS:
         weights, _, pairs = route_and_align(router_logits, top_k, renormalize, config.block_m)
     else:
         weights, ids = select_experts(router_logits, top_k, renormalize)

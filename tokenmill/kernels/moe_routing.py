@@ -95,6 +95,26 @@ class MoeKernelConfig:
                 )
 
 
+@dataclass(frozen=True)
+class MoeGemvConfig:
+    """Tiles of the small-batch expert kernels (`fused_moe.experts_gemv`): `block_n` output
+    rows of a weight per program, `block_k` of the reduction per step."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name, size in (("block_n", self.block_n), ("block_k", self.block_k)):
+            if size < 1 or size & (size - 1):
+                raise ValueError(f"MoeGemvConfig.{name} must be a power of 2, got {size}")
+
+
+# Eight rows of 512 per program: for qwen3-30b-a3b's decode step of one token, 768 gate/up and
+# 256 down programs, each streaming 64-100 KB of one expert (the dense GEMV's shape of work).
+MOE_GEMV_CONFIG = MoeGemvConfig(block_n=8, block_k=512, num_warps=4)
+
+
 # Tiles by batch size (tokens): the smallest entry >= the batch applies (the last one beyond).
 # Small batches read few rows per expert, so short blocks and many programs keep the weights
 # streaming; large ones reuse each weight tile over many rows. Starting points: the published
