@@ -4,8 +4,9 @@ For each batch size T: routing + sort (`route_and_align`, one program) against t
 (`select_experts` + `align_block_size`), and the two expert GEMMs under each candidate tile
 config (the table's and its neighbours), over distinct weight copies per layer (so weights
 stream from HBM as in a decode step). Prints µs per layer and the GB/s of the experts actually
-touched; the table config is marked `*`. Use it to revise `moe_routing.MOE_CONFIGS` and
-`fused_moe.ROUTE_ALIGN_MAX_TOKENS`.
+touched, and for small batches the GEMV kernels (`experts_gemv`) too. Use it to revise
+`moe_routing.MOE_CONFIGS`, `MOE_GEMV_CONFIG`, `fused_moe.GEMV_MAX_TOKENS` and
+`ROUTE_ALIGN_MAX_TOKENS`.
 
     python benchmarks/moe_sweep.py --config shared/models/qwen3-30b-a3b --out moe.json
 """
@@ -18,9 +19,17 @@ import json
 import torch
 
 from tokenmill.config import ModelConfig
-from tokenmill.kernels.fused_moe import fused_experts, route_and_align
+from tokenmill.kernels.fused_moe import (
+    GEMV_MAX_TOKENS,
+    experts_gemv,
+    fused_experts,
+    route,
+    route_and_align,
+)
 from tokenmill.kernels.moe_routing import (
     MOE_CONFIGS,
+    MOE_GEMV_CONFIG,
+    MoeGemvConfig,
     MoeKernelConfig,
     SortedPairs,
     align_block_size,
@@ -30,6 +39,15 @@ from tokenmill.kernels.moe_routing import (
 from tokenmill.observability.cuda_timing import median_graph_seconds
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+GEMV_CANDIDATES = (
+    MOE_GEMV_CONFIG,
+    MoeGemvConfig(4, 512),
+    MoeGemvConfig(16, 256),
+    MoeGemvConfig(8, 256),
+    MoeGemvConfig(4, 1024),
+    MoeGemvConfig(16, 512, num_warps=8),
+)
+GEMV_SWEEP_MAX_TOKENS = 8  # the GEMV path is timed up to here (used up to GEMV_MAX_TOKENS)
 EXTRA = (
     MoeKernelConfig(16, 32, 128, num_warps=4, num_stages=4),
     MoeKernelConfig(16, 64, 256, num_warps=4, num_stages=3),
@@ -47,6 +65,10 @@ def _time_route(logits: list[torch.Tensor], top_k: int, renorm: bool, bm: int) -
         for lg in logits:
             route_and_align(lg, top_k, renorm, bm)
 
+    def route_only() -> None:
+        for lg in logits:
+            route(lg, top_k, renorm)
+
     def ops() -> None:
         for lg in logits:
             _, ids = select_experts(lg, top_k, renorm)
@@ -56,6 +78,7 @@ def _time_route(logits: list[torch.Tensor], top_k: int, renorm: bool, bm: int) -
     return {
         "route_kernel_us": 1e6 * median_graph_seconds(kernel) / n,
         "route_torch_us": 1e6 * median_graph_seconds(ops) / n,
+        "route_only_kernel_us": 1e6 * median_graph_seconds(route_only) / n,
     }
 
 
@@ -86,7 +109,23 @@ def _time_experts(
                 fused_experts(x, gu, dn, weights, pairs, c)
 
         us = 1e6 * median_graph_seconds(run) / len(gate_up)
-        timings.append({"config": str(c), "us": us, "table": c == table,
+        in_use = c == table and x.shape[0] > GEMV_MAX_TOKENS
+        timings.append({"config": str(c), "us": us, "in_use": in_use,
+                        "GBps": touched_bytes / us / 1e3})  # fmt: skip
+    gemv = GEMV_CANDIDATES if x.shape[0] <= GEMV_SWEEP_MAX_TOKENS else ()
+    for g in gemv:
+        got = experts_gemv(x, gate_up[0], down[0], weights, ids, g).float()
+        if not torch.allclose(got, reference, rtol=0.05, atol=0.05 * reference.abs().max()):
+            print(f"T={x.shape[0]} {g}: wrong result")
+            continue
+
+        def run_gemv(g: MoeGemvConfig = g) -> None:
+            for gu, dn in zip(gate_up, down, strict=True):
+                experts_gemv(x, gu, dn, weights, ids, g)
+
+        us = 1e6 * median_graph_seconds(run_gemv) / len(gate_up)
+        in_use = x.shape[0] <= GEMV_MAX_TOKENS and g == MOE_GEMV_CONFIG
+        timings.append({"config": str(g), "us": us, "in_use": in_use,
                         "GBps": touched_bytes / us / 1e3})  # fmt: skip
     return sorted(timings, key=lambda r: r["us"])
 
@@ -116,11 +155,12 @@ def main() -> None:
         row["experts_touched"] = int(torch.unique(ids).numel())
         row["experts"] = timings = _time_experts(x, gate_up, down, weights, ids, table)
         results.append(row)
-        best, mine = timings[0], next((r for r in timings if r["table"]), None)
+        best, mine = timings[0], next((r for r in timings if r["in_use"]), None)
         print(
-            f"T={t}: route kernel {row['route_kernel_us']:.1f} us, torch "
-            f"{row['route_torch_us']:.1f} us | experts ({row['experts_touched']} touched) best "
-            f"{best['us']:.1f} us {best['GBps']:.0f} GB/s {best['config']}; table "
+            f"T={t}: route+sort kernel {row['route_kernel_us']:.1f} us, torch "
+            f"{row['route_torch_us']:.1f} us, route only {row['route_only_kernel_us']:.1f} us "
+            f"| experts ({row['experts_touched']} touched) best "
+            f"{best['us']:.1f} us {best['GBps']:.0f} GB/s {best['config']}; in use "
             + (f"{mine['us']:.1f} us {mine['GBps']:.0f} GB/s" if mine else "failed")
         )
     if args.out:
