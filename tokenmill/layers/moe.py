@@ -1,8 +1,9 @@
 """Mixture-of-experts feed-forward: E SwiGLU experts held as two stacked weights.
 
 `FusedMoE` takes the router's logits and returns the weighted sum of each token's top-k
-experts. On CUDA one routing kernel and two grouped-GEMM kernels do it (`kernels/fused_moe.py`);
-elsewhere a torch reference loops over the experts that have tokens. Checkpoints store each
+experts. On CUDA Triton kernels do it (`kernels/fused_moe.py`: a routing kernel, then GEMVs per
+(token, expert) pair for decode batches of a few tokens, or a sort by expert and two grouped
+GEMMs); elsewhere a torch reference loops over the experts that have tokens. Checkpoints store each
 expert's projections separately (`experts.N.gate_proj`, ...); the loader copies them into the
 stacked weights through `weight_loader`, with shards named `"<gate|up|down>:<N>"`.
 """
