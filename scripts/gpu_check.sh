@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call (see ../shared/device/README.md).
-# Usage on the device: bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|all]
+# Usage on the device:
+#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|all]
+# (gputests = the GPU engine tests and the GEMV, decode and rotary kernel tests + profile + B1;
+#  moe = the mixture-of-experts GPU and kernel tests (moetests), B1/B2 qwen3-30b-a3b with the
+#  transformers peer (moebench);
+#  moesweep = the expert kernels' routing and tile timings per batch size, qwen3-30b-a3b shapes)
 #   or TREES="ab/before ab/after" bash scripts/gpu_check.sh [ab-b1|ab-b2]: B1 or B2 without the
 #   transformers peer, each source tree in turn, run from inside it (see docs/perf-notes.md)
-# (gputests = the GPU engine tests and the GEMV, decode and rotary kernel tests + profile + B1)
 # Full logs and JSON reports go to $OUT (or ./gpu-out); a short table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -88,6 +92,20 @@ if [[ "$what" == ab-b1 || "$what" == ab-b2 ]]; then
       echo "$t $m: $(tail -1 "$log")" | tee -a "$table"
     done
   done
+fi
+if [[ "$what" == moe || "$what" == moetests ]]; then
+  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_gpu.py tests/kernels/test_fused_moe.py \
+    tests/gpu/test_engine_gpu.py -k "moe" 2>&1 | tee "$out/pytest-moe.log" | tail -25
+  echo "moe tests: $(tail -1 "$out/pytest-moe.log")" >> "$table"
+fi
+if [[ "$what" == moe || "$what" == moebench ]]; then
+  bench qwen3-30b-a3b b1 "${kv[@]}" --engine-arg max_num_seqs=8
+  bench qwen3-30b-a3b b2 --engine-arg kv_cache_memory_bytes=40000000000 --engine-arg max_num_seqs=256 \
+    --engine-arg max_num_batched_tokens=8192 --engine-arg max_model_len=4096
+fi
+if [[ "$what" == moesweep ]]; then
+  python3 benchmarks/moe_sweep.py --config "$models/qwen3-30b-a3b" --out "$out/moe-sweep.json" \
+    2>&1 | tee "$out/moe-sweep.log" | grep -E "^T=" >> "$table"
 fi
 echo
 echo "=== summary ==="

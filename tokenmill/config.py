@@ -14,6 +14,7 @@ from tokenmill.models.registry import MODEL_REGISTRY
 # The architectures (config.json `architectures`) the model registry implements.
 SUPPORTED_ARCHITECTURES = tuple(MODEL_REGISTRY)
 ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
+_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -76,8 +77,68 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """The mixture-of-experts feed-forward of a sparse decoder (Qwen3-MoE's and Qwen2-MoE's
+    config.json fields).
+
+    Layer `i` is sparse when `i not in mlp_only_layers` and `(i + 1) % decoder_sparse_step == 0`;
+    the others keep a dense MLP of the model's `intermediate_size`. A sparse layer may also have
+    a shared expert (a dense MLP every token passes, scaled by a sigmoid gate; Qwen2-MoE) of
+    `shared_expert_intermediate_size` (0: none).
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 1:
+            raise ValueError(f"num_experts must be >= 1, got {self.num_experts}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                f"got {self.top_k}"
+            )
+        if self.intermediate_size < 1:
+            raise ValueError(f"moe_intermediate_size must be >= 1, got {self.intermediate_size}")
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+        if self.shared_expert_intermediate_size < 0:
+            raise ValueError(
+                "shared_expert_intermediate_size must be >= 0, got "
+                f"{self.shared_expert_intermediate_size}"
+            )
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (0-based) routes its tokens to experts."""
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+    @staticmethod
+    def from_hf(cfg: dict[str, Any]) -> MoeConfig:
+        """Read the expert settings of a config.json dict (transformers 5 writes the expert
+        count as `num_local_experts`, the hub's checkpoints as `num_experts`)."""
+        experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+        if experts is None:
+            raise ValueError("a mixture-of-experts config.json needs num_experts")
+        return MoeConfig(
+            num_experts=int(experts),
+            top_k=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg["moe_intermediate_size"]),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1)),
+            mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+        )
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a Llama-family decoder, read from a Hugging Face config.json."""
+    """Hyper-parameters of a Llama-family decoder, read from a Hugging Face config.json;
+    `moe` is set for mixture-of-experts models (None: every layer has a dense MLP)."""
 
     path: str
     architecture: str
@@ -98,6 +159,7 @@ class ModelConfig:
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    moe: MoeConfig | None = None
 
     @staticmethod
     def from_pretrained(path: str | Path, dtype: str | torch.dtype = "auto") -> ModelConfig:
@@ -123,7 +185,8 @@ class ModelConfig:
         if dtype == "auto":
             dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
         window = cfg.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+        qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+        if qwen2 and not cfg.get("use_sliding_window", False):
             window = None
         return ModelConfig(
             path=str(root),
@@ -139,12 +202,13 @@ class ModelConfig:
             rope=RopeConfig.from_hf(cfg),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", qwen2))),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=int(window) if window else None,
             dtype=parse_dtype(dtype),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
+            moe=MoeConfig.from_hf(cfg) if arch in _MOE_ARCHITECTURES else None,
         )
 
 

@@ -23,35 +23,63 @@ class Hardware:
     matmul_flops: float
 
 
+def expected_experts_touched(num_experts: int, top_k: int, tokens: int) -> float:
+    """Expected distinct experts a layer reads for `tokens` tokens, each choosing `top_k` of
+    `num_experts` (uniformly: an expert is missed by one token with probability 1 - k/E)."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
 @dataclass(frozen=True)
 class ModelCost:
-    """Per-token and per-step costs of a model, from its shapes."""
+    """Per-token and per-step costs of a model, from its shapes. A mixture of experts reads,
+    besides its dense weights, the experts its tokens choose (`weight_bytes`)."""
 
-    weight_bytes_per_step: float  # every weight read once per step (not the embedding table)
-    flops_per_token: float  # 2 x multiply-accumulates of the weights
+    dense_weight_bytes: float  # weights every step reads once (not the embedding table)
+    flops_per_token: float  # 2 x multiply-accumulates of the weights a token uses
     kv_bytes_per_token: float  # K and V of one token, all layers
     attn_flops_per_context_token: float  # QK and PV, per query per context token
+    expert_bytes: float = 0.0  # one expert of every sparse layer
+    num_experts: int = 0
+    top_k: int = 0
 
     @staticmethod
     def of(cfg: ModelConfig, dtype_bytes: int) -> ModelCost:
         h, d, layers = cfg.hidden_size, cfg.head_dim, cfg.num_layers
         attn = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h
-        mlp = 3 * h * cfg.intermediate_size
+        dense_mlp = 3 * h * cfg.intermediate_size
         norms = 2 * h + (2 * d if cfg.qk_norm else 0)
-        per_layer = attn + mlp + norms
+        moe = cfg.moe
+        sparse = sum(moe.is_sparse(i) for i in range(layers)) if moe else 0
+        experts, top_k = (moe.num_experts, moe.top_k) if moe else (0, 0)
+        expert = 3 * h * moe.intermediate_size if moe else 0
+        # Read at every step by a sparse layer: the router, and a shared expert and its gate.
+        shared = moe.shared_expert_intermediate_size if moe else 0
+        routed = h * experts + (3 * h * shared + h if shared else 0)
+        # Per token: every layer's attention, the dense layers' MLPs, top-k experts + the rest.
+        mlp_macs = (layers - sparse) * dense_mlp + sparse * (top_k * expert + routed)
         lm_head = cfg.vocab_size * h
-        read = layers * per_layer + lm_head + h
+        dense = layers * (attn + norms) + (layers - sparse) * dense_mlp + sparse * routed
         return ModelCost(
-            weight_bytes_per_step=read * dtype_bytes,
-            flops_per_token=2.0 * (layers * (attn + mlp) + lm_head),
+            dense_weight_bytes=(dense + lm_head + h) * dtype_bytes,
+            flops_per_token=2.0 * (layers * attn + mlp_macs + lm_head),
             kv_bytes_per_token=2.0 * layers * cfg.num_kv_heads * d * dtype_bytes,
             attn_flops_per_context_token=4.0 * layers * cfg.num_heads * d,
+            expert_bytes=sparse * expert * dtype_bytes,
+            num_experts=experts,
+            top_k=top_k,
         )
+
+    def weight_bytes(self, tokens: int) -> float:
+        """Weights a step of `tokens` tokens reads: the dense ones and the experts touched."""
+        if not self.num_experts:
+            return self.dense_weight_bytes
+        touched = expected_experts_touched(self.num_experts, self.top_k, tokens)
+        return self.dense_weight_bytes + self.expert_bytes * touched
 
     def decode_step_time(self, contexts: np.ndarray, hw: Hardware) -> float:
         """Floor of one decode step for sequences with these context lengths."""
         total_context = float(contexts.sum())
-        bytes_moved = self.weight_bytes_per_step + self.kv_bytes_per_token * total_context
+        bytes_moved = self.weight_bytes(len(contexts)) + self.kv_bytes_per_token * total_context
         flops = self.flops_per_token * len(contexts)
         flops += self.attn_flops_per_context_token * total_context
         return max(bytes_moved / hw.bandwidth, flops / hw.matmul_flops)

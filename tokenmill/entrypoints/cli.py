@@ -335,7 +335,7 @@ def _bench(ns: argparse.Namespace) -> int:
             o = rng.integers(ns.min_len, ns.max_len + 1, ns.num_requests)
             ideal = roofline.batch_floor(cost, p, o, hw)
             print(f"B2 ideal: {ideal:.2f} s = {o.sum() / ideal:.0f} output tok/s")
-        print(f"(weights read per step: {cost.weight_bytes_per_step / 1e9:.2f} GB; "
+        print(f"(weights read by a one-token step: {cost.weight_bytes(1) / 1e9:.2f} GB; "
               f"{hw.bandwidth / 1e12:.2f} TB/s, {hw.matmul_flops / 1e12:.0f} TFLOP/s)")  # fmt: skip
         return 0
     args = options_from(ns, OfflineBenchArgs, engine_kwargs=_engine_kwargs(ns.engine_arg))

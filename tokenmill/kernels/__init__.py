@@ -14,6 +14,7 @@ from tokenmill.kernels.gemv_config import GemvConfig, InputNorm
 try:
     from tokenmill.kernels.activation import silu_and_mul as fused_silu_and_mul
     from tokenmill.kernels.argmax import argmax_rows
+    from tokenmill.kernels.fused_moe import fused_moe
     from tokenmill.kernels.gemv import gemv, norm_gemv
     from tokenmill.kernels.norm import rms_norm
 except ImportError:  # triton is not installed
@@ -23,6 +24,7 @@ except ImportError:  # triton is not installed
 
     argmax_rows: Callable[..., Any] = _missing  # type: ignore[no-redef]
     fused_silu_and_mul: Callable[..., Any] = _missing  # type: ignore[no-redef]
+    fused_moe: Callable[..., Any] = _missing  # type: ignore[no-redef]
     rms_norm: Callable[..., Any] = _missing  # type: ignore[no-redef]
     gemv: Callable[..., Any] = _missing  # type: ignore[no-redef]
     norm_gemv: Callable[..., Any] = _missing  # type: ignore[no-redef]
@@ -32,6 +34,7 @@ __all__ = [
     "GemvConfig",
     "InputNorm",
     "argmax_rows",
+    "fused_moe",
     "fused_silu_and_mul",
     "gemv",
     "norm_gemv",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -10,7 +11,7 @@ from torch.nn import functional as F
 
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.config import ModelConfig
-from tokenmill.layers.linear import Linear, MergedLinear, QKVLinear
+from tokenmill.layers.linear import InputKind, Linear, MergedLinear, QKVLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 
@@ -43,26 +44,56 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward: fused gate/up projection (called by the decoder layer behind its
-    post-attention norm), then the down projection, which applies SiLU-and-mul to its input."""
+    """SwiGLU feed-forward of `intermediate_size` (default: the model's): fused gate/up
+    projection behind the decoder layer's post-attention norm (or, `input_kind="plain"`, of an
+    input normed already: `product`), then the down projection, which applies SiLU-and-mul to
+    its input."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(
+        self, cfg: ModelConfig, intermediate_size: int | None = None,
+        input_kind: InputKind = "normed",
+    ) -> None:  # fmt: skip
         super().__init__()
-        size = cfg.intermediate_size
+        size = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = MergedLinear(
-            cfg.hidden_size, {"gate": size, "up": size}, input_kind="normed"
+            cfg.hidden_size, {"gate": size, "up": size}, input_kind=input_kind
         )
         self.down_proj = Linear(size, cfg.hidden_size, input_kind="gated")
+
+    def product(self, h: torch.Tensor) -> torch.Tensor:
+        """The MLP of `h`, normed already."""
+        return self.down_proj(self.gate_up_proj(h))
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(mlp(norm(x + residual)), x + residual)`; the add + norm runs inside the gate/up
+        projection (`Linear.forward_normed`)."""
+        gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
+        return self.down_proj(gate_up), residual
+
+
+# The feed-forward of decoder layer `layer`: called as `mlp(x, residual, norm)`, returning
+# `(mlp(norm(x + residual)), x + residual)` like `LlamaMLP`.
+MlpFactory = Callable[[ModelConfig, int], nn.Module]
+
+
+def dense_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+    """Every layer of a dense model has the same SwiGLU MLP."""
+    return LlamaMLP(cfg)
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm decoder block; each residual add + norm is fused into the projection after it
-    (`Linear.forward_normed`: one GEMV kernel where chosen, else the fused add+norm kernel)."""
+    (`Linear.forward_normed`: one GEMV kernel where chosen, else the fused add+norm kernel).
+    The feed-forward is `mlp` (a `LlamaMLP`, or a mixture of experts)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, mlp: nn.Module
+    ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer, rotary)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -76,20 +107,18 @@ class LlamaDecoderLayer(nn.Module):
         attn_in = self.self_attn.qkv_proj
         qkv, residual = attn_in.forward_normed(x, residual, self.input_layernorm)
         x = self.self_attn(positions, qkv, attn)
-        mlp_in = self.mlp.gate_up_proj
-        gate_up, residual = mlp_in.forward_normed(x, residual, self.post_attention_layernorm)
-        return self.mlp.down_proj(gate_up), residual
+        return self.mlp(x, residual, self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm."""
+    """Embedding, decoder layers (feed-forward `make_mlp(cfg, layer)`) and final norm."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, make_mlp: MlpFactory = dense_mlp) -> None:
         super().__init__()
         rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers)
+            LlamaDecoderLayer(cfg, i, rotary, make_mlp(cfg, i)) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -104,7 +133,10 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """A Llama-family decoder over a flattened batch of tokens with paged attention."""
+    """A Llama-family decoder over a flattened batch of tokens with paged attention.
+
+    Subclasses change the feed-forward through `make_mlp` (e.g. a mixture of experts).
+    """
 
     # checkpoint name fragment → (our parameter fragment, shard id)
     stacked_params: ClassVar[dict[str, tuple[str, str]]] = {
@@ -114,11 +146,14 @@ class LlamaForCausalLM(nn.Module):
         ".gate_proj.": (".gate_up_proj.", "gate"),
         ".up_proj.": (".gate_up_proj.", "up"),
     }
+    # checkpoint name of an expert's projection → our shard kind (mixture-of-experts models)
+    expert_params: ClassVar[dict[str, str]] = {}
+    make_mlp: ClassVar[MlpFactory] = staticmethod(dense_mlp)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.model = LlamaModel(cfg, self.make_mlp)
         if cfg.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:

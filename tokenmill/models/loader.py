@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,12 +14,15 @@ from safetensors import safe_open
 from torch import nn
 
 from tokenmill.config import ModelConfig
+from tokenmill.layers.moe import FusedMoE
 from tokenmill.models.registry import model_class
 
 logger = logging.getLogger(__name__)
 
 # Checkpoint tensors that are derived at run time, not parameters.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# One expert's projection in a hub checkpoint, e.g. `model.layers.0.mlp.experts.7.up_proj.weight`.
+_EXPERT_TENSOR = re.compile(r"^(?P<experts>.+\.experts)\.(?P<index>\d+)\.(?P<proj>[^.]+)\.weight$")
 
 
 @contextlib.contextmanager
@@ -88,21 +92,23 @@ def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 def _load_safetensors(model: nn.Module, root: Path, tied: bool) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     stacked: dict[str, tuple[str, str]] = model.stacked_params
+    experts: dict[str, str] = getattr(model, "expert_params", {})
     loaded: set[str] = set()
     for name, tensor in _iter_tensors(checkpoint_files(root)):
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
-        target, shard = name, None
-        for fragment, (ours, shard_id) in stacked.items():
-            if fragment in name:
-                target, shard = name.replace(fragment, ours), shard_id
-                break
+        target, shard = _expert_target(name, experts) or (name, None)
+        if shard is None:
+            for fragment, (ours, shard_id) in stacked.items():
+                if fragment in name:
+                    target, shard = name.replace(fragment, ours), shard_id
+                    break
         if target not in params:
             logger.warning("ignoring checkpoint tensor %s (no such parameter)", name)
             continue
         param = params[target]
+        module = model.get_submodule(target.rsplit(".", 1)[0])
         if shard is not None:
-            module = model.get_submodule(target.rsplit(".", 1)[0])
             module.weight_loader(param, tensor, shard)
             loaded.add(f"{target}:{shard}")
         else:
@@ -112,14 +118,35 @@ def _load_safetensors(model: nn.Module, root: Path, tied: bool) -> None:
                     f"model expects {tuple(param.shape)}"
                 )
             param.data.copy_(tensor)
-            loaded.add(target)
-    expected = _expected_entries(params, stacked, tied)
+            loaded.update(_entries(module, target, shards=None))
+    expected = _expected_entries(model, params, stacked, tied)
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"checkpoint {str(root)!r} is missing weights: {', '.join(missing[:8])}")
 
 
+def _expert_target(name: str, expert_params: dict[str, str]) -> tuple[str, str] | None:
+    """The stacked parameter and shard of one expert's projection (`...experts.3.up_proj.weight`
+    → `(...experts.gate_up_proj, "up:3")`), or None for any other tensor."""
+    match = _EXPERT_TENSOR.match(name)
+    if match is None or match["proj"] not in expert_params:
+        return None
+    kind = expert_params[match["proj"]]
+    stacked = "down_proj" if kind == "down" else "gate_up_proj"
+    return f"{match['experts']}.{stacked}", f"{kind}:{match['index']}"
+
+
+def _entries(module: nn.Module, name: str, shards: list[str] | None) -> set[str]:
+    """The entries a complete copy of parameter `name` stands for: one per expert shard of a
+    `FusedMoE` weight (a checkpoint may hold them one by one or already stacked), else
+    `name:shard` for each of `shards`, else `name`."""
+    if isinstance(module, FusedMoE):
+        shards = module.checkpoint_shards(name.rsplit(".", 1)[1])
+    return {f"{name}:{shard}" for shard in shards} if shards else {name}
+
+
 def _expected_entries(
+    model: nn.Module,
     params: dict[str, nn.Parameter],
     stacked: dict[str, tuple[str, str]],
     tied: bool,
@@ -133,8 +160,6 @@ def _expected_entries(
         if tied and name == "lm_head.weight":
             continue
         fragment = next((m for m in merged if m in name), None)
-        if fragment is None:
-            expected.add(name)
-        else:
-            expected.update(f"{name}:{shard}" for shard in merged[fragment])
+        module = model.get_submodule(name.rsplit(".", 1)[0])
+        expected.update(_entries(module, name, merged[fragment] if fragment else None))
     return expected

@@ -18,6 +18,8 @@ MODEL_REGISTRY: dict[str, str] = {
     "MistralForCausalLM": "tokenmill.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "tokenmill.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "tokenmill.models.llama:LlamaForCausalLM",
+    "Qwen3MoeForCausalLM": "tokenmill.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM": "tokenmill.models.qwen3_moe:Qwen2MoeForCausalLM",
 }
 
 

@@ -52,6 +52,30 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
         "head_dim": 32,
     },
+    "qwen3_moe": {
+        "model_type": "qwen3_moe",
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "tie_word_embeddings": False,
+        "head_dim": 32,
+        "num_hidden_layers": 3,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 48,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [1],
+    },
+    "qwen2_moe": {
+        "model_type": "qwen2_moe",
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "tie_word_embeddings": False,
+        "num_hidden_layers": 3,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 48,
+        "shared_expert_intermediate_size": 80,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [0],
+    },
 }
 
 
@@ -106,7 +130,7 @@ def build_tokenizer(
 def build_checkpoint(
     path: str | Path, family: str = "llama", seed: int = 0, **overrides: Any
 ) -> Path:
-    """Write a tiny random-weight checkpoint of `family` (llama, mistral, qwen2, qwen3) to `path`.
+    """Write a tiny random-weight checkpoint of `family` (`TINY_CONFIGS`) to `path`.
 
     Weights are drawn with a wide initializer so that greedy decoding has clear winners.
     `overrides` replace config fields (e.g. `num_hidden_layers=4`).
@@ -153,7 +177,7 @@ def main() -> None:
     """`python -m tokenmill.testing.checkpoints DIR [FAMILY]`: write a tiny checkpoint."""
     if len(sys.argv) not in (2, 3):
         raise SystemExit(
-            "usage: python -m tokenmill.testing.checkpoints DIR [llama|mistral|qwen2|qwen3]"
+            f"usage: python -m tokenmill.testing.checkpoints DIR [{'|'.join(TINY_CONFIGS)}]"
         )
     build_checkpoint(sys.argv[1], *sys.argv[2:])
 

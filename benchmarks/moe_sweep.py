@@ -1,0 +1,172 @@
+"""Time the fused MoE kernels on one model's expert shapes, as they run in a CUDA graph.
+
+For each batch size T: routing + sort (`route_and_align`, one program) against torch's ops
+(`select_experts` + `align_block_size`), and the two expert GEMMs under each candidate tile
+config (the table's and its neighbours), over distinct weight copies per layer (so weights
+stream from HBM as in a decode step). Prints µs per layer and the GB/s of the experts actually
+touched, and for small batches the GEMV kernels (`experts_gemv`) too. Use it to revise
+`moe_routing.MOE_CONFIGS`, `MOE_GEMV_CONFIG`, `fused_moe.GEMV_MAX_TOKENS` and
+`ROUTE_ALIGN_MAX_TOKENS`.
+
+    python benchmarks/moe_sweep.py --config shared/models/qwen3-30b-a3b --out moe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from tokenmill.config import ModelConfig
+from tokenmill.kernels.fused_moe import (
+    GEMV_MAX_TOKENS,
+    experts_gemv,
+    fused_experts,
+    route,
+    route_and_align,
+)
+from tokenmill.kernels.moe_routing import (
+    MOE_CONFIGS,
+    MOE_GEMV_CONFIG,
+    MoeGemvConfig,
+    MoeKernelConfig,
+    SortedPairs,
+    align_block_size,
+    moe_config_for,
+    select_experts,
+)
+from tokenmill.observability.cuda_timing import median_graph_seconds
+
+BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+GEMV_CANDIDATES = (
+    MOE_GEMV_CONFIG,
+    MoeGemvConfig(4, 512),
+    MoeGemvConfig(16, 256),
+    MoeGemvConfig(8, 256),
+    MoeGemvConfig(4, 1024),
+    MoeGemvConfig(16, 512, num_warps=8),
+)
+GEMV_SWEEP_MAX_TOKENS = 8  # the GEMV path is timed up to here (used up to GEMV_MAX_TOKENS)
+EXTRA = (
+    MoeKernelConfig(16, 32, 128, num_warps=4, num_stages=4),
+    MoeKernelConfig(16, 64, 256, num_warps=4, num_stages=3),
+    MoeKernelConfig(16, 128, 64, num_warps=4, num_stages=4),
+    MoeKernelConfig(32, 128, 64, num_warps=4, num_stages=3),
+    MoeKernelConfig(64, 64, 64, num_warps=4, num_stages=3),
+    MoeKernelConfig(128, 128, 64, num_warps=8, num_stages=3),
+)
+
+
+def _time_route(logits: list[torch.Tensor], top_k: int, renorm: bool, bm: int) -> dict:
+    """µs per layer of routing + sort: the one-program kernel and torch's ops."""
+
+    def kernel() -> None:
+        for lg in logits:
+            route_and_align(lg, top_k, renorm, bm)
+
+    def route_only() -> None:
+        for lg in logits:
+            route(lg, top_k, renorm)
+
+    def ops() -> None:
+        for lg in logits:
+            _, ids = select_experts(lg, top_k, renorm)
+            align_block_size(ids, lg.shape[1], bm)
+
+    n = len(logits)
+    return {
+        "route_kernel_us": 1e6 * median_graph_seconds(kernel) / n,
+        "route_torch_us": 1e6 * median_graph_seconds(ops) / n,
+        "route_only_kernel_us": 1e6 * median_graph_seconds(route_only) / n,
+    }
+
+
+def _time_experts(
+    x: torch.Tensor, gate_up: list[torch.Tensor], down: list[torch.Tensor],
+    weights: torch.Tensor, ids: torch.Tensor, table: MoeKernelConfig,
+) -> list[dict]:  # fmt: skip
+    """Each candidate config's µs per layer and GB/s of the touched experts (correct ones
+    only), fastest first."""
+    e, i, h = down[0].shape[0], down[0].shape[2], x.shape[1]
+    touched_bytes = int(torch.unique(ids).numel()) * 3 * h * i * x.element_size()
+    reference = fused_experts(x, gate_up[0], down[0], weights, align_block_size(ids, e, 16),
+                              moe_config_for(1)).float()  # fmt: skip
+    timings = []
+    for c in dict.fromkeys([table, *MOE_CONFIGS.values(), *EXTRA]):
+        pairs = align_block_size(ids, e, c.block_m)
+        try:
+            got = fused_experts(x, gate_up[0], down[0], weights, pairs, c).float()
+        except Exception as exc:  # a config that does not build on this GPU
+            print(f"T={x.shape[0]} {c}: failed ({type(exc).__name__})")
+            continue
+        if not torch.allclose(got, reference, rtol=0.05, atol=0.05 * reference.abs().max()):
+            print(f"T={x.shape[0]} {c}: wrong result")
+            continue
+
+        def run(c: MoeKernelConfig = c, pairs: SortedPairs = pairs) -> None:
+            for gu, dn in zip(gate_up, down, strict=True):
+                fused_experts(x, gu, dn, weights, pairs, c)
+
+        us = 1e6 * median_graph_seconds(run) / len(gate_up)
+        in_use = c == table and x.shape[0] > GEMV_MAX_TOKENS
+        timings.append({"config": str(c), "us": us, "in_use": in_use,
+                        "GBps": touched_bytes / us / 1e3})  # fmt: skip
+    gemv = GEMV_CANDIDATES if x.shape[0] <= GEMV_SWEEP_MAX_TOKENS else ()
+    for g in gemv:
+        got = experts_gemv(x, gate_up[0], down[0], weights, ids, g).float()
+        if not torch.allclose(got, reference, rtol=0.05, atol=0.05 * reference.abs().max()):
+            print(f"T={x.shape[0]} {g}: wrong result")
+            continue
+
+        def run_gemv(g: MoeGemvConfig = g) -> None:
+            for gu, dn in zip(gate_up, down, strict=True):
+                experts_gemv(x, gu, dn, weights, ids, g)
+
+        us = 1e6 * median_graph_seconds(run_gemv) / len(gate_up)
+        in_use = x.shape[0] <= GEMV_MAX_TOKENS and g == MOE_GEMV_CONFIG
+        timings.append({"config": str(g), "us": us, "in_use": in_use,
+                        "GBps": touched_bytes / us / 1e3})  # fmt: skip
+    return sorted(timings, key=lambda r: r["us"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="a mixture-of-experts config.json dir")
+    parser.add_argument("--layers", type=int, default=4, help="weight copies timed in turn")
+    parser.add_argument("--batches", type=int, nargs="*", default=list(BATCHES))
+    parser.add_argument("--out", default=None, help="write the measurements as JSON")
+    args = parser.parse_args()
+    cfg = ModelConfig.from_pretrained(args.config, "bfloat16")
+    if cfg.moe is None:
+        raise SystemExit(f"{args.config} is not a mixture-of-experts model")
+    moe, dev, dt = cfg.moe, torch.device("cuda"), torch.bfloat16
+    e, h, i, k = moe.num_experts, cfg.hidden_size, moe.intermediate_size, moe.top_k
+    gate_up = [torch.randn(e, 2 * i, h, device=dev, dtype=dt) * h**-0.5 for _ in range(args.layers)]
+    down = [torch.randn(e, h, i, device=dev, dtype=dt) * i**-0.5 for _ in range(args.layers)]
+    results = []
+    for t in args.batches:
+        x = torch.randn(t, h, device=dev, dtype=dt)
+        logits = [torch.randn(t, e, device=dev, dtype=dt) for _ in range(args.layers)]
+        table = moe_config_for(t)
+        row = {"tokens": t, "table": str(table)}
+        row |= _time_route(logits, k, moe.norm_topk_prob, table.block_m)
+        weights, ids = select_experts(logits[0], k, moe.norm_topk_prob)
+        row["experts_touched"] = int(torch.unique(ids).numel())
+        row["experts"] = timings = _time_experts(x, gate_up, down, weights, ids, table)
+        results.append(row)
+        best, mine = timings[0], next((r for r in timings if r["in_use"]), None)
+        print(
+            f"T={t}: route+sort kernel {row['route_kernel_us']:.1f} us, torch "
+            f"{row['route_torch_us']:.1f} us, route only {row['route_only_kernel_us']:.1f} us "
+            f"| experts ({row['experts_touched']} touched) best "
+            f"{best['us']:.1f} us {best['GBps']:.0f} GB/s {best['config']}; in use "
+            + (f"{mine['us']:.1f} us {mine['GBps']:.0f} GB/s" if mine else "failed")
+        )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""The fused mixture-of-experts kernels against float64 references: routing + sort (one
+program), the grouped gate/up and down GEMMs, and the whole `fused_moe`.
+
+Without CUDA they run in Triton's interpreter in float32 (its bfloat16 `tl.dot` is wrong), with
+small shapes; the GPU adds bfloat16 and a batch of 8,192 tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from tokenmill.kernels.fused_moe import (  # noqa: E402
+    GEMV_MAX_TOKENS,
+    ROUTE_ALIGN_MAX_TOKENS,
+    experts_gemv,
+    fused_experts,
+    fused_moe,
+    route,
+    route_and_align,
+)
+from tokenmill.kernels.moe_routing import (  # noqa: E402
+    MoeGemvConfig,
+    MoeKernelConfig,
+    SortedPairs,
+    align_block_size,
+    max_padded_pairs,
+    moe_config_for,
+    select_experts,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+SMALL = MoeKernelConfig(block_m=16, block_n=32, block_k=16)
+
+
+def _experts_f64(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """Token by token, slot by slot, in float64."""
+    x, gate_up, down, weights = (t.double().cpu() for t in (x, gate_up, down, weights))
+    inter = down.shape[2]
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for slot, e in enumerate(ids[t].tolist()):
+            gate, up = gate_up[e, :inter] @ x[t], gate_up[e, inter:] @ x[t]
+            out[t] += weights[t, slot] * (down[e] @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert not out.isnan().any()
+    err = (out.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-12)
+    assert err < TOL[dtype], f"relative error {err:.2e}"
+
+
+def _problem(tokens: int, experts: int, hidden: int, inter: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (scale * torch.randn(shape, generator=gen)).to(DEVICE, dtype)
+
+    x = randn(tokens, hidden)
+    gate_up = randn(experts, 2 * inter, hidden, scale=hidden**-0.5)
+    down = randn(experts, hidden, inter, scale=inter**-0.5)
+    logits = randn(tokens, experts, scale=2.0).float()
+    return x, gate_up, down, logits
+
+
+def _check_sorted(pairs: SortedPairs, ids: torch.Tensor, num_experts: int) -> None:
+    """Every pair appears once, in a block of its own expert, in pair order within the expert;
+    padding fills the rest; unused blocks lie past `num_padded`."""
+    flat = ids.reshape(-1).cpu().long()
+    n = flat.numel()
+    pair_ids = pairs.pair_ids.cpu().long()
+    block_experts = pairs.block_experts.cpu().long()
+    used = int(pairs.num_padded.item())
+    assert pair_ids.numel() == max_padded_pairs(n, num_experts, pairs.block_m)
+    assert used % pairs.block_m == 0 and used <= pair_ids.numel()
+    real = pair_ids[pair_ids < n]
+    assert sorted(real.tolist()) == list(range(n))
+    assert (pair_ids[used:] == n).all()
+    counts = torch.bincount(flat, minlength=num_experts)
+    assert used == int(((counts + pairs.block_m - 1) // pairs.block_m * pairs.block_m).sum())
+    for row in range(used):
+        if pair_ids[row] < n:
+            assert flat[pair_ids[row]] == block_experts[row // pairs.block_m]
+    for e in range(num_experts):
+        rows = [p for p in pair_ids.tolist() if p < n and flat[p] == e]
+        assert rows == sorted(rows)
+
+
+@pytest.mark.parametrize("num_experts", [4, 8, 60])
+@pytest.mark.parametrize("top_k", [1, 2, 4])
+@pytest.mark.parametrize("tokens", [1, 5, 37])
+def test_align_block_size_groups_pairs_by_expert(num_experts: int, top_k: int, tokens: int):
+    gen = torch.Generator().manual_seed(tokens * num_experts + top_k)
+    # Few distinct experts chosen: most experts get no pairs.
+    ids = torch.stack(
+        [torch.randperm(min(num_experts, 2 * top_k), generator=gen)[:top_k] for _ in range(tokens)]
+    ).to(DEVICE, torch.int32)
+    for block_m in (1, 4, 16):
+        _check_sorted(align_block_size(ids, num_experts, block_m), ids, num_experts)
+
+
+@pytest.mark.parametrize("num_experts", [8, 60, 128])
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_route_and_align_kernel_equals_torch_routing(num_experts, top_k, renormalize) -> None:
+    tokens = 21  # more than one step of the kernel's routing loop
+    *_, logits = _problem(tokens, num_experts, 8, 8, torch.float32, seed=num_experts + top_k)
+    weights, ids, pairs = route_and_align(logits, top_k, renormalize, block_m=16)
+    ref_weights, ref_ids = select_experts(logits.double(), top_k, renormalize)
+    assert torch.equal(ids.cpu(), ref_ids.cpu())
+    torch.testing.assert_close(weights.cpu(), ref_weights.float().cpu(), rtol=1e-5, atol=1e-7)
+    _check_sorted(pairs, ids, num_experts)
+    torch_pairs = align_block_size(ids, num_experts, 16)
+    assert torch.equal(pairs.pair_ids, torch_pairs.pair_ids)
+    used = int(pairs.num_padded.item()) // 16
+    assert torch.equal(pairs.block_experts[:used], torch_pairs.block_experts[:used])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("tokens", "num_experts", "top_k"),
+    [(1, 8, 1), (1, 8, 2), (1, 8, 8), (3, 4, 2), (19, 8, 2), (33, 16, 1), (40, 6, 3)],
+)
+def test_fused_experts_match_float64(dtype, tokens: int, num_experts: int, top_k: int) -> None:
+    hidden, inter = 48, 40  # not multiples of the 16-wide tiles: masked edges
+    x, gate_up, down, logits = _problem(tokens, num_experts, hidden, inter, dtype, seed=tokens)
+    weights, ids = select_experts(logits, top_k, renormalize=True)
+    pairs = align_block_size(ids, num_experts, SMALL.block_m)
+    out = fused_experts(x, gate_up, down, weights, pairs, SMALL)
+    assert out.shape == (tokens, hidden) and out.dtype == dtype
+    _close(out, _experts_f64(x, gate_up, down, weights, ids), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", list(range(1, GEMV_MAX_TOKENS + 1)))
+@pytest.mark.parametrize(("num_experts", "top_k"), [(8, 1), (8, 2), (16, 8)])
+def test_small_batch_gemv_experts_match_float64(dtype, tokens, num_experts, top_k) -> None:
+    hidden, inter = 80, 40  # not multiples of the tiles
+    x, gate_up, down, logits = _problem(tokens, num_experts, hidden, inter, dtype, seed=top_k)
+    weights, ids = route(logits, top_k, renormalize=top_k > 1)
+    ref_weights, ref_ids = select_experts(logits.double(), top_k, renormalize=top_k > 1)
+    assert torch.equal(ids.cpu(), ref_ids.cpu())
+    torch.testing.assert_close(weights.cpu(), ref_weights.float().cpu(), rtol=1e-5, atol=1e-7)
+    out = experts_gemv(x, gate_up, down, weights, ids, MoeGemvConfig(8, 32))
+    assert out.shape == (tokens, hidden) and out.dtype == dtype
+    _close(out, _experts_f64(x, gate_up, down, weights, ids), dtype)
+
+
+def test_route_kernel_spreads_over_programs() -> None:
+    """More tokens than one program routes (16 per program)."""
+    *_, logits = _problem(37, 12, 8, 8, torch.float32, seed=9)
+    weights, ids = route(logits, 3, renormalize=False)
+    ref_weights, ref_ids = select_experts(logits, 3, renormalize=False)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-7)
+
+
+def test_experts_without_tokens_are_skipped() -> None:
+    """Every token picks experts 5 and 2 of 8: six experts stay empty (and their weights,
+    here NaN, are never read)."""
+    x, gate_up, down, _ = _problem(9, 8, 32, 32, torch.float32, seed=3)
+    for e in (0, 1, 3, 4, 6, 7):
+        gate_up[e] = float("nan")
+        down[e] = float("nan")
+    ids = torch.tensor([[5, 2]] * 9, dtype=torch.int32, device=DEVICE)
+    weights = torch.full((9, 2), 0.5, device=DEVICE)
+    pairs = align_block_size(ids, 8, SMALL.block_m)
+    assert int(pairs.num_padded.item()) == 2 * SMALL.block_m
+    out = fused_experts(x, gate_up, down, weights, pairs, SMALL)
+    _close(out, _experts_f64(x, gate_up, down, weights, ids), torch.float32)
+
+
+def test_fused_experts_of_no_tokens() -> None:
+    x, gate_up, down, logits = _problem(0, 4, 16, 16, torch.float32, seed=0)
+    weights, ids = select_experts(logits, 2, renormalize=False)
+    out = fused_experts(x, gate_up, down, weights, align_block_size(ids, 4, 16), SMALL)
+    assert out.shape == (0, 16)
+
+
+def test_fused_experts_rejects_pairs_sorted_for_other_blocks() -> None:
+    x, gate_up, down, logits = _problem(2, 4, 16, 16, torch.float32, seed=0)
+    weights, ids = select_experts(logits, 2, renormalize=False)
+    with pytest.raises(ValueError, match="block_m"):
+        fused_experts(x, gate_up, down, weights, align_block_size(ids, 4, 32), SMALL)
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("tokens", [GEMV_MAX_TOKENS, 11])
+def test_fused_moe_routes_and_runs_experts(renormalize: bool, tokens: int) -> None:
+    """A decode-sized batch takes the GEMV kernels, a larger one the grouped GEMMs."""
+    x, gate_up, down, logits = _problem(tokens, 8, 32, 16, torch.float32, seed=5)
+    config = None if tokens <= GEMV_MAX_TOKENS else SMALL
+    out = fused_moe(x, gate_up, down, logits, 2, renormalize, config)
+    weights, ids = select_experts(logits.double(), 2, renormalize)
+    _close(out, _experts_f64(x, gate_up, down, weights, ids), torch.float32)
+
+
+def test_large_batch_routes_with_torch_sort() -> None:
+    """Past ROUTE_ALIGN_MAX_TOKENS the pairs are sorted by torch ops; same result."""
+    tokens = ROUTE_ALIGN_MAX_TOKENS + 3
+    x, gate_up, down, logits = _problem(tokens, 4, 16, 16, torch.float32, seed=7)
+    out = fused_moe(x, gate_up, down, logits, 2, True, SMALL)
+    weights, ids = select_experts(logits.double(), 2, True)
+    _close(out, _experts_f64(x, gate_up, down, weights, ids), torch.float32)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="8,192 tokens through the interpreter take minutes")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_moe_of_8192_tokens_with_table_configs(dtype: torch.dtype) -> None:
+    tokens, experts, hidden, inter = 8192, 128, 256, 128
+    x, gate_up, down, logits = _problem(tokens, experts, hidden, inter, dtype, seed=11)
+    out = fused_moe(x, gate_up, down, logits, 8, True)  # the table's config for 8,192 tokens
+    weights, ids = select_experts(logits.double(), 8, True)
+    _close(out[:64], _experts_f64(x[:64], gate_up, down, weights[:64], ids[:64]), dtype)
+    rows = torch.arange(0, tokens, 97)  # spot-check rows across the batch
+    _close(out[rows], _experts_f64(x[rows], gate_up, down, weights[rows], ids[rows]), dtype)
+
+
+def test_kernel_config_rejects_bad_tiles() -> None:
+    with pytest.raises(ValueError, match="block_k must be a power of 2"):
+        MoeGemvConfig(8, 100)
+    with pytest.raises(ValueError, match="block_n must be a power of 2 >= 32"):
+        MoeKernelConfig(16, 16, 16)
+    with pytest.raises(ValueError, match="block_m must be a power of 2 >= 16"):
+        MoeKernelConfig(24, 32, 16)
+
+
+def test_config_table_covers_every_batch_size() -> None:
+    sizes = [1, 8, 9, 200, 512, 513, 100_000]
+    configs = [moe_config_for(n) for n in sizes]
+    assert all(c.block_m in (16, 32, 64, 128) for c in configs)
+    assert configs[0].block_m <= configs[-1].block_m
+    # Float32 tiles fit in shared memory: at most 48 KiB per pipeline stage, 2 stages.
+    for n in sizes:
+        c = moe_config_for(n, torch.float32)
+        stage = 4 * (c.block_m * c.block_k + c.block_k * c.block_n)
+        assert stage * c.num_stages <= 2 * 48 * 1024

@@ -1,0 +1,415 @@
+"""Fused mixture-of-experts: routing + token→expert sort in one kernel, then two grouped GEMMs.
+
+`fused_moe` runs an MoE feed-forward in three launches for a batch of up to `GEMV_MAX_TOKENS`
+tokens (`_route_kernel`, then a GEMV per (token, expert) pair for gate/up and one per token for
+down, which also sums the token's top k), and in four for a batch of up to
+`ROUTE_ALIGN_MAX_TOKENS` tokens: `_route_align_kernel` (softmax, top-k, renormalisation and the
+padded sort of `moe_routing.SortedPairs`, in one program), `_gate_up_kernel` (each row block is
+one expert's pairs: x @ W_gate^T and x @ W_up^T, then SiLU(gate) * up), `_down_kernel` (the
+product with W_down, scaled by the pair's routing weight) and the sum over the top-k slots.
+Each program of a GEMM reads only its block's expert, so a decode step reads the weights of the
+experts its tokens chose and nothing else. Larger batches route and sort with torch ops
+(`moe_routing`), which spread over the GPU. Every shape depends on the token count alone (no
+host syncs), so the whole of it runs inside CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.kernels.moe_routing import (
+    MOE_GEMV_CONFIG,
+    MoeGemvConfig,
+    MoeKernelConfig,
+    SortedPairs,
+    align_block_size,
+    max_padded_pairs,
+    moe_config_for,
+    select_experts,
+)
+from tokenmill.kernels.pdl import pdl_options, pdl_wait
+
+# Batches up to this many tokens skip the sort: GEMV kernels per (token, expert) pair, as the
+# dense layers' GEMV for decode batches of 1-4 rows (`benchmarks/moe_sweep.py` compares).
+GEMV_MAX_TOKENS = 4
+# Batches up to this many tokens route and sort in one single-program kernel (decode steps and
+# short prefills); larger ones use torch's multi-block sort.
+ROUTE_ALIGN_MAX_TOKENS = 512
+_ROUTE_ROWS = 16  # tokens per step of the routing loop
+_SORT_PAIRS = 64  # pairs per step of the sorting loop
+
+
+@triton.jit
+def _route_rows(
+    logits_ptr, weights_ptr, ids_ptr, t0, num_tokens, num_experts, stride_logits,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, EXPERTS: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    """Softmax and top-k of tokens `t0 .. t0 + ROWS`: stores their weights and expert ids;
+    returns the `[ROWS, EXPERTS]` mask of the pairs chosen."""
+    experts = tl.arange(0, EXPERTS)
+    tokens = t0 + tl.arange(0, ROWS)
+    token_ok = tokens < num_tokens
+    ptrs = logits_ptr + tokens[:, None].to(tl.int64) * stride_logits + experts[None, :]
+    mask = token_ok[:, None] & (experts < num_experts)[None, :]
+    x = tl.load(ptrs, mask=mask, other=float("-inf"))
+    x = tl.where(token_ok[:, None], x.to(tl.float32), 0.0)  # no NaN from rows past the end
+    p = tl.exp(x - tl.max(x, axis=1)[:, None])
+    p = tl.where(token_ok[:, None], p / tl.sum(p, axis=1)[:, None], 0.0)
+    # Pick the top k one by one (the lowest expert id among equal probabilities, as
+    # torch.topk keeps them), holding each pick's probability and slot in place.
+    rest = p
+    picked = tl.zeros((ROWS, EXPERTS), dtype=tl.float32)
+    slots = tl.full((ROWS, EXPERTS), -1, tl.int32)
+    for slot in tl.static_range(TOP_K):
+        best = tl.max(rest, axis=1)
+        pick = tl.min(tl.where(rest == best[:, None], experts[None, :], EXPERTS), axis=1)
+        chosen = experts[None, :] == pick[:, None]
+        picked = tl.where(chosen, best[:, None], picked)
+        slots = tl.where(chosen, slot, slots)
+        rest = tl.where(chosen, -1.0, rest)
+    if RENORMALIZE:
+        picked = picked / tl.where(token_ok, tl.sum(picked, axis=1), 1.0)[:, None]
+    chosen = (slots >= 0) & token_ok[:, None]
+    out = tokens[:, None] * TOP_K + slots
+    tl.store(weights_ptr + out, picked, mask=chosen)
+    tl.store(ids_ptr + out, tl.zeros((ROWS, EXPERTS), tl.int32) + experts[None, :], mask=chosen)
+    return chosen
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_logits,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, EXPERTS: tl.constexpr, ROWS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_wait(USE_PDL)
+    _route_rows(
+        logits_ptr, weights_ptr, ids_ptr, tl.program_id(0) * ROWS, num_tokens, num_experts,
+        stride_logits, TOP_K, RENORMALIZE, EXPERTS, ROWS,
+    )  # fmt: skip
+
+
+@triton.jit
+def _route_align_kernel(
+    logits_ptr, weights_ptr, ids_ptr, pair_ids_ptr, block_experts_ptr, num_padded_ptr,
+    num_tokens, num_experts, stride_logits, num_rows, num_blocks,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+    EXPERTS: tl.constexpr, ROWS: tl.constexpr, PAIRS: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_wait(USE_PDL)
+    experts = tl.arange(0, EXPERTS)
+    counts = tl.zeros((EXPERTS,), dtype=tl.int32)
+    # 1. Route each token; count the pairs of each expert.
+    for t0 in range(0, num_tokens, ROWS):
+        chosen = _route_rows(
+            logits_ptr, weights_ptr, ids_ptr, t0, num_tokens, num_experts, stride_logits,
+            TOP_K, RENORMALIZE, EXPERTS, ROWS,
+        )  # fmt: skip
+        counts += tl.sum(chosen.to(tl.int32), axis=0)
+    # 2. Lay out each expert's run, padded to BLOCK_M rows; name each block's expert.
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+    for b0 in range(0, num_blocks, PAIRS):
+        blocks = b0 + tl.arange(0, PAIRS)
+        row = blocks * BLOCK_M
+        expert = tl.sum((ends[None, :] <= row[:, None]).to(tl.int32), axis=1)
+        expert = tl.minimum(expert, num_experts)  # unused blocks (beyond the last run)
+        tl.store(block_experts_ptr + blocks, expert, mask=blocks < num_blocks)
+    num_pairs = num_tokens * TOP_K
+    padding = tl.full((PAIRS,), 0, tl.int32) + num_pairs
+    for r0 in range(0, num_rows, PAIRS):
+        rows = r0 + tl.arange(0, PAIRS)
+        tl.store(pair_ids_ptr + rows, padding, mask=rows < num_rows)
+    tl.debug_barrier()  # the ids stored in step 1 and the padding above, seen by every thread
+    # 3. Place each pair after the earlier pairs of its expert.
+    seen = tl.zeros((EXPERTS,), dtype=tl.int32)
+    for p0 in range(0, num_pairs, PAIRS):
+        pairs = p0 + tl.arange(0, PAIRS)
+        pair_ok = pairs < num_pairs
+        ids = tl.load(ids_ptr + pairs, mask=pair_ok, other=EXPERTS)
+        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
+        before = tl.cumsum(onehot, axis=0) - onehot  # earlier pairs of the same expert here
+        dest = tl.sum(onehot * (before + starts[None, :] + seen[None, :]), axis=1)
+        tl.store(pair_ids_ptr + dest, pairs, mask=pair_ok)
+        seen += tl.sum(onehot, axis=0)
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, out_ptr, pair_ids_ptr, block_experts_ptr, num_padded_ptr,
+    num_pairs, hidden, inter, stride_x, stride_we, stride_wn, stride_out,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, HALF_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """out[pair, cols] = silu(x[token] @ W_gate[e, cols]^T) * (x[token] @ W_up[e, cols]^T), for
+    `HALF_N` columns: the program's output tile is `2 HALF_N` columns of the gate|up product."""
+    pdl_wait(USE_PDL)
+    block = tl.program_id(0)
+    if block * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_experts_ptr + block).to(tl.int64)
+    pairs = tl.load(pair_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pairs < num_pairs
+    tokens = (pairs // TOP_K).to(tl.int64)
+    cols = tl.program_id(1) * HALF_N + tl.arange(0, HALF_N)
+    col_ok = cols < inter
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tokens[:, None] * stride_x + ks[None, :]
+    g_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+    u_ptrs = g_ptrs + inter * stride_wn
+    gate = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_ok = ks < hidden - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        gate = tl.dot(a, tl.load(g_ptrs, mask=w_mask, other=0.0), gate, input_precision="ieee")
+        up = tl.dot(a, tl.load(u_ptrs, mask=w_mask, other=0.0), up, input_precision="ieee")
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    h = gate / (1.0 + tl.exp(-gate)) * up
+    out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_out + cols[None, :]
+    tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, w_ptr, out_ptr, weights_ptr, pair_ids_ptr, block_experts_ptr, num_padded_ptr,
+    num_pairs, hidden, inter, stride_h, stride_we, stride_wn, stride_out,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """out[pair, cols] = weight[pair] * (h[pair] @ W_down[e, cols]^T)."""
+    pdl_wait(USE_PDL)
+    block = tl.program_id(0)
+    if block * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_experts_ptr + block).to(tl.int64)
+    pairs = tl.load(pair_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pairs < num_pairs
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + pairs[:, None].to(tl.int64) * stride_h + ks[None, :]
+    w_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k_ok = ks < inter - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision="ieee")
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    acc *= tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
+    out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_out + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _gate_up_gemv_kernel(
+    x_ptr, w_ptr, out_ptr, ids_ptr, hidden, inter, stride_x, stride_we, stride_wn, stride_out,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Small batches, one pair per program row: out[pair, cols] = silu(W_gate[e] x) * W_up[e] x
+    for `BLOCK_N` columns, as products summed over K slabs (no tensor-core tiles to fill)."""
+    pdl_wait(USE_PDL)
+    pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    ks = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_x
+    g_ptrs = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    u_ptrs = g_ptrs + inter * stride_wn
+    gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_ok = ks < hidden - k0
+        x = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        w_mask = col_ok[:, None] & k_ok[None, :]
+        gate += tl.sum(tl.load(g_ptrs + k0, mask=w_mask, other=0.0).to(tl.float32) * x, axis=1)
+        up += tl.sum(tl.load(u_ptrs + k0, mask=w_mask, other=0.0).to(tl.float32) * x, axis=1)
+    h = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + pair * stride_out + cols, h.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _down_gemv_kernel(
+    h_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, hidden, inter, stride_h, stride_we,
+    stride_wn, stride_out,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Small batches, one token per program row: out[token, cols] = sum over its k pairs of
+    weight * W_down[e] h[pair], the top-k sum included (no separate reduction)."""
+    pdl_wait(USE_PDL)
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):
+        pair = token * TOP_K + slot
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        w_ptrs = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+        h_row = h_ptr + pair.to(tl.int64) * stride_h
+        part = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            k_ok = ks < inter - k0
+            h = tl.load(h_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            w = tl.load(w_ptrs + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            part += tl.sum(w.to(tl.float32) * h, axis=1)
+        acc += tl.load(weights_ptr + pair) * part
+    out = out_ptr + token.to(tl.int64) * stride_out + cols
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_routing.select_experts` as one kernel: (weights `[T, top_k]` float32, expert ids
+    `[T, top_k]` int32)."""
+    num_tokens, num_experts = router_logits.shape
+    device = router_logits.device
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
+    if num_tokens:
+        _route_kernel[(triton.cdiv(num_tokens, _ROUTE_ROWS),)](
+            router_logits, weights, ids, num_tokens, num_experts, router_logits.stride(0),
+            TOP_K=top_k, RENORMALIZE=renormalize, EXPERTS=triton.next_power_of_2(num_experts),
+            ROWS=_ROUTE_ROWS, **pdl_options(device),
+        )  # fmt: skip
+    return weights, ids
+
+
+def experts_gemv(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: MoeGemvConfig,
+) -> torch.Tensor:
+    """`fused_experts` for a few tokens, without sorting: each (token, expert) pair reads its
+    expert's rows, and the down kernel sums each token's top k."""
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    inter = down.shape[2]
+    _check_rows_contiguous(x, gate_up, down)
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+    h = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    meta = {"TOP_K": top_k, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
+            "num_warps": config.num_warps, **pdl_options(x.device)}  # fmt: skip
+    _gate_up_gemv_kernel[(num_tokens * top_k, triton.cdiv(inter, config.block_n))](
+        x, gate_up, h, topk_ids, hidden, inter, x.stride(0), gate_up.stride(0),
+        gate_up.stride(1), h.stride(0), **meta,
+    )  # fmt: skip
+    _down_gemv_kernel[(num_tokens, triton.cdiv(hidden, config.block_n))](
+        h, down, out, topk_weights, topk_ids, hidden, inter, h.stride(0), down.stride(0),
+        down.stride(1), out.stride(0), **meta,
+    )  # fmt: skip
+    return out
+
+
+def _check_rows_contiguous(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+    if gate_up.stride(2) != 1 or down.stride(2) != 1 or x.stride(1) != 1:
+        raise ValueError("the MoE kernels need x and the expert weights contiguous in their rows")
+
+
+def route_and_align(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, SortedPairs]:
+    """`moe_routing.select_experts` and `align_block_size` in one single-program launch:
+    (weights `[T, top_k]` float32, expert ids `[T, top_k]` int32, the sorted pairs)."""
+    num_tokens, num_experts = router_logits.shape
+    device = router_logits.device
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
+    rows = max_padded_pairs(num_tokens * top_k, num_experts, block_m)
+    num_blocks = triton.cdiv(rows, block_m)
+    pair_ids = torch.empty(rows, dtype=torch.int32, device=device)
+    block_experts = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    if num_tokens:
+        _route_align_kernel[(1,)](
+            router_logits, weights, ids, pair_ids, block_experts, num_padded,
+            num_tokens, num_experts, router_logits.stride(0), rows, num_blocks,
+            TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_M=block_m,
+            EXPERTS=triton.next_power_of_2(num_experts), ROWS=_ROUTE_ROWS, PAIRS=_SORT_PAIRS,
+            num_warps=4, **pdl_options(device),
+        )  # fmt: skip
+    return weights, ids, SortedPairs(pair_ids, block_experts, num_padded, block_m)
+
+
+def fused_experts(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    sorted_pairs: SortedPairs,
+    config: MoeKernelConfig,
+) -> torch.Tensor:
+    """`sum_j topk_weights[t, j] * down[e_j] @ (silu(gate[e_j] @ x[t]) * up[e_j] @ x[t])` for
+    each token `t` of `x` `[T, H]`, over the pairs in `sorted_pairs` (from the same routing as
+    `topk_weights` `[T, top_k]`); `gate_up` `[E, 2I, H]` (gate rows, then up), `down`
+    `[E, H, I]`."""
+    num_tokens, hidden = x.shape
+    top_k = topk_weights.shape[1]
+    inter = down.shape[2]
+    num_pairs = num_tokens * top_k
+    if sorted_pairs.block_m != config.block_m:
+        raise ValueError(
+            f"pairs sorted for block_m={sorted_pairs.block_m}, config has {config.block_m}"
+        )
+    _check_rows_contiguous(x, gate_up, down)
+    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+    h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    blocks = sorted_pairs.block_experts.numel()
+    meta = {"BLOCK_M": config.block_m, "BLOCK_K": config.block_k, "num_warps": config.num_warps,
+            "num_stages": config.num_stages, **pdl_options(x.device)}  # fmt: skip
+    s = sorted_pairs
+    half = config.block_n // 2
+    _gate_up_kernel[(blocks, triton.cdiv(inter, half))](
+        x, gate_up, h, s.pair_ids, s.block_experts, s.num_padded,
+        num_pairs, hidden, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
+        TOP_K=top_k, HALF_N=half, **meta,
+    )  # fmt: skip
+    _down_kernel[(blocks, triton.cdiv(hidden, config.block_n))](
+        h, down, out, topk_weights, s.pair_ids, s.block_experts, s.num_padded,
+        num_pairs, hidden, inter, h.stride(0), down.stride(0), down.stride(1), out.stride(0),
+        BLOCK_N=config.block_n, **meta,
+    )  # fmt: skip
+    return out.view(num_tokens, top_k, hidden).sum(dim=1) if top_k > 1 else out
+
+
+def fused_moe(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    config: MoeKernelConfig | None = None,
+) -> torch.Tensor:
+    """The MoE feed-forward of `x` `[T, H]`: route by `router_logits` `[T, E]` (softmax top-k,
+    renormalised when `renormalize`), then the experts: `experts_gemv` for up to
+    `GEMV_MAX_TOKENS` tokens (unless a grouped-GEMM `config` is given), else `fused_experts`
+    with `config` or the table entry for T tokens (`moe_routing.moe_config_for`)."""
+    num_tokens, num_experts = router_logits.shape
+    if config is None and num_tokens <= GEMV_MAX_TOKENS:
+        weights, ids = route(router_logits, top_k, renormalize)
+        return experts_gemv(x, gate_up, down, weights, ids, MOE_GEMV_CONFIG)
+    config = config or moe_config_for(num_tokens, x.dtype)
+    if num_tokens <= ROUTE_ALIGN_MAX_TOKENS:
+        weights, _, pairs = route_and_align(router_logits, top_k, renormalize, config.block_m)
+    else:
+        weights, ids = select_experts(router_logits, top_k, renormalize)
+        pairs = align_block_size(ids, num_experts, config.block_m)
+    return fused_experts(x, gate_up, down, weights, pairs, config)

@@ -1,0 +1,144 @@
+"""Mixture-of-experts routing in torch: top-k selection, the token→expert sort padded to the
+expert kernel's row blocks, and the kernel's tile table. No triton import: the CPU reference
+path and the large-batch GPU path both use these.
+
+The sorted layout (`SortedPairs`) is the contract between routing and the grouped-GEMM kernels
+in `fused_moe.py`: pair `p = token * top_k + slot` is one (token, chosen expert) product; pairs
+are grouped by expert, each expert's run padded to a multiple of `block_m` with the sentinel
+`num_pairs`, so that every block of `block_m` rows belongs to one expert. Its sizes depend only
+on the number of tokens (never on the routing), so a CUDA graph can hold it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+
+def select_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the experts, the `top_k` largest probabilities (renormalised to sum to 1
+    when `renormalize`): float32 weights and int32 expert ids, each `[T, top_k]`."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """An upper bound of the sorted buffer's length: every pair, plus at most `block_m - 1`
+    padding rows for each expert that has pairs (at most `min(E, num_pairs)` of them)."""
+    return num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+
+
+@dataclass(frozen=True)
+class SortedPairs:
+    """The pairs grouped by expert: `pair_ids` `[P]` (int32; `num_pairs` marks padding),
+    `block_experts` `[P / block_m]` (int32, each block's expert; blocks at or past
+    `num_padded` are unused and hold `num_experts`), `num_padded` `[1]` (int32, the rows in use)."""
+
+    pair_ids: torch.Tensor
+    block_experts: torch.Tensor
+    num_padded: torch.Tensor
+    block_m: int
+
+
+def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> SortedPairs:
+    """Group the pairs of `topk_ids` `[T, top_k]` by expert (in pair order within an expert),
+    each expert's run padded to a multiple of `block_m`: torch ops of static shapes, no host
+    sync."""
+    flat = topk_ids.reshape(-1).long()
+    n = flat.numel()
+    device = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    expert_of = flat[order]
+    first = counts.cumsum(0) - counts  # index in `order` of each expert's first pair
+    rows = (ends - padded)[expert_of] + torch.arange(n, device=device) - first[expert_of]
+    total = max_padded_pairs(n, num_experts, block_m)
+    pair_ids = torch.full((total,), n, dtype=torch.int32, device=device)
+    pair_ids[rows] = order.to(torch.int32)
+    block_starts = torch.arange(0, total, block_m, device=device)
+    block_experts = torch.searchsorted(ends, block_starts, right=True).to(torch.int32)
+    return SortedPairs(pair_ids, block_experts, ends[-1:].to(torch.int32), block_m)
+
+
+@dataclass(frozen=True)
+class MoeKernelConfig:
+    """Tiles of the expert kernels: `block_m` rows (pairs) of one expert, `block_n` output
+    columns (for the gate/up kernel, `block_n / 2` of gate and the same of up), `block_k` of
+    the reduction per step; Triton's `num_warps` and `num_stages`. Tiles are powers of two,
+    at least 16 (`tl.dot`'s smallest), `block_n` at least 32."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name, size, least in (
+            ("block_m", self.block_m, 16), ("block_n", self.block_n, 32),
+            ("block_k", self.block_k, 16),
+        ):  # fmt: skip
+            if size < least or size & (size - 1):
+                raise ValueError(
+                    f"MoeKernelConfig.{name} must be a power of 2 >= {least}, got {size}"
+                )
+
+
+@dataclass(frozen=True)
+class MoeGemvConfig:
+    """Tiles of the small-batch expert kernels (`fused_moe.experts_gemv`): `block_n` output
+    rows of a weight per program, `block_k` of the reduction per step."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name, size in (("block_n", self.block_n), ("block_k", self.block_k)):
+            if size < 1 or size & (size - 1):
+                raise ValueError(f"MoeGemvConfig.{name} must be a power of 2, got {size}")
+
+
+# Eight rows of 512 per program: for qwen3-30b-a3b's decode step of one token, 768 gate/up and
+# 256 down programs, each streaming 64-100 KB of one expert (the dense GEMV's shape of work).
+MOE_GEMV_CONFIG = MoeGemvConfig(block_n=8, block_k=512, num_warps=4)
+
+
+# Tiles by batch size (tokens): the smallest entry >= the batch applies (the last one beyond).
+# Small batches read few rows per expert, so short blocks and many programs keep the weights
+# streaming; large ones reuse each weight tile over many rows. Starting points: the published
+# H200 tunings of E=128, N=768 expert GEMMs (vLLM's fused_moe config tables, which tile the
+# same gate|up product); `benchmarks/moe_sweep.py` measures the candidates here.
+MOE_CONFIGS: dict[int, MoeKernelConfig] = {
+    2: MoeKernelConfig(16, 64, 64, num_warps=4, num_stages=4),
+    16: MoeKernelConfig(16, 64, 128, num_warps=4, num_stages=3),
+    48: MoeKernelConfig(16, 128, 128, num_warps=4, num_stages=3),
+    128: MoeKernelConfig(16, 128, 128, num_warps=4, num_stages=2),
+    256: MoeKernelConfig(32, 256, 128, num_warps=4, num_stages=2),
+    512: MoeKernelConfig(64, 128, 64, num_warps=4, num_stages=3),
+    1 << 62: MoeKernelConfig(128, 256, 64, num_warps=8, num_stages=4),
+}
+_BOUNDS = sorted(MOE_CONFIGS)
+
+
+def moe_config_for(num_tokens: int, dtype: torch.dtype = torch.bfloat16) -> MoeKernelConfig:
+    """The tiles for a batch of `num_tokens` tokens (`MOE_CONFIGS`). Float32 operands take
+    twice the shared memory per tile: their K tiles and pipeline are cut to fit (float32 runs
+    are for checking correctness, not speed)."""
+    config = MOE_CONFIGS[_BOUNDS[bisect.bisect_left(_BOUNDS, num_tokens)]]
+    if dtype.itemsize > 2:
+        config = dataclasses.replace(
+            config, block_k=min(config.block_k, 32), num_stages=min(config.num_stages, 2)
+        )
+    return config

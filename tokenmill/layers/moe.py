@@ -1,0 +1,99 @@
+"""Mixture-of-experts feed-forward: E SwiGLU experts held as two stacked weights.
+
+`FusedMoE` takes the router's logits and returns the weighted sum of each token's top-k
+experts. On CUDA Triton kernels do it (`kernels/fused_moe.py`: a routing kernel, then GEMVs per
+(token, expert) pair for decode batches of a few tokens, or a sort by expert and two grouped
+GEMMs); elsewhere a torch reference loops over the experts that have tokens. Checkpoints store each
+expert's projections separately (`experts.N.gate_proj`, ...); the loader copies them into the
+stacked weights through `weight_loader`, with shards named `"<gate|up|down>:<N>"`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from tokenmill.kernels import fused_moe
+from tokenmill.kernels.moe_routing import select_experts
+
+EXPERT_PROJECTIONS = ("gate", "up", "down")
+
+
+class FusedMoE(nn.Module):
+    """`num_experts` SwiGLU MLPs `hidden → intermediate → hidden`: `gate_up_proj`
+    `[E, 2 I, H]` (each expert's gate rows, then its up rows) and `down_proj` `[E, H, I]` (the
+    layout of transformers' fused `Qwen3MoeExperts`, so such checkpoints load as they are).
+    Tokens go to their `top_k` most probable experts (softmax over the router logits; the
+    chosen probabilities renormalised to sum to 1 when `renormalize`)."""
+
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, top_k: int,
+        renormalize: bool,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.intermediate_size = intermediate_size
+        e, h, i = num_experts, hidden_size, intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """The experts' weighted output `[T, H]` for `x` `[T, H]` and `router_logits` `[T, E]`."""
+        if x.is_cuda:
+            return fused_moe(
+                x, self.gate_up_proj, self.down_proj, router_logits, self.top_k, self.renormalize
+            )
+        weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        return experts_reference(x, self.gate_up_proj, self.down_proj, weights, ids)
+
+    def checkpoint_shards(self, param_name: str) -> list[str]:
+        """The shards a checkpoint provides for one of the stacked weights, one per expert
+        and projection (`weight_loader`'s names)."""
+        kinds = ("gate", "up") if param_name == "gate_up_proj" else ("down",)
+        return [f"{kind}:{e}" for kind in kinds for e in range(self.num_experts)]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
+        """Copy one expert's projection (`shard` = `"gate:3"`, `"up:3"`, `"down:3"`) into its
+        slice of the stacked `param`."""
+        kind, _, index = shard.partition(":")
+        expert = int(index)
+        if kind not in EXPERT_PROJECTIONS or not 0 <= expert < self.num_experts:
+            raise ValueError(f"no expert shard {shard!r} in a layer of {self.num_experts} experts")
+        i = self.intermediate_size
+        target = {"gate": param.data[expert, :i], "up": param.data[expert, i:]}.get(
+            kind, param.data[expert]
+        )
+        if loaded.shape != target.shape:
+            raise ValueError(
+                f"expert shard {shard!r} has shape {tuple(loaded.shape)}, expected "
+                f"{tuple(target.shape)}"
+            )
+        target.copy_(loaded)
+
+
+def experts_reference(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """The experts' weighted sum in torch, one matmul pair per expert that has tokens (the CPU
+    path; like transformers', each product is rounded to `x`'s dtype)."""
+    out = torch.zeros_like(x)
+    flat_ids = topk_ids.reshape(-1).long()
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    weights = topk_weights.reshape(-1).to(x.dtype)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start : start + count]
+        start += count
+        tokens = pairs // topk_ids.shape[1]
+        gate, up = F.linear(x[tokens], gate_up[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down[expert]) * weights[pairs, None]
+        out.index_add_(0, tokens, y)
+    return out

@@ -1,0 +1,74 @@
+"""Qwen3-MoE (the Qwen3 decoder, q/k norm, with a mixture of experts in its sparse layers) and
+Qwen2-MoE (the Qwen2 decoder, q/k/v bias, whose experts come with a gated shared expert)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from tokenmill.config import ModelConfig, MoeConfig
+from tokenmill.layers.linear import Linear
+from tokenmill.layers.moe import FusedMoE
+from tokenmill.layers.norm import RMSNorm
+from tokenmill.models.llama import LlamaForCausalLM, LlamaMLP
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (`gate`: hidden → one logit per expert) and the experts it routes to; with
+    `moe.shared_expert_intermediate_size`, also a shared expert every token passes, scaled by
+    `sigmoid(shared_expert_gate(h))`."""
+
+    def __init__(self, cfg: ModelConfig, moe: MoeConfig) -> None:
+        super().__init__()
+        self.gate = Linear(cfg.hidden_size, moe.num_experts)
+        self.experts = FusedMoE(
+            moe.num_experts, cfg.hidden_size, moe.intermediate_size, moe.top_k,
+            moe.norm_topk_prob,
+        )  # fmt: skip
+        self.shared_expert: LlamaMLP | None = None
+        if moe.shared_expert_intermediate_size:
+            size = moe.shared_expert_intermediate_size
+            self.shared_expert = LlamaMLP(cfg, size, input_kind="plain")
+            self.shared_expert_gate = Linear(cfg.hidden_size, 1)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(moe(norm(x + residual)), x + residual)`, as `LlamaMLP` (the router and the experts
+        both read the normed input, so the add + norm runs once, on its own)."""
+        if residual is None:
+            h, residual = norm(x), x
+        else:
+            h, residual = norm.add_forward(x, residual)
+        out = self.experts(h, self.gate(h))
+        if self.shared_expert is not None:
+            shared = self.shared_expert.product(h)
+            out = out + torch.sigmoid(self.shared_expert_gate(h)) * shared
+        return out, residual
+
+
+def sparse_or_dense_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+    """A sparse layer's mixture of experts, or the dense MLP of an `mlp_only_layers` entry (or
+    a layer skipped by `decoder_sparse_step`)."""
+    if cfg.moe is None:
+        raise ValueError(f"{cfg.architecture} needs the mixture-of-experts fields in config.json")
+    return SparseMoeBlock(cfg, cfg.moe) if cfg.moe.is_sparse(layer) else LlamaMLP(cfg)
+
+
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    """Qwen3 with `mlp.experts.N.{gate,up,down}_proj` experts and an `mlp.gate` router."""
+
+    expert_params: ClassVar[dict[str, str]] = {
+        "gate_proj": "gate",
+        "up_proj": "up",
+        "down_proj": "down",
+    }
+    make_mlp = staticmethod(sparse_or_dense_mlp)
+
+
+class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
+    """Qwen2-MoE: the same checkpoint names, plus `mlp.shared_expert.{gate,up,down}_proj` and
+    `mlp.shared_expert_gate` (the architecture differs in config only: q/k/v bias, no q/k
+    norm, a shared expert size)."""
