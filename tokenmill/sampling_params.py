@@ -7,6 +7,9 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# Integers travel between processes as msgpack (64-bit at most); seeds are unsigned, as torch's.
+MAX_INT = 2**63 - 1
+MAX_SEED = 2**64 - 1
 
 
 @dataclass
@@ -45,7 +48,11 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        _check(_is_int(self.n) and self.n >= 1, "n must be an integer >= 1", self.n)
+        _check(
+            _is_int(self.n) and 1 <= self.n <= MAX_INT,
+            "n must be an integer >= 1 and < 2**63",
+            self.n,
+        )
         _check(
             _is_number(self.temperature) and self.temperature >= 0,
             "temperature must be >= 0",
@@ -55,15 +62,17 @@ class SamplingParams:
             _is_number(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]", self.top_p
         )
         _check(
-            _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 0),
-            "top_k must be an integer, -1 or 0 (disabled) or >= 1",
+            _is_int(self.top_k) and -1 <= self.top_k <= MAX_INT,
+            "top_k must be an integer, -1 or 0 (disabled) or >= 1 (and < 2**63)",
             self.top_k,
         )
         _check(
             _is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]", self.min_p
         )
         _check(
-            self.seed is None or _is_int(self.seed), "seed must be an integer or None", self.seed
+            self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= MAX_SEED),
+            "seed must be an integer in [0, 2**64) or None",
+            self.seed,
         )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -74,13 +83,14 @@ class SamplingParams:
             self.repetition_penalty,
         )
         _check(
-            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-            "max_tokens must be an integer >= 1 or None",
+            self.max_tokens is None
+            or (_is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_INT),
+            "max_tokens must be an integer >= 1 and < 2**63, or None",
             self.max_tokens,
         )
         _check(
-            _is_int(self.min_tokens) and self.min_tokens >= 0,
-            "min_tokens must be an integer >= 0",
+            _is_int(self.min_tokens) and 0 <= self.min_tokens <= MAX_INT,
+            "min_tokens must be an integer >= 0 and < 2**63",
             self.min_tokens,
         )
         if self.max_tokens is not None:
@@ -90,13 +100,13 @@ class SamplingParams:
                 self.min_tokens,
             )
         _check(
-            all(isinstance(s, str) and s for s in self.stop),
-            "stop must be a list of non-empty strings",
+            all(isinstance(s, str) and s and is_valid_text(s) for s in self.stop),
+            "stop must be a list of non-empty strings (valid Unicode)",
             self.stop,
         )
         _check(
-            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-            "stop_token_ids must be a list of integers >= 0",
+            all(_is_int(t) and 0 <= t <= MAX_INT for t in self.stop_token_ids),
+            "stop_token_ids must be a list of integers >= 0 and < 2**63",
             self.stop_token_ids,
         )
         _check(
@@ -107,14 +117,27 @@ class SamplingParams:
         )
 
     def for_choice(self, index: int) -> SamplingParams:
-        """Settings of choice `index` of `n`: one sample, with a seed of its own if seeded."""
-        seed = None if self.seed is None else self.seed + index
+        """Settings of choice `index` of `n`: one sample, with a seed of its own if seeded.
+
+        Choice i draws with `seed + i` (as vLLM), wrapped into [0, 2**64) so that the largest
+        seed stays a valid one for every choice.
+        """
+        seed = None if self.seed is None else (self.seed + index) % (MAX_SEED + 1)
         return dataclasses.replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:
         """True when the next token is always the most likely one."""
         return self.temperature == 0 or self.top_k == 1
+
+
+def is_valid_text(text: str) -> bool:
+    """True unless `text` holds an unpaired surrogate (which no UTF-8 encoder accepts)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_int(value: object) -> bool:

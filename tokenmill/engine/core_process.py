@@ -14,6 +14,7 @@ import zmq
 from tokenmill.batch import FinishReason
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine_core import EngineCore, EngineOutput
+from tokenmill.intake import IntakeError
 from tokenmill.ipc.messages import (
     AbortRequest,
     EngineInput,
@@ -28,7 +29,7 @@ from tokenmill.ipc.messages import (
     ShutdownRequest,
 )
 from tokenmill.ipc.process import init_child
-from tokenmill.ipc.sockets import Addresses, encode, pull, push
+from tokenmill.ipc.sockets import Addresses, encode, pull, push, request_id_of
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ def run_engine_core(
     config: EngineConfig, addresses: Addresses, log_level: str, parent_pid: int
 ) -> None:
     """Process entry point: load the model, then serve until a ShutdownRequest."""
-    init_child(log_level, parent_pid)
+    init_child(log_level, parent_pid, "engine_core")
     loop = EngineCoreLoop(config, addresses)
     loop.run()
 
@@ -90,7 +91,14 @@ class EngineCoreLoop:
                 raw = self.inputs.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._handle(self.decoder.decode(raw))
+            try:
+                msg = self.decoder.decode(raw)
+            except msgspec.DecodeError as exc:  # a bug upstream; fail that request, if any
+                logger.error("undecodable engine input: %s", exc)
+                if (request_id := request_id_of(raw)) is not None:
+                    self.errors.append(RequestError(request_id, str(exc), status=500))
+                continue
+            self._handle(msg)
 
     def _handle(self, msg: EngineInput) -> None:
         if isinstance(msg, EngineRequest):
@@ -129,6 +137,9 @@ class EngineCoreLoop:
             return
         try:
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params)
+        except IntakeError as exc:
+            self.errors.append(RequestError(msg.request_id, str(exc), param=exc.param))
+            return
         except ValueError as exc:
             self.errors.append(RequestError(msg.request_id, str(exc)))
             return
@@ -179,6 +190,7 @@ class EngineCoreLoop:
                 "model_forward_seconds": engine.stats.forward_seconds,
                 "iteration_tokens_total": engine.stats.iteration_tokens,
             },
+            engine_pid=os.getpid(),
         )
 
 

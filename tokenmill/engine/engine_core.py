@@ -38,6 +38,7 @@ from tokenmill.batch import FinishReason, Logprob, Request, SchedulerOutput, Ste
 from tokenmill.cache.cache_manager import CacheManager
 from tokenmill.config import EngineConfig
 from tokenmill.engine.scheduler import Scheduler
+from tokenmill.intake import ContextLimits, check_prompt
 from tokenmill.observability.histogram import (
     STEP_SECONDS_BUCKETS,
     TOKEN_COUNT_BUCKETS,
@@ -120,10 +121,18 @@ class EngineCore:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
-        """Queue a request; raises `ValueError` if it can never run."""
+        """Queue one choice (n = 1) of a request; raises `ValueError` if it can never run.
+
+        Callers go through `intake.prepare` first; the check is repeated here because the
+        engine must never hold a request that can not run.
+        """
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running")
-        self._validate_prompt(prompt_token_ids)
+        if params.n != 1:
+            raise ValueError(
+                f"n must be 1 for one engine request (see intake.prepare), got {params.n}"
+            )
+        params = check_prompt(prompt_token_ids, params, self.limits)
         req = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -134,19 +143,10 @@ class EngineCore:
         self._requests[request_id] = req
         self.scheduler.add_request(req)
 
-    def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        if not prompt_token_ids:
-            raise ValueError("prompt must contain at least one token")
-        vocab = self.config.model.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
-        max_len = self.config.max_model_len
-        if len(prompt_token_ids) >= max_len:
-            raise ValueError(
-                f"prompt has {len(prompt_token_ids)} tokens, but the context window "
-                f"(max_model_len) is {max_len} tokens and must leave room for one output token"
-            )
+    @property
+    def limits(self) -> ContextLimits:
+        """What a request must fit: the vocabulary and the context window."""
+        return ContextLimits(self.config.model.vocab_size, self.config.max_model_len)
 
     def abort_request(
         self, request_id: str, reason: FinishReason = FinishReason.ABORT

@@ -13,9 +13,10 @@ from transformers import PreTrainedTokenizerBase
 from tokenmill.batch import FinishReason
 from tokenmill.config import EngineArgs
 from tokenmill.engine.engine_core import EngineCore, EngineOutput
+from tokenmill.intake import prepare
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.tokenization.detokenizer import IncrementalDetokenizer
+from tokenmill.tokenization.detokenizer import ChoiceStream
 from tokenmill.tokenization.tokenizer import (
     Prompt,
     apply_chat_template,
@@ -80,44 +81,36 @@ class LLM:
         use_tqdm: bool,
     ) -> list[RequestOutput]:
         params = _per_prompt(sampling_params, len(token_ids))
+        limits = self.engine.limits
+        # Every prompt is checked before any is queued, so a bad one leaves the engine idle.
+        prepared = []
+        for ids, text, p in zip(token_ids, texts, params, strict=True):
+            request_id = str(next(self._ids))
+            result = RequestOutput(request_id, text, ids, [])
+            prepared.append((result, prepare(request_id, ids, p, limits)))
         results: list[RequestOutput] = []
         children: dict[str, _Child] = {}
-        try:
-            for ids, text, p in zip(token_ids, texts, params, strict=True):
-                result = RequestOutput(str(next(self._ids)), text, ids, [])
-                results.append(result)
-                for index in range(p.n):
-                    child_id = f"{result.request_id}-{index}"
-                    logprobs = [] if p.logprobs is not None else None
-                    child = _Child(result, CompletionOutput(index, logprobs=logprobs))
-                    child.detokenizer = self._detokenizer(ids, p)
-                    result.outputs.append(child.completion)
-                    self.engine.add_request(child_id, ids, p.for_choice(index))
-                    children[child_id] = child
-        except ValueError:
-            for child_id in children:
-                self.engine.abort_request(child_id)
-            raise
+        for result, engine_requests in prepared:
+            results.append(result)
+            for index, child in enumerate(engine_requests):
+                logprobs = [] if child.params.logprobs is not None else None
+                completion = CompletionOutput(index, logprobs=logprobs)
+                result.outputs.append(completion)
+                stream = ChoiceStream(self.tokenizer, child.prompt_token_ids, child.params)
+                children[child.request_id] = _Child(result, completion, stream)
+                self.engine.add_request(child.request_id, child.prompt_token_ids, child.params)
         bar = tqdm(total=len(results), desc="Generating", disable=not use_tqdm or len(results) < 2)
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 child = children[out.request_id]
-                if child.apply(out):  # a stop string ended it
-                    self.engine.abort_request(out.request_id, FinishReason.STOP)
-                    child.completion.finish_reason = FinishReason.STOP.value
+                if child.apply(out):  # a stop string ended it: the engine reports "stop"
+                    final = self.engine.abort_request(out.request_id, FinishReason.STOP)
+                    if final is not None:
+                        child.apply(final)
                 if child.completion.finished and child.result.finished:
                     bar.update(1)
         bar.close()
         return results
-
-    def _detokenizer(
-        self, prompt_ids: list[int], p: SamplingParams
-    ) -> IncrementalDetokenizer | None:
-        if self.tokenizer is None:
-            return None
-        return IncrementalDetokenizer(
-            self.tokenizer, prompt_ids, p.stop, p.include_stop_str_in_output, p.skip_special_tokens
-        )
 
 
 @dataclasses.dataclass
@@ -126,22 +119,22 @@ class _Child:
 
     result: RequestOutput
     completion: CompletionOutput
-    detokenizer: IncrementalDetokenizer | None = None
+    stream: ChoiceStream
 
     def apply(self, out: EngineOutput) -> bool:
-        """Add a step's tokens; True if a stop string ended the completion early."""
-        completion = self.completion
-        completion.token_ids.extend(out.new_token_ids)
-        if completion.logprobs is not None and out.new_logprobs:
-            completion.logprobs.extend(out.new_logprobs)
-        if out.finish_reason is not None:
-            completion.finish_reason = out.finish_reason.value
+        """Add a step's tokens; True if a stop string ended the completion before the engine."""
+        reason = out.finish_reason.value if out.finish_reason is not None else None
+        update = self.stream.update(out.new_token_ids, reason)
         self.result.num_cached_tokens = max(self.result.num_cached_tokens, out.num_cached_tokens)
-        if self.detokenizer is None:
+        if update is None:
             return False
-        self.detokenizer.update(out.new_token_ids, final=out.finished)
-        completion.text = self.detokenizer.output_text
-        return self.detokenizer.stopped and not out.finished
+        completion = self.completion
+        completion.token_ids.extend(update.token_ids)
+        if completion.logprobs is not None and update.token_ids and out.new_logprobs:
+            completion.logprobs.extend(out.new_logprobs)
+        completion.text = self.stream.text
+        completion.finish_reason = update.finish_reason
+        return update.stop_matched
 
 
 def _per_prompt(

@@ -14,11 +14,19 @@ import msgspec
 
 from tokenmill.observability.histogram import Histogram
 from tokenmill.observability.request_metrics import RequestMetrics
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, is_valid_text
+
+# The integers msgpack carries.
+MIN_WIRE_INT, MAX_WIRE_INT = -(2**63), 2**64 - 1
 
 
 class TokenizeRequest(msgspec.Struct, tag=True):
-    """A client request to turn into token ids: a completion prompt or a chat."""
+    """A client request to turn into token ids: a completion prompt or a chat.
+
+    Construction (and decoding) raises `ValueError` naming the field for a value msgpack can not
+    carry (an integer beyond 64 bits, a string with an unpaired surrogate), so that no such
+    value reaches an encoder.
+    """
 
     request_id: str
     params: SamplingParams
@@ -26,9 +34,13 @@ class TokenizeRequest(msgspec.Struct, tag=True):
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
 
+    def __post_init__(self) -> None:
+        check_wire_value(self.prompt, "prompt")
+        check_wire_value(self.messages, "messages")
+
 
 class EngineRequest(msgspec.Struct, tag=True):
-    """A tokenized request for the engine; `request_id` is `"{client id}:{choice index}"`."""
+    """A tokenized request for the engine: one choice (`intake.child_request_id`)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -87,6 +99,7 @@ class EngineStats(msgspec.Struct):
     prompt_tokens: int
     generation_tokens: int
     histograms: dict[str, Histogram]  # scheduler_step_seconds, model_forward_seconds, ...
+    engine_pid: int = 0  # tells a restarted engine core's steps from its predecessor's
 
 
 class NewRequest(msgspec.Struct):
@@ -129,13 +142,41 @@ class ClientOutput(msgspec.Struct):
 
 
 class ClientBatch(msgspec.Struct, tag=True):
-    """Outputs and errors for the api server, with the engine's latest stats."""
+    """Outputs and errors for the api server, with the engine's latest stats.
+
+    `started`: the engine requests the engine core accepted in this step (a request not yet
+    started is still with a tokenizer worker, and is lost if that worker dies).
+    """
 
     outputs: list[ClientOutput]
     errors: list[RequestError]
     stats: EngineStats | None = None
+    started: list[str] = msgspec.field(default_factory=list)
 
 
 EngineInput = (
     EngineRequest | AbortRequest | ShutdownRequest | ProfileRequest | ResetPrefixCacheRequest
 )
+
+
+def check_wire_value(value: object, name: str) -> None:
+    """Raise `ValueError` naming `name` if msgpack can not carry `value` (JSON-like data)."""
+    if isinstance(value, str):
+        if not is_valid_text(value):
+            raise ValueError(f"{name} must be valid Unicode text, got an unpaired surrogate")
+    elif isinstance(value, bool) or value is None or isinstance(value, float):
+        return
+    elif isinstance(value, int):
+        if not MIN_WIRE_INT <= value <= MAX_WIRE_INT:
+            raise ValueError(f"{name} holds an integer beyond 64 bits, got {value}")
+    elif isinstance(value, list | tuple):
+        if value and all(type(item) is int for item in value):  # token ids: checked in C
+            if not (min(value) >= MIN_WIRE_INT and max(value) <= MAX_WIRE_INT):
+                raise ValueError(f"{name} holds an integer beyond 64 bits")
+            return
+        for item in value:
+            check_wire_value(item, name)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_wire_value(key, name)
+            check_wire_value(item, name)

@@ -1,4 +1,4 @@
-"""Helpers every child process runs: logging set-up and dying with the parent."""
+"""Helpers every child process runs: a process title, logging set-up and dying with the parent."""
 
 from __future__ import annotations
 
@@ -8,15 +8,19 @@ import signal
 import threading
 import time
 
+import setproctitle
+
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
 
 
-def init_child(log_level: str, parent_pid: int) -> None:
-    """Configure logging and exit as soon as the parent process is gone.
+def init_child(log_level: str, parent_pid: int, name: str) -> None:
+    """Title the process `tokenmill::{name}` (as `ps` and `top` show it), configure logging and
+    exit as soon as the parent process is gone.
 
     Ctrl-C reaches the whole process group; children ignore SIGINT so that the parent can drain
     in-flight requests and then stop them in order.
     """
+    setproctitle.setproctitle(f"tokenmill::{name}")
     logging.basicConfig(level=log_level, format=_LOG_FORMAT)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()

@@ -1,10 +1,17 @@
-"""IncrementalDetokenizer: token ids → text deltas that never split a character; stop strings."""
+"""Token ids → text deltas that never split a character; stop strings end a choice.
+
+`IncrementalDetokenizer` turns a growing token list into final text; `ChoiceStream` is one
+choice's output as a client sees it, the one place stop strings decide how a choice ends (used by
+the offline `LLM` and by the server's detokenizer worker alike).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
+
+from tokenmill.sampling_params import SamplingParams
 
 # Tokens of the prompt decoded with the first output tokens, so that a leading space or a
 # character spanning the prompt/output boundary decodes as it would in the full text.
@@ -81,3 +88,63 @@ class IncrementalDetokenizer:
             self.stopped = True
         else:
             self.output_text = text
+
+
+@dataclass(frozen=True)
+class ChoiceUpdate:
+    """One engine output as the client sees it.
+
+    `stop_matched`: a stop string ended the choice before the engine did; the caller aborts the
+    engine request with finish reason "stop", and the engine's final output then closes it.
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_matched: bool = False
+
+
+class ChoiceStream:
+    """One choice of a request: its text, and how stop strings end it.
+
+    The text up to a matched stop string goes out at once; tokens the engine produced after the
+    match are dropped (`update` returns None) until its final output, whose finish reason is
+    then "stop" whatever the engine said. Without a tokenizer there is no text and no stop
+    string matching; token ids pass through.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> None:
+        self.detokenizer = None
+        if tokenizer is not None:
+            self.detokenizer = IncrementalDetokenizer(
+                tokenizer,
+                prompt_token_ids,
+                params.stop,
+                params.include_stop_str_in_output,
+                params.skip_special_tokens,
+            )
+        self.stopped = False  # a stop string matched; waiting for the engine's final output
+
+    @property
+    def text(self) -> str:
+        """The choice's text so far (without a matched stop string unless asked to keep it)."""
+        return "" if self.detokenizer is None else self.detokenizer.output_text
+
+    def update(self, new_token_ids: list[int], finish_reason: str | None) -> ChoiceUpdate | None:
+        """Apply one engine output; None when the client sees nothing of it."""
+        if self.stopped:
+            return None if finish_reason is None else ChoiceUpdate("", [], "stop")
+        if self.detokenizer is None:
+            return ChoiceUpdate("", new_token_ids, finish_reason)
+        update = self.detokenizer.update(new_token_ids, final=finish_reason is not None)
+        if not update.stopped:
+            return ChoiceUpdate(update.text, new_token_ids, finish_reason)
+        if finish_reason is not None:
+            return ChoiceUpdate(update.text, new_token_ids, "stop")
+        self.stopped = True
+        return ChoiceUpdate(update.text, new_token_ids, None, stop_matched=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import msgspec
 import zmq
@@ -14,13 +13,13 @@ from tokenmill.ipc.messages import (
     ClientBatch,
     ClientOutput,
     EngineStep,
-    NewRequest,
     RequestDelta,
+    RequestError,
     TokenLogprobs,
 )
 from tokenmill.ipc.process import init_child
 from tokenmill.ipc.sockets import Addresses, encode, pull, push
-from tokenmill.tokenization.detokenizer import IncrementalDetokenizer
+from tokenmill.tokenization.detokenizer import ChoiceStream, ChoiceUpdate
 from tokenmill.tokenization.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -30,7 +29,7 @@ def run_detokenizer(
     tokenizer_path: str, addresses: Addresses, log_level: str, parent_pid: int
 ) -> None:
     """Process entry point: detokenize engine steps until killed."""
-    init_child(log_level, parent_pid)
+    init_child(log_level, parent_pid, "detokenizer")
     ctx = zmq.Context()
     steps = pull(ctx, addresses.detokenizer, bind=True)
     to_api = push(ctx, addresses.api, bind=False)
@@ -38,87 +37,80 @@ def run_detokenizer(
     detok = Detokenizer(load_tokenizer(tokenizer_path))
     decoder = msgspec.msgpack.Decoder(EngineStep)
     while True:
-        batch, stopped = detok.process(decoder.decode(steps.recv()))
+        raw = steps.recv()
+        try:
+            step = decoder.decode(raw)
+        except msgspec.DecodeError:
+            # A bug in the engine core, not a request's fault: nothing to answer, keep going.
+            logger.exception("dropped an undecodable engine step (%d bytes)", len(raw))
+            continue
+        batch, stopped, failed = detok.process(step)
         if stopped:
             to_engine.send(encode(AbortRequest(stopped, reason="stop")))
+        if failed:
+            to_engine.send(encode(AbortRequest(failed)))
         to_api.send(encode(batch))
 
 
-@dataclass
-class _Stream:
-    detokenizer: IncrementalDetokenizer | None
-    stopped: bool = False  # a stop string matched; waiting for the engine's final output
-
-
 class Detokenizer:
-    """Per-request incremental detokenizers; one engine step in, one client batch out."""
+    """Per-request choice streams; one engine step in, one client batch out.
+
+    Whatever goes wrong with one request's output (a token id the tokenizer can not decode, a
+    bug) becomes an error for that request alone; the others, and the process, carry on.
+    """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
         self.tokenizer = tokenizer
-        self.streams: dict[str, _Stream] = {}
+        self.streams: dict[str, ChoiceStream] = {}
+        self._engine_pid: int | None = None
 
-    def process(self, step: EngineStep) -> tuple[ClientBatch, list[str]]:
-        """Returns the batch for the api server and the requests a stop string just ended."""
+    def process(self, step: EngineStep) -> tuple[ClientBatch, list[str], list[str]]:
+        """The batch for the api server, the requests a stop string just ended, and the
+        requests whose output failed (to abort in the engine)."""
+        if step.stats.engine_pid != self._engine_pid:
+            # A restarted engine core: the requests of the old one are gone (and failed).
+            self._engine_pid = step.stats.engine_pid
+            self.streams.clear()
+        errors = list(step.errors)
         for new in step.new_requests:
-            self._open(new)
+            try:
+                self.streams[new.request_id] = ChoiceStream(
+                    self.tokenizer, new.prompt_token_ids, new.params
+                )
+            except Exception as exc:  # one request's failure stays its own
+                errors.append(_failure(new.request_id, exc))
         outputs, stopped = [], []
         for delta in step.deltas:
             stream = self.streams.get(delta.request_id)
             if stream is None:
                 continue
-            was_stopped = stream.stopped
-            out = self._decode(delta, stream)
-            if stream.stopped and not was_stopped and delta.finish_reason is None:
+            try:
+                update = stream.update(delta.new_token_ids, delta.finish_reason)
+                out = None if update is None else self._output(delta, update)
+            except Exception as exc:  # one request's failure stays its own
+                del self.streams[delta.request_id]
+                errors.append(_failure(delta.request_id, exc))
+                continue
+            if update is not None and update.finish_reason is not None:
+                del self.streams[delta.request_id]
+            if update is not None and update.stop_matched:
                 stopped.append(delta.request_id)
             if out is not None:
                 outputs.append(out)
         for error in step.errors:
             self.streams.pop(error.request_id, None)
-        return ClientBatch(outputs, step.errors, step.stats), stopped
+        failed = [e.request_id for e in errors[len(step.errors) :]]
+        started = [new.request_id for new in step.new_requests if new.request_id in self.streams]
+        return ClientBatch(outputs, errors, step.stats, started), stopped, failed
 
-    def _open(self, new: NewRequest) -> None:
-        detok = None
-        if self.tokenizer is not None:
-            p = new.params
-            detok = IncrementalDetokenizer(
-                self.tokenizer,
-                new.prompt_token_ids,
-                p.stop,
-                p.include_stop_str_in_output,
-                p.skip_special_tokens,
-            )
-        self.streams[new.request_id] = _Stream(detok)
-
-    def _decode(self, delta: RequestDelta, stream: _Stream) -> ClientOutput | None:
-        """The client's view of an engine delta; None for tokens after a matched stop string.
-
-        When a stop string matches, the text up to it goes out at once and the request is
-        aborted; the engine's final output (its metrics) then closes the stream as "stop".
-        """
-        finish = delta.finish_reason
-        if stream.stopped:
-            if finish is None:
-                return None
-            del self.streams[delta.request_id]
-            return ClientOutput(delta.request_id, "", [], None, "stop", delta.num_prompt_tokens,
-                                delta.num_cached_tokens, delta.metrics)  # fmt: skip
-        text = ""
-        if stream.detokenizer is not None:
-            update = stream.detokenizer.update(delta.new_token_ids, final=finish is not None)
-            text = update.text
-            if update.stopped:
-                if finish is None:
-                    stream.stopped = True
-                else:
-                    finish = "stop"
-        if finish is not None:
-            del self.streams[delta.request_id]
+    def _output(self, delta: RequestDelta, update: ChoiceUpdate) -> ClientOutput:
+        logprobs = delta.logprobs if update.token_ids else None
         return ClientOutput(
             request_id=delta.request_id,
-            text=text,
-            token_ids=delta.new_token_ids,
-            logprobs=self._logprobs(delta.logprobs),
-            finish_reason=finish,
+            text=update.text,
+            token_ids=update.token_ids,
+            logprobs=self._logprobs(logprobs),
+            finish_reason=update.finish_reason,
             num_prompt_tokens=delta.num_prompt_tokens,
             num_cached_tokens=delta.num_cached_tokens,
             metrics=delta.metrics,
@@ -138,3 +130,8 @@ class Detokenizer:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode([token_id])
+
+
+def _failure(request_id: str, exc: Exception) -> RequestError:
+    logger.error("request %s failed in the detokenizer: %r", request_id, exc, exc_info=exc)
+    return RequestError(request_id, f"detokenizing the output failed: {exc!r}", status=500)

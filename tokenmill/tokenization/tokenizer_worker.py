@@ -1,4 +1,4 @@
-"""Tokenizer worker process: renders chats, tokenizes, validates lengths, fans out `n` choices."""
+"""Tokenizer worker process: renders chats, tokenizes, and hands each request to the intake."""
 
 from __future__ import annotations
 
@@ -6,63 +6,81 @@ import logging
 
 import msgspec
 import zmq
+from transformers import PreTrainedTokenizerBase
 
+from tokenmill.intake import ContextLimits, IntakeError, prepare
 from tokenmill.ipc.messages import ClientBatch, EngineRequest, RequestError, TokenizeRequest
 from tokenmill.ipc.process import init_child
-from tokenmill.ipc.sockets import Addresses, encode, pull, push
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.ipc.sockets import Addresses, encode, pull, push, request_id_of
 from tokenmill.tokenization.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 
-class PromptTooLongError(ValueError):
-    """The prompt (plus the requested completion) does not fit in the context window."""
-
-
-def check_length(num_prompt: int, params: SamplingParams, max_model_len: int) -> None:
-    """Raise if the prompt, or prompt + max_tokens, exceeds the context window."""
-    if num_prompt >= max_model_len:
-        raise PromptTooLongError(
-            f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"prompt has {num_prompt} tokens, which leaves no room for a completion."
-        )
-    if params.max_tokens is not None and num_prompt + params.max_tokens > max_model_len:
-        raise PromptTooLongError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {num_prompt + params.max_tokens} tokens ({num_prompt} in the prompt, "
-            f"{params.max_tokens} in the completion). Reduce the prompt or max_tokens."
-        )
-
-
 def run_tokenizer_worker(
-    tokenizer_path: str, max_model_len: int, addresses: Addresses, log_level: str, parent_pid: int
+    index: int,
+    tokenizer_path: str,
+    limits: ContextLimits,
+    addresses: Addresses,
+    log_level: str,
+    parent_pid: int,
 ) -> None:
     """Process entry point: tokenize requests from the api server until killed."""
-    init_child(log_level, parent_pid)
-    tokenizer = load_tokenizer(tokenizer_path)
+    init_child(log_level, parent_pid, f"tokenizer_{index}")
+    worker = TokenizerWorker(load_tokenizer(tokenizer_path), limits)
     ctx = zmq.Context()
-    requests = pull(ctx, addresses.tokenizer, bind=False)
+    requests = pull(ctx, addresses.tokenizers[index], bind=True)
     to_engine = push(ctx, addresses.engine, bind=False)
     to_api = push(ctx, addresses.api, bind=False)
-    decoder = msgspec.msgpack.Decoder(TokenizeRequest)
     while True:
-        req = decoder.decode(requests.recv())
-        try:
-            if req.messages is not None:
-                ids = apply_chat_template(tokenizer, req.messages)
-            else:
-                assert req.prompt is not None
-                ids = encode_prompt(tokenizer, req.prompt, req.add_special_tokens)
-            check_length(len(ids), req.params, max_model_len)
-        except ValueError as exc:
-            param = "messages" if req.messages is not None else "prompt"
-            error = RequestError(req.request_id, str(exc), status=400, param=param)
+        engine_requests, error = worker.handle(requests.recv())
+        for request in engine_requests:
+            to_engine.send(request)
+        if error is not None:
             to_api.send(encode(ClientBatch(outputs=[], errors=[error])))
-            continue
-        for index in range(req.params.n):
-            to_engine.send(
-                encode(
-                    EngineRequest(f"{req.request_id}:{index}", ids, req.params.for_choice(index))
-                )
-            )
+
+
+class TokenizerWorker:
+    """Turns one encoded `TokenizeRequest` into encoded engine requests, or an error for it.
+
+    Nothing a request holds can end the process: bad input is a 400 naming the field, anything
+    unexpected a 500 for that request alone (and a logged traceback).
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, limits: ContextLimits) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self._decoder = msgspec.msgpack.Decoder(TokenizeRequest)
+
+    def handle(self, raw: bytes) -> tuple[list[bytes], RequestError | None]:
+        """(encoded `EngineRequest`s, None), or ([], the error to send to the api server)."""
+        try:
+            req = self._decoder.decode(raw)
+        except msgspec.DecodeError as exc:  # a value the struct refuses (or a bug upstream)
+            request_id = request_id_of(raw)
+            if request_id is None:
+                logger.error("dropped an undecodable tokenize request: %s", exc)
+                return [], None
+            return [], RequestError(request_id, str(exc), status=400)
+        field = "messages" if req.messages is not None else "prompt"
+        try:
+            return self._engine_requests(req), None
+        except IntakeError as exc:
+            param = field if exc.param == "prompt" else exc.param
+            return [], RequestError(req.request_id, str(exc), status=400, param=param)
+        except ValueError as exc:  # the prompt or chat itself
+            return [], RequestError(req.request_id, str(exc), status=400, param=field)
+        except Exception as exc:  # a bug must fail its request, not the worker
+            logger.exception("tokenizing request %s failed", req.request_id)
+            message = f"tokenizing the request failed: {exc!r}"
+            return [], RequestError(req.request_id, message, status=500)
+
+    def _engine_requests(self, req: TokenizeRequest) -> list[bytes]:
+        if req.messages is not None:
+            ids = apply_chat_template(self.tokenizer, req.messages)
+        elif req.prompt is not None:
+            ids = encode_prompt(self.tokenizer, req.prompt, req.add_special_tokens)
+        else:
+            raise ValueError("prompt or messages must be given, got neither")
+        children = prepare(req.request_id, ids, req.params, self.limits)
+        return [encode(EngineRequest(c.request_id, ids, c.params)) for c in children]
