@@ -38,11 +38,9 @@ IDLE_STATS_INTERVAL_S = 0.5
 _MAX_EARLY_ABORTS = 4096
 
 
-def run_engine_core(
-    config: EngineConfig, addresses: Addresses, log_level: str, parent_pid: int
-) -> None:
+def run_engine_core(config: EngineConfig, addresses: Addresses, log_level: str) -> None:
     """Process entry point: load the model, then serve until a ShutdownRequest."""
-    init_child(log_level, parent_pid, "engine_core")
+    init_child(log_level, "engine_core")
     loop = EngineCoreLoop(config, addresses)
     loop.run()
 

@@ -6,12 +6,10 @@ import asyncio
 import contextlib
 import json
 import logging
-import multiprocessing
 import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
-from multiprocessing.process import BaseProcess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +21,6 @@ from transformers import PreTrainedTokenizerBase
 
 import tokenmill
 from tokenmill.config import EngineArgs, EngineConfig
-from tokenmill.engine.core_process import run_engine_core
 from tokenmill.entrypoints import openai_responses as oai
 from tokenmill.entrypoints.engine_client import ChoiceOutput, EngineClient, RequestFailed
 from tokenmill.entrypoints.protocol import (
@@ -32,19 +29,17 @@ from tokenmill.entrypoints.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from tokenmill.entrypoints.supervisor import Supervisor, server_workers
 from tokenmill.ipc import messages
 from tokenmill.ipc.sockets import Addresses
 from tokenmill.observability.metrics import ServerMetrics
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.tokenization.detokenizer_worker import run_detokenizer
 from tokenmill.tokenization.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
-from tokenmill.tokenization.tokenizer_worker import run_tokenizer_worker
 
 logger = logging.getLogger("tokenmill.server")
 
 STARTUP_TIMEOUT_S = 900.0
 DASHBOARD_HTML = Path(__file__).resolve().parent.parent / "dashboard" / "index.html"
-CHILD_CHECK_INTERVAL_S = 0.2
 DISCONNECT_POLL_S = 0.1
 _ERROR_TYPES = {
     400: "BadRequestError",
@@ -68,6 +63,7 @@ class ServeArgs:
     log_requests: bool = False
     enable_profiling: bool = False
     profile_dir: str = "tokenmill-profiles"
+    restart_engine: bool = False
 
     @property
     def model_name(self) -> str:
@@ -95,7 +91,7 @@ class ServerState:
     config: EngineConfig
     client: EngineClient
     tokenizer: PreTrainedTokenizerBase | None
-    children: list[BaseProcess] = field(default_factory=list)
+    supervisor: Supervisor | None = None
     shutting_down: bool = False
 
     @property
@@ -109,7 +105,8 @@ def build_app(state: ServerState) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         reader = asyncio.create_task(state.client.run_output_loop())
-        watcher = asyncio.create_task(_watch_children(state))
+        assert state.supervisor is not None
+        watcher = asyncio.create_task(state.supervisor.watch())
         await _wait_ready(state)
         logger.info(
             "tokenmill %s ready: serving %r on http://%s:%d",
@@ -395,26 +392,18 @@ async def _wait_ready(state: ServerState) -> None:
         raise RuntimeError(state.client.failure)
 
 
-async def _watch_children(state: ServerState) -> None:
-    """Mark the server unhealthy and fail every request as soon as a child process dies."""
-    while True:
-        dead = [p for p in state.children if not p.is_alive()]
-        if dead and not state.shutting_down:
-            names = ", ".join(f"{p.name} (exit code {p.exitcode})" for p in dead)
-            message = f"server process died: {names}"
-            logger.error(message)
-            state.client.fail_all(message)
-            state.client.ready.set()  # unblock start-up so it can report the failure
-            return
-        await asyncio.sleep(CHILD_CHECK_INTERVAL_S)
-
-
 class _Server(uvicorn.Server):
     """uvicorn, plus: on SIGTERM/SIGINT, stop taking requests and end in-flight ones first."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
         self.state = state
+        self.exit_code = 0
+
+    def fail(self, message: str) -> None:
+        """End the server with exit code 1 (a worker died for good)."""
+        self.exit_code = 1
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if not self.state.shutting_down:
@@ -427,66 +416,34 @@ class _Server(uvicorn.Server):
         self._captured_signals.clear()
 
 
-def _start_children(
-    args: ServeArgs, config: EngineConfig, addresses: Addresses
-) -> list[BaseProcess]:
-    ctx = multiprocessing.get_context("spawn")
-    parent = os.getpid()
-    tokenizer_path = args.engine.tokenizer or args.engine.model
-    targets: list[tuple[str, Callable[..., None], tuple[Any, ...]]] = [
-        ("engine-core", run_engine_core, (config, addresses, args.log_level, parent)),
-        ("detokenizer", run_detokenizer, (tokenizer_path, addresses, args.log_level, parent)),
-    ]
-    for i in range(args.num_tokenizer_workers):
-        worker_args = (tokenizer_path, config.max_model_len, addresses, args.log_level, parent)
-        targets.append((f"tokenizer-{i}", run_tokenizer_worker, worker_args))
-    children = []
-    for name, target, target_args in targets:
-        proc = ctx.Process(target=target, args=target_args, name=name, daemon=True)
-        proc.start()
-        logger.info("started %s (pid %d)", name, proc.pid)
-        children.append(proc)
-    return children
-
-
-def _stop_children(children: list[BaseProcess], client: EngineClient) -> None:
-    """Let the engine core finish its requests and exit, then stop the other workers."""
-    client.shutdown_engine()
-    engine = next((p for p in children if p.name == "engine-core"), None)
-    if engine is not None:
-        engine.join(timeout=5)
-    for proc in children:
-        if proc.is_alive():
-            proc.terminate()
-    for proc in children:
-        proc.join(timeout=5)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-
-
 def serve(args: ServeArgs) -> int:
     """Start the worker processes and serve HTTP until SIGTERM/SIGINT; returns an exit code."""
     if args.num_tokenizer_workers < 1:
         raise ValueError(f"num_tokenizer_workers must be >= 1, got {args.num_tokenizer_workers}")
     config = args.engine.create_engine_config()
-    tokenizer = load_tokenizer(args.engine.tokenizer or args.engine.model)
-    addresses = Addresses.fresh()
-    metrics = ServerMetrics(args.model_name, args.trace_file, args.log_requests)
-    client = EngineClient(addresses, metrics)
-    state = ServerState(args=args, config=config, client=client, tokenizer=tokenizer)
-    state.children = _start_children(args, config, addresses)
-    uv_config = uvicorn.Config(
-        build_app(state),
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level.lower(),
-        timeout_graceful_shutdown=10,
-    )
-    server = _Server(uv_config, state)
+    tokenizer_path = args.engine.tokenizer or args.engine.model
+    tokenizer = load_tokenizer(tokenizer_path)
+    addresses = Addresses.fresh(args.num_tokenizer_workers)
     try:
-        server.run()
+        metrics = ServerMetrics(args.model_name, args.trace_file, args.log_requests)
+        client = EngineClient(addresses, metrics)
+        state = ServerState(args=args, config=config, client=client, tokenizer=tokenizer)
+        uv_config = uvicorn.Config(
+            build_app(state),
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level.lower(),
+            timeout_graceful_shutdown=10,
+        )
+        server = _Server(uv_config, state)
+        workers = server_workers(config, addresses, tokenizer_path, args.log_level)
+        state.supervisor = Supervisor(workers, client, args.restart_engine, server.fail)
+        state.supervisor.start()
+        try:
+            server.run()
+        finally:
+            state.supervisor.stop()
+            client.close()
     finally:
-        _stop_children(state.children, client)
-        client.close()
-    return 0 if server.started else 1
+        addresses.remove()
+    return server.exit_code if server.started else 1

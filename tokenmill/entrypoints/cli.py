@@ -174,6 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--profile-dir", default="tokenmill-profiles",
         help="Where /stop_profile writes the Chrome trace (default: ./tokenmill-profiles).",
     )  # fmt: skip
+    srv.add_argument(
+        "--restart-engine", action="store_true",
+        help="Restart a dead engine core in place (its requests fail) instead of exiting with "
+        "code 1 for an orchestrator to restart the server.",
+    )  # fmt: skip
     add_engine_args(srv)
     _add_bench_parser(commands)
     for sub in commands.choices.values():
@@ -360,6 +365,7 @@ def _serve(ns: argparse.Namespace) -> int:
         log_requests=ns.log_requests,
         enable_profiling=ns.enable_profiling,
         profile_dir=ns.profile_dir,
+        restart_engine=ns.restart_engine,
     )
     return serve(args)
 

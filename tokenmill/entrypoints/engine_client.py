@@ -11,6 +11,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from tokenmill.intake import fan_out, split_child_request_id
 from tokenmill.ipc.messages import (
     AbortRequest,
     ClientBatch,
@@ -45,27 +46,42 @@ class ChoiceOutput:
     output: ClientOutput
 
 
+@dataclass
+class _InFlight:
+    """One sub-request (one prompt of an HTTP request) between submission and its last output."""
+
+    queue: asyncio.Queue[ClientOutput | RequestError]
+    child_ids: list[str]
+    tokenizer: int  # the worker it was sent to
+    unstarted: set[str]  # choices the engine core has not accepted yet
+
+
 class EngineClient:
     """Sends tokenize requests and aborts; routes outputs back to the waiting HTTP handlers.
 
     Outgoing sockets are synchronous (a PUSH send only queues the message), so aborts can be
     sent from `finally` blocks of cancelled handlers; the output socket is read by one task.
+    Each tokenizer worker has a socket of its own, so that when one dies the requests it held
+    (those whose choices the engine has not accepted yet) are known and failed.
     """
 
     def __init__(self, addresses: Addresses, metrics: ServerMetrics) -> None:
         self.metrics = metrics
         self._sync_ctx = zmq.Context()
         self._async_ctx = zmq.asyncio.Context()
-        self._to_tokenizer = push(self._sync_ctx, addresses.tokenizer, bind=True)
+        self._to_tokenizers = [
+            push(self._sync_ctx, address, bind=False) for address in addresses.tokenizers
+        ]
         self._to_engine = push(self._sync_ctx, addresses.engine, bind=False)
-        for sock in (self._to_tokenizer, self._to_engine):
+        for sock in (*self._to_tokenizers, self._to_engine):
             sock.setsockopt(zmq.SNDHWM, 0)
+        self._next_tokenizer = 0
         self._outputs = pull(self._async_ctx, addresses.api, bind=True)
         self._decoder = msgspec.msgpack.Decoder(ClientBatch)
-        # sub-request id → (its HTTP request's queue, its number of choices)
-        self._queues: dict[str, tuple[asyncio.Queue[ClientOutput | RequestError], int]] = {}
+        self._in_flight: dict[str, _InFlight] = {}  # by sub-request id
         self.ready = asyncio.Event()
         self.failure: str | None = None
+        self._awaited_engine_pid: int | None = None
 
     @property
     def stats(self) -> EngineStats | None:
@@ -77,12 +93,26 @@ class EngineClient:
         while True:
             batch = self._decoder.decode(await self._outputs.recv())
             if batch.stats is not None:
-                self.metrics.engine.stats = batch.stats
-                self.ready.set()
-            for item in [*batch.outputs, *batch.errors]:
-                entry = self._queues.get(item.request_id.rsplit(":", 1)[0])
+                self._on_stats(batch.stats)
+            for child_id in batch.started:
+                entry = self._in_flight.get(split_child_request_id(child_id)[0])
                 if entry is not None:
-                    entry[0].put_nowait(item)
+                    entry.unstarted.discard(child_id)
+            for item in [*batch.outputs, *batch.errors]:
+                # Tokenizer errors carry the sub-request's id, engine outputs a choice's id.
+                entry = self._in_flight.get(item.request_id) or self._in_flight.get(
+                    split_child_request_id(item.request_id)[0]
+                )
+                if entry is not None:
+                    entry.queue.put_nowait(item)
+
+    def _on_stats(self, stats: EngineStats) -> None:
+        self.metrics.engine.stats = stats
+        if self._awaited_engine_pid is not None and stats.engine_pid == self._awaited_engine_pid:
+            logger.info("engine core (pid %d) is ready again", stats.engine_pid)
+            self._awaited_engine_pid = None
+            self.failure = None
+        self.ready.set()
 
     async def generate(self, requests: list[TokenizeRequest]) -> AsyncIterator[ChoiceOutput]:
         """Submit the sub-requests of one HTTP request and yield their outputs as they come.
@@ -94,29 +124,32 @@ class EngineClient:
             raise RequestFailed(RequestError("", self.failure, status=503))
         queue: asyncio.Queue[ClientOutput | RequestError] = asyncio.Queue()
         index = {r.request_id: i for i, r in enumerate(requests)}
-        unfinished = {f"{r.request_id}:{c}" for r in requests for c in range(r.params.n)}
-        trackers = {
-            f"{r.request_id}:{c}": ChoiceTracker(f"{r.request_id}:{c}", r.params.for_choice(c))
-            for r in requests
-            for c in range(r.params.n)
-        }
-        for r in requests:
-            self._queues[r.request_id] = (queue, r.params.n)
+        choices = {r.request_id: fan_out(r.request_id, r.params) for r in requests}
+        trackers = {cid: ChoiceTracker(cid, p) for cs in choices.values() for cid, p in cs}
+        unfinished = set(trackers)
         try:
             for r in requests:
-                self._to_tokenizer.send(encode(r))
+                child_ids = [cid for cid, _ in choices[r.request_id]]
+                worker = self._next_tokenizer
+                self._next_tokenizer = (worker + 1) % len(self._to_tokenizers)
+                try:
+                    payload = encode(r)
+                except (OverflowError, UnicodeEncodeError) as exc:  # TokenizeRequest checks these
+                    raise RequestFailed(RequestError(r.request_id, str(exc), status=400)) from exc
+                self._in_flight[r.request_id] = _InFlight(queue, child_ids, worker, set(child_ids))
+                self._to_tokenizers[worker].send(payload)
             while unfinished:
                 item = await queue.get()
                 if isinstance(item, RequestError):
                     raise RequestFailed(item)
-                sub_id, choice = item.request_id.rsplit(":", 1)
+                sub_id, choice = split_child_request_id(item.request_id)
                 self.metrics.on_output(trackers[item.request_id], item)
                 if item.finish_reason is not None:
                     unfinished.discard(item.request_id)
-                yield ChoiceOutput(index[sub_id], int(choice), item)
+                yield ChoiceOutput(index[sub_id], choice, item)
         finally:
             for r in requests:
-                self._queues.pop(r.request_id, None)
+                self._in_flight.pop(r.request_id, None)
             if unfinished:
                 self.abort(sorted(unfinished))
 
@@ -126,15 +159,39 @@ class EngineClient:
 
     def abort_all(self) -> None:
         """Abort every request in flight (used on shutdown)."""
-        ids = [f"{sub}:{c}" for sub, (_, n) in self._queues.items() for c in range(n)]
+        ids = [cid for entry in self._in_flight.values() for cid in entry.child_ids]
         if ids:
             self.abort(ids)
 
+    @property
+    def num_in_flight(self) -> int:
+        """Sub-requests submitted and not yet ended."""
+        return len(self._in_flight)
+
+    def fail_in_flight(self, message: str, status: int, tokenizer: int | None = None) -> int:
+        """Fail the requests in flight (only those still with `tokenizer`, if given); their
+        handlers then abort them in the engine. Returns how many were failed."""
+        failed = 0
+        for sub_id, entry in list(self._in_flight.items()):
+            if tokenizer is None or (entry.tokenizer == tokenizer and entry.unstarted):
+                entry.queue.put_nowait(RequestError(sub_id, message, status=status))
+                failed += 1
+        return failed
+
     def fail_all(self, message: str) -> None:
-        """Fail every waiting request and refuse new ones (a child process died)."""
+        """Fail every request in flight and refuse new ones (the engine core died)."""
         self.failure = message
-        for sub_id, (queue, _) in list(self._queues.items()):
-            queue.put_nowait(RequestError(sub_id, message, status=500))
+        self.fail_in_flight(message, status=500)
+
+    @property
+    def awaiting_engine(self) -> bool:
+        """True while a restarted engine core loads its model."""
+        return self._awaited_engine_pid is not None
+
+    def engine_restarting(self, message: str, pid: int) -> None:
+        """Fail every request in flight and refuse new ones until engine `pid` reports in."""
+        self.fail_all(message)
+        self._awaited_engine_pid = pid
 
     def shutdown_engine(self) -> None:
         """Ask the engine core to abort what it still runs and exit."""

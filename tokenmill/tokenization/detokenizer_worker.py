@@ -25,11 +25,9 @@ from tokenmill.tokenization.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 
 
-def run_detokenizer(
-    tokenizer_path: str, addresses: Addresses, log_level: str, parent_pid: int
-) -> None:
+def run_detokenizer(tokenizer_path: str, addresses: Addresses, log_level: str) -> None:
     """Process entry point: detokenize engine steps until killed."""
-    init_child(log_level, parent_pid, "detokenizer")
+    init_child(log_level, "detokenizer")
     ctx = zmq.Context()
     steps = pull(ctx, addresses.detokenizer, bind=True)
     to_api = push(ctx, addresses.api, bind=False)

@@ -23,10 +23,9 @@ def run_tokenizer_worker(
     limits: ContextLimits,
     addresses: Addresses,
     log_level: str,
-    parent_pid: int,
 ) -> None:
     """Process entry point: tokenize requests from the api server until killed."""
-    init_child(log_level, parent_pid, f"tokenizer_{index}")
+    init_child(log_level, f"tokenizer_{index}")
     worker = TokenizerWorker(load_tokenizer(tokenizer_path), limits)
     ctx = zmq.Context()
     requests = pull(ctx, addresses.tokenizers[index], bind=True)

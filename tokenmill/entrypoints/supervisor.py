@@ -1,0 +1,195 @@
+"""Supervisor: starts the server's worker processes and keeps them running.
+
+- A dead tokenizer worker is restarted at once; the requests it held (not yet accepted by the
+  engine core) get a 503 error. Requests sent to it meanwhile wait in its socket for the new one.
+- A dead detokenizer is restarted at once; every request in flight gets a 503 error (their
+  incremental text state died with it).
+- A dead engine core ends the server with exit code 1 and a log line saying why, so that an
+  orchestrator restarts it; with `restart_engine` it is restarted in place instead, every request
+  in flight gets an error and new ones get 503 until the model is loaded again.
+- A worker that dies before the engine is ready (or an engine that dies while reloading) is a
+  start-up failure: the server exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import multiprocessing
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.core_process import run_engine_core
+from tokenmill.entrypoints.engine_client import EngineClient
+from tokenmill.intake import ContextLimits
+from tokenmill.ipc.sockets import Addresses
+from tokenmill.tokenization.detokenizer_worker import run_detokenizer
+from tokenmill.tokenization.tokenizer_worker import run_tokenizer_worker
+
+logger = logging.getLogger("tokenmill.server")
+
+CHECK_INTERVAL_S = 0.2
+STOP_TIMEOUT_S = 5.0
+
+
+class WorkerKind(enum.Enum):
+    ENGINE = "engine"
+    DETOKENIZER = "detokenizer"
+    TOKENIZER = "tokenizer"
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """How to start one worker process (again)."""
+
+    name: str  # "engine-core", "detokenizer", "tokenizer-0", ...
+    kind: WorkerKind
+    target: Callable[..., None]
+    args: tuple[Any, ...]
+    index: int = 0  # the tokenizer worker's number
+
+
+def server_workers(
+    config: EngineConfig,
+    addresses: Addresses,
+    tokenizer_path: str,
+    log_level: str,
+) -> list[WorkerSpec]:
+    """The engine core, the detokenizer and one tokenizer worker per tokenizer address."""
+    limits = ContextLimits(config.model.vocab_size, config.max_model_len)
+    specs = [
+        WorkerSpec(
+            "engine-core",
+            WorkerKind.ENGINE,
+            run_engine_core,
+            (config, addresses, log_level),
+        ),
+        WorkerSpec(
+            "detokenizer",
+            WorkerKind.DETOKENIZER,
+            run_detokenizer,
+            (tokenizer_path, addresses, log_level),
+        ),
+    ]
+    for i in range(len(addresses.tokenizers)):
+        args = (i, tokenizer_path, limits, addresses, log_level)
+        specs.append(
+            WorkerSpec(f"tokenizer-{i}", WorkerKind.TOKENIZER, run_tokenizer_worker, args, i)
+        )
+    return specs
+
+
+class Supervisor:
+    """Starts the workers, watches them (`watch`, a task of the api server) and stops them.
+
+    `on_fatal(message)` is called once when the server must end (exit code 1).
+    """
+
+    def __init__(
+        self,
+        specs: list[WorkerSpec],
+        client: EngineClient,
+        restart_engine: bool,
+        on_fatal: Callable[[str], None],
+    ) -> None:
+        self.specs = specs
+        self.client = client
+        self.restart_engine = restart_engine
+        self.on_fatal = on_fatal
+        self.procs: dict[str, BaseProcess] = {}
+        self.restarts = 0
+        self.failed = False
+        # Workers fork from a server process that imported their modules once, so a restart
+        # takes a fraction of a second, not the seconds of importing torch and transformers
+        # again. It never touches CUDA, so the engine core starts CUDA afresh as a spawned one
+        # would. The model-specific transformers modules this process loaded with the tokenizer
+        # are imported there too (loading a tokenizer imports its model's configuration).
+        self._ctx = multiprocessing.get_context("forkserver")
+        modules = {spec.target.__module__ for spec in specs}
+        modules |= {name for name in sys.modules if name.startswith("transformers.models.")}
+        self._ctx.set_forkserver_preload(sorted(modules))
+
+    def start(self) -> None:
+        """Start every worker."""
+        for spec in self.specs:
+            self._spawn(spec)
+
+    def _spawn(self, spec: WorkerSpec) -> BaseProcess:
+        proc = self._ctx.Process(target=spec.target, args=spec.args, name=spec.name, daemon=True)
+        proc.start()
+        logger.info("started %s (pid %d)", spec.name, proc.pid)
+        self.procs[spec.name] = proc
+        return proc
+
+    async def watch(self) -> None:
+        """Forever: restart or report dead workers."""
+        while not self.failed:
+            self.check()
+            await asyncio.sleep(CHECK_INTERVAL_S)
+
+    def check(self) -> None:
+        """Handle every worker that died since the last check."""
+        for spec in self.specs:
+            proc = self.procs[spec.name]
+            if self.failed or proc.is_alive():
+                continue
+            proc.join()  # reap it
+            what = f"{spec.name} (pid {proc.pid}) died with exit code {proc.exitcode}"
+            if not self.client.ready.is_set():
+                self._fail(f"server process died before the server was ready: {what}")
+            elif spec.kind is WorkerKind.ENGINE:
+                self._engine_died(spec, what)
+            else:
+                self._worker_died(spec, what)
+
+    def _engine_died(self, spec: WorkerSpec, what: str) -> None:
+        if self.client.awaiting_engine:
+            self._fail(f"server process died while restarting: {what}")
+            return
+        if not self.restart_engine:
+            logger.error("%s; exiting (--restart-engine restarts it in place instead)", what)
+            self._fail(f"server process died: {what}")
+            return
+        num_failed = self.client.num_in_flight
+        proc = self._spawn(spec)
+        self.restarts += 1
+        logger.error(
+            "%s; restarted it (--restart-engine), failing %d requests in flight", what, num_failed
+        )
+        self.client.engine_restarting(f"{what}; it is restarting, retry shortly", proc.pid)
+
+    def _worker_died(self, spec: WorkerSpec, what: str) -> None:
+        message = f"{what} while this request was in flight; retry"
+        tokenizer = spec.index if spec.kind is WorkerKind.TOKENIZER else None
+        num_failed = self.client.fail_in_flight(message, status=503, tokenizer=tokenizer)
+        self._spawn(spec)
+        self.restarts += 1
+        logger.error("%s; restarted it, failing %d requests it held", what, num_failed)
+
+    def _fail(self, message: str) -> None:
+        self.failed = True
+        logger.error(message)
+        self.client.fail_all(message)
+        self.client.ready.set()  # unblock start-up so that it can report the failure
+        self.on_fatal(message)
+
+    def stop(self) -> None:
+        """Let the engine core abort its requests and exit, then stop the other workers."""
+        self.failed = True  # deaths from here on are expected
+        self.client.shutdown_engine()
+        engine = self.procs.get("engine-core")
+        if engine is not None:
+            engine.join(timeout=STOP_TIMEOUT_S)
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self.procs.values():
+            proc.join(timeout=STOP_TIMEOUT_S)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
