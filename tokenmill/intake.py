@@ -43,15 +43,6 @@ class ContextLimits:
     max_model_len: int
 
 
-@dataclass(frozen=True)
-class ChildRequest:
-    """One engine request of a client request's `n` choices."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-
-
 def prepare(
     request_id: str, prompt_token_ids: list[int], params: SamplingParams, limits: ContextLimits
 ) -> list[ChildRequest]:
@@ -61,6 +52,15 @@ def prepare(
         ChildRequest(child_id, prompt_token_ids, child_params)
         for child_id, child_params in fan_out(request_id, checked)
     ]
+
+
+@dataclass(frozen=True)
+class ChildRequest:
+    """One engine request of a client request's `n` choices."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
 
 
 def check_prompt(

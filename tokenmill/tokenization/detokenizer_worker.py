@@ -98,7 +98,7 @@ class Detokenizer:
         for error in step.errors:
             self.streams.pop(error.request_id, None)
         failed = [e.request_id for e in errors[len(step.errors) :]]
-        started = [new.request_id for new in step.new_requests if new.request_id in self.streams]
+        started = [new.request_id for new in step.new_requests]
         return ClientBatch(outputs, errors, step.stats, started), stopped, failed
 
     def _output(self, delta: RequestDelta, update: ChoiceUpdate) -> ClientOutput:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -43,8 +44,12 @@ def apply_chat_template(
         raise ValueError("the model has no chat template; send a plain completion prompt")
     if not messages:
         raise ValueError("messages must contain at least one message")
-    text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt
-    )
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    except (TemplateError, TypeError, KeyError) as exc:
+        # The template runs on the client's messages: what it trips over is theirs to fix.
+        raise ValueError(f"messages can not be rendered by the chat template: {exc}") from exc
     # The template writes any BOS itself.
     return tokenizer.encode(text, add_special_tokens=False)

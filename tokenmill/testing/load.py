@@ -1,0 +1,222 @@
+"""A load run that accounts for every request: completed, aborted by its client, or rejected.
+
+Used by the reliability tests (a bounded run) and by `scripts/load_test.py` and `scripts/soak.py`
+(long ones). Requests mix streamed and non-streamed completions, some with `n` > 1; a fraction of
+clients disconnect early (a stream closed after its first chunk, a plain request cancelled after
+a moment), which the server must see as aborts. After the run the server's own counters must
+agree: nothing left running or waiting, and as many engine requests finished normally as the
+clients received.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+# What one request's client saw.
+COMPLETED, DISCONNECTED, REJECTED, SERVER_ERROR, LOST = (
+    "completed",
+    "disconnected",
+    "rejected",
+    "server_error",
+    "lost",
+)
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """How much load, and of what shape."""
+
+    num_requests: int = 200
+    concurrency: int = 64
+    disconnect_fraction: float = 0.1
+    max_tokens: int = 16
+    max_n: int = 2
+    seed: int = 0
+    timeout_s: float = 300.0
+
+
+@dataclass
+class LoadReport:
+    """Every request's outcome, and whether the server's counters agree."""
+
+    outcomes: Counter[str] = field(default_factory=Counter)
+    statuses: Counter[int] = field(default_factory=Counter)
+    finished_choices: int = 0  # choices the clients saw end with "stop" or "length"
+    disconnected_choices: int = 0  # choices of the requests whose clients left early
+    server_finished: dict[str, int] = field(default_factory=dict)  # engine counters, this run
+    server_idle: bool = False  # nothing running or waiting once the run was over
+    seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)  # a sample of what went wrong
+
+    @property
+    def accounted(self) -> bool:
+        """Every request completed, disconnected or rejected with a status; no 5xx but 503."""
+        return self.outcomes[LOST] == 0 and self.outcomes[SERVER_ERROR] == 0
+
+    @property
+    def server_agrees(self) -> bool:
+        """The engine is idle, finished normally every choice a client received (and at most
+        those a client left early besides), and aborted none but those."""
+        normal = self.server_finished.get("stop", 0) + self.server_finished.get("length", 0)
+        aborted = self.server_finished.get("abort", 0)
+        return (
+            self.server_idle
+            and self.finished_choices <= normal <= self.finished_choices + self.disconnected_choices
+            and aborted <= self.disconnected_choices
+        )
+
+    @property
+    def ok(self) -> bool:
+        return self.accounted and self.server_agrees
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "outcomes": dict(self.outcomes),
+            "statuses": {str(k): v for k, v in sorted(self.statuses.items())},
+            "finished_choices": self.finished_choices,
+            "disconnected_choices": self.disconnected_choices,
+            "server_finished": self.server_finished,
+            "server_idle": self.server_idle,
+            "seconds": round(self.seconds, 2),
+            "accounted": self.accounted,
+            "server_agrees": self.server_agrees,
+            "errors": self.errors[:10],
+        }
+
+
+async def run_load(base_url: str, model: str, spec: LoadSpec) -> LoadReport:
+    """Send `spec.num_requests` requests, `spec.concurrency` at a time; see the module doc."""
+    rng = random.Random(spec.seed)
+    report = LoadReport()
+    limits = httpx.Limits(max_connections=spec.concurrency)
+    client = httpx.AsyncClient(base_url=base_url, timeout=spec.timeout_s, limits=limits)
+    async with client:
+        before = await _finished(client)
+        start = time.monotonic()
+        semaphore = asyncio.Semaphore(spec.concurrency)
+
+        async def one(plan: dict[str, Any]) -> None:
+            async with semaphore:
+                await _request(client, model, plan, report)
+
+        await asyncio.gather(*(one(_plan(rng, spec)) for _ in range(spec.num_requests)))
+        report.seconds = time.monotonic() - start
+        report.server_idle = await _wait_idle(client)
+        after = await _finished(client)
+        report.server_finished = {k: v - before.get(k, 0) for k, v in after.items()}
+    return report
+
+
+def _plan(rng: random.Random, spec: LoadSpec) -> dict[str, Any]:
+    return {
+        "stream": rng.random() < 0.5,
+        "n": rng.randint(1, spec.max_n),
+        "max_tokens": rng.randint(1, spec.max_tokens),
+        "prompt": " ".join(rng.choice(("alpha", "beta", "gamma", "delta")) for _ in range(8)),
+        "disconnect": rng.random() < spec.disconnect_fraction,
+    }
+
+
+async def _request(
+    client: httpx.AsyncClient, model: str, plan: dict[str, Any], report: LoadReport
+) -> None:
+    body = {
+        "model": model,
+        "prompt": plan["prompt"],
+        "max_tokens": plan["max_tokens"],
+        "n": plan["n"],
+        "ignore_eos": True,
+        "stream": plan["stream"],
+    }
+    try:
+        if plan["stream"]:
+            outcome = await _streamed(client, body, plan["disconnect"], report)
+        elif plan["disconnect"]:
+            # Gone before the answer: the server notices on its next disconnect poll.
+            with_deadline = asyncio.wait_for(client.post("/v1/completions", json=body), 0.05)
+            try:
+                response = await with_deadline
+            except TimeoutError:
+                outcome = DISCONNECTED
+            else:
+                outcome = _plain(response, report)
+        else:
+            outcome = _plain(await client.post("/v1/completions", json=body), report)
+    except httpx.HTTPError as exc:
+        outcome = LOST
+        report.errors.append(f"{type(exc).__name__}: {exc}")
+    report.outcomes[outcome] += 1
+    if outcome == DISCONNECTED:
+        report.disconnected_choices += plan["n"]
+
+
+def _plain(response: httpx.Response, report: LoadReport) -> str:
+    report.statuses[response.status_code] += 1
+    if response.status_code != 200:
+        return _rejected(response, report)
+    choices = response.json()["choices"]
+    report.finished_choices += sum(c["finish_reason"] in ("stop", "length") for c in choices)
+    return COMPLETED
+
+
+def _rejected(response: httpx.Response, report: LoadReport) -> str:
+    if response.status_code >= 500 and response.status_code != 503:
+        report.errors.append(f"{response.status_code}: {response.text[:200]}")
+        return SERVER_ERROR
+    return REJECTED
+
+
+async def _streamed(
+    client: httpx.AsyncClient, body: dict[str, Any], disconnect: bool, report: LoadReport
+) -> str:
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        report.statuses[response.status_code] += 1
+        if response.status_code != 200:
+            await response.aread()
+            return _rejected(response, report)
+        finished, done = 0, False
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if disconnect:
+                return DISCONNECTED  # leaving the block closes the connection
+            if line == "data: [DONE]":
+                done = True
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            if "error" in chunk:
+                report.errors.append(f"stream error: {chunk['error']}")
+                return SERVER_ERROR
+            finished += sum(c["finish_reason"] in ("stop", "length") for c in chunk["choices"])
+        if not done:
+            report.errors.append("stream ended without [DONE]")
+            return LOST
+        report.finished_choices += finished
+        return COMPLETED
+
+
+async def _finished(client: httpx.AsyncClient) -> dict[str, int]:
+    return dict((await client.get("/load")).json().get("requests_finished", {}))
+
+
+async def _wait_idle(client: httpx.AsyncClient, timeout_s: float = 30.0) -> bool:
+    """True once the engine reports nothing running or waiting (and no request still queued)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        # Stats are published every half second when idle; two idle readings in a row.
+        load = (await client.get("/load")).json()
+        if load.get("num_requests_running") == 0 and load.get("num_requests_waiting") == 0:
+            await asyncio.sleep(0.6)
+            load = (await client.get("/load")).json()
+            if load.get("num_requests_running") == 0 and load.get("num_requests_waiting") == 0:
+                return True
+        await asyncio.sleep(0.2)
+    return False
