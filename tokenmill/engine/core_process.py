@@ -38,9 +38,11 @@ IDLE_STATS_INTERVAL_S = 0.5
 _MAX_EARLY_ABORTS = 4096
 
 
-def run_engine_core(config: EngineConfig, addresses: Addresses, log_level: str) -> None:
+def run_engine_core(
+    config: EngineConfig, addresses: Addresses, log_level: str, server_pid: int
+) -> None:
     """Process entry point: load the model, then serve until a ShutdownRequest."""
-    init_child(log_level, "engine_core")
+    init_child(log_level, "engine_core", server_pid)
     loop = EngineCoreLoop(config, addresses)
     loop.run()
 

@@ -17,6 +17,7 @@ import asyncio
 import enum
 import logging
 import multiprocessing
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ STOP_TIMEOUT_S = 5.0
 
 
 class WorkerKind(enum.Enum):
+    """What a worker does, which decides what its death means."""
+
     ENGINE = "engine"
     DETOKENIZER = "detokenizer"
     TOKENIZER = "tokenizer"
@@ -62,22 +65,23 @@ def server_workers(
 ) -> list[WorkerSpec]:
     """The engine core, the detokenizer and one tokenizer worker per tokenizer address."""
     limits = ContextLimits(config.model.vocab_size, config.max_model_len)
+    server = os.getpid()
     specs = [
         WorkerSpec(
             "engine-core",
             WorkerKind.ENGINE,
             run_engine_core,
-            (config, addresses, log_level),
+            (config, addresses, log_level, server),
         ),
         WorkerSpec(
             "detokenizer",
             WorkerKind.DETOKENIZER,
             run_detokenizer,
-            (tokenizer_path, addresses, log_level),
+            (tokenizer_path, addresses, log_level, server),
         ),
     ]
     for i in range(len(addresses.tokenizers)):
-        args = (i, tokenizer_path, limits, addresses, log_level)
+        args = (i, tokenizer_path, limits, addresses, log_level, server)
         specs.append(
             WorkerSpec(f"tokenizer-{i}", WorkerKind.TOKENIZER, run_tokenizer_worker, args, i)
         )
@@ -104,15 +108,16 @@ class Supervisor:
         self.procs: dict[str, BaseProcess] = {}
         self.restarts = 0
         self.failed = False
-        # Workers fork from a server process that imported their modules once, so a restart
-        # takes a fraction of a second, not the seconds of importing torch and transformers
-        # again. It never touches CUDA, so the engine core starts CUDA afresh as a spawned one
-        # would. The model-specific transformers modules this process loaded with the tokenizer
-        # are imported there too (loading a tokenizer imports its model's configuration).
-        self._ctx = multiprocessing.get_context("forkserver")
-        modules = {spec.target.__module__ for spec in specs}
+        # Tokenizer and detokenizer workers fork from a server process that imported their
+        # modules once, so a restart takes a fraction of a second, not the seconds of importing
+        # transformers again; the model-specific modules this process loaded with the tokenizer
+        # are imported there too (loading a tokenizer imports its model's configuration). The
+        # engine core is spawned, so that CUDA starts in a process that never forked.
+        self._forked = multiprocessing.get_context("forkserver")
+        self._spawned = multiprocessing.get_context("spawn")
+        modules = {spec.target.__module__ for spec in specs if spec.kind is not WorkerKind.ENGINE}
         modules |= {name for name in sys.modules if name.startswith("transformers.models.")}
-        self._ctx.set_forkserver_preload(sorted(modules))
+        self._forked.set_forkserver_preload(sorted(modules))
 
     def start(self) -> None:
         """Start every worker."""
@@ -120,7 +125,8 @@ class Supervisor:
             self._spawn(spec)
 
     def _spawn(self, spec: WorkerSpec) -> BaseProcess:
-        proc = self._ctx.Process(target=spec.target, args=spec.args, name=spec.name, daemon=True)
+        ctx = self._spawned if spec.kind is WorkerKind.ENGINE else self._forked
+        proc = ctx.Process(target=spec.target, args=spec.args, name=spec.name, daemon=True)
         proc.start()
         logger.info("started %s (pid %d)", spec.name, proc.pid)
         self.procs[spec.name] = proc

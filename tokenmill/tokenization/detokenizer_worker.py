@@ -25,9 +25,11 @@ from tokenmill.tokenization.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 
 
-def run_detokenizer(tokenizer_path: str, addresses: Addresses, log_level: str) -> None:
+def run_detokenizer(
+    tokenizer_path: str, addresses: Addresses, log_level: str, server_pid: int
+) -> None:
     """Process entry point: detokenize engine steps until killed."""
-    init_child(log_level, "detokenizer")
+    init_child(log_level, "detokenizer", server_pid)
     ctx = zmq.Context()
     steps = pull(ctx, addresses.detokenizer, bind=True)
     to_api = push(ctx, addresses.api, bind=False)

@@ -23,9 +23,10 @@ def run_tokenizer_worker(
     limits: ContextLimits,
     addresses: Addresses,
     log_level: str,
+    server_pid: int,
 ) -> None:
     """Process entry point: tokenize requests from the api server until killed."""
-    init_child(log_level, f"tokenizer_{index}")
+    init_child(log_level, f"tokenizer_{index}", server_pid)
     worker = TokenizerWorker(load_tokenizer(tokenizer_path), limits)
     ctx = zmq.Context()
     requests = pull(ctx, addresses.tokenizers[index], bind=True)
