@@ -133,7 +133,10 @@ class EngineCoreLoop:
 
     def _add(self, msg: EngineRequest) -> None:
         if msg.request_id in self.early_aborts:
-            del self.early_aborts[msg.request_id]  # the client left before its request got here
+            # The client left before its request got here (an abort can overtake its request:
+            # they come through different pipes). It ends as aborted all the same.
+            del self.early_aborts[msg.request_id]
+            self.engine.stats.finished[FinishReason.ABORT.value] += 1
             return
         try:
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params)
