@@ -62,9 +62,10 @@ def _graphed_llm(path, **engine_args) -> LLM:  # type: ignore[no-untyped-def]
     return llm
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_decode_through_graph_inputs_matches_transformers(checkpoints, family: str) -> None:
-    path = checkpoints[family]
+def test_decode_through_graph_inputs_matches_transformers(checkpoints) -> None:
+    """Decode and short prefills replayed through stand-in graphs (Llama: one family per
+    interpreter-run engine test, Qwen3 runs the Triton backend test)."""
+    path = checkpoints["llama"]
     llm = _graphed_llm(path)
     _Replay.replays = 0
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -96,8 +97,8 @@ def test_graph_batch_with_a_non_sampling_row(checkpoints, monkeypatch) -> None:
     monkeypatch.setattr(ModelRunner, "_run_graph", spy)
     # Step 1 prefills 3 + 1 tokens; step 2 is one token each of four sequences, the last one a
     # chunk of the long prompt.
-    prompts = [[5, 6, 7], [8, 9], [10], list(range(11, 31))]
-    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [[5, 6, 7], [8, 9], [10], list(range(11, 19))]
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     outputs = llm.generate(prompts, greedy, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(path, p, 8) for p in prompts]
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(path, p, 5) for p in prompts]
     assert any(sampling < rows for sampling, rows in shapes), shapes
