@@ -37,20 +37,21 @@ def _assert_error(response: httpx.Response, status: int, *fragments: str) -> dic
 
 
 COMPLETION_ERRORS = [
-    ({"temperature": -1}, "temperature", "temperature must be >= 0"),
-    ({"top_p": 0}, "top_p", "top_p must be in (0, 1]"),
-    ({"max_tokens": 0}, "max_tokens", "max_tokens must be an integer >= 1"),
-    ({"n": 0}, "n", "n must be an integer >= 1"),
-    ({"logprobs": 50}, "logprobs", "logprobs must be an integer in [0, 20]"),
-    ({"presence_penalty": 5}, "presence_penalty", "presence_penalty must be in [-2, 2]"),
-    ({"temperature": "hot"}, "temperature", "temperature"),
-    ({"prompt": []}, None, "prompt must not be empty"),
-    ({"prompt": [[1, 2], "mixed"]}, "prompt", "prompt"),
-    ({"echo": True}, None, "echo is not supported"),
-    ({"prompt": [10**9]}, None, "token ids must be in"),
-    ({"stop": [""]}, "stop", "stop must be a list of non-empty strings"),
-    ({"stream_options": {"include_usage": True}}, None, "stream_options"),
-]
+    ({"temperature": -1}, "temperature", "greater than or equal to 0, got -1"),
+    ({"top_p": 0}, "top_p", "top_p: Input should be greater than 0, got 0"),
+    ({"max_tokens": 0}, "max_tokens", "max_tokens: Input should be greater than or equal to 1"),
+    ({"n": 0}, "n", "n: Input should be greater than or equal to 1"),
+    ({"logprobs": 50}, "logprobs", "logprobs: Input should be less than or equal to 20"),
+    ({"presence_penalty": 5}, "presence_penalty", "presence_penalty: Input should be less than"),
+    ({"temperature": "hot"}, "temperature", "a valid number, got 'hot'"),
+    ({"prompt": []}, "prompt", "at least 1 item"),
+    ({"prompt": [[1, 2], "mixed"]}, "prompt", "prompt.1: Input should be a valid list"),
+    ({"echo": True}, "echo", "echo is not supported"),
+    ({"prompt": [10**9]}, "prompt", "prompt.0: Input should be less than"),
+    ({"stop": [""]}, "stop", "stop.0: String should have at least 1 character"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "stream_options"),
+    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens", "min_tokens must be <= max_tokens (4)"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("patch", "param", "message"), COMPLETION_ERRORS)

@@ -1,12 +1,21 @@
-"""The OpenAI-compatible HTTP server (FastAPI) and the launcher of its worker processes."""
+"""The OpenAI-compatible HTTP server (FastAPI) and the launcher of its worker processes.
 
-from __future__ import annotations
+The edge: every request is validated by the pydantic models of `protocol` (strict types, ranges,
+this model's vocabulary and context, the `--max-*` limits) before any work is queued; every error
+is a JSON body in OpenAI's shape; load is shed with 503 beyond `--max-waiting-requests`; an api
+key, when set, guards every route but /health (and /metrics).
+"""
+
+# No `from __future__ import annotations`: the routes take request classes built per server
+# (`protocol.request_models`), and FastAPI reads handler annotations as real objects.
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import os
+import socket
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -16,7 +25,11 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from transformers import PreTrainedTokenizerBase
 
 import tokenmill
@@ -26,9 +39,13 @@ from tokenmill.entrypoints.engine_client import ChoiceOutput, EngineClient, Requ
 from tokenmill.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
+    ErrorResponse,
+    RequestLimits,
+    RequestModels,
+    error_param,
+    request_models,
 )
+from tokenmill.entrypoints.server_options import ServerOptions
 from tokenmill.entrypoints.supervisor import Supervisor, server_workers
 from tokenmill.ipc import messages
 from tokenmill.ipc.sockets import Addresses
@@ -41,66 +58,103 @@ logger = logging.getLogger("tokenmill.server")
 STARTUP_TIMEOUT_S = 900.0
 DASHBOARD_HTML = Path(__file__).resolve().parent.parent / "dashboard" / "index.html"
 DISCONNECT_POLL_S = 0.1
+# Routes anyone may call: orchestrators probe /health without credentials; /metrics (and the
+# dashboard page, which only reads /metrics) unless --metrics-require-auth.
+PUBLIC_ROUTES = frozenset({"/health"})
+METRICS_ROUTES = frozenset({"/metrics", "/dashboard"})
+# Polled every second by dashboards and orchestrators: never written to the access log.
+QUIET_ROUTES = frozenset({"/metrics", "/health"})
 _ERROR_TYPES = {
     400: "BadRequestError",
+    401: "AuthenticationError",
     404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
 
 
-@dataclass(frozen=True)
-class ServeArgs:
-    """Server options on top of the engine's."""
-
-    engine: EngineArgs
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: str | None = None
-    num_tokenizer_workers: int = 1
-    log_level: str = "INFO"
-    trace_file: str | None = None
-    log_requests: bool = False
-    enable_profiling: bool = False
-    profile_dir: str = "tokenmill-profiles"
-    restart_engine: bool = False
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_name or self.engine.model
+def _errors_doc(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for these error statuses (FastAPI would document 422 instead)."""
+    return {s: {"model": ErrorResponse, "description": _ERROR_TYPES[s]} for s in statuses}
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    """An OpenAI-style error body: `{"error": {"message", "type", "param", "code"}}`."""
-    body = {
-        "error": {
-            "message": message,
-            "type": _ERROR_TYPES.get(status, "Error"),
-            "param": param,
-            "code": status,
-        }
-    }
-    return JSONResponse(body, status_code=status)
+# Every route may answer 401 (api key); those that take a body also these.
+_BODY_ERRORS = _errors_doc(400, 404, 413)
+_GENERATION_ERRORS = _errors_doc(400, 404, 413, 503)
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object: `{"error": {"message", "type", "param", "code"}}`."""
+    # A message may quote client text; keep it encodable whatever the client sent.
+    safe = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    error = {"message": safe, "type": _ERROR_TYPES.get(status, "Error"), "param": param}
+    return {"error": {**error, "code": status}}
+
+
+def error_response(
+    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    """An OpenAI-style error response."""
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
 @dataclass
 class ServerState:
-    """What the HTTP handlers share: the engine client, the tokenizer and the child processes."""
+    """What the HTTP handlers share: options, the engine client, the tokenizer, the workers.
 
-    args: ServeArgs
+    `waiting` counts the sequences this server has submitted that have not produced their first
+    token yet (tokenizing, queued or prefilling): the queue that `--max-waiting-requests` bounds.
+    """
+
+    options: ServerOptions
+    engine: EngineArgs
     config: EngineConfig
     client: EngineClient
     tokenizer: PreTrainedTokenizerBase | None
+    model_name: str
+    limits: RequestLimits
+    log_level: str = "INFO"
     supervisor: Supervisor | None = None
     shutting_down: bool = False
+    waiting: int = 0
+    rejected: int = 0
 
     @property
     def healthy(self) -> bool:
         return self.client.ready.is_set() and self.client.failure is None
 
 
+def request_limits(
+    model_name: str,
+    options: ServerOptions,
+    config: EngineConfig,
+    tokenizer: PreTrainedTokenizerBase | None,
+) -> RequestLimits:
+    """The limits requests are validated against: the model's, then the options'."""
+    max_prompt_bytes = options.max_prompt_bytes
+    if max_prompt_bytes is None:
+        # A prompt of more bytes than max_model_len tokens of the longest token cannot fit;
+        # x2 because a normalizer (NFC, NFKC) may fold a few input bytes into fewer.
+        longest = 1
+        if tokenizer is not None:
+            longest = max((len(t.encode("utf-8")) for t in tokenizer.get_vocab()), default=1)
+        max_prompt_bytes = 2 * config.max_model_len * max(longest, 1)
+    return RequestLimits(
+        model_name=model_name,
+        vocab_size=config.model.vocab_size,
+        max_model_len=config.max_model_len,
+        max_prompt_bytes=max_prompt_bytes,
+        max_n=options.max_n,
+        max_stop=options.max_stop,
+        max_stop_chars=options.max_stop_chars,
+    )
+
+
 def build_app(state: ServerState) -> FastAPI:
-    """The FastAPI application; its lifespan waits for the engine and watches the children."""
+    """The FastAPI application; its lifespan waits for the engine and watches the workers."""
+    models: RequestModels = request_models(state.limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -109,11 +163,13 @@ def build_app(state: ServerState) -> FastAPI:
         watcher = asyncio.create_task(state.supervisor.watch())
         await _wait_ready(state)
         logger.info(
-            "tokenmill %s ready: serving %r on http://%s:%d",
+            "tokenmill %s ready: serving %r on %s://%s:%d%s",
             tokenmill.__version__,
-            state.args.model_name,
-            state.args.host,
-            state.args.port,
+            state.model_name,
+            "https" if state.options.ssl_certfile else "http",
+            state.options.host,
+            state.options.port,
+            state.options.root_path,
         )
         try:
             yield
@@ -121,14 +177,15 @@ def build_app(state: ServerState) -> FastAPI:
             reader.cancel()
             watcher.cancel()
 
-    app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0]
-        loc = [str(p) for p in first.get("loc", ())[1:]]  # drop "body"
-        param = loc[0] if loc else None
-        return error_response(400, f"{'.'.join(loc) or 'body'}: {first.get('msg')}", param)
+    app = FastAPI(
+        title="tokenmill",
+        version=tokenmill.__version__,
+        lifespan=lifespan,
+        responses=_errors_doc(401),
+    )
+    _add_error_handlers(app)
+    _add_middleware(app, state)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
 
     @app.get("/health")
     async def health() -> Response:
@@ -143,10 +200,10 @@ def build_app(state: ServerState) -> FastAPI:
         return {"version": tokenmill.__version__}
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def list_models() -> dict[str, Any]:
         """The served model (OpenAI `GET /v1/models`)."""
         card = {
-            "id": state.args.model_name,
+            "id": state.model_name,
             "object": "model",
             "created": 0,
             "owned_by": "tokenmill",
@@ -158,10 +215,14 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/load")
     async def load() -> dict[str, Any]:
-        """Engine load for routers: queue lengths and KV-cache use."""
+        """Load for routers: queue lengths, KV-cache use, and requests refused as overload."""
+        edge = {
+            "num_sequences_waiting_first_token": state.waiting,
+            "num_requests_rejected": state.rejected,
+        }
         stats = state.client.stats
         if stats is None:
-            return {}
+            return edge
         return {
             "num_requests_running": stats.num_running,
             "num_requests_waiting": stats.num_waiting,
@@ -169,6 +230,7 @@ def build_app(state: ServerState) -> FastAPI:
             "kv_cache_total_pages": stats.kv_total_pages,
             "kv_cache_usage": stats.kv_used_pages / stats.kv_total_pages,
             "requests_finished": stats.finished,
+            **edge,
         }
 
     @app.get("/metrics")
@@ -197,61 +259,251 @@ def build_app(state: ServerState) -> FastAPI:
         """Stop the profiler and write its Chrome trace (needs --enable-profiling)."""
         return _profile(state, start=False)
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> Response:
+    @app.post("/tokenize", responses=_BODY_ERRORS)
+    async def tokenize(body: models.tokenize) -> Response:  # type: ignore[valid-type]
         """Token ids of a prompt or of a chat rendered with the chat template."""
         if (failure := _check_model(state, body.model)) is not None:
             return failure
-        try:
+
+        def encode() -> list[int]:
             if body.messages is not None:
                 chat = [m.template_dict() for m in body.messages]
-                ids = apply_chat_template(state.tokenizer, chat)
-            elif body.prompt is not None:
-                ids = encode_prompt(state.tokenizer, body.prompt, body.add_special_tokens)
-            else:
-                raise ValueError("give prompt or messages")
+                return apply_chat_template(state.tokenizer, chat)
+            return encode_prompt(state.tokenizer, body.prompt, body.add_special_tokens)
+
+        try:
+            # Off the event loop: a long prompt takes seconds (the tokenizer releases the GIL).
+            ids = await asyncio.to_thread(encode)
         except ValueError as exc:
-            return error_response(400, str(exc))
+            return error_response(400, str(exc), "messages" if body.messages else "prompt")
         max_len = state.config.max_model_len
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": max_len})
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> Response:
+    @app.post("/detokenize", responses=_BODY_ERRORS)
+    async def detokenize(body: models.detokenize) -> Response:  # type: ignore[valid-type]
         """Text of token ids."""
         if (failure := _check_model(state, body.model)) is not None:
             return failure
         if state.tokenizer is None:
-            return error_response(400, "the model has no tokenizer")
-        vocab = state.config.model.vocab_size
-        if any(not 0 <= t < vocab for t in body.tokens):
-            return error_response(400, f"tokens must be in [0, {vocab})", "tokens")
-        return JSONResponse({"prompt": state.tokenizer.decode(body.tokens)})
+            return error_response(400, "the model has no tokenizer", "tokens")
+        text = await asyncio.to_thread(state.tokenizer.decode, body.tokens)
+        return JSONResponse({"prompt": text})
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, raw: Request) -> Response:
+    @app.post("/v1/completions", responses=_GENERATION_ERRORS)
+    async def completions(body: models.completion, raw: Request) -> Response:  # type: ignore[valid-type]
         """OpenAI completions, streamed or not."""
         return await _serve_generation(state, raw, body, chat=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+    @app.post("/v1/chat/completions", responses=_GENERATION_ERRORS)
+    async def chat_completions(body: models.chat, raw: Request) -> Response:  # type: ignore[valid-type]
         """OpenAI chat completions, streamed or not."""
         return await _serve_generation(state, raw, body, chat=True)
 
     return app
 
 
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error FastAPI or Starlette raises, as OpenAI's error body."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = error_param(exc.errors()[0])
+        return error_response(400, message, param)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        headers = dict(exc.headers or {})
+        message = str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no route {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        elif exc.status_code == 413:
+            return _too_large()
+        return error_response(exc.status_code, message, headers=headers)
+
+
+def _add_middleware(app: FastAPI, state: ServerState) -> None:
+    """Innermost first: internal errors as 500s, the body limit, the api key, then CORS
+    (outermost, so that browsers' preflight requests need no key)."""
+    app.add_middleware(_InternalErrors)
+    app.add_middleware(_BodyLimit, max_bytes=state.options.max_request_body_bytes)
+    key = state.options.resolved_api_key
+    if key is not None:
+        public = PUBLIC_ROUTES | (set() if state.options.metrics_require_auth else METRICS_ROUTES)
+        app.add_middleware(_ApiKey, key=key, public=frozenset(public))
+    if state.options.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(state.options.allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
+
+
+class _InternalErrors:
+    """Any exception a handler lets escape becomes a 500 in OpenAI's shape.
+
+    Starlette's own handler answers plain text and re-raises, and uvicorn then closes the
+    connection without `Connection: close`, breaking the client's next kept-alive request.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception:
+            logger.exception("internal error in %s %s", scope.get("method"), scope.get("path"))
+            if started:  # the status is out; all we can do is end the body
+                raise
+            body = error_body(500, "internal server error; the request was not completed")
+            await JSONResponse(body, status_code=500)(scope, receive, send)
+
+
+class _BodyLimit:
+    """413 for a body over `max_bytes`: at once when Content-Length says so (nothing is read),
+    else as soon as the chunks received pass the limit."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or []).get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.max_bytes:
+            await _too_large()(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise HTTPException(413)  # answered by the HTTPException handler
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+def _too_large() -> JSONResponse:
+    return error_response(
+        413,
+        "request body is larger than this server's limit (--max-request-body-bytes)",
+        # The rest of the body stays unread: this connection cannot carry another request.
+        headers={"Connection": "close"},
+    )
+
+
+class _ApiKey:
+    """Bearer-token check on every route but the public ones (constant-time comparison)."""
+
+    def __init__(self, app: ASGIApp, key: str, public: frozenset[str]) -> None:
+        self.app = app
+        self.expected = f"Bearer {key}".encode()
+        self.public = public
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or _route_path(scope) in self.public:
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        if hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+            await self.app(scope, receive, send)
+            return
+        response = error_response(
+            401,
+            "missing or wrong api key; send the header `Authorization: Bearer <key>`",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+        await response(scope, receive, send)
+
+
+def _route_path(scope: Scope) -> str:
+    """The request's path inside the app (without --root-path)."""
+    path: str = scope.get("path", "")
+    root: str = scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
+_BOUNDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
+
+
+def _integral_bounds(node: Any) -> Any:
+    """FastAPI's schema model stores bounds as floats (`"maximum": 128.0`), which leads schema
+    fuzzers to send `5.0` for integers; write whole bounds as integers again."""
+    if isinstance(node, dict):
+        return {
+            k: int(v) if k in _BOUNDS and isinstance(v, float) and v.is_integer() else
+            _integral_bounds(v)
+            for k, v in node.items()
+        }  # fmt: skip
+    if isinstance(node, list):
+        return [_integral_bounds(v) for v in node]
+    return node
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """The schema, with errors documented as they are answered: 400, never 422."""
+    if app.openapi_schema is None:
+        schema = get_openapi(
+            title=app.title, version=app.version, routes=app.routes, description=__doc__
+        )
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = _integral_bounds(schema)
+    return app.openapi_schema
+
+
 def _profile(state: ServerState, start: bool) -> Response:
-    if not state.args.enable_profiling:
+    if not state.options.enable_profiling:
         return error_response(404, "profiling is off; start the server with --enable-profiling")
-    directory = os.path.abspath(state.args.profile_dir)
+    directory = os.path.abspath(state.options.profile_dir)
     state.client.profile(start, directory)
     return JSONResponse({"profiling": start, "directory": directory})
 
 
 def _check_model(state: ServerState, model: str | None) -> JSONResponse | None:
-    if model is not None and model != state.args.model_name:
+    if model is not None and model != state.model_name:
         return error_response(404, f"The model `{model}` does not exist.", "model")
     return None
+
+
+def _shed(state: ServerState, sequences: int) -> JSONResponse | None:
+    """503 + Retry-After when admitting `sequences` more would overfill the waiting queue.
+
+    A request larger than the whole limit is admitted when nothing waits, so it cannot starve.
+    """
+    limit = state.options.max_waiting_requests
+    if limit is None or state.waiting == 0 or state.waiting + sequences <= limit:
+        return None
+    state.rejected += 1
+    state.client.metrics.rejected.inc()
+    retry = str(state.options.retry_after_s)
+    return error_response(
+        503,
+        f"the server is overloaded: {state.waiting} sequences wait for their first token "
+        f"(limit {limit}); retry after {retry} s",
+        headers={"Retry-After": retry},
+    )
 
 
 async def _serve_generation(
@@ -269,14 +521,19 @@ async def _serve_generation(
         requests = _tokenize_requests(body, params)
     except ValueError as exc:
         return error_response(400, str(exc), _param_of(str(exc)))
+    sequences = params.n * len(requests)
+    if (overloaded := _shed(state, sequences)) is not None:
+        return overloaded
     response = oai.ResponseState(
         request_id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
-        model=state.args.model_name,
+        model=state.model_name,
         n=params.n,
     )
     for i, r in enumerate(requests):
         r.request_id = f"{response.request_id}-{i}"
-    outputs = state.client.generate(requests)
+    if state.options.log_requests:
+        _log_arrival(state, response.request_id, requests)
+    outputs = _count_waiting(state, state.client.generate(requests), len(requests), params.n)
     top_n = params.logprobs or 0
     try:
         if not body.stream:
@@ -290,6 +547,43 @@ async def _serve_generation(
         return error_response(exc.error.status, exc.error.message, exc.error.param)
     stream = _stream(response, first, outputs, chat, top_n, body.include_usage)
     return StreamingResponse(stream, media_type="text/event-stream")
+
+
+def _count_waiting(
+    state: ServerState, outputs: AsyncIterator[ChoiceOutput], num_prompts: int, n: int
+) -> AsyncIterator[ChoiceOutput]:
+    """`outputs`, keeping `state.waiting` = sequences without their first output yet.
+
+    Counted from the call (so a burst sees itself at once), not from the first iteration.
+    """
+    pending = {(p, c) for p in range(num_prompts) for c in range(n)}
+    state.waiting += len(pending)
+
+    async def tracked() -> AsyncIterator[ChoiceOutput]:
+        try:
+            async for item in outputs:
+                key = (item.prompt_index, item.choice)
+                if key in pending:
+                    pending.discard(key)
+                    state.waiting -= 1
+                yield item
+        finally:
+            state.waiting -= len(pending)
+            pending.clear()
+            await _close(outputs)
+
+    return tracked()
+
+
+def _log_arrival(
+    state: ServerState, request_id: str, requests: list[messages.TokenizeRequest]
+) -> None:
+    """One line per arriving request: its prompt (cut to --max-log-len) and its params."""
+    limit = state.options.max_log_len
+    for r in requests:
+        prompt = r.prompt if r.messages is None else json.dumps(r.messages, ensure_ascii=False)
+        shown = prompt if limit is None else prompt[:limit]
+        logger.info("request %s: prompt %r, params %s", r.request_id, shown, r.params)
 
 
 def _tokenize_requests(
@@ -371,8 +665,11 @@ async def _stream(
         if include_usage:
             yield _sse(oai.usage_chunk(response, chat))
     except RequestFailed as exc:
-        error = {"message": exc.error.message, "type": _ERROR_TYPES.get(exc.error.status)}
-        yield _sse({"error": {**error, "param": exc.error.param, "code": exc.error.status}})
+        yield _sse(error_body(exc.error.status, exc.error.message, exc.error.param))
+    except Exception:
+        # The status line is sent: end the stream with an error event, not a torn connection.
+        logger.exception("internal error while streaming %s", response.request_id)
+        yield _sse(error_body(500, "internal server error; the stream was cut short"))
     finally:
         await _close(outputs)
     yield "data: [DONE]\n\n"
@@ -416,34 +713,102 @@ class _Server(uvicorn.Server):
         self._captured_signals.clear()
 
 
-def serve(args: ServeArgs) -> int:
-    """Start the worker processes and serve HTTP until SIGTERM/SIGINT; returns an exit code."""
-    if args.num_tokenizer_workers < 1:
-        raise ValueError(f"num_tokenizer_workers must be >= 1, got {args.num_tokenizer_workers}")
-    config = args.engine.create_engine_config()
-    tokenizer_path = args.engine.tokenizer or args.engine.model
-    tokenizer = load_tokenizer(tokenizer_path)
-    addresses = Addresses.fresh(args.num_tokenizer_workers)
+def serve(engine: EngineArgs, options: ServerOptions, log_level: str = "INFO") -> int:
+    """Start the worker processes and serve HTTP until SIGTERM/SIGINT; returns an exit code.
+
+    The port is bound first, so that a port in use fails in a second, not after the model loads.
+    """
+    listener = bind_socket(options.host, options.port)
     try:
-        metrics = ServerMetrics(args.model_name, args.trace_file, args.log_requests)
-        client = EngineClient(addresses, metrics)
-        state = ServerState(args=args, config=config, client=client, tokenizer=tokenizer)
-        uv_config = uvicorn.Config(
-            build_app(state),
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level.lower(),
-            timeout_graceful_shutdown=10,
+        config = engine.create_engine_config()
+        tokenizer_path = engine.tokenizer or engine.model
+        chat_template = read_chat_template(options.chat_template)
+        tokenizer = load_tokenizer(tokenizer_path, chat_template)
+    except BaseException:
+        listener.close()
+        raise
+    model_name = options.model_name(engine.model)
+    addresses = Addresses.fresh(options.num_tokenizer_workers)
+    try:
+        metrics = ServerMetrics(model_name, options.trace_file, options.log_requests)
+        state = ServerState(
+            options=options,
+            engine=engine,
+            config=config,
+            client=EngineClient(addresses, metrics),
+            tokenizer=tokenizer,
+            model_name=model_name,
+            limits=request_limits(model_name, options, config, tokenizer),
+            log_level=log_level,
         )
-        server = _Server(uv_config, state)
-        workers = server_workers(config, addresses, tokenizer_path, args.log_level)
-        state.supervisor = Supervisor(workers, client, args.restart_engine, server.fail)
+        server = _Server(_uvicorn_config(build_app(state), options), state)
+        workers = server_workers(config, addresses, tokenizer_path, log_level, chat_template)
+        state.supervisor = Supervisor(workers, state.client, options.restart_engine, server.fail)
         state.supervisor.start()
         try:
-            server.run()
+            server.run(sockets=[listener])
         finally:
             state.supervisor.stop()
-            client.close()
+            state.client.close()
+            listener.close()
     finally:
         addresses.remove()
     return server.exit_code if server.started else 1
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), or ValueError saying why it cannot be."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as exc:
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the value itself when it is a Jinja template."""
+    if value is None or ("{" in value and not os.path.isfile(value)):
+        return value
+    try:
+        return Path(value).read_text()
+    except OSError as exc:
+        raise ValueError(f"chat_template: cannot read {value!r}: {exc.strerror}") from None
+
+
+class _QuietRoutes(logging.Filter):
+    """Drops access-log lines of polled routes (dashboards scrape /metrics every second)."""
+
+    def __init__(self, root_path: str) -> None:
+        super().__init__()
+        self.quiet = {root_path + route for route in QUIET_ROUTES}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        path = args[2] if isinstance(args, tuple) and len(args) > 2 else ""
+        return str(path).split("?", 1)[0] not in self.quiet
+
+
+def _uvicorn_config(app: FastAPI, options: ServerOptions) -> uvicorn.Config:
+    config = uvicorn.Config(
+        app,
+        host=options.host,
+        port=options.port,
+        log_level=options.uvicorn_log_level,
+        access_log=options.uvicorn_access_log,
+        root_path=options.root_path,
+        ssl_keyfile=options.ssl_keyfile,
+        ssl_certfile=options.ssl_certfile,
+        timeout_graceful_shutdown=10,
+    )
+    logging.getLogger("uvicorn.access").addFilter(_QuietRoutes(options.root_path))
+    return config

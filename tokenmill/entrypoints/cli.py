@@ -5,14 +5,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import json
 import logging
 import sys
 import types
 from collections.abc import Sequence
-from typing import Any, TypeVar, get_args, get_type_hints
+from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 
 from tokenmill import __version__
 from tokenmill.config import DEMO_MODEL_DIR, EngineArgs
+from tokenmill.entrypoints.server_options import ServerOptions
 from tokenmill.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -28,7 +30,12 @@ def add_options(
 ) -> None:
     """One `--flag` per field of dataclass `cls` (except `skip`), in an argument group `title`,
     with the field's `help` metadata (`config.option`) and default; a field without a default
-    is a required flag, a bool one is `--flag/--no-flag`."""
+    is a required flag, a bool one is `--flag/--no-flag`.
+
+    More metadata: `default_help` (shown instead of the default), `negation` (an extra flag that
+    sets a bool False, e.g. vLLM's `--disable-log-requests`); a `tuple[str, ...]` field takes a
+    JSON list or comma-separated text.
+    """
     hints = get_type_hints(cls)
     group = parser.add_argument_group(title)
     for f in dataclasses.fields(cls):
@@ -37,11 +44,19 @@ def add_options(
         flag = "--" + f.name.replace("_", "-")
         kind = _base_type(hints[f.name])
         required = f.default is dataclasses.MISSING
-        help_text = f.metadata["help"] + ("" if required else f" (default: {f.default})")
+        default = f.metadata.get("default_help", f.default)
+        help_text = f.metadata["help"] + ("" if required else f" (default: {default})")
         if kind is bool:
             group.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
             )
+            if "negation" in f.metadata:
+                group.add_argument(
+                    f.metadata["negation"], dest=f.name, action="store_false",
+                    help=f"Same as --no-{flag[2:]}.",
+                )  # fmt: skip
+        elif kind is tuple:
+            group.add_argument(flag, type=_str_tuple, default=f.default, help=help_text)
         elif required:
             group.add_argument(flag, type=kind, required=True, help=help_text)
         else:
@@ -59,16 +74,26 @@ def options_from(ns: argparse.Namespace, cls: type[T], **extra: Any) -> T:
     return cls(**{**values, **extra})
 
 
+def _str_tuple(text: str) -> tuple[str, ...]:
+    """`'["a", "b"]'` or `"a,b"` → ("a", "b")."""
+    if text.lstrip().startswith("["):
+        values = json.loads(text)
+        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+            raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+        return tuple(values)
+    return tuple(v.strip() for v in text.split(",") if v.strip())
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One `--flag` per `EngineArgs` field (except the model), with that field's help."""
     add_options(parser, EngineArgs, "engine options", skip=("model",))
 
 
 def _base_type(hint: Any) -> type:
-    """`int | None` → int."""
+    """`int | None` → int; `tuple[str, ...]` → tuple."""
     if isinstance(hint, types.UnionType):
-        return next(a for a in get_args(hint) if a is not type(None))
-    return hint
+        hint = next(a for a in get_args(hint) if a is not type(None))
+    return get_origin(hint) or hint
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -151,35 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="Serve the OpenAI-compatible HTTP API.",
         description="Serve /v1/completions, /v1/chat/completions and friends over HTTP.",
     )
-    srv.add_argument("model", nargs="?", default=str(DEMO_MODEL_DIR), help=MODEL_HELP)
-    srv.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
-    srv.add_argument("--port", type=int, default=8000, help="Port to listen on.")
     srv.add_argument(
-        "--served-model-name", default=None, help="Model name clients use (default: the path)."
+        "model_dir", nargs="?", default=None, metavar="MODEL", help=MODEL_HELP + " Or --model."
     )
-    srv.add_argument(
-        "--num-tokenizer-workers", type=int, default=1, help="Tokenizer processes (default: 1)."
-    )
-    srv.add_argument(
-        "--trace-file", default=None,
-        help="Append one JSON line per finished request (token ids, timestamps, params) here.",
-    )  # fmt: skip
-    srv.add_argument(
-        "--log-requests", action="store_true", help="Log a one-line summary of each request."
-    )
-    srv.add_argument(
-        "--enable-profiling", action="store_true",
-        help="Allow POST /start_profile and /stop_profile (torch profiler of the engine core).",
-    )  # fmt: skip
-    srv.add_argument(
-        "--profile-dir", default="tokenmill-profiles",
-        help="Where /stop_profile writes the Chrome trace (default: ./tokenmill-profiles).",
-    )  # fmt: skip
-    srv.add_argument(
-        "--restart-engine", action="store_true",
-        help="Restart a dead engine core in place (its requests fail) instead of exiting with "
-        "code 1 for an orchestrator to restart the server.",
-    )  # fmt: skip
+    srv.add_argument("--model", default=None, help="The checkpoint directory (as the positional).")
+    add_options(srv, ServerOptions, "server options")
     add_engine_args(srv)
     _add_bench_parser(commands)
     for sub in commands.choices.values():
@@ -353,22 +354,13 @@ def _bench(ns: argparse.Namespace) -> int:
 
 
 def _serve(ns: argparse.Namespace) -> int:
-    from tokenmill.entrypoints.api_server import ServeArgs, serve
+    if ns.model and ns.model_dir and ns.model != ns.model_dir:
+        raise ValueError(f"two models given: {ns.model_dir!r} and --model {ns.model!r}")
+    ns.model = ns.model or ns.model_dir or str(DEMO_MODEL_DIR)
+    options = options_from(ns, ServerOptions)
+    from tokenmill.entrypoints.api_server import serve
 
-    args = ServeArgs(
-        engine=engine_args_from(ns),
-        host=ns.host,
-        port=ns.port,
-        served_model_name=ns.served_model_name,
-        num_tokenizer_workers=ns.num_tokenizer_workers,
-        log_level=ns.log_level,
-        trace_file=ns.trace_file,
-        log_requests=ns.log_requests,
-        enable_profiling=ns.enable_profiling,
-        profile_dir=ns.profile_dir,
-        restart_engine=ns.restart_engine,
-    )
-    code = serve(args)
+    code = serve(engine_args_from(ns), options, ns.log_level)
     # The interpreter's last garbage collections walk every object torch and transformers made,
     # seconds on a busy machine while an orchestrator waits for the exit code; exiting, nothing
     # needs collecting.

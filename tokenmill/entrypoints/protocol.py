@@ -1,50 +1,185 @@
-"""The OpenAI-compatible HTTP schema (pydantic), and its translation into SamplingParams."""
+"""The OpenAI-compatible HTTP schema (pydantic), and its translation into SamplingParams.
+
+Validation happens here, at the edge, with strict types (no `true` or `1.0` as a token id, no
+`"yes"` as a bool) and the ranges `SamplingParams` and the engine accept, so that the OpenAPI
+schema documents them and every violation is a 400 naming its field. Limits that depend on the
+served model and the server's flags (vocabulary, context length, `--max-n`, ...) are applied by
+`request_models`, which builds the request classes one server uses.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal, Self, TypeVar
 
-from pydantic import BaseModel, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    create_model,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
+
+MAX_SEED = 2**64 - 1  # seeds are unsigned 64-bit (torch.Generator.manual_seed's range)
+MAX_INT64 = 2**63 - 1
+M = TypeVar("M", bound=BaseModel)
 
 
-class StreamOptions(BaseModel):
+def _valid_unicode(text: str) -> str:
+    """Refuse unpaired surrogates (`"\\ud800"` is valid JSON but not encodable text)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PydanticCustomError(
+            "invalid_unicode",
+            "string has an unpaired surrogate at position {position}; send valid Unicode text",
+            {"position": exc.start},
+        ) from None
+    return text
+
+
+def text_type(**constraints: Any) -> Any:
+    """A string type: valid Unicode, with pydantic `Field` constraints checked first."""
+    return Annotated[str, Field(**constraints), AfterValidator(_valid_unicode)]
+
+
+Text = text_type()
+
+
+def _whole_number(value: Any) -> Any:
+    """`4.0` → 4: JSON Schema counts a whole float as an integer (and vLLM accepts it)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def count_type(**constraints: Any) -> Any:
+    """An integer type for counts and seeds: whole floats pass, token ids never use it (a token
+    id is an integer, `1.0` is no token); constraints sit inside, where the schema shows them."""
+    return Annotated[int, Field(**constraints), BeforeValidator(_whole_number)]
+
+
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT64)]
+
+
+class _Strict(BaseModel):
+    """Base of every request model: JSON types as declared, finite numbers only.
+
+    `limits` is set on the classes `request_models` derives; checks that span fields use it.
+    """
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+    limits: ClassVar[RequestLimits | None] = None
+
+
+def limit_error(param: str, message: str) -> PydanticCustomError:
+    """A validation error of a whole request that names the field to blame (`ctx.param`)."""
+    return PydanticCustomError("limit", message, {"param": param})
+
+
+class StreamOptions(_Strict):
     """`stream_options` of a streamed request."""
 
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
+class ResponseFormat(_Strict):
+    """`response_format`: only "text" until structured output lands (the others get a 400)."""
+
+    type: Literal["text", "json_object", "json_schema"] = Field(
+        json_schema_extra={"enum": ["text"]}
+    )
+    json_schema: dict[Text, Any] | None = None
+
+
+# A union is told apart by the shape of its input (callable discriminators), so an error names
+# the member the client meant: `[1, 2, true]` is a bad token-id list, not "not a string".
+_UNION_TAGS = frozenset({"str", "list[str]", "list[int]", "list[list[int]]", "list[part]"})
+
+
+def _text_or_list(value: Any) -> str:
+    return "list[str]" if isinstance(value, list) else "str"
+
+
+def _stop_type(text: Any, max_stop: int | None = None) -> Any:
+    """The `stop` field's type: one string or a list of them."""
+    return Annotated[
+        Annotated[text, Tag("str")]
+        | Annotated[list[text], Field(max_length=max_stop), Tag("list[str]")],
+        Discriminator(_text_or_list),
+    ]
+
+
+def _prompt_shape(value: Any) -> str:
+    if not isinstance(value, list):
+        return "str"
+    first = value[0] if value else 0
+    if isinstance(first, str):
+        return "list[str]"
+    if isinstance(first, list):
+        return "list[list[int]]"
+    return "list[int]"
+
+
+def _prompt_type(text: Any = Text, ids: Any = list[TokenId], max_prompts: int | None = None) -> Any:
+    """The `prompt` field's type: text, texts, token ids, or lists of token ids."""
+    return Annotated[
+        Annotated[text, Tag("str")]
+        | Annotated[list[text], Field(min_length=1, max_length=max_prompts), Tag("list[str]")]
+        | Annotated[ids, Tag("list[int]")]
+        | Annotated[list[ids], Field(min_length=1, max_length=max_prompts), Tag("list[list[int]]")],
+        Discriminator(_prompt_shape),
+    ]
+
+
+class _SamplingRequest(_Strict):
     """Fields common to completions and chat completions (OpenAI's, then vLLM's extensions)."""
 
-    model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    stop: str | list[str] | None = None
+    model: Text | None = None
+    n: count_type(ge=1) = 1  # type: ignore[valid-type]
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: count_type(ge=0, le=MAX_SEED) | None = None  # type: ignore[valid-type]
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    stop: _stop_type(Text) | None = None  # type: ignore[valid-type]
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    user: Text | None = None
+    # Accepted but refused unless empty (see _check_supported); the schema says so.
+    logit_bias: dict[Text, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
+    response_format: ResponseFormat | None = None
     # vLLM-compatible extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    top_k: count_type(ge=-1, le=MAX_INT64) | None = None  # type: ignore[valid-type]
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_tokens: count_type(ge=0) = 0  # type: ignore[valid-type]
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _check_supported(self) -> None:
+        """Refuse fields the schema accepts but tokenmill does not implement yet."""
         if self.logit_bias:
             raise ValueError("logit_bias is not supported, got a non-empty map")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true, got stream=false")
+        # Structured output (issue 22) replaces this refusal with a grammar.
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ValueError(
+                f"response_format {self.response_format.type!r} is not supported yet; "
+                "only 'text' is"
+            )
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        self._check_supported()
         values: dict[str, Any] = {
             "n": self.n,
             "seed": self.seed,
@@ -69,35 +204,53 @@ class _SamplingRequest(BaseModel):
         values.update({k: v for k, v in optional.items() if v is not None})
         return SamplingParams(**values)
 
+    @model_validator(mode="after")
+    def _within_limits(self) -> Self:
+        limits = type(self).limits
+        if limits is None:
+            return self
+        sequences = self.n * self.num_prompts
+        if sequences > limits.max_n:
+            raise limit_error(
+                "n",
+                f"n x prompts is {self.n} x {self.num_prompts} = {sequences} sequences, more than "
+                f"the {limits.max_n} one request may start (--max-n)",
+            )
+        if isinstance(self, ChatCompletionRequest):
+            _check_chat_size(self.messages, limits)
+        return self
+
     @property
     def include_usage(self) -> bool:
         """Whether the stream ends with a usage chunk."""
         return self.stream_options is not None and self.stream_options.include_usage
 
-
-Prompt = str | list[str] | list[int] | list[list[int]]
+    @property
+    def num_prompts(self) -> int:
+        """How many prompts the request holds (each gets `n` sequences)."""
+        return 1
 
 
 class CompletionRequest(_SamplingRequest):
     """`POST /v1/completions`."""
 
-    prompt: Prompt
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    prompt: _prompt_type(ids=Annotated[list[TokenId], Field(min_length=1)])  # type: ignore[valid-type]
+    max_tokens: count_type(ge=1) | None = 16  # type: ignore[valid-type]
+    logprobs: count_type(ge=0, le=MAX_LOGPROBS) | None = None  # type: ignore[valid-type]
+    echo: bool = Field(False, json_schema_extra={"enum": [False]})  # refused when true
+    best_of: count_type(ge=1) | None = None  # type: ignore[valid-type]
+    suffix: Text | None = Field(None, json_schema_extra={"maxLength": 0})  # refused unless empty
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (text or token ids)."""
         p = self.prompt
-        if isinstance(p, str):
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]
-        if not p:
-            raise ValueError("prompt must not be empty, got []")
-        if isinstance(p[0], int):
-            return [p]  # type: ignore[list-item]
-        return list(p)  # type: ignore[arg-type]
+        return list(p)
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompts())
 
     def sampling_params(self) -> SamplingParams:
         """The request as SamplingParams; raises ValueError for unsupported fields."""
@@ -110,37 +263,50 @@ class CompletionRequest(_SamplingRequest):
         return self._sampling_params(self.max_tokens, self.logprobs)
 
 
-class ChatMessage(BaseModel):
+class TextPart(_Strict):
+    """A text part of a message's content."""
+
+    type: Literal["text"]
+    text: Text
+
+
+def _content_shape(value: Any) -> str:
+    return "list[part]" if isinstance(value, list) else "str"
+
+
+Content = Annotated[
+    Annotated[Text, Tag("str")] | Annotated[list[TextPart], Tag("list[part]")],
+    Discriminator(_content_shape),
+]
+
+
+class ChatMessage(_Strict):
     """One chat message; content may be text or a list of text parts."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
+    content: Content | None = None
+    name: Text | None = None
+
+    def text(self) -> str:
+        """The content as one string."""
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
 
     def template_dict(self) -> dict[str, Any]:
         """The message as chat templates expect it: text content only."""
-        content = self.content
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if part.get("type") != "text":
-                    raise ValueError(
-                        f"only text content parts are supported, got {part.get('type')!r}"
-                    )
-                parts.append(str(part.get("text", "")))
-            content = "".join(parts)
-        return {"role": self.role, "content": content or ""}
+        return {"role": self.role, "content": self.text()}
 
 
 class ChatCompletionRequest(_SamplingRequest):
     """`POST /v1/chat/completions`."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: count_type(ge=1) | None = None  # type: ignore[valid-type]
+    max_completion_tokens: count_type(ge=1) | None = None  # type: ignore[valid-type]
     logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    top_logprobs: count_type(ge=0, le=MAX_LOGPROBS) | None = None  # type: ignore[valid-type]
+    tools: list[dict[Text, Any]] | None = Field(None, json_schema_extra={"maxItems": 0})
 
     def sampling_params(self) -> SamplingParams:
         """The request as SamplingParams; raises ValueError for unsupported fields."""
@@ -153,17 +319,157 @@ class ChatCompletionRequest(_SamplingRequest):
         return self._sampling_params(max_tokens, logprobs)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Strict):
     """`POST /tokenize`: a prompt or a chat."""
 
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
 
+    @model_validator(mode="after")
+    def _one_input(self) -> Self:
+        if (self.prompt is None) == (self.messages is None):
+            raise limit_error("prompt", "give exactly one of prompt and messages")
+        limits = type(self).limits
+        if limits is not None and self.messages is not None:
+            _check_chat_size(self.messages, limits)
+        return self
 
-class DetokenizeRequest(BaseModel):
+
+class DetokenizeRequest(_Strict):
     """`POST /detokenize`."""
 
-    model: str | None = None
-    tokens: list[int]
+    model: Text | None = None
+    tokens: list[TokenId]
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one server accepts: the model's vocabulary and context, and its flags' limits."""
+
+    model_name: str
+    vocab_size: int
+    max_model_len: int
+    max_prompt_bytes: int
+    max_n: int
+    max_stop: int
+    max_stop_chars: int
+
+
+@dataclass(frozen=True)
+class RequestModels:
+    """The request classes of one server, with its limits in their fields (and its schema)."""
+
+    completion: type[CompletionRequest]
+    chat: type[ChatCompletionRequest]
+    tokenize: type[TokenizeRequest]
+    detokenize: type[DetokenizeRequest]
+
+
+def _utf8_bytes(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def _too_many_bytes(what: str, size: int, limits: RequestLimits) -> str:
+    return (
+        f"{what} is {size} bytes, more than the {limits.max_prompt_bytes} this server tokenizes "
+        f"(this model's maximum context length is {limits.max_model_len} tokens; "
+        "--max-prompt-bytes)"
+    )
+
+
+def _check_chat_size(messages: list[ChatMessage], limits: RequestLimits) -> None:
+    """The chat template only adds text, so contents beyond the byte limit cannot fit."""
+    size = sum(_utf8_bytes(m.text()) for m in messages)
+    if size > limits.max_prompt_bytes:
+        raise limit_error("messages", _too_many_bytes("the messages' content", size, limits))
+
+
+def request_models(limits: RequestLimits) -> RequestModels:
+    """Subclasses of the request models whose fields carry `limits` (so the schema shows them)."""
+    token_id = Annotated[int, Field(ge=0, lt=limits.vocab_size)]
+    ids = Annotated[list[token_id], Field(min_length=1, max_length=limits.max_model_len)]
+
+    def fits(text: str) -> str:
+        if (size := _utf8_bytes(text)) > limits.max_prompt_bytes:
+            raise PydanticCustomError("too_long", _too_many_bytes("the prompt", size, limits))
+        return text
+
+    # Characters never outnumber bytes, so the byte limit is also a character limit; the schema
+    # shows it, the check (`fits`) counts bytes.
+    prompt_text = Annotated[
+        Text, AfterValidator(fits), Field(json_schema_extra={"maxLength": limits.max_prompt_bytes})
+    ]
+    stop_text = text_type(min_length=1, max_length=limits.max_stop_chars)
+    context = {"ge": 1, "le": limits.max_model_len}
+    # Any other name gets a 404 (as OpenAI answers), so the schema names the one served.
+    model = (Text | None, Field(None, json_schema_extra={"enum": [limits.model_name, None]}))
+    common: dict[str, Any] = {
+        "model": model,
+        "n": (count_type(ge=1, le=limits.max_n), 1),
+        "stop": (_stop_type(stop_text, limits.max_stop) | None, None),
+        "stop_token_ids": (
+            Annotated[list[token_id], Field(max_length=limits.max_stop)] | None,
+            None,
+        ),
+        "min_tokens": (count_type(ge=0, le=limits.max_model_len), 0),
+    }
+
+    def derive(base: type[M], **fields: Any) -> type[M]:
+        model = create_model(base.__name__, __base__=base, __doc__=base.__doc__, **fields)
+        model.limits = limits
+        return model
+
+    return RequestModels(
+        completion=derive(
+            CompletionRequest,
+            **common,
+            prompt=(_prompt_type(prompt_text, ids, limits.max_n), ...),
+            max_tokens=(count_type(**context) | None, 16),
+            best_of=(count_type(ge=1, le=limits.max_n) | None, None),
+        ),
+        chat=derive(
+            ChatCompletionRequest,
+            **common,
+            max_tokens=(count_type(**context) | None, None),
+            max_completion_tokens=(count_type(**context) | None, None),
+        ),
+        tokenize=derive(
+            TokenizeRequest,
+            model=model,
+            prompt=(prompt_text | None, None),
+        ),
+        detokenize=derive(DetokenizeRequest, model=model, tokens=(list[token_id], ...)),
+    )
+
+
+class ErrorInfo(BaseModel):
+    """What went wrong: `param` names the request field to blame, `code` is the HTTP status."""
+
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body."""
+
+    error: ErrorInfo
+
+
+def error_param(error: Mapping[str, Any]) -> tuple[str, str | None]:
+    """A pydantic error as (message, param): the path without union tags, the top-level field."""
+    if error.get("type") == "json_invalid":
+        return f"the body is not valid JSON: {error.get('ctx', {}).get('error', '')}", None
+    loc = [str(p) for p in error.get("loc", ()) if p not in _UNION_TAGS]
+    if loc and loc[0] == "body":
+        loc = loc[1:]
+    param = (error.get("ctx") or {}).get("param") or (loc[0] if loc else None)
+    where = ".".join(loc) or param or "body"
+    value = error.get("input")
+    shown = (
+        f", got {value!r}" if isinstance(value, int | float | str) and len(str(value)) < 80 else ""
+    )
+    return f"{where}: {error.get('msg')}{shown}", param

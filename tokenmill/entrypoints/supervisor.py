@@ -62,8 +62,10 @@ def server_workers(
     addresses: Addresses,
     tokenizer_path: str,
     log_level: str,
+    chat_template: str | None = None,
 ) -> list[WorkerSpec]:
-    """The engine core, the detokenizer and one tokenizer worker per tokenizer address."""
+    """The engine core, the detokenizer and one tokenizer worker per tokenizer address (with
+    `chat_template` instead of the tokenizer's own, if given)."""
     limits = ContextLimits(config.model.vocab_size, config.max_model_len)
     server = os.getpid()
     specs = [
@@ -81,7 +83,7 @@ def server_workers(
         ),
     ]
     for i in range(len(addresses.tokenizers)):
-        args = (i, tokenizer_path, limits, addresses, log_level, server)
+        args = (i, tokenizer_path, limits, addresses, log_level, server, chat_template)
         specs.append(
             WorkerSpec(f"tokenizer-{i}", WorkerKind.TOKENIZER, run_tokenizer_worker, args, i)
         )

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import IO
 
 import msgspec
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -142,6 +142,10 @@ class ServerMetrics:
                                   TOKEN_BUCKETS)  # fmt: skip
         self.generation_tokens = hist("request_generation_tokens", "Tokens per request.",
                                       TOKEN_BUCKETS)  # fmt: skip
+        self.rejected = Counter(
+            PREFIX + "request_rejected", "Requests refused with 503 because the server was "
+            "overloaded (--max-waiting-requests).", ["model_name"], registry=self.registry,
+        ).labels(model_name)  # fmt: skip
         self.log_requests = log_requests
         self._trace: IO[str] | None = None
         if trace_file:  # one line per finished request, flushed per line; closed by close()

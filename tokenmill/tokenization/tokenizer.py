@@ -13,12 +13,16 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 Prompt = str | list[int]
 
 
-def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
-    """The tokenizer in directory `path`, or None if it holds no tokenizer files."""
+def load_tokenizer(path: str, chat_template: str | None = None) -> PreTrainedTokenizerBase | None:
+    """The tokenizer in directory `path` (with `chat_template` instead of its own, if given),
+    or None if it holds no tokenizer files."""
     root = Path(path)
     if not any((root / name).is_file() for name in _TOKENIZER_FILES):
         return None
-    return AutoTokenizer.from_pretrained(str(root))
+    tokenizer = AutoTokenizer.from_pretrained(str(root))
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def encode_prompt(

@@ -24,10 +24,11 @@ def run_tokenizer_worker(
     addresses: Addresses,
     log_level: str,
     server_pid: int,
+    chat_template: str | None = None,
 ) -> None:
     """Process entry point: tokenize requests from the api server until killed."""
     init_child(log_level, f"tokenizer_{index}", server_pid)
-    worker = TokenizerWorker(load_tokenizer(tokenizer_path), limits)
+    worker = TokenizerWorker(load_tokenizer(tokenizer_path, chat_template), limits)
     ctx = zmq.Context()
     requests = pull(ctx, addresses.tokenizers[index], bind=True)
     to_engine = push(ctx, addresses.engine, bind=False)

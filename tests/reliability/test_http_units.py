@@ -1,0 +1,107 @@
+"""Edge pieces checked in-process: internal errors, the prompt byte limit, the access-log filter,
+--chat-template, and error messages."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.reliability.routes import offline_app
+from tokenmill.config import EngineArgs
+from tokenmill.entrypoints import api_server
+from tokenmill.entrypoints import openai_responses as oai
+from tokenmill.entrypoints.engine_client import ChoiceOutput
+from tokenmill.entrypoints.protocol import error_param
+from tokenmill.entrypoints.server_options import ServerOptions
+from tokenmill.ipc.messages import ClientOutput
+from tokenmill.tokenization.tokenizer import load_tokenizer
+
+
+def test_unexpected_exception_is_a_500_in_openai_shape_and_the_app_keeps_serving() -> None:
+    app = offline_app()
+
+    async def boom() -> None:
+        raise RuntimeError("a bug")
+
+    app.add_api_route("/boom", boom)
+    client = TestClient(app, raise_server_exceptions=False)  # no lifespan: no engine needed
+    response = client.get("/boom")
+    assert response.status_code == 500
+    assert response.json()["error"]["type"] == "InternalServerError"
+    assert "a bug" not in response.text  # internals stay in the log
+    assert client.get("/version").status_code == 200
+
+
+def _output(text: str, finish: str | None = None) -> ChoiceOutput:
+    out = ClientOutput("r-0:0", text, [1], None, finish, 1, 0)
+    return ChoiceOutput(0, 0, out)
+
+
+def test_exception_mid_stream_ends_the_stream_with_an_error_event() -> None:
+    async def outputs():
+        yield _output("b")
+        raise RuntimeError("a bug")
+
+    async def run() -> list[str]:
+        state = oai.ResponseState("cmpl-1", "m", 1)
+        stream = api_server._stream(state, _output("a"), outputs(), False, 0, False)
+        return [chunk async for chunk in stream]
+
+    chunks = asyncio.run(run())
+    assert chunks[-1] == "data: [DONE]\n\n"
+    error = json.loads(chunks[-2].removeprefix("data: "))["error"]
+    assert error["code"] == 500 and error["type"] == "InternalServerError"
+
+
+def test_default_prompt_byte_limit_is_the_context_of_the_longest_tokens(llama_dir: Path) -> None:
+    config = EngineArgs(model=str(llama_dir), device="cpu", max_model_len=100)
+    engine_config = config.create_engine_config()
+    tokenizer = load_tokenizer(str(llama_dir))
+    longest = max(len(t.encode()) for t in tokenizer.get_vocab())
+    limits = api_server.request_limits("m", ServerOptions(), engine_config, tokenizer)
+    assert limits.max_prompt_bytes == 2 * 100 * longest
+    # No text of more bytes can fit: even all-longest tokens fill the context first.
+    assert len(tokenizer.encode("x" * (limits.max_prompt_bytes + 1))) > 100
+    explicit = ServerOptions(max_prompt_bytes=5)
+    assert api_server.request_limits("m", explicit, engine_config, tokenizer).max_prompt_bytes == 5
+
+
+def test_access_log_filter_drops_polls_only() -> None:
+    quiet = api_server._QuietRoutes("/llm")
+
+    def line(path: str) -> logging.LogRecord:
+        args = ("127.0.0.1:1", "GET", path, "1.1", 200)
+        return logging.LogRecord("uvicorn.access", logging.INFO, "", 0, "%s %s %s", args, None)
+
+    assert not quiet.filter(line("/llm/metrics")) and not quiet.filter(line("/llm/health?x=1"))
+    assert quiet.filter(line("/llm/v1/completions")) and quiet.filter(line("/llm/load"))
+
+
+def test_chat_template_is_a_file_or_the_template_itself(tmp_path: Path) -> None:
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    assert api_server.read_chat_template(str(path)) == template
+    assert api_server.read_chat_template(template) == template
+    assert api_server.read_chat_template(None) is None
+    with pytest.raises(ValueError, match="chat_template: cannot read"):
+        api_server.read_chat_template(str(tmp_path / "missing.jinja"))
+
+
+def test_error_messages_name_the_path_without_union_tags() -> None:
+    error = {
+        "type": "less_than",
+        "loc": ("body", "prompt", "list[list[int]]", 1, 0),
+        "msg": "Input should be less than 512",
+        "input": 600,
+    }
+    assert error_param(error) == ("prompt.1.0: Input should be less than 512, got 600", "prompt")
+    limit = {"type": "limit", "loc": ("body",), "msg": "too many", "ctx": {"param": "n"}}
+    assert error_param(limit) == ("n: too many", "n")
+    invalid = {"type": "json_invalid", "loc": ("body", 3), "msg": "x", "ctx": {"error": "bad"}}
+    assert error_param(invalid) == ("the body is not valid JSON: bad", None)

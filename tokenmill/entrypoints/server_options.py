@@ -1,0 +1,131 @@
+"""ServerOptions: everything `tokenmill serve` takes on top of the engine's options.
+
+One frozen dataclass; each field's metadata `help` is what `tokenmill serve --help` prints (the
+flags are generated from the fields by `cli.add_options`). Kept free of FastAPI and the engine, so
+that the command line is built without loading them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from tokenmill.config import option
+
+API_KEY_ENV = "TOKENMILL_API_KEY"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """HTTP server options: where to listen, who may call, and how much one request may ask."""
+
+    host: str = option("127.0.0.1", "Address to listen on.")
+    port: int = option(8000, "Port to listen on (checked before the model loads).")
+    served_model_name: str | None = option(
+        None, "Model name clients use (default: the checkpoint folder's name)."
+    )
+    num_tokenizer_workers: int = option(1, "Tokenizer processes.")
+    restart_engine: bool = option(
+        False,
+        "Restart a dead engine core in place (its requests fail) instead of exiting with code 1 "
+        "for an orchestrator to restart the server.",
+    )
+    api_key: str | None = option(
+        None,
+        f"Require `Authorization: Bearer KEY` on every route but /health (and /metrics, see "
+        f"--metrics-require-auth); ${API_KEY_ENV} is used when the flag is absent.",
+        default_help=f"${API_KEY_ENV}",
+    )
+    metrics_require_auth: bool = option(
+        False, "Require the api key on /metrics and /dashboard too."
+    )
+    chat_template: str | None = option(
+        None, "Chat template (a file, or the Jinja text itself) instead of the checkpoint's."
+    )
+    max_request_body_bytes: int = option(
+        16 * MIB, "Largest request body; larger ones get 413 before they are read."
+    )
+    max_prompt_bytes: int | None = option(
+        None,
+        "Largest prompt (UTF-8 bytes; a chat's contents together) accepted for tokenizing "
+        "(default: 2 x max_model_len x the longest token's bytes; no longer prompt can fit).",
+    )
+    max_n: int = option(128, "Most sequences one request may start (n x the number of prompts).")
+    max_stop: int = option(64, "Most stop strings, and most stop token ids, per request.")
+    max_stop_chars: int = option(1024, "Longest stop string (characters).")
+    max_waiting_requests: int | None = option(
+        None,
+        "Shed load: when this many sequences wait for their first token, new requests get 503 "
+        "with Retry-After (default: no limit).",
+    )
+    retry_after_s: int = option(1, "Retry-After (seconds) sent with a 503 when load is shed.")
+    trace_file: str | None = option(
+        None, "Append one JSON line per finished request (token ids, timestamps, params) here."
+    )
+    log_requests: bool = option(
+        False,
+        "Log each request on arrival (prompt, params) and a summary when it finishes.",
+        negation="--disable-log-requests",
+    )
+    max_log_len: int | None = option(
+        None, "Characters (or token ids) of a prompt shown in request logs (default: all)."
+    )
+    uvicorn_access_log: bool = option(
+        True,
+        "Log one line per HTTP request (polls of /metrics and /health are never logged).",
+        negation="--disable-uvicorn-access-log",
+    )
+    uvicorn_log_level: str = option("info", "uvicorn's log level.", choices=LOG_LEVELS)
+    root_path: str = option("", "URL prefix the app is served under behind a path-based proxy.")
+    ssl_keyfile: str | None = option(None, "TLS private key file (with --ssl-certfile).")
+    ssl_certfile: str | None = option(None, "TLS certificate file (with --ssl-keyfile).")
+    allowed_origins: tuple[str, ...] = option(
+        (),
+        "CORS: origins browsers may call from, a JSON list or comma-separated (e.g. '[\"*\"]'; "
+        "default: no CORS headers).",
+    )
+    enable_profiling: bool = option(
+        False, "Allow POST /start_profile and /stop_profile (torch profiler of the engine core)."
+    )
+    profile_dir: str = option("tokenmill-profiles", "Where /stop_profile writes the Chrome trace.")
+
+    def __post_init__(self) -> None:
+        positive = {
+            "num_tokenizer_workers": self.num_tokenizer_workers,
+            "max_request_body_bytes": self.max_request_body_bytes,
+            "max_prompt_bytes": self.max_prompt_bytes,
+            "max_n": self.max_n,
+            "max_stop_chars": self.max_stop_chars,
+            "max_waiting_requests": self.max_waiting_requests,
+            "max_log_len": self.max_log_len,
+        }
+        for name, value in positive.items():
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.max_stop < 0 or self.retry_after_s < 0:
+            raise ValueError(
+                f"max_stop and retry_after_s must be >= 0, got {self.max_stop}, "
+                f"{self.retry_after_s}"
+            )
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("give both ssl_keyfile and ssl_certfile, or neither")
+        for path in (self.ssl_keyfile, self.ssl_certfile):
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"TLS file {path!r} does not exist")
+        if self.root_path and not self.root_path.startswith("/"):
+            raise ValueError(f"root_path must start with '/', got {self.root_path!r}")
+
+    @property
+    def resolved_api_key(self) -> str | None:
+        """The api key in force: the flag's, else the environment's (empty means none)."""
+        return self.api_key or os.environ.get(API_KEY_ENV) or None
+
+    def model_name(self, model_path: str) -> str:
+        """The name clients use: --served-model-name, else the checkpoint folder's name."""
+        if self.served_model_name:
+            return self.served_model_name
+        return os.path.basename(os.path.normpath(model_path)) or model_path
