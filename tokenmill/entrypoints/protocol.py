@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.entrypoints.constraints import (
+    ResponseFormat,
+    StructuredOutputsBody,
+    ToolChoice,
+    ToolDefinition,
+    response_constraint,
+    tool_constraint,
+)
+from tokenmill.entrypoints.tool_parsers import ToolParser, get_tool_parser
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
+
+# The tool-call markup the server parses and enforces (Hermes / Qwen `<tool_call>`).
+TOOL_PARSER = "hermes"
 
 
 class StreamOptions(BaseModel):
@@ -39,6 +52,11 @@ class _SamplingRequest(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None  # vLLM's extension
+
+    def _constraint(self) -> StructuredOutputsParams | None:
+        return response_constraint(self.response_format, self.structured_outputs)
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.logit_bias:
@@ -56,6 +74,7 @@ class _SamplingRequest(BaseModel):
             "logprobs": logprobs,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "structured_outputs": self._constraint(),
         }
         optional = {
             "temperature": self.temperature,
@@ -116,6 +135,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def template_dict(self) -> dict[str, Any]:
         """The message as chat templates expect it: text content only."""
@@ -129,7 +150,30 @@ class ChatMessage(BaseModel):
                     )
                 parts.append(str(part.get("text", "")))
             content = "".join(parts)
-        return {"role": self.role, "content": content or ""}
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [_template_call(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    """A tool call as chat templates expect it: arguments as an object, not JSON text."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ValueError("messages: a tool call needs function.name, got " + repr(call)[:200])
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except json.JSONDecodeError:
+            raise ValueError(
+                f"messages: tool call arguments must be JSON, got {arguments[:200]!r}"
+            ) from None
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -140,12 +184,40 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @property
+    def tool_parser(self) -> ToolParser | None:
+        """The parser of tool calls in the output (None: the output is plain content)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return get_tool_parser(TOOL_PARSER)
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them (OpenAI's shape)."""
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def _constraint(self) -> StructuredOutputsParams | None:
+        response = super()._constraint()
+        parser = self.tool_parser
+        tools = None
+        if parser is not None:
+            tools = tool_constraint(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
+        elif self.tool_choice not in (None, "none", "auto"):
+            raise ValueError("tool_choice requires tools, got none")
+        if response is not None and tools is not None:
+            raise ValueError(
+                "tool_choice required or a named function cannot be combined with "
+                "response_format or structured_outputs"
+            )
+        return tools or response
 
     def sampling_params(self) -> SamplingParams:
         """The request as SamplingParams; raises ValueError for unsupported fields."""
-        if self.tools:
-            raise ValueError("tools are not supported, got a non-empty list")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true, got logprobs=false")
         max_tokens = self.max_completion_tokens or self.max_tokens

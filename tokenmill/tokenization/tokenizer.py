@@ -38,15 +38,16 @@ def apply_chat_template(
     tokenizer: PreTrainedTokenizerBase | None,
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Token ids of a conversation rendered with the model's chat template."""
+    """Token ids of a conversation rendered with the model's chat template (offering `tools`)."""
     if tokenizer is None or not tokenizer.chat_template:
         raise ValueError("the model has no chat template; send a plain completion prompt")
     if not messages:
         raise ValueError("messages must contain at least one message")
     try:
         text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
         )
     except (TemplateError, TypeError, KeyError) as exc:
         # The template runs on the client's messages: what it trips over is theirs to fix.
