@@ -157,16 +157,26 @@ def test_a_compiling_grammar_does_not_hold_up_other_requests(llama_dir: Path) ->
     tokens: dict[str, int] = {}
     deadline = time.monotonic() + 60
     while engine.has_unfinished() and time.monotonic() < deadline:
-        if any(req.request_id == "slow" for req, _ in engine._compiling):
+        if engine.num_compiling:  # only "slow" can be compiling
             steps_before_compiled += 1
         for out in engine.step():
             tokens[out.request_id] = tokens.get(out.request_id, 0) + len(out.new_token_ids)
             if out.request_id == "free" and out.finished:
-                assert any(req.request_id == "slow" for req, _ in engine._compiling)
+                assert engine.num_compiling == 1
     assert tokens["free"] == 4 and tokens["slow"] >= 1 and not engine.has_unfinished()
     assert steps_before_compiled >= 4
     # The second request with that schema finds it compiled: no wait.
     assert engine.grammar_compiler.submit(slow).done()
+
+
+def test_a_model_without_tokenizer_refuses_constraints(tmp_path: Path, llama_dir: Path) -> None:
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((llama_dir / name).read_bytes())
+    engine = LLM(str(tmp_path), device="cpu").engine
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a"]))
+    with pytest.raises(ValueError, match="structured_outputs needs the model's tokenizer"):
+        engine.add_request("r", [1, 2, 3], params)
+    assert not engine.has_unfinished() and engine.request_ids() == []
 
 
 def test_abort_of_a_request_whose_grammar_is_compiling(llama_dir: Path) -> None:

@@ -166,12 +166,19 @@ class EngineCore:
             eos_token_ids=self.config.model.eos_token_ids,
             max_model_len=self.config.max_model_len,
         )
-        self._requests[request_id] = req
         if params.structured_outputs is None:
+            self._requests[request_id] = req
             self.scheduler.add_request(req)
             return
         # Admitted by the next step, at once if this grammar was compiled before.
-        self._compiling.append((req, self.grammar_compiler.submit(params.structured_outputs)))
+        compiled = self.grammar_compiler.submit(params.structured_outputs)
+        self._requests[request_id] = req
+        self._compiling.append((req, compiled))
+
+    @property
+    def num_compiling(self) -> int:
+        """Requests waiting for their grammar to compile (not yet in the scheduler's queue)."""
+        return len(self._compiling)
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:

@@ -13,6 +13,7 @@ import xgrammar as xgr
 
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.structured.grammar import build_grammar
+from tokenmill.tokenization.tokenizer import has_tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,10 @@ class GrammarCompiler:
     """
 
     def __init__(self, tokenizer_path: str, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        if not has_tokenizer(tokenizer_path):
+            raise ValueError(
+                f"structured_outputs needs the model's tokenizer; none in {tokenizer_path}"
+            )
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
@@ -64,12 +69,8 @@ class GrammarCompiler:
         return compiled
 
     def _tokenizer_info(self) -> xgr.TokenizerInfo:
-        # Imported here: the engine core loads the tokenizer only for structured outputs.
-        from tokenmill.tokenization.tokenizer import load_tokenizer
-
         tokenizer = load_tokenizer(self.tokenizer_path)
-        if tokenizer is None:
-            raise ValueError(f"structured outputs need a tokenizer; none in {self.tokenizer_path}")
+        assert tokenizer is not None  # checked on construction
         return xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
         )

@@ -13,10 +13,15 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 Prompt = str | list[int]
 
 
+def has_tokenizer(path: str) -> bool:
+    """Whether directory `path` holds tokenizer files."""
+    return any((Path(path) / name).is_file() for name in _TOKENIZER_FILES)
+
+
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
     """The tokenizer in directory `path`, or None if it holds no tokenizer files."""
     root = Path(path)
-    if not any((root / name).is_file() for name in _TOKENIZER_FILES):
+    if not has_tokenizer(path):
         return None
     return AutoTokenizer.from_pretrained(str(root))
 
