@@ -69,7 +69,9 @@ class BitmaskFiller:
         if len(self._buffers[self._turn]) < len(grammars):
             self._buffers[self._turn] = self._allocate(max(len(grammars), 64))
         bitmask = self._buffers[self._turn][: len(grammars)]
-        bitmask.fill_(-1)
+        if len(rows) < len(grammars):  # the others allow every token (constrained rows: below)
+            free = sorted(set(range(len(grammars))) - set(rows))
+            bitmask[free] = -1
         matchers = [grammars[i].matcher for i in rows]  # type: ignore[union-attr]
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         for row, ids in (banned or {}).items():
