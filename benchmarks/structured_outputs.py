@@ -134,7 +134,7 @@ def steps_while_compiling(llm: LLM, prompts: list[list[int]], num_schemas: int) 
         engine.add_request(
             f"compile-{i}", prompts[0], SamplingParams(max_tokens=1, structured_outputs=constraint)
         )
-    while engine._compiling:
+    while engine.num_compiling:
         start = time.perf_counter()
         engine.step()
         busy.append(time.perf_counter() - start)

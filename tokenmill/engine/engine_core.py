@@ -19,6 +19,11 @@ This class is the one place where host and device meet. With overlap scheduling,
    N+1's `input_src` points);
 3. only then waits for N's tokens and applies them to the requests (append, stop, cache).
 
+A step that samples under a grammar (structured outputs) needs step N's tokens for its masks,
+so 3 moves into the launch: the runner queues N+1's forward pass, then calls back here to read
+N's tokens, advance the grammars and fill the masks (while the GPU runs the forward pass), and
+only then queues the sampling.
+
 So at most two steps are launched and one is unread when the scheduler runs. A plan marked
 `blocking` (a penalty counts every generated token) is read before the next step is scheduled,
 and without overlap every step is read right after its launch. A request preempted while its
