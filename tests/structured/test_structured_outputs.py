@@ -104,7 +104,7 @@ def test_overlap_scheduling_gives_the_same_constrained_tokens(llm: LLM, llama_di
     ]
     synchronous = LLM(str(llama_dir), device="cpu", max_model_len=512, overlap_scheduling=False)
     reference = synchronous.generate(["Hello"] * 3, params, use_tqdm=False)
-    assert llm.config.overlap_scheduling
+    assert llm.config.runner.overlap_scheduling
     outputs = llm.generate(["Hello"] * 3, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
 
