@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call (see ../shared/device/README.md).
 # Usage on the device:
-#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|all]
+#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|structured|all]
 # (gputests = the GPU engine tests and the GEMV, decode and rotary kernel tests + profile + B1;
 #  moe = the mixture-of-experts GPU and kernel tests (moetests), B1/B2 qwen3-30b-a3b with the
 #  transformers peer (moebench);
 #  moesweep = the expert kernels' routing and tile timings per batch size, qwen3-30b-a3b shapes)
+#  structured = structured-output GPU tests and benchmarks/structured_outputs.py
 #   or TREES="ab/before ab/after" bash scripts/gpu_check.sh [ab-b1|ab-b2]: B1 or B2 without the
 #   transformers peer, each source tree in turn, run from inside it (see docs/perf-notes.md)
 # Full logs and JSON reports go to $OUT (or ./gpu-out); a short table is printed last.
@@ -106,6 +107,15 @@ fi
 if [[ "$what" == moesweep ]]; then
   python3 benchmarks/moe_sweep.py --config "$models/qwen3-30b-a3b" --out "$out/moe-sweep.json" \
     2>&1 | tee "$out/moe-sweep.log" | grep -E "^T=" >> "$table"
+fi
+if [[ "$what" == structured || "$what" == all ]]; then
+  # B2-like with a JSON schema on every request vs none; TTFT of a new vs cached schema; step
+  # time while schemas compile (benchmarks/structured_outputs.py).
+  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_structured_gpu.py 2>&1 | tail -3 >> "$table"
+  for m in qwen3-0.6b; do
+    python3 benchmarks/structured_outputs.py --config "$models/$m" --output "$out/structured-$m.json" \
+      2>&1 | tee "$out/structured-$m.log" | tail -1 >> "$table"
+  done
 fi
 echo
 echo "=== summary ==="

@@ -8,9 +8,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from tokenmill.entrypoints.llm import LLM
     from tokenmill.outputs import CompletionOutput, RequestOutput
-    from tokenmill.sampling_params import SamplingParams
+    from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
 __version__ = "0.1.0"
 
 # Public names, imported on first use (PEP 562): `tokenmill --version` must not import torch.
@@ -19,6 +25,7 @@ _LAZY = {
     "CompletionOutput": "tokenmill.outputs",
     "RequestOutput": "tokenmill.outputs",
     "SamplingParams": "tokenmill.sampling_params",
+    "StructuredOutputsParams": "tokenmill.sampling_params",
 }
 
 

@@ -13,11 +13,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tokenmill.cache.cache_manager import SeqPages
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.structured.matcher import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -74,6 +78,7 @@ class Request:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     pages: SeqPages = field(default_factory=SeqPages)
+    grammar: RequestGrammar | None = None  # structured outputs: has accepted every output token
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -307,6 +307,7 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     load_format: str = "auto"
+    tokenizer: str | None = None  # directory, if not the model's (structured outputs read it)
 
     @property
     def max_model_len(self) -> int:
@@ -436,4 +437,5 @@ class EngineArgs:
             device=device,
             seed=self.seed,
             load_format=self.load_format,
+            tokenizer=self.tokenizer,
         )

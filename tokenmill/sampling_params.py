@@ -3,13 +3,79 @@
 from __future__ import annotations
 
 import dataclasses
+import json as json_lib
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_LOGPROBS = 20
 # Integers travel between processes as msgpack (64-bit at most); seeds are unsigned, as torch's.
 MAX_INT = 2**63 - 1
 MAX_SEED = 2**64 - 1
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on a request's output, as in vLLM: exactly one of the fields is set.
+
+    `json`: a JSON schema (dict or JSON text) the output must satisfy; `regex`: a regular
+    expression the whole output matches; `choice`: the output is one of these strings;
+    `grammar`: an EBNF grammar (xgrammar's dialect, rule `root`); `json_object`: any JSON object;
+    `structural_tag`: an xgrammar structural tag (dict or JSON text; tool calls use it). JSON is
+    generated compactly (no free whitespace), so even a model that rambles ends its document. An
+    invalid schema, regex, grammar or tag raises `ValueError` naming the field.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    structural_tag: str | dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [name for name in _STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of "
+                f"{', '.join(_STRUCTURED_KINDS)}, got {kinds or 'none'}"
+            )
+        kind = kinds[0]
+        value = getattr(self, kind)
+        if kind == "choice":
+            _check(
+                isinstance(value, list) and value and all(isinstance(c, str) and c for c in value),
+                "structured_outputs.choice must be a non-empty list of non-empty strings",
+                value,
+            )
+        elif kind == "json_object":
+            _check(value is True, "structured_outputs.json_object must be a boolean", value)
+        elif kind in ("json", "structural_tag"):
+            message = f"structured_outputs.{kind} must be a dict or JSON text"
+            _check(isinstance(value, str | dict), message, value)
+        else:
+            message = f"structured_outputs.{kind} must be a non-empty string"
+            _check(isinstance(value, str) and value, message, value)
+        # Imported here: xgrammar is loaded only by processes that see a constrained request.
+        from tokenmill.structured.grammar import check_grammar
+
+        check_grammar(self.kind, self.spec)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: json, regex, choice, grammar, json_object or structural_tag."""
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The constraint as text (dicts as canonical JSON): with `kind`, the compile cache key."""
+        value = getattr(self, self.kind)
+        if isinstance(value, dict | list):
+            return json_lib.dumps(value, sort_keys=True, ensure_ascii=False)
+        return "" if value is True else value
+
+
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 @dataclass
@@ -39,6 +105,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -114,6 +181,12 @@ class SamplingParams:
             or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
             f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None",
             self.logprobs,
+        )
+        _check(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs must be a StructuredOutputsParams or None",
+            self.structured_outputs,
         )
 
     def for_choice(self, index: int) -> SamplingParams:

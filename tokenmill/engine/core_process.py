@@ -179,7 +179,7 @@ class EngineCoreLoop:
         cache = engine.cache
         return EngineStats(
             num_running=len(engine.scheduler.running),
-            num_waiting=len(engine.scheduler.waiting),
+            num_waiting=len(engine.scheduler.waiting) + engine.num_compiling,
             kv_used_pages=cache.num_used_pages,
             kv_total_pages=cache.pool.num_pages,
             prefix_cache_queries=cache.stats.queries,

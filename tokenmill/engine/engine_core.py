@@ -19,6 +19,11 @@ This class is the one place where host and device meet. With overlap scheduling,
    N+1's `input_src` points);
 3. only then waits for N's tokens and applies them to the requests (append, stop, cache).
 
+A step that samples under a grammar (structured outputs) needs step N's tokens for its masks,
+so 3 moves into the launch: the runner queues N+1's forward pass, then calls back here to read
+N's tokens, advance the grammars and fill the masks (while the GPU runs the forward pass), and
+only then queues the sampling.
+
 So at most two steps are launched and one is unread when the scheduler runs. A plan marked
 `blocking` (a penalty counts every generated token) is read before the next step is scheduled,
 and without overlap every step is read right after its launch. A request preempted while its
@@ -32,7 +37,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenmill.batch import FinishReason, Logprob, Request, SchedulerOutput, StepPlan
 from tokenmill.cache.cache_manager import CacheManager
@@ -46,9 +53,17 @@ from tokenmill.observability.histogram import (
 )
 from tokenmill.observability.request_metrics import RequestMetrics
 from tokenmill.runner.model_runner import LaunchedStep, ModelRunner
+from tokenmill.runner.sampler import GrammarMask
 from tokenmill.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from tokenmill.structured.compiler import GrammarCompiler
+    from tokenmill.structured.matcher import BitmaskFiller, RequestGrammar
+
 logger = logging.getLogger(__name__)
+
+# How long an idle engine blocks for a grammar compile before it looks at its inputs again.
+COMPILE_WAIT_S = 0.01
 
 
 @dataclass(frozen=True)
@@ -103,6 +118,17 @@ class InFlight:
         return InFlight(batch, plan, launched, unread)
 
 
+def _grammars(batch: SchedulerOutput) -> list[RequestGrammar | None]:
+    """The grammar of each sampled position of the batch (None: unconstrained)."""
+    grammars: list[RequestGrammar | None] = []
+    for s in batch.seqs:
+        grammar = s.request.grammar
+        # A speculative row's later positions need the grammar advanced over its drafts.
+        assert grammar is None or s.num_samples <= 1, "grammar rows sample one token a step"
+        grammars += [grammar] * s.num_samples
+    return grammars
+
+
 class EngineCore:
     """Accepts requests and aborts, and advances every running request by one step per `step()`."""
 
@@ -117,6 +143,11 @@ class EngineCore:
         self._in_flight: InFlight | None = None
         self.stats = EngineCounters()
         self._waited = 0.0  # seconds the current step spent waiting for the GPU
+        # Structured outputs: requests wait here, outside the scheduler, while their grammar
+        # compiles on a background thread; made by the first constrained request.
+        self._compiling: list[tuple[Request, Future]] = []
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._bitmasks: BitmaskFiller | None = None
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -140,8 +171,58 @@ class EngineCore:
             eos_token_ids=self.config.model.eos_token_ids,
             max_model_len=self.config.max_model_len,
         )
+        if params.structured_outputs is None:
+            self._requests[request_id] = req
+            self.scheduler.add_request(req)
+            return
+        # Admitted by the next step, at once if this grammar was compiled before.
+        compiled = self.grammar_compiler.submit(params.structured_outputs)
         self._requests[request_id] = req
-        self.scheduler.add_request(req)
+        self._compiling.append((req, compiled))
+
+    @property
+    def num_compiling(self) -> int:
+        """Requests waiting for their grammar to compile (not yet in the scheduler's queue)."""
+        return len(self._compiling)
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Compiles structured-output grammars off this thread (made by the first use)."""
+        if self._grammar_compiler is None:
+            from tokenmill.structured.compiler import GrammarCompiler  # xgrammar only if used
+
+            model = self.config.model
+            self._grammar_compiler = GrammarCompiler(
+                self.config.tokenizer or model.path, model.vocab_size, model.eos_token_ids
+            )
+        return self._grammar_compiler
+
+    def _admit_compiled(self) -> list[EngineOutput]:
+        """Queue the requests whose grammar is compiled; fail those whose compile failed."""
+        if not self._compiling:
+            return []
+        from tokenmill.structured.matcher import RequestGrammar
+
+        outputs, still = [], []
+        for req, future in self._compiling:
+            if not future.done():
+                still.append((req, future))
+            elif future.exception() is not None:
+                logger.error("grammar of %s failed: %s", req.request_id, future.exception())
+                req.finish(FinishReason.ERROR)
+                outputs.append(self._retire(req))
+            else:
+                req.grammar = RequestGrammar(future.result())
+                self.scheduler.add_request(req)
+        self._compiling = still
+        return outputs
+
+    def _retire(self, req: Request) -> EngineOutput:
+        """The final output of a request that finished outside a step."""
+        del self._requests[req.request_id]
+        assert req.finish_reason is not None
+        self.stats.finished[req.finish_reason.value] += 1
+        return self._output(req, [], None)
 
     @property
     def limits(self) -> ContextLimits:
@@ -152,12 +233,15 @@ class EngineCore:
         self, request_id: str, reason: FinishReason = FinishReason.ABORT
     ) -> EngineOutput | None:
         """Finish a request now with `reason`; returns its final output, or None if unknown."""
+        for i, (compiling, _) in enumerate(self._compiling):
+            if compiling.request_id == request_id:
+                del self._compiling[i]
+                compiling.finish(reason)
+                return self._retire(compiling)
         req = self.scheduler.abort(request_id, reason)
         if req is None:
             return None
-        del self._requests[request_id]
-        self.stats.finished[reason.value] += 1
-        return self._output(req, [], None)
+        return self._retire(req)
 
     def request_ids(self) -> list[str]:
         """Ids of every request not yet finished."""
@@ -166,8 +250,13 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         """Whether any request is waiting, running, or has a token in flight."""
         in_flight = self._in_flight
-        return self.scheduler.has_unfinished() or (
-            in_flight is not None and any(not s.request.is_finished for s in in_flight.batch.seqs)
+        return (
+            self.scheduler.has_unfinished()
+            or bool(self._compiling)
+            or (
+                in_flight is not None
+                and any(not s.request.is_finished for s in in_flight.batch.seqs)
+            )
         )
 
     def step(self) -> list[EngineOutput]:
@@ -179,19 +268,35 @@ class EngineCore:
         """
         start = time.perf_counter()
         self._waited = 0.0
-        outputs: list[EngineOutput] = []
+        outputs: list[EngineOutput] = self._admit_compiled()
         previous, self._in_flight = self._in_flight, None
         if previous is not None and (
             not self.config.runner.overlap_scheduling or previous.plan.blocking
         ):
-            outputs, previous = self._finish(previous), None
+            outputs, previous = outputs + self._finish(previous), None
         batch = self.scheduler.schedule(previous.unread if previous is not None else None)
         if batch.plan is not None:
-            launched = self.runner.launch(batch.plan)
+            grammars = _grammars(batch)
+            grammar_mask = None
+            if any(g is not None for g in grammars):
+
+                def grammar_mask() -> GrammarMask | None:
+                    # The masks need the previous step's tokens: read them while the GPU runs
+                    # this step's forward pass, then fill the masks and sample.
+                    nonlocal previous
+                    if previous is not None:
+                        outputs.extend(self._finish(previous))
+                        previous = None
+                    return self._fill_masks(batch, grammars)
+
+            launched = self.runner.launch(batch.plan, grammar_mask)
             self._in_flight = InFlight.of(batch, batch.plan, launched)
             self.stats.iteration_tokens.observe(batch.num_tokens)
         elif previous is None and self.scheduler.waiting and not self.scheduler.running:
             raise RuntimeError("scheduler could not admit a request into an idle engine")
+        elif previous is None and self._compiling:
+            # Idle but for grammars still compiling: block briefly instead of spinning.
+            wait([f for _, f in self._compiling], COMPILE_WAIT_S, FIRST_COMPLETED)
         if previous is not None:
             outputs += self._finish(previous)
         if self._in_flight is not None and not self.config.runner.overlap_scheduling:
@@ -210,6 +315,7 @@ class EngineCore:
         tokens = sampled.token_ids if sampled is not None else []
         logprobs = sampled.logprobs if sampled is not None else []
         touched = self.scheduler.update(step.batch, tokens, logprobs)
+        self._advance_grammars(touched)
         outputs = []
         for req in touched:
             self.stats.generation_tokens += 1
@@ -222,6 +328,36 @@ class EngineCore:
                 assert req.finish_reason is not None
                 self.stats.finished[req.finish_reason.value] += 1
         return outputs
+
+    def _fill_masks(
+        self, batch: SchedulerOutput, grammars: list[RequestGrammar | None]
+    ) -> GrammarMask | None:
+        """The grammar masks of the batch's sampled positions, from each grammar's state now."""
+        if self._bitmasks is None:
+            from tokenmill.structured.matcher import BitmaskFiller
+
+            pin = self.runner.device.type == "cuda"
+            self._bitmasks = BitmaskFiller(self.config.model.vocab_size, pin=pin)
+        assert batch.plan is not None
+        suppressed = batch.plan.sampling.suppressed
+        banned = {i: list(ids) for i, ids in suppressed.items() if grammars[i] is not None}
+        bitmask = self._bitmasks.fill(grammars, banned)
+        if bitmask is None:
+            return None
+        return GrammarMask(bitmask, frozenset(i for i, g in enumerate(grammars) if g is not None))
+
+    def _advance_grammars(self, touched: list[Request]) -> None:
+        """Feed each constrained request's new token to its grammar; end it when the grammar
+        is complete (a stop token it accepted was not the request's end, e.g. ignore_eos)."""
+        for req in touched:
+            if req.grammar is None or req.is_finished:
+                continue
+            if not req.grammar.accept_token(req.output_token_ids[-1]):
+                # Sampling applied the grammar's mask, so this is a bug, not bad input.
+                logger.error("grammar of %s rejected a sampled token", req.request_id)
+                self.scheduler.abort(req.request_id, FinishReason.ERROR)
+            elif req.grammar.is_terminated:
+                self.scheduler.abort(req.request_id, FinishReason.STOP)
 
     def _output(
         self, req: Request, new_tokens: list[int], logprobs: list[dict[int, Logprob]] | None

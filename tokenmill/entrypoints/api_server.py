@@ -47,6 +47,7 @@ from tokenmill.entrypoints.protocol import (
 )
 from tokenmill.entrypoints.server_options import ServerOptions
 from tokenmill.entrypoints.supervisor import Supervisor, server_workers
+from tokenmill.entrypoints.tool_parsers import ToolParser, ToolStream
 from tokenmill.ipc import messages
 from tokenmill.ipc.sockets import Addresses
 from tokenmill.observability.metrics import ServerMetrics
@@ -539,13 +540,15 @@ async def _serve_generation(
         if not body.stream:
             if not await _collect(raw, response, outputs):
                 return Response(status_code=499)  # the client is gone; nobody reads this
-            body_fn = oai.chat_body if chat else oai.completion_body
-            return JSONResponse(body_fn(response, top_n))
+            if isinstance(body, ChatCompletionRequest):
+                return JSONResponse(oai.chat_body(response, top_n, body.tool_parser))
+            return JSONResponse(oai.completion_body(response, top_n))
         # Wait for the first output so that a bad request still gets a 400, not a broken stream.
         first = await anext(outputs)
     except RequestFailed as exc:
         return error_response(exc.error.status, exc.error.message, exc.error.param)
-    stream = _stream(response, first, outputs, chat, top_n, body.include_usage)
+    parser = body.tool_parser if isinstance(body, ChatCompletionRequest) else None
+    stream = _stream(response, first, outputs, chat, top_n, body.include_usage, parser)
     return StreamingResponse(stream, media_type="text/event-stream")
 
 
@@ -591,7 +594,8 @@ def _tokenize_requests(
 ) -> list[messages.TokenizeRequest]:
     if isinstance(body, ChatCompletionRequest):
         chat = [m.template_dict() for m in body.messages]
-        return [messages.TokenizeRequest("", params, messages=chat)]
+        tools = body.template_tools()
+        return [messages.TokenizeRequest("", params, messages=chat, tools=tools)]
     return [messages.TokenizeRequest("", params, prompt=p) for p in body.prompts()]
 
 
@@ -636,9 +640,11 @@ async def _stream(
     chat: bool,
     top_n: int,
     include_usage: bool,
+    tool_parser: ToolParser | None = None,
 ) -> AsyncIterator[str]:
     """Server-sent events: one chunk per output, an optional usage chunk, then `[DONE]`."""
     started: set[int] = set()
+    tool_streams: dict[int, ToolStream] = {}
 
     def chunks(item: ChoiceOutput) -> list[dict[str, Any]]:
         index = response.index(item)
@@ -651,6 +657,9 @@ async def _stream(
             started.add(index)
             role = {"role": "assistant", "content": ""}
             result.append(oai.chat_chunk(response, index, role, None, top_n))
+        if tool_parser is not None:
+            stream = tool_streams.setdefault(index, ToolStream(tool_parser))
+            return result + oai.tool_chunks(response, index, stream, out, top_n)
         if out.text or out.finish_reason is not None or out.logprobs:
             delta = {"content": out.text} if out.text else {}
             result.append(oai.chat_chunk(response, index, delta, out, top_n))

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.entrypoints.engine_client import ChoiceOutput
+from tokenmill.entrypoints.tool_parsers import ToolCall, ToolParser, ToolStream
 from tokenmill.ipc.messages import ClientOutput
 
 
@@ -128,21 +129,67 @@ def completion_body(state: ResponseState, top_n: int) -> dict[str, Any]:
     }
 
 
-def chat_body(state: ResponseState, top_n: int) -> dict[str, Any]:
-    """The non-streamed `chat.completion` body."""
-    return {
-        **_envelope(state, "chat.completion"),
-        "choices": [
+def chat_body(
+    state: ResponseState, top_n: int, tool_parser: ToolParser | None = None
+) -> dict[str, Any]:
+    """The non-streamed `chat.completion` body; `tool_parser` finds tool calls in the text."""
+    choices = []
+    for i, c in state.sorted_choices():
+        message, finish_reason = assistant_message(c.text, c.finish_reason, tool_parser)
+        choices.append(
             {
                 "index": i,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message,
                 "logprobs": chat_logprobs(c.logprobs, top_n),
-                "finish_reason": c.finish_reason,
+                "finish_reason": finish_reason,
             }
-            for i, c in state.sorted_choices()
-        ],
-        "usage": state.usage(),
-    }
+        )
+    return {**_envelope(state, "chat.completion"), "choices": choices, "usage": state.usage()}
+
+
+def assistant_message(
+    text: str, finish_reason: str | None, tool_parser: ToolParser | None
+) -> tuple[dict[str, Any], str | None]:
+    """The assistant message of a finished choice, and its finish reason ("tool_calls" when
+    the model stopped after calling tools)."""
+    if tool_parser is None:
+        return {"role": "assistant", "content": text}, finish_reason
+    parsed = tool_parser.parse(text)
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parsed.tool_calls:
+        message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
+    return message, _with_tool_calls(finish_reason, bool(parsed.tool_calls))
+
+
+def _with_tool_calls(finish_reason: str | None, called: bool) -> str | None:
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
+
+
+def tool_chunks(
+    state: ResponseState, index: int, stream: ToolStream, out: ClientOutput, top_n: int
+) -> list[dict[str, Any]]:
+    """Streamed chunks of choice `index` when tools are offered: content as it comes, each
+    tool call whole once its markup closes; the last one carries the finish reason."""
+    events = stream.feed(out.text)
+    if out.finish_reason is not None:
+        events += stream.finish()
+    first_call = stream.num_calls - sum(isinstance(e, ToolCall) for e in events)
+    deltas: list[dict[str, Any]] = []
+    for event in events:
+        if isinstance(event, ToolCall):
+            deltas.append({"tool_calls": [event.to_openai(index=first_call)]})
+            first_call += 1
+        else:
+            deltas.append({"content": event})
+    if not deltas and (out.finish_reason is not None or out.logprobs):
+        deltas.append({})
+    chunks = [chat_chunk(state, index, delta, None, top_n) for delta in deltas]
+    if chunks:  # logprobs and the finish reason go with the step's last chunk
+        last = chat_chunk(state, index, deltas[-1], out, top_n)
+        finish = last["choices"][0]["finish_reason"]
+        last["choices"][0]["finish_reason"] = _with_tool_calls(finish, stream.num_calls > 0)
+        chunks[-1] = last
+    return chunks
 
 
 def completion_chunk(

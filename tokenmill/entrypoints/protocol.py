@@ -9,6 +9,7 @@ served model and the server's flags (vocabulary, context length, `--max-n`, ...)
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, Self, TypeVar
@@ -16,8 +17,6 @@ from typing import Annotated, Any, ClassVar, Literal, Self, TypeVar
 from pydantic import (
     AfterValidator,
     BaseModel,
-    BeforeValidator,
-    ConfigDict,
     Discriminator,
     Field,
     Tag,
@@ -26,55 +25,36 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
+from tokenmill.entrypoints.constraints import (
+    ResponseFormat,
+    StructuredOutputsBody,
+    ToolChoice,
+    ToolDefinition,
+    response_constraint,
+    tool_constraint,
+)
+from tokenmill.entrypoints.schema_types import (
+    MAX_INT64,
+    StrictModel,
+    Text,
+    TextPart,
+    TokenId,
+    count_type,
+    text_type,
+)
+from tokenmill.entrypoints.tool_parsers import ToolParser, get_tool_parser
+from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 MAX_SEED = 2**64 - 1  # seeds are unsigned 64-bit (torch.Generator.manual_seed's range)
-MAX_INT64 = 2**63 - 1
 M = TypeVar("M", bound=BaseModel)
+# The tool-call markup the server parses and enforces (Hermes / Qwen `<tool_call>`).
+TOOL_PARSER = "hermes"
 
 
-def _valid_unicode(text: str) -> str:
-    """Refuse unpaired surrogates (`"\\ud800"` is valid JSON but not encodable text)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise PydanticCustomError(
-            "invalid_unicode",
-            "string has an unpaired surrogate at position {position}; send valid Unicode text",
-            {"position": exc.start},
-        ) from None
-    return text
+class _Strict(StrictModel):
+    """Base of every request model: `limits` is set on the classes `request_models` derives;
+    checks that span fields use it."""
 
-
-def text_type(**constraints: Any) -> Any:
-    """A string type: valid Unicode, with pydantic `Field` constraints checked first."""
-    return Annotated[str, Field(**constraints), AfterValidator(_valid_unicode)]
-
-
-Text = text_type()
-
-
-def _whole_number(value: Any) -> Any:
-    """`4.0` → 4: JSON Schema counts a whole float as an integer (and vLLM accepts it)."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-def count_type(**constraints: Any) -> Any:
-    """An integer type for counts and seeds: whole floats pass, token ids never use it (a token
-    id is an integer, `1.0` is no token); constraints sit inside, where the schema shows them."""
-    return Annotated[int, Field(**constraints), BeforeValidator(_whole_number)]
-
-
-TokenId = Annotated[int, Field(ge=0, le=MAX_INT64)]
-
-
-class _Strict(BaseModel):
-    """Base of every request model: JSON types as declared, finite numbers only.
-
-    `limits` is set on the classes `request_models` derives; checks that span fields use it.
-    """
-
-    model_config = ConfigDict(strict=True, allow_inf_nan=False)
     limits: ClassVar[RequestLimits | None] = None
 
 
@@ -87,15 +67,6 @@ class StreamOptions(_Strict):
     """`stream_options` of a streamed request."""
 
     include_usage: bool = False
-
-
-class ResponseFormat(_Strict):
-    """`response_format`: only "text" until structured output lands (the others get a 400)."""
-
-    type: Literal["text", "json_object", "json_schema"] = Field(
-        json_schema_extra={"enum": ["text"]}
-    )
-    json_schema: dict[Text, Any] | None = None
 
 
 # A union is told apart by the shape of its input (callable discriminators), so an error names
@@ -154,7 +125,6 @@ class _SamplingRequest(_Strict):
     user: Text | None = None
     # Accepted but refused unless empty (see _check_supported); the schema says so.
     logit_bias: dict[Text, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
-    response_format: ResponseFormat | None = None
     # vLLM-compatible extensions
     top_k: count_type(ge=-1, le=MAX_INT64) | None = None  # type: ignore[valid-type]
     min_p: float | None = Field(None, ge=0, le=1)
@@ -164,6 +134,11 @@ class _SamplingRequest(_Strict):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None  # vLLM's extension
+
+    def _constraint(self) -> StructuredOutputsParams | None:
+        return response_constraint(self.response_format, self.structured_outputs)
 
     def _check_supported(self) -> None:
         """Refuse fields the schema accepts but tokenmill does not implement yet."""
@@ -171,12 +146,6 @@ class _SamplingRequest(_Strict):
             raise ValueError("logit_bias is not supported, got a non-empty map")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true, got stream=false")
-        # Structured output (issue 22) replaces this refusal with a grammar.
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(
-                f"response_format {self.response_format.type!r} is not supported yet; "
-                "only 'text' is"
-            )
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         self._check_supported()
@@ -191,6 +160,7 @@ class _SamplingRequest(_Strict):
             "logprobs": logprobs,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "structured_outputs": self._constraint(),
         }
         optional = {
             "temperature": self.temperature,
@@ -263,13 +233,6 @@ class CompletionRequest(_SamplingRequest):
         return self._sampling_params(self.max_tokens, self.logprobs)
 
 
-class TextPart(_Strict):
-    """A text part of a message's content."""
-
-    type: Literal["text"]
-    text: Text
-
-
 def _content_shape(value: Any) -> str:
     return "list[part]" if isinstance(value, list) else "str"
 
@@ -280,12 +243,40 @@ Content = Annotated[
 ]
 
 
+class CalledFunction(_Strict):
+    """`tool_calls[].function` of an earlier assistant message."""
+
+    name: Text
+    arguments: Text = "{}"  # JSON text, as the API returned it
+
+
+class MessageToolCall(_Strict):
+    """One of an earlier assistant message's `tool_calls`."""
+
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+    def template_dict(self) -> dict[str, Any]:
+        """The call as chat templates expect it: arguments as an object, not JSON text."""
+        try:
+            arguments = json.loads(self.function.arguments or "{}")
+        except json.JSONDecodeError:
+            raise ValueError(
+                f"messages: tool call arguments must be JSON, got {self.function.arguments[:200]!r}"
+            ) from None
+        call = self.model_dump(exclude_none=True)
+        return {**call, "function": {"name": self.function.name, "arguments": arguments}}
+
+
 class ChatMessage(_Strict):
     """One chat message; content may be text or a list of text parts."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Content | None = None
     name: Text | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         """The content as one string."""
@@ -294,8 +285,16 @@ class ChatMessage(_Strict):
         return self.content or ""
 
     def template_dict(self) -> dict[str, Any]:
-        """The message as chat templates expect it: text content only."""
-        return {"role": self.role, "content": self.text()}
+        """The message as chat templates expect it: text content, tool calls with their
+        arguments as objects."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [call.template_dict() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -306,12 +305,40 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: count_type(ge=1) | None = None  # type: ignore[valid-type]
     logprobs: bool = False
     top_logprobs: count_type(ge=0, le=MAX_LOGPROBS) | None = None  # type: ignore[valid-type]
-    tools: list[dict[Text, Any]] | None = Field(None, json_schema_extra={"maxItems": 0})
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @property
+    def tool_parser(self) -> ToolParser | None:
+        """The parser of tool calls in the output (None: the output is plain content)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return get_tool_parser(TOOL_PARSER)
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them (OpenAI's shape)."""
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def _constraint(self) -> StructuredOutputsParams | None:
+        response = super()._constraint()
+        parser = self.tool_parser
+        tools = None
+        if parser is not None:
+            tools = tool_constraint(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
+        elif self.tool_choice not in (None, "none", "auto"):
+            raise ValueError("tool_choice requires tools, got none")
+        if response is not None and tools is not None:
+            raise ValueError(
+                "tool_choice required or a named function cannot be combined with "
+                "response_format or structured_outputs"
+            )
+        return tools or response
 
     def sampling_params(self) -> SamplingParams:
         """The request as SamplingParams; raises ValueError for unsupported fields."""
-        if self.tools:
-            raise ValueError("tools are not supported, got a non-empty list")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true, got logprobs=false")
         max_tokens = self.max_completion_tokens or self.max_tokens

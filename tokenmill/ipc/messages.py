@@ -33,6 +33,7 @@ class TokenizeRequest(msgspec.Struct, tag=True):
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
+    tools: list[dict[str, Any]] | None = None  # offered to the chat template
 
     def __post_init__(self) -> None:
         check_wire_value(self.prompt, "prompt")

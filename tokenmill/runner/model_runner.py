@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -17,7 +17,13 @@ from tokenmill.cache.kv_cache import KVCache
 from tokenmill.config import EngineConfig
 from tokenmill.layers.linear import choose_gemv_kernels
 from tokenmill.models.loader import load_model
-from tokenmill.runner.sampler import SampledTokens, Sampler, SamplerOutput, SamplingBatch
+from tokenmill.runner.sampler import (
+    GrammarMask,
+    SampledTokens,
+    Sampler,
+    SamplerOutput,
+    SamplingBatch,
+)
 
 if TYPE_CHECKING:
     from tokenmill.runner.cuda_graphs import CudaGraphRunner
@@ -175,11 +181,15 @@ class ModelRunner:
         return pages
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan) -> LaunchedStep:
+    def launch(
+        self, plan: StepPlan, grammar_mask: Callable[[], GrammarMask | None] | None = None
+    ) -> LaunchedStep:
         """Queue one forward pass over `plan` and the sampling of the positions it samples.
 
         Nothing waits for the GPU: an input token the previous launched step sampled (and the
-        host may not have seen yet) is read on the device.
+        host may not have seen yet) is read on the device. `grammar_mask` is called once the
+        forward pass is queued, before sampling: structured outputs fill their masks from the
+        previous step's tokens, read while the GPU runs this forward pass.
         """
         launched = LaunchedStep(self.device)
         host = lay_out(plan, self.page_size)
@@ -196,9 +206,10 @@ class ModelRunner:
             logits = graphs.run_prefill(len(host.input_ids))
         else:
             logits = self._run_eager(host)
+        mask = grammar_mask() if grammar_mask is not None else None
         if plan.sampling:
             sampling = SamplingBatch.from_rows(
-                plan.sampling, self.config.model.vocab_size, self.device
+                plan.sampling, self.config.model.vocab_size, self.device, mask
             )
             out = self._tokens[: plan.num_sampled] if self._tokens is not None else None
             sampled = self.sampler(logits, sampling, out)

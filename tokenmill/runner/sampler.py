@@ -12,6 +12,20 @@ from tokenmill.kernels import argmax_rows
 
 
 @dataclass(frozen=True)
+class GrammarMask:
+    """The tokens each sampled position may take under its request's grammar (structured
+    outputs), filled on the host once the previous step's tokens are read.
+
+    `bitmask` [S, ceil(V / 32)] int32: position s allows token t iff bit t % 32 of word t // 32
+    is set (all bits: no grammar). `rows`: the positions with a grammar; their mask already bans
+    their min_tokens stop tokens where anything else is left, so the sampler does not.
+    """
+
+    bitmask: torch.Tensor
+    rows: frozenset[int]
+
+
+@dataclass(frozen=True)
 class SamplingBatch:
     """The sampling settings of every row of a logits batch, as device tensors."""
 
@@ -26,10 +40,16 @@ class SamplingBatch:
     penalties: _Penalties | None
     suppressed: list[tuple[int, list[int]]]  # (row, token ids) banned by min_tokens
     num_logprobs: list[int | None]
+    bitmask: torch.Tensor | None = None  # [S, ceil(V / 32)] int32 on the device: GrammarMask
 
     @staticmethod
-    def from_rows(rows: SamplingRows, vocab_size: int, device: torch.device) -> SamplingBatch:
-        """The device-side settings of a plan's sampled positions."""
+    def from_rows(
+        rows: SamplingRows,
+        vocab_size: int,
+        device: torch.device,
+        mask: GrammarMask | None = None,
+    ) -> SamplingBatch:
+        """The device-side settings of a plan's sampled positions (and their grammar mask)."""
         params = rows.params
         greedy = [p.greedy for p in params]
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
@@ -40,6 +60,10 @@ class SamplingBatch:
             return None if all_greedy else torch.tensor(values, device=device)
 
         suppressed = [(i, list(ids)) for i, ids in rows.suppressed.items()]
+        bitmask = None
+        if mask is not None:
+            bitmask = mask.bitmask.to(device, non_blocking=True)
+            suppressed = [(i, ids) for i, ids in suppressed if i not in mask.rows]
         return SamplingBatch(
             temperature=tensor(
                 [0.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
@@ -57,6 +81,7 @@ class SamplingBatch:
             penalties=_Penalties.from_rows(rows, vocab_size, device),
             suppressed=suppressed,
             num_logprobs=[p.logprobs for p in params],
+            bitmask=bitmask,
         )
 
 
@@ -206,6 +231,8 @@ class Sampler:
         wants_logprobs = any(n is not None for n in batch.num_logprobs)
         plain = batch.temperature is None and batch.penalties is None and not batch.suppressed
         if plain and not wants_logprobs:  # greedy only: argmax is exact in the logits' dtype
+            if batch.bitmask is not None:
+                _apply_bitmask(logits, batch.bitmask)
             if not logits.is_cuda:
                 return SampledTokens(_into(logits.argmax(dim=-1), out), batch.num_logprobs)
             host = torch.empty(logits.shape[0], dtype=torch.int64, pin_memory=True)
@@ -217,6 +244,8 @@ class Sampler:
             logits = batch.penalties.apply(logits)
         for row, ids in batch.suppressed:
             logits[row, ids] = float("-inf")
+        if batch.bitmask is not None:
+            _apply_bitmask(logits, batch.bitmask)
         tokens = _greedy(logits)
         if batch.temperature is not None:
             sampled = self._sample(logits, batch, batch.temperature)
@@ -253,6 +282,13 @@ class Sampler:
             if gen is not None:
                 noise[row].exponential_(generator=gen)
         return (probs / noise).argmax(dim=-1)
+
+
+def _apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set the logits of tokens a row's grammar forbids to -inf, in place (one kernel)."""
+    import xgrammar as xgr  # here: only constrained batches need it
+
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1])
 
 
 def _into(tokens: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

@@ -13,11 +13,16 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 Prompt = str | list[int]
 
 
+def has_tokenizer(path: str) -> bool:
+    """Whether directory `path` holds tokenizer files."""
+    return any((Path(path) / name).is_file() for name in _TOKENIZER_FILES)
+
+
 def load_tokenizer(path: str, chat_template: str | None = None) -> PreTrainedTokenizerBase | None:
     """The tokenizer in directory `path` (with `chat_template` instead of its own, if given),
     or None if it holds no tokenizer files."""
     root = Path(path)
-    if not any((root / name).is_file() for name in _TOKENIZER_FILES):
+    if not has_tokenizer(path):
         return None
     tokenizer = AutoTokenizer.from_pretrained(str(root))
     if chat_template is not None:
@@ -42,15 +47,16 @@ def apply_chat_template(
     tokenizer: PreTrainedTokenizerBase | None,
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Token ids of a conversation rendered with the model's chat template."""
+    """Token ids of a conversation rendered with the model's chat template (offering `tools`)."""
     if tokenizer is None or not tokenizer.chat_template:
         raise ValueError("the model has no chat template; send a plain completion prompt")
     if not messages:
         raise ValueError("messages must contain at least one message")
     try:
         text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
         )
     except (TemplateError, TypeError, KeyError) as exc:
         # The template runs on the client's messages: what it trips over is theirs to fix.

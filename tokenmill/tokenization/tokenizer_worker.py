@@ -78,7 +78,7 @@ class TokenizerWorker:
 
     def _engine_requests(self, req: TokenizeRequest) -> list[bytes]:
         if req.messages is not None:
-            ids = apply_chat_template(self.tokenizer, req.messages)
+            ids = apply_chat_template(self.tokenizer, req.messages, tools=req.tools)
         elif req.prompt is not None:
             ids = encode_prompt(self.tokenizer, req.prompt, req.add_special_tokens)
         else:

@@ -1,0 +1,98 @@
+"""Tool parsers: Hermes markup parsed whole and streamed alike, and its required-call grammar."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import xgrammar as xgr
+
+from tokenmill.entrypoints.tool_parsers import (
+    FunctionTool,
+    ToolCall,
+    ToolStream,
+    get_tool_parser,
+)
+from tokenmill.structured.grammar import build_grammar
+
+TEXT = (
+    "Let me check.\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
+    "</tool_call>\n<tool_call>\n"
+    '{"name": "get_time", "arguments": {"zone": 1}}\n</tool_call>'
+)
+
+
+@pytest.fixture
+def hermes():
+    return get_tool_parser("hermes")
+
+
+def test_whole_output_splits_into_content_and_calls(hermes) -> None:
+    parsed = hermes.parse(TEXT)
+    assert parsed.content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"}),
+        ("get_time", {"zone": 1}),
+    ]
+    assert len({c.id for c in parsed.tool_calls}) == 2
+    assert parsed.tool_calls[0].to_openai(index=0)["function"]["name"] == "get_weather"
+
+
+def test_text_without_calls_is_all_content(hermes) -> None:
+    parsed = hermes.parse("Just an answer < not a tag")
+    assert parsed.content == "Just an answer < not a tag" and parsed.tool_calls == []
+
+
+def test_malformed_call_stays_content(hermes) -> None:
+    parsed = hermes.parse("<tool_call>{not json}</tool_call>")
+    assert parsed.tool_calls == [] and parsed.content == "<tool_call>{not json}</tool_call>"
+
+
+def test_unclosed_call_at_the_end_still_counts(hermes) -> None:
+    parsed = hermes.parse('<tool_call>\n{"name": "f", "arguments": {}}\n')
+    assert [c.name for c in parsed.tool_calls] == ["f"] and parsed.content is None
+
+
+@pytest.mark.parametrize("piece", [1, 3, 7, 1000])
+def test_streamed_in_any_pieces_gives_the_same_calls(hermes, piece: int) -> None:
+    stream = ToolStream(hermes)
+    events = []
+    for start in range(0, len(TEXT), piece):
+        events += stream.feed(TEXT[start : start + piece])
+    events += stream.finish()
+    content = "".join(e for e in events if isinstance(e, str))
+    calls = [(e.name, e.arguments) for e in events if isinstance(e, ToolCall)]
+    assert content.strip() == "Let me check."
+    assert calls == [(c.name, c.arguments) for c in hermes.parse(TEXT).tool_calls]
+    assert not any(isinstance(e, str) and "<tool" in e for e in events)  # tags never leak
+
+
+def test_unknown_parser_names_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="tool parser must be one of hermes"):
+        get_tool_parser("nope")
+
+
+def test_required_grammar_accepts_calls_in_the_markup_and_nothing_else(hermes) -> None:
+    tools = [
+        FunctionTool("get_weather", {"type": "object", "properties": {"city": {"type": "string"}},
+                                     "required": ["city"]}),
+        FunctionTool("get_time", {"type": "object", "properties": {"zone": {"type": "integer"}},
+                                  "required": ["zone"]}),
+    ]  # fmt: skip
+    constraint = hermes.constraint(tools, parallel=True)
+    grammar = build_grammar(constraint.kind, constraint.spec)
+    good = (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_time", "arguments": {"zone": 3}}\n</tool_call>'
+    )
+    assert xgr.testing._is_grammar_accept_string(grammar, good)
+    assert [c.name for c in hermes.parse(good).tool_calls] == ["get_weather", "get_time"]
+    for bad in [
+        "Sure!",
+        '<tool_call>\n{"name": "other", "arguments": {}}\n</tool_call>',
+        '<tool_call>\n{"name": "get_time", "arguments": {"zone": "x"}}\n</tool_call>',
+    ]:
+        assert not xgr.testing._is_grammar_accept_string(grammar, bad)
+    single = hermes.constraint(tools, parallel=False)
+    assert not xgr.testing._is_grammar_accept_string(build_grammar(single.kind, single.spec), good)

@@ -1,0 +1,63 @@
+"""The building blocks of the HTTP request schema: strict models, valid-Unicode text, counts.
+
+Shared by the OpenAI request models (`protocol`) and the structured-output ones (`constraints`),
+so every string a client sends is checked the same way and the OpenAPI schema shows each bound.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic_core import PydanticCustomError
+
+MAX_INT64 = 2**63 - 1
+
+
+class StrictModel(BaseModel):
+    """A request body part: JSON types as declared (no `"yes"` as a bool, no `1.0` as a token
+    id), finite numbers only."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+def _valid_unicode(text: str) -> str:
+    """Refuse unpaired surrogates (`"\\ud800"` is valid JSON but not encodable text)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PydanticCustomError(
+            "invalid_unicode",
+            "string has an unpaired surrogate at position {position}; send valid Unicode text",
+            {"position": exc.start},
+        ) from None
+    return text
+
+
+def text_type(**constraints: Any) -> Any:
+    """A string type: valid Unicode, with pydantic `Field` constraints checked first."""
+    return Annotated[str, Field(**constraints), AfterValidator(_valid_unicode)]
+
+
+Text = text_type()
+
+
+def _whole_number(value: Any) -> Any:
+    """`4.0` → 4: JSON Schema counts a whole float as an integer (and vLLM accepts it)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def count_type(**constraints: Any) -> Any:
+    """An integer type for counts and seeds: whole floats pass, token ids never use it (a token
+    id is an integer, `1.0` is no token); constraints sit inside, where the schema shows them."""
+    return Annotated[int, Field(**constraints), BeforeValidator(_whole_number)]
+
+
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT64)]
+
+
+class TextPart(StrictModel):
+    """A text part of a message's content."""
+
+    type: Literal["text"]
+    text: Text

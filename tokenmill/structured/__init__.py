@@ -1,0 +1,1 @@
+"""Structured outputs: grammars compiled off the scheduler thread, matchers and token bitmasks."""

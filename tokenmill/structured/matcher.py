@@ -1,0 +1,88 @@
+"""Per-request grammar state and the batch's token bitmask, filled on the host."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import xgrammar as xgr
+
+
+class RequestGrammar:
+    """Where one request stands in its grammar: it has accepted every output token so far.
+
+    A preempted request keeps its tokens, so its matcher stays valid across the recompute.
+    Speculative decoding rolls back the tokens of rejected drafts with `rollback`.
+    """
+
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        self.matcher = xgr.GrammarMatcher(compiled)
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one sampled token; False if the grammar does not allow it."""
+        return self.matcher.accept_token(token_id)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Forget the last `num_tokens` accepted tokens."""
+        self.matcher.rollback(num_tokens)
+
+    @property
+    def is_terminated(self) -> bool:
+        """True once the grammar is complete and a stop token was accepted."""
+        return self.matcher.is_terminated()
+
+
+class BitmaskFiller:
+    """Fills the next-token bitmask of a batch's sampling rows on the host.
+
+    Row i allows token t iff bit t % 32 of word t // 32 is set; rows without a grammar allow
+    everything. Two (pinned, for a GPU) buffers are used in turn, so filling one never
+    overwrites a copy to the device that is still queued; they grow to the largest batch.
+    """
+
+    def __init__(self, vocab_size: int, pin: bool) -> None:
+        self.vocab_size = vocab_size
+        self.pin = pin
+        self._buffers = [self._allocate(0) for _ in range(2)]
+        self._turn = 0
+        self._batch = xgr.BatchGrammarMatcher()
+
+    def _allocate(self, rows: int) -> torch.Tensor:
+        shape = xgr.get_bitmask_shape(rows, self.vocab_size)
+        return torch.empty(shape, dtype=torch.int32, pin_memory=self.pin and rows > 0)
+
+    def fill(
+        self,
+        grammars: Sequence[RequestGrammar | None],
+        banned: dict[int, list[int]] | None = None,
+    ) -> torch.Tensor | None:
+        """The bitmask of rows `grammars` (None: unconstrained), or None if none is constrained.
+
+        `banned` (row → token ids, e.g. EOS before min_tokens) clears those tokens from a
+        constrained row, unless nothing else would be left: the grammar decides then.
+        """
+        rows = [i for i, g in enumerate(grammars) if g is not None and not g.is_terminated]
+        if not rows:
+            return None
+        self._turn ^= 1
+        if len(self._buffers[self._turn]) < len(grammars):
+            self._buffers[self._turn] = self._allocate(max(len(grammars), 64))
+        bitmask = self._buffers[self._turn][: len(grammars)]
+        if len(rows) < len(grammars):  # the others allow every token (constrained rows: below)
+            free = sorted(set(range(len(grammars))) - set(rows))
+            bitmask[free] = -1
+        matchers = [grammars[i].matcher for i in rows]  # type: ignore[union-attr]
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        for row, ids in (banned or {}).items():
+            _clear_unless_empty(bitmask.numpy()[row], ids)
+        return bitmask
+
+
+def _clear_unless_empty(words: np.ndarray, token_ids: list[int]) -> None:
+    ids = np.asarray(token_ids, dtype=np.int64)
+    view = words.view(np.uint32)
+    cleared = view.copy()
+    np.bitwise_and.at(cleared, ids // 32, ~(np.uint32(1) << (ids % 32).astype(np.uint32)))
+    if cleared.any():
+        view[:] = cleared
