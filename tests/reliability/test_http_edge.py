@@ -108,9 +108,13 @@ BAD_COMPLETIONS = [
     ({"max_tokens": MAX_MODEL_LEN + 1}, "max_tokens"),
     ({"min_tokens": 10**9}, "min_tokens"),
     ({"min_tokens": 8, "max_tokens": 4}, "min_tokens"),
-    # not supported yet
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    # structured output that cannot be built
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    (
+        {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+        "response_format",
+    ),
+    ({"structured_outputs": {"regex": "("}}, "structured_outputs"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
 ]
 
@@ -129,7 +133,14 @@ BAD_CHATS = [
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
     ({"logprobs": "yes"}, "logprobs"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    (
+        {
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        "tool_choice",
+    ),
 ]
 
 

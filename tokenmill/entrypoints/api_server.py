@@ -600,8 +600,9 @@ def _tokenize_requests(
 
 
 def _param_of(message: str) -> str | None:
-    """The field a validation message names (SamplingParams messages start with it)."""
-    word = message.split(" ", 1)[0]
+    """The field a validation message names (SamplingParams messages start with it, or with a
+    path into it: `response_format.json_schema.schema ...` names `response_format`)."""
+    word = message.split(" ", 1)[0].rstrip(":").split(".", 1)[0]
     return word if word.isidentifier() else None
 
 
