@@ -112,7 +112,7 @@ class EngineCore:
         self.cache = CacheManager(
             self.runner.num_pages, config.cache.page_size, config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.cache)
+        self.scheduler = Scheduler(config.scheduler, self.cache, config.speculative)
         self._requests: dict[str, Request] = {}
         self._in_flight: InFlight | None = None
         self.stats = EngineCounters()
@@ -181,9 +181,9 @@ class EngineCore:
         self._waited = 0.0
         outputs: list[EngineOutput] = []
         previous, self._in_flight = self._in_flight, None
-        if previous is not None and (
-            not self.config.runner.overlap_scheduling or previous.plan.blocking
-        ):
+        # Speculation drafts from every generated token: each step is read before the next.
+        sync = not self.config.runner.overlap_scheduling or self.config.speculative is not None
+        if previous is not None and (sync or previous.plan.blocking):
             outputs, previous = self._finish(previous), None
         batch = self.scheduler.schedule(previous.unread if previous is not None else None)
         if batch.plan is not None:
@@ -194,7 +194,7 @@ class EngineCore:
             raise RuntimeError("scheduler could not admit a request into an idle engine")
         if previous is not None:
             outputs += self._finish(previous)
-        if self._in_flight is not None and not self.config.runner.overlap_scheduling:
+        if self._in_flight is not None and sync:
             outputs += self._finish(self._in_flight)
             self._in_flight = None
         # Host time of the step: everything but waiting for the GPU.
@@ -211,12 +211,13 @@ class EngineCore:
         logprobs = sampled.logprobs if sampled is not None else []
         touched = self.scheduler.update(step.batch, tokens, logprobs)
         outputs = []
-        for req in touched:
-            self.stats.generation_tokens += 1
-            if len(req.output_token_ids) == 1:
+        for req, num_new in touched:
+            self.stats.generation_tokens += num_new
+            if len(req.output_token_ids) == num_new:
                 self.stats.prompt_tokens += len(req.prompt_token_ids)
-            logprobs = [req.output_logprobs[-1]] if req.params.logprobs is not None else None
-            outputs.append(self._output(req, [req.output_token_ids[-1]], logprobs))
+            wants_logprobs = req.params.logprobs is not None
+            logprobs = req.output_logprobs[-num_new:] if wants_logprobs else None
+            outputs.append(self._output(req, req.output_token_ids[-num_new:], logprobs))
             if req.is_finished:
                 del self._requests[req.request_id]
                 assert req.finish_reason is not None

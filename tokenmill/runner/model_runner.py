@@ -18,6 +18,8 @@ from tokenmill.config import EngineConfig
 from tokenmill.layers.linear import choose_gemv_kernels
 from tokenmill.models.loader import load_model
 from tokenmill.runner.sampler import SampledTokens, Sampler, SamplerOutput, SamplingBatch
+from tokenmill.runner.spec_decode import SpecDecoder
+from tokenmill.spec.proposer import Drafts
 
 if TYPE_CHECKING:
     from tokenmill.runner.cuda_graphs import CudaGraphRunner
@@ -43,6 +45,16 @@ class HostBatch:
     @property
     def is_decode(self) -> bool:
         return len(self.input_ids) == len(self.kv_lens)
+
+
+def _device_draft_positions(plan: StepPlan) -> np.ndarray:
+    """Query token indices the draft model fills: each drafting row's last tokens, in order."""
+    assert plan.num_device_drafts is not None
+    ends = np.cumsum(plan.query_lens)
+    return np.concatenate(
+        [np.arange(e - n, e) for e, n in zip(ends, plan.num_device_drafts, strict=True) if n]
+        or [np.zeros(0, dtype=np.int64)]
+    )
 
 
 def lay_out(plan: StepPlan, page_size: int) -> HostBatch:
@@ -110,6 +122,9 @@ class ModelRunner:
             config.runner.attention_backend, config.model, self.kv_cache, max_seqs
         )
         self.sampler = Sampler(self.device, config.seed)
+        self.spec: SpecDecoder | None = None
+        if config.speculative is not None:
+            self.spec = SpecDecoder(config, self.sampler, self.num_pages, self.device)
         self.num_forward_tokens = 0
         # Two pinned staging buffers, used in turn: with overlap scheduling the host fills one
         # while the previous step's copy from the other may still be queued on the GPU.
@@ -155,7 +170,9 @@ class ModelRunner:
 
     def _num_pages(self) -> int:
         cfg = self.config
+        # A draft model keeps its K/V in the same pages: one page accounting for both.
         per_page = KVCache.bytes_per_page(cfg.model, self.page_size)
+        per_page += SpecDecoder.extra_bytes_per_page(cfg)
         if cfg.cache.num_pages is not None:
             pages = cfg.cache.num_pages
         elif cfg.cache.kv_cache_memory_bytes is not None:
@@ -184,7 +201,12 @@ class ModelRunner:
         launched = LaunchedStep(self.device)
         host = lay_out(plan, self.page_size)
         self.num_forward_tokens += len(host.input_ids)
+        drafts = None
+        if plan.num_device_drafts is not None:
+            assert self.spec is not None
+            drafts = self.spec.draft(plan)
         graphs = self.graphs
+        ids: torch.Tensor | None = None
         if graphs is not None and host.is_decode and len(host.kv_lens) <= graphs.max_bs:
             logits = self._run_graph(host)
         elif graphs is not None and self._prefill_graph_serves(host, graphs):
@@ -195,13 +217,21 @@ class ModelRunner:
             self._upload(block, graphs.prefill_block)
             logits = graphs.run_prefill(len(host.input_ids))
         else:
-            logits = self._run_eager(host)
+            ids, logits = self._run_eager(host, plan, drafts)
+        if self.spec is not None and self.spec.drafter is not None:
+            # The draft's cache follows the target's: the same tokens in the same slots.
+            ids, positions, inputs, _ = self._device_inputs(host, plan, drafts)
+            self.spec.mirror(ids, positions, inputs)
         if plan.sampling:
-            sampling = SamplingBatch.from_rows(
-                plan.sampling, self.config.model.vocab_size, self.device
-            )
-            out = self._tokens[: plan.num_sampled] if self._tokens is not None else None
-            sampled = self.sampler(logits, sampling, out)
+            if self.spec is not None and (plan.num_samples > 1).any():
+                assert ids is not None
+                sampled = self.spec.sample(logits, plan, ids, drafts)
+            else:
+                sampling = SamplingBatch.from_rows(
+                    plan.sampling, self.config.model.vocab_size, self.device
+                )
+                out = self._tokens[: plan.num_sampled] if self._tokens is not None else None
+                sampled = self.sampler(logits, sampling, out)
             sampled.start_copy()
             self._last_tokens = sampled.token_ids
             launched.sampled = sampled
@@ -228,34 +258,54 @@ class ModelRunner:
     def _prefill_graph_serves(host: HostBatch, graphs: CudaGraphRunner) -> bool:
         """One sequence's prefill, every input token known on the host, with a graph."""
         one = len(host.kv_lens) == 1 and not (host.input_src >= 0).any()
+        one = one and len(host.logits_index) <= 1  # not a verify: it needs every row's logits
         return one and graphs.serves_prefill(len(host.input_ids), host.page_table.shape[1])
 
-    def _run_eager(self, host: HostBatch) -> torch.Tensor:
-        """Any batch, layer by layer; returns the sampling rows' logits."""
+    def _run_eager(
+        self, host: HostBatch, plan: StepPlan, drafts: tuple[np.ndarray, Drafts] | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Any batch, layer by layer; returns its input ids on the device and the sampling
+        rows' logits."""
+        ids, positions, inputs, logits_index = self._device_inputs(host, plan, drafts)
+        self.attention.plan(inputs)
+        hidden = self.model(ids, positions, self.attention)
+        return ids, self.model.compute_logits(hidden[logits_index])
+
+    def _device_inputs(
+        self, host: HostBatch, plan: StepPlan, drafts: tuple[np.ndarray, Drafts] | None
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionInputs, torch.Tensor]:
+        """Token ids (with the tokens only the device has filled in: the previous step's
+        samples, the draft model's drafts), positions, attention inputs and sampled token
+        indices of a batch, in one host→device copy."""
         # The inputs sampled by the previous step: positions `dst` take its tokens `src`.
         dst = np.flatnonzero(host.input_src >= 0)
-        ids, positions, slots, q_lens, kv_lens, table, logits_index, dst_d, src_d = (
+        draft_dst = _device_draft_positions(plan) if drafts is not None else dst[:0]
+        ids, positions, slots, q_lens, kv_lens, table, logits_index, dst_d, src_d, draft_d = (
             self._to_device(
                 host.input_ids, host.positions, host.slots, host.query_lens, host.kv_lens,
-                host.page_table, host.logits_index, dst, host.input_src[dst],
+                host.page_table, host.logits_index, dst, host.input_src[dst], draft_dst,
             )
         )  # fmt: skip
         if len(dst):
             ids[dst_d] = self._last_tokens[src_d]
+        if drafts is not None:
+            rows, proposed = drafts
+            assert plan.num_device_drafts is not None
+            num = torch.from_numpy(plan.num_device_drafts[rows]).to(self.device)
+            k = proposed.token_ids.shape[1]
+            mask = torch.arange(k, device=self.device)[None, :] < num[:, None]
+            ids[draft_d] = torch.as_tensor(proposed.token_ids)[mask]
         cu = torch.zeros(len(q_lens) + 1, dtype=torch.int64, device=self.device)
         torch.cumsum(q_lens, 0, out=cu[1:])
-        self.attention.plan(
-            AttentionInputs(
-                query_lens_cpu=host.query_lens.tolist(),
-                kv_lens_cpu=host.kv_lens.tolist(),
-                cu_query_lens=cu,
-                kv_lens=kv_lens,
-                page_table=table,
-                slot_mapping=slots,
-            )
+        inputs = AttentionInputs(
+            query_lens_cpu=host.query_lens.tolist(),
+            kv_lens_cpu=host.kv_lens.tolist(),
+            cu_query_lens=cu,
+            kv_lens=kv_lens,
+            page_table=table,
+            slot_mapping=slots,
         )
-        hidden = self.model(ids, positions, self.attention)
-        return self.model.compute_logits(hidden[logits_index])
+        return ids, positions, inputs, logits_index
 
     def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """Int64 host arrays in one host→device copy, split back into views of their shapes."""
