@@ -239,6 +239,8 @@ class Sampler:
         """What each row would sample from: its normalised probabilities after penalties,
         min_tokens, temperature, top-k/top-p and min-p (None when every row is greedy), and its
         greedy token (the argmax after penalties and min_tokens)."""
+        if batch.temperature is None and batch.penalties is None and not batch.suppressed:
+            return None, _greedy(logits)  # exact in the logits' dtype: no float copy
         logits = _penalized(logits.float(), batch)
         greedy = _greedy(logits)
         if batch.temperature is None:

@@ -25,6 +25,7 @@ from tokenmill.attention.backend import AttentionInputs, create_backend
 from tokenmill.cache.kv_cache import KVCache
 from tokenmill.config import ModelConfig
 from tokenmill.models.loader import load_model
+from tokenmill.runner.staging import HostStaging
 from tokenmill.spec.proposer import Drafts
 
 
@@ -59,6 +60,7 @@ class DraftModelProposer:
         self.model = load_model(draft, device, load_format, seed)
         self.kv_cache = KVCache.allocate(draft, num_pages, page_size, device)
         self.attention = create_backend(attention_backend, draft, self.kv_cache, max_num_seqs)
+        self.staging = HostStaging(device)
 
     @staticmethod
     def bytes_per_page(draft: ModelConfig, page_size: int) -> int:
@@ -94,11 +96,14 @@ class DraftModelProposer:
         drafts = torch.zeros(batch, self.k, dtype=torch.int64, device=self.device)
         probs: torch.Tensor | None = None
         tokens = last_token_ids
-        table = torch.from_numpy(page_table).to(self.device)
+        ps = self.page_size
+        counts, table = self.staging.to_device(num_drafts.astype(np.int64), page_table)
         for j in range(int(num_drafts.max(initial=0))):
             rows = np.flatnonzero(num_drafts > j)
-            rows_t = torch.from_numpy(rows).to(self.device)
-            logits = self._decode(tokens[rows_t], positions[rows] + j, page_table[rows],
+            pos = (positions[rows] + j).astype(np.int64)
+            slots = page_table[rows, pos // ps] * ps + pos % ps
+            rows_t, pos_t, slots_t, kv_t = self.staging.to_device(rows, pos, slots, pos + 1)
+            logits = self._decode(tokens[rows_t], pos_t, slots_t, kv_t, (pos + 1).tolist(),
                                   table[rows_t])  # fmt: skip
             if len(rows) < batch:  # the sampler sees the whole batch: its settings are per row
                 logits = logits.new_zeros(batch, logits.shape[-1]).index_copy_(0, rows_t, logits)
@@ -110,34 +115,29 @@ class DraftModelProposer:
                     probs = torch.zeros(shape, device=self.device)
                 probs[:, j] = chosen_probs
             tokens = drafts[:, j]
-        counts = torch.from_numpy(num_drafts.astype(np.int64)).to(self.device)
         return Drafts(token_ids=drafts, num_drafts=counts, probs=probs)
 
     def _decode(
         self,
         token_ids: torch.Tensor,
-        positions: np.ndarray,
-        host_table: np.ndarray,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        kv_lens: torch.Tensor,
+        kv_lens_cpu: list[int],
         page_table: torch.Tensor,
     ) -> torch.Tensor:
-        """One token per row at `positions`: write its K/V, return the next-token logits.
-        `host_table` and `page_table` are the rows' pages on the host and on the device."""
-        ps = self.page_size
-        slots = host_table[np.arange(len(positions)), positions // ps] * ps + positions % ps
-        kv_lens = positions + 1
-        pos_t, slots_t, kv_t = (
-            torch.from_numpy(a.astype(np.int64)).to(self.device)
-            for a in (positions, slots, kv_lens)
-        )
+        """One token per row at `positions` (in slots `slots`, `kv_lens = positions + 1`, also
+        on the host): write its K/V, return the next-token logits."""
+        batch = len(token_ids)
         self.attention.plan(
             AttentionInputs(
-                query_lens_cpu=[1] * len(positions),
-                kv_lens_cpu=kv_lens.tolist(),
-                cu_query_lens=torch.arange(len(positions) + 1, device=self.device),
-                kv_lens=kv_t,
+                query_lens_cpu=[1] * batch,
+                kv_lens_cpu=kv_lens_cpu,
+                cu_query_lens=torch.arange(batch + 1, device=self.device),
+                kv_lens=kv_lens,
                 page_table=page_table,
-                slot_mapping=slots_t,
+                slot_mapping=slots,
             )
         )
-        hidden = self.model(token_ids, pos_t, self.attention)
+        hidden = self.model(token_ids, positions, self.attention)
         return self.model.compute_logits(hidden)
