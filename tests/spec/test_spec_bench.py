@@ -35,3 +35,20 @@ def test_oracle_drafts_reach_the_ideal_and_keep_the_tokens(llama_dir: Path, rate
         assert stats.num_drafts == 12 and stats.mean_acceptance_length == pytest.approx(59 / 12)
     else:
         assert 1.3 < stats.mean_acceptance_length < 3.0
+
+
+def test_teacher_forced_oracle_applies_its_own_verdicts(llama_dir: Path) -> None:
+    """Teacher-forced, the oracle's verdicts stand even where the target's argmax would differ
+    (numerics of a verify pass): a continuation the model would never produce is emitted as
+    recorded, at the acceptance length the rate sets."""
+    prompt = list(range(30, 50))
+    recorded = [(7 * i + 3) % 200 + 10 for i in range(60)]  # not the model's continuation
+    greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
+    llm = LLM(str(llama_dir), device="cpu", speculative_config=spec)
+    oracle = OracleProposer(4, {tuple(prompt): recorded}, 1.0, llm.config.model.vocab_size, 0)
+    llm.engine.scheduler.host_proposer = oracle
+    oracle.teacher_force(llm.engine.scheduler)
+    assert llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids == recorded
+    stats = llm.engine.scheduler.spec_stats
+    assert stats.num_drafts == 12 and stats.mean_acceptance_length == pytest.approx(59 / 12)

@@ -4,9 +4,22 @@
 copy-heavy prompts (code to edit, a document to quote) and on free generation: acceptance
 length and speedup over plain greedy decoding.
 (b) Verification efficiency at real shapes (dummy weights): an oracle proposer replays the
-target's own greedy tokens, each draft right with probability `a`, so a verify step yields
-`(1 - a^(k+1)) / (1 - a)` tokens on average; measured tokens/s over plain decoding's, against
-that ideal.
+target's own greedy tokens (recorded by a plain run), each draft right with probability `a`, so
+a verify step yields `(1 - a^(k+1)) / (1 - a)` tokens on average; measured tokens/s over plain
+decoding's, against that ideal.
+
+The oracle's verdicts are teacher-forced. With random weights in bfloat16 many next-token
+logits nearly tie, and a verify pass (1 + k query tokens per row, the prefill attention kernel,
+GEMMs) rounds differently from a decode step (GEMVs, the decode kernel): the target's own
+argmax then departs from the recorded continuation at some near-tie, and from there on no
+replayed draft matches, which measures the weights' ties, not verification. So the verify step
+runs in full (drafts in the batch, the forward over every position, the greedy verification on
+the device, the tokens copied back), and only then, on the host, each verify row's result is
+replaced by the oracle's: its first `n` drafts accepted, `n` being where the oracle's first
+wrong draft was, then the recorded token after them (every other sampled row takes its
+recorded token too). The device work and the host work per step are those of a real verify
+at acceptance rate `a`; the tokens are the plain run's by construction (`same_tokens_as_plain`
+checks the bookkeeping, not numerics).
 """
 
 from __future__ import annotations
@@ -24,11 +37,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from tokenmill.batch import Logprob, Request, SchedulerOutput
 from tokenmill.bench.options import OfflineBenchArgs
 from tokenmill.config import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
+from tokenmill.engine.scheduler import Scheduler
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec.proposer import Drafts, HostProposer
+from tokenmill.spec.rejection import PLACEHOLDER
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +86,8 @@ def ideal_tokens_per_step(rate: float, k: int) -> float:
 class OracleProposer(HostProposer):
     """Drafts the target's known greedy continuation of each prompt, each draft right with
     probability `rate` (the first wrong one ends acceptance); always `k` drafts, so a verify
-    costs what a real proposer's would."""
+    costs what a real proposer's would. `teacher_force` makes the verdicts its own (see the
+    module docstring)."""
 
     def __init__(
         self,
@@ -86,6 +103,8 @@ class OracleProposer(HostProposer):
         self.prompt_len = len(next(iter(continuations)))
         self.rate = rate
         self.rng = np.random.default_rng(seed)
+        # prompt -> drafts right in its latest proposal (before its first wrong one)
+        self.num_right: dict[tuple[int, ...], int] = {}
 
     def propose(self, token_ids: Sequence[np.ndarray], max_drafts: np.ndarray) -> Drafts:
         drafts = np.zeros((len(token_ids), self.k), dtype=np.int64)
@@ -96,8 +115,35 @@ class OracleProposer(HostProposer):
             truth = self.continuations[key][done : done + self.k]
             truth += [0] * (self.k - len(truth))
             right = self.rng.random(self.k) < self.rate
+            self.num_right[key] = int(np.argmin(right)) if not right.all() else self.k
             drafts[row] = np.where(right, truth, (np.array(truth) + 1) % self.vocab_size)
         return Drafts(token_ids=drafts, num_drafts=counts)
+
+    def teacher_force(self, scheduler: Scheduler) -> None:
+        """Make `scheduler` apply the oracle's verdicts instead of the verifier's: each step's
+        tokens are replaced, row by row, before the scheduler applies them."""
+        update = scheduler.update
+
+        def forced(
+            out: SchedulerOutput, token_ids: list[int], logprobs: list[dict[int, Logprob] | None]
+        ) -> list[tuple[Request, int]]:
+            tokens, at = list(token_ids), 0
+            for seq in out.seqs:
+                n = seq.num_samples
+                if n:
+                    tokens[at : at + n] = self._verdict(seq.request, n)
+                at += n
+            return update(out, tokens, logprobs)
+
+        scheduler.update = forced  # type: ignore[method-assign]
+
+    def _verdict(self, req: Request, num_samples: int) -> list[int]:
+        """The tokens a row of `num_samples` sampled positions emits under the oracle."""
+        key = tuple(req.prompt_token_ids)
+        done = len(req.output_token_ids)
+        accepted = min(self.num_right.get(key, 0), num_samples - 1)
+        emitted = self.continuations[key][done : done + accepted + 1]
+        return emitted + [PLACEHOLDER] * (num_samples - len(emitted))
 
 
 def run_b4(args: SpecBenchArgs) -> dict[str, Any]:
@@ -184,9 +230,9 @@ def _oracle_part(args: SpecBenchArgs) -> dict[str, Any]:
         for rate in args.acceptance_rates:
             spec = {"method": "ngram", "num_speculative_tokens": k}
             llm = _engine(args, spec)
-            llm.engine.scheduler.host_proposer = OracleProposer(
-                k, continuations, rate, vocab, args.seed
-            )
+            oracle = OracleProposer(k, continuations, rate, vocab, args.seed)
+            llm.engine.scheduler.host_proposer = oracle
+            oracle.teacher_force(llm.engine.scheduler)
             spec_rate, spec_outputs = _decode_rate(llm, prompts, args.output_len)
             stats = llm.engine.scheduler.spec_stats
             ideal = ideal_tokens_per_step(rate, k)
