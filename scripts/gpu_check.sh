@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call (see ../shared/device/README.md).
 # Usage on the device:
-#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|structured|all]
+#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|structured|b4|all]
 # (gputests = the GPU engine tests and the GEMV, decode and rotary kernel tests + profile + B1;
 #  moe = the mixture-of-experts GPU and kernel tests (moetests), B1/B2 qwen3-30b-a3b with the
 #  transformers peer (moebench);
 #  moesweep = the expert kernels' routing and tile timings per batch size, qwen3-30b-a3b shapes)
 #  structured = structured-output GPU tests and benchmarks/structured_outputs.py
+#  b4 = speculative decoding vs plain decoding, qwen3-0.6b and llama-3.1-8b;
 #   or TREES="ab/before ab/after" bash scripts/gpu_check.sh [ab-b1|ab-b2]: B1 or B2 without the
 #   transformers peer, each source tree in turn, run from inside it (see docs/perf-notes.md)
 # Full logs and JSON reports go to $OUT (or ./gpu-out); a short table is printed last.
@@ -116,6 +117,10 @@ if [[ "$what" == structured || "$what" == all ]]; then
     python3 benchmarks/structured_outputs.py --config "$models/$m" --output "$out/structured-$m.json" \
       2>&1 | tee "$out/structured-$m.log" | tail -1 >> "$table"
   done
+fi
+if [[ "$what" == b4 || "$what" == all ]]; then  # speculative decoding vs plain, same run
+  bench qwen3-0.6b b4 "${kv[@]}" --engine-arg max_num_seqs=64
+  bench llama-3.1-8b b4 "${kv[@]}" --engine-arg max_num_seqs=64
 fi
 echo
 echo "=== summary ==="

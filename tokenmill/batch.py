@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -79,6 +80,8 @@ class Request:
     num_preemptions: int = 0
     pages: SeqPages = field(default_factory=SeqPages)
     grammar: RequestGrammar | None = None  # structured outputs: has accepted every output token
+    # Speculative decoding: tokens a host proposer drafted to follow the newest token.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -109,6 +112,18 @@ class Request:
         if limit is not None and len(self.output_token_ids) + num_in_flight >= limit:
             return True
         return self.num_tokens + num_in_flight >= self.max_model_len
+
+    def max_drafts(self, k: int) -> int:
+        """Drafts worth verifying after the newest token: at most `k`, and no more than the
+        request may still emit minus the target's own token (max_tokens, context window).
+        No drafts for structured outputs: the grammar would have to check (and roll back over) each
+        draft, so a constrained request decodes one token a step."""
+        if self.params.structured_outputs is not None:
+            return 0
+        left = self.max_model_len - self.num_tokens - 1
+        if self.params.max_tokens is not None:
+            left = min(left, self.params.max_tokens - len(self.output_token_ids) - 1)
+        return max(0, min(k, left))
 
     @property
     def is_finished(self) -> bool:
@@ -154,6 +169,10 @@ class ScheduledSeq:
     row samples `num_samples` tokens, from the logits of its last `num_samples` positions (0
     for a prefill chunk that does not reach the end of the known tokens, 1 otherwise; 1 + k
     when a speculative row verifies k draft tokens).
+
+    A verify row's query tokens are the request's newest token and its drafts: `drafts` known
+    on the host (prompt lookup), or `num_device_drafts` the runner's draft model makes at
+    launch.
     """
 
     request: Request
@@ -161,6 +180,8 @@ class ScheduledSeq:
     num_new_tokens: int
     num_samples: int
     device_tokens: range = range(0)
+    drafts: tuple[int, ...] = ()
+    num_device_drafts: int = 0
 
 
 @dataclass(frozen=True)
@@ -183,18 +204,19 @@ class SamplingRows:
     def __len__(self) -> int:
         return len(self.params)
 
-    def add(self, req: Request, num_in_flight: int) -> None:
+    def add(self, req: Request, num_in_flight: int, drafts: Sequence[int] = ()) -> None:
         """Append the next draw of `req`, which has `num_in_flight` sampled tokens the host has
-        not read."""
+        not read, or, verifying `drafts`, the draw after them (they count as generated)."""
         p, position = req.params, len(self.params)
-        index = len(req.output_token_ids) + num_in_flight
+        index = len(req.output_token_ids) + num_in_flight + len(drafts)
         self.params.append(p)
         self.token_index.append(index)
         if index < p.min_tokens:
             self.suppressed[position] = (*req.eos_token_ids, *p.stop_token_ids)
         # Penalties count the tokens so far (one test, inlined: this runs for every sampled row).
         if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1:
-            self.history[position] = (req.prompt_token_ids, req.output_token_ids)
+            output = [*req.output_token_ids, *drafts] if drafts else req.output_token_ids
+            self.history[position] = (req.prompt_token_ids, output)
 
 
 @dataclass(frozen=True)
@@ -217,12 +239,15 @@ class StepPlan:
     num_samples: np.ndarray  # [B]
     page_table: np.ndarray  # [B, W], W = most pages any row needs
     sampling: SamplingRows  # [S]
+    # [B] a verify row's last query tokens that the runner's draft model drafts at launch
+    # (their `input_ids` are placeholders); None: no row has any.
+    num_device_drafts: np.ndarray | None = None
 
     @property
     def blocking(self) -> bool:
         """The next step must not be scheduled before this one's tokens are on the host: a
-        penalty counts every generated token."""
-        return bool(self.sampling.history)
+        penalty counts every generated token; a verify decides how many tokens it emits."""
+        return bool(self.sampling.history) or bool((self.num_samples > 1).any())
 
     @property
     def num_rows(self) -> int:
@@ -258,19 +283,29 @@ class StepPlan:
         num_samples: list[int] = []
         pages: list[list[int]] = []
         sampling = SamplingRows()
+        any_device_drafts = False
         for s in seqs:
             req, num_new, num_device = s.request, s.num_new_tokens, len(s.device_tokens)
-            ids += req.token_slice(s.start, s.start + num_new - num_device)
+            num_drafted = len(s.drafts) + s.num_device_drafts
+            ids += req.token_slice(s.start, s.start + num_new - num_device - num_drafted)
             if num_device:
                 device_at += range(len(ids), len(ids) + num_device)
                 device_src += s.device_tokens
                 ids += [0] * num_device
+            if num_drafted:  # a verify row: the drafts follow the newest token
+                ids += s.drafts
+                ids += [0] * s.num_device_drafts
+                any_device_drafts |= s.num_device_drafts > 0
             q_lens.append(num_new)
             kv_lens.append(s.start + num_new)
             num_samples.append(s.num_samples)
             pages.append(req.pages.page_ids)
             for j in range(s.num_samples):
-                sampling.add(req, num_device + j)
+                # Verify position j draws as if drafts [:j] had been generated.
+                if s.drafts:
+                    sampling.add(req, num_device, s.drafts[:j])
+                else:
+                    sampling.add(req, num_device + j)
         input_src = np.full(len(ids), -1, dtype=np.int64)
         input_src[device_at] = device_src
         kv = np.array(kv_lens, dtype=np.int64)
@@ -282,6 +317,11 @@ class StepPlan:
             num_samples=np.array(num_samples, dtype=np.int64),
             page_table=_page_table(pages, kv, page_size),
             sampling=sampling,
+            num_device_drafts=(
+                np.array([s.num_device_drafts for s in seqs], dtype=np.int64)
+                if any_device_drafts
+                else None
+            ),
         )
 
 

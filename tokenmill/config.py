@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from tokenmill.spec.config import SpeculativeConfig
 
 from tokenmill.models.registry import MODEL_REGISTRY
 
@@ -308,6 +312,7 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"
     tokenizer: str | None = None  # directory, if not the model's (structured outputs read it)
+    speculative: SpeculativeConfig | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -400,6 +405,13 @@ class EngineArgs:
         "Fraction of the GPU memory free after loading the weights that the KV cache takes "
         "(when neither num_pages nor kv_cache_memory_bytes is given).",
     )
+    speculative_config: str | Mapping[str, Any] | None = option(
+        None,
+        "Speculative decoding, as JSON (vLLM's shape): "
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+        '"prompt_lookup_min": 2} or {"method": "draft_model", "model": DIR, '
+        '"num_speculative_tokens": 4}.',
+    )
 
     def create_engine_config(self) -> EngineConfig:
         """Validate the options and resolve defaults into an `EngineConfig`."""
@@ -418,6 +430,11 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
         )
         model = ModelConfig.from_pretrained(self.model, self.dtype)
+        from tokenmill.spec.config import SpeculativeConfig  # spec.config imports this module
+
+        speculative = SpeculativeConfig.parse(self.speculative_config)
+        if speculative is not None:
+            speculative.check(model, self.max_model_len or model.max_position_embeddings)
         return EngineConfig(
             model=model,
             cache=CacheConfig(
@@ -438,4 +455,5 @@ class EngineArgs:
             seed=self.seed,
             load_format=self.load_format,
             tokenizer=self.tokenizer,
+            speculative=speculative,
         )

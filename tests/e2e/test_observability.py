@@ -199,7 +199,7 @@ def test_dashboard_renders_live_charts_under_load(server: ServerHandle, tmp_path
         chart: int(n)
         for chart, n in re.findall(r'<canvas id="chart-(\w+)"[^>]*data-points="(\d+)"', dom)
     }
-    assert len(points) == 7, points
+    assert len(points) == 8, points
     # Gauges and rates plot from the first sample; percentiles and hit rate need observations
     # inside a window, so they may start later.
     assert all(points[c] >= samples - 1 for c in ("rate", "queue", "kv", "tokens")), points

@@ -13,12 +13,15 @@ from tokenmill.config import option
 
 @dataclass
 class OfflineBenchArgs:
-    """`tokenmill bench offline` (and the sizes `bench roofline` reads): B1 or B2 on dummy
+    """`tokenmill bench offline` (and the sizes `bench roofline` reads): B1, B2 or B4 on dummy
     weights built from a config directory."""
 
     config: str = option(MISSING, "Directory holding config.json.")
-    workload: str = option("b1", "B1 (single-stream decode) or B2 (throughput).",
-                           choices=("b1", "b2"))  # fmt: skip
+    workload: str = option(
+        "b1",
+        "B1 (single-stream decode), B2 (throughput) or B4 (speculative decoding vs plain).",
+        choices=("b1", "b2", "b4"),
+    )
     dtype: str = option("bfloat16", "Weight dtype.")
     device: str | None = option(None, "cpu or cuda (None: cuda if present).")
     num_requests: int = option(256, "B2 requests.")
@@ -29,6 +32,11 @@ class OfflineBenchArgs:
     seed: int = option(0, "Seed for lengths and token ids.")
     peer: bool = option(True, "Also run the transformers peer.")
     peer_requests: int = option(32, "B2: requests the peer runs (it is slow).")
+    num_speculative_tokens: int = option(4, "B4: drafts per verify (k).")
+    acceptance_rates: str = option(
+        "1.0,0.8,0.6", "B4: the oracle proposer's per-draft acceptance rates, comma-separated."
+    )
+    batch_sizes: str = option("1,64", "B4: the oracle runs' batch sizes, comma-separated.")
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # engine options, by name
 
 

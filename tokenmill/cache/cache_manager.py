@@ -92,6 +92,14 @@ class CacheManager:
         seq.page_ids.extend(self.pool.alloc(needed))
         return True
 
+    def trim(self, seq: SeqPages, num_computed: int) -> None:
+        """Release the pages of `seq` past its first `num_computed` tokens (a verify's rejected
+        drafts): a sequence holds pages for its computed tokens and one step's reservation."""
+        keep = max(self.pages_needed(num_computed), seq.num_tree_pages)
+        if len(seq.page_ids) > keep:
+            self.pool.free(seq.page_ids[keep:])
+            del seq.page_ids[keep:]
+
     def has_uncached_pages(self, seq: SeqPages, num_computed: int) -> bool:
         """Whether `num_computed` tokens fill pages of `seq` the tree does not share yet."""
         return self.radix is not None and num_computed // self.page_size > seq.num_tree_pages

@@ -27,6 +27,7 @@ from tokenmill.ipc.messages import (
     RequestError,
     ResetPrefixCacheRequest,
     ShutdownRequest,
+    SpecDecodeCounts,
 )
 from tokenmill.ipc.process import init_child
 from tokenmill.ipc.sockets import Addresses, encode, pull, push, request_id_of
@@ -194,7 +195,20 @@ class EngineCoreLoop:
                 "iteration_tokens_total": engine.stats.iteration_tokens,
             },
             engine_pid=os.getpid(),
+            spec_decode=_spec_counts(engine),
         )
+
+
+def _spec_counts(engine: EngineCore) -> SpecDecodeCounts | None:
+    if engine.config.speculative is None:
+        return None
+    spec = engine.scheduler.spec_stats
+    return SpecDecodeCounts(
+        num_drafts=spec.num_drafts,
+        num_draft_tokens=spec.num_draft_tokens,
+        num_accepted_tokens=spec.num_accepted_tokens,
+        accepted_per_position=list(spec.accepted_per_position),
+    )
 
 
 def _delta(out: EngineOutput) -> RequestDelta:

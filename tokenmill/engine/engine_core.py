@@ -138,7 +138,7 @@ class EngineCore:
         self.cache = CacheManager(
             self.runner.num_pages, config.cache.page_size, config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.cache)
+        self.scheduler = Scheduler(config.scheduler, self.cache, config.speculative)
         self._requests: dict[str, Request] = {}
         self._in_flight: InFlight | None = None
         self.stats = EngineCounters()
@@ -270,9 +270,9 @@ class EngineCore:
         self._waited = 0.0
         outputs: list[EngineOutput] = self._admit_compiled()
         previous, self._in_flight = self._in_flight, None
-        if previous is not None and (
-            not self.config.runner.overlap_scheduling or previous.plan.blocking
-        ):
+        # Speculation drafts from every generated token: each step is read before the next.
+        sync = not self.config.runner.overlap_scheduling or self.config.speculative is not None
+        if previous is not None and (sync or previous.plan.blocking):
             outputs, previous = outputs + self._finish(previous), None
         batch = self.scheduler.schedule(previous.unread if previous is not None else None)
         if batch.plan is not None:
@@ -299,7 +299,7 @@ class EngineCore:
             wait([f for _, f in self._compiling], COMPILE_WAIT_S, FIRST_COMPLETED)
         if previous is not None:
             outputs += self._finish(previous)
-        if self._in_flight is not None and not self.config.runner.overlap_scheduling:
+        if self._in_flight is not None and sync:
             outputs += self._finish(self._in_flight)
             self._in_flight = None
         # Host time of the step: everything but waiting for the GPU.
@@ -317,12 +317,13 @@ class EngineCore:
         touched = self.scheduler.update(step.batch, tokens, logprobs)
         self._advance_grammars(touched)
         outputs = []
-        for req in touched:
-            self.stats.generation_tokens += 1
-            if len(req.output_token_ids) == 1:
+        for req, num_new in touched:
+            self.stats.generation_tokens += num_new
+            if len(req.output_token_ids) == num_new:
                 self.stats.prompt_tokens += len(req.prompt_token_ids)
-            logprobs = [req.output_logprobs[-1]] if req.params.logprobs is not None else None
-            outputs.append(self._output(req, [req.output_token_ids[-1]], logprobs))
+            wants_logprobs = req.params.logprobs is not None
+            logprobs = req.output_logprobs[-num_new:] if wants_logprobs else None
+            outputs.append(self._output(req, req.output_token_ids[-num_new:], logprobs))
             if req.is_finished:
                 del self._requests[req.request_id]
                 assert req.finish_reason is not None

@@ -9,6 +9,8 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
+
 from tokenmill.batch import (
     FinishReason,
     Logprob,
@@ -20,6 +22,10 @@ from tokenmill.batch import (
 )
 from tokenmill.cache.cache_manager import CacheManager
 from tokenmill.config import SchedulerConfig
+from tokenmill.spec.config import SpeculativeConfig
+from tokenmill.spec.proposer import HostProposer
+from tokenmill.spec.rejection import PLACEHOLDER
+from tokenmill.spec.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +49,18 @@ class Scheduler:
     (its pages are released and it is recomputed later, keeping its generated tokens).
     """
 
-    def __init__(self, config: SchedulerConfig, cache: CacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        cache: CacheManager,
+        speculative: SpeculativeConfig | None = None,
+    ) -> None:
         self.config = config
         self.cache = cache
+        self.speculative = speculative
+        # Replaceable: B4's oracle proposer stands in for prompt lookup.
+        self.host_proposer = _host_proposer(speculative)
+        self.spec_stats = SpecDecodeStats()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SchedulerStats()
@@ -80,6 +95,7 @@ class Scheduler:
     def _schedule_running(
         self, out: SchedulerOutput, budget: int, in_flight: Mapping[Request, range]
     ) -> int:
+        self._propose_drafts(in_flight)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -89,7 +105,11 @@ class Scheduler:
                 i += 1  # its in-flight token is its last: nothing more to compute
                 continue
             uncomputed = req.num_uncomputed_tokens(num_unread)
-            num_new = min(uncomputed, budget)
+            verify = self._verify_row(req, num_unread)
+            if verify is not None and verify.num_new_tokens > budget:
+                i += 1  # waits for a step with room for all its drafts (see _verify_row)
+                continue
+            num_new = verify.num_new_tokens if verify is not None else min(uncomputed, budget)
             while not self.cache.allocate(req.pages, req.num_computed_tokens + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -97,10 +117,56 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.seqs.append(_row(req, num_new, uncomputed, unread))
+                out.seqs.append(verify or _row(req, num_new, uncomputed, unread))
                 budget -= num_new
                 i += 1
         return budget
+
+    def _propose_drafts(self, in_flight: Mapping[Request, range]) -> None:
+        """A host proposer drafts for every decoding request before the batch is built."""
+        if self.host_proposer is None or self.speculative is None:
+            return
+        ready = [r for r in self.running if _decoding(r, in_flight)]
+        if not ready:
+            return
+        k = self._max_drafts()
+        drafts = self.host_proposer.propose(
+            [np.asarray(r.all_token_ids) for r in ready],
+            np.array([r.max_drafts(k) for r in ready]),
+        )
+        for row, req in enumerate(ready):
+            req.draft_token_ids = drafts.token_ids[row, : drafts.num_drafts[row]].tolist()
+
+    def _max_drafts(self) -> int:
+        """Drafts per verify: k, within the step's token budget."""
+        assert self.speculative is not None
+        k = self.speculative.num_speculative_tokens
+        return min(k, self.config.max_num_batched_tokens - 1)
+
+    def _verify_row(self, req: Request, num_unread: int) -> ScheduledSeq | None:
+        """A decoding request's row when speculating: its newest token and its drafts.
+
+        The number of drafts depends on the request alone (never on the budget left by the
+        rest of the batch), so a seeded request draws the same tokens in any batch; a row that
+        does not fit waits for the next step. Requests with penalties are not drafted for by
+        the draft model (its drafts are not on the host to count).
+        """
+        if self.speculative is None or num_unread or not _decoding(req, {}):
+            return None
+        if self.host_proposer is not None:
+            drafts = tuple(req.draft_token_ids)
+            req.draft_token_ids = []
+            num_device = 0
+        else:
+            drafts = ()
+            p = req.params
+            penalised = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1
+            num_device = 0 if penalised else req.max_drafts(self._max_drafts())
+        num_drafts = len(drafts) + num_device
+        if not num_drafts:
+            return None
+        return ScheduledSeq(req, req.num_computed_tokens, 1 + num_drafts, 1 + num_drafts,
+                            drafts=drafts, num_device_drafts=num_device)  # fmt: skip
 
     def _preempt(self, req: Request) -> None:
         self._release(req)
@@ -156,30 +222,47 @@ class Scheduler:
         out: SchedulerOutput,
         token_ids: list[int],
         logprobs: list[dict[int, Logprob] | None],
-    ) -> list[Request]:
+    ) -> list[tuple[Request, int]]:
         """Apply a launched step's sampled tokens: append them, finish requests, cache pages.
 
-        `token_ids` has one entry per sampled position, in batch order (`num_samples` per row).
-        Returns the requests that received a token or finished.
+        `token_ids` has one entry per sampled position, in batch order (`num_samples` per row);
+        a verify row's entries are its accepted drafts, the token after them, then
+        `PLACEHOLDER`s. Tokens after one that ends the request are dropped. A verify's rejected
+        positions stop counting as computed and the pages past the computed tokens are
+        released. Returns the requests that received tokens or finished, with how many tokens.
         """
-        touched: list[Request] = []
+        touched: list[tuple[Request, int]] = []
         sampled = zip(token_ids, logprobs, strict=True)
+        verified: list[tuple[int, int]] = []
         for seq in out.seqs:
             req = seq.request
             results = list(itertools.islice(sampled, seq.num_samples))
+            verifies = seq.num_samples > 1
+            if verifies:  # its accepted drafts and the token after them, then placeholders
+                results = [r for r in results if r[0] != PLACEHOLDER]
+                verified.append((seq.num_samples - 1, len(results) - 1))
             if req.is_finished:  # aborted, or finished by the previous step, while this one ran
                 continue
+            appended = 0
             for result in results:
                 req.append_token(*result)
+                appended += 1
                 if req.is_finished:
                     break
             if results:
-                touched.append(req)
+                touched.append((req, appended))
+            if verifies:
+                req.num_computed_tokens -= seq.num_samples - len(results)
             if req.is_finished:
                 self._remove_finished(req)
                 continue
+            if verifies:
+                self.cache.trim(req.pages, req.num_computed_tokens)
             if self.cache.has_uncached_pages(req.pages, req.num_computed_tokens):
                 self.cache.cache_computed(req.pages, req.token_slice(0, req.num_computed_tokens))
+        if verified:
+            drafted, accepted = np.array(verified).T
+            self.spec_stats.observe(drafted, accepted)
         return touched
 
     def _remove_finished(self, req: Request) -> None:
@@ -221,3 +304,22 @@ def _row(req: Request, num_new: int, uncomputed: int, unread: range | None) -> S
     if num_new < uncomputed:  # a prefill chunk: every token on the host, nothing sampled
         return ScheduledSeq(req, req.num_computed_tokens, num_new, 0)
     return ScheduledSeq(req, req.num_computed_tokens, num_new, 1, unread or range(0))
+
+
+def _decoding(req: Request, in_flight: Mapping[Request, range]) -> bool:
+    """Whether the request's next row is one decode token (all else computed, none unread)."""
+    return req not in in_flight and req.num_uncomputed_tokens(0) == 1
+
+
+def _host_proposer(speculative: SpeculativeConfig | None) -> HostProposer | None:
+    """The proposer that drafts on the host before each batch is built (prompt lookup)."""
+    if speculative is None or speculative.method != "ngram":
+        return None
+    from tokenmill.spec.ngram import NgramProposer
+
+    assert speculative.prompt_lookup_min is not None and speculative.prompt_lookup_max is not None
+    return NgramProposer(
+        speculative.num_speculative_tokens,
+        speculative.prompt_lookup_min,
+        speculative.prompt_lookup_max,
+    )

@@ -10,12 +10,15 @@ import logging
 import sys
 import types
 from collections.abc import Sequence
-from typing import Any, TypeVar, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, TypeVar, get_args, get_origin, get_type_hints
 
 from tokenmill import __version__
 from tokenmill.config import DEMO_MODEL_DIR, EngineArgs
 from tokenmill.entrypoints.server_options import ServerOptions
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.bench.options import OfflineBenchArgs
 
 T = TypeVar("T")
 
@@ -346,9 +349,22 @@ def _bench(ns: argparse.Namespace) -> int:
               f"{hw.bandwidth / 1e12:.2f} TB/s, {hw.matmul_flops / 1e12:.0f} TFLOP/s)")  # fmt: skip
         return 0
     args = options_from(ns, OfflineBenchArgs, engine_kwargs=_engine_kwargs(ns.engine_arg))
+    if args.workload == "b4":
+        return _spec_bench(args, ns.output)
     report = offline.run_offline(args)
     offline.write_report(report, ns.output)
     for row in offline.summary_rows(report):
+        print(row)
+    return 0
+
+
+def _spec_bench(args: OfflineBenchArgs, output: str | None) -> int:
+    from tokenmill.bench import speculative
+    from tokenmill.bench.offline import write_report
+
+    report = speculative.run_b4(speculative.SpecBenchArgs.of(args))
+    write_report(report, output)
+    for row in speculative.summary_rows(report):
         print(row)
     return 0
 

@@ -101,6 +101,17 @@ class EngineStats(msgspec.Struct):
     generation_tokens: int
     histograms: dict[str, Histogram]  # scheduler_step_seconds, model_forward_seconds, ...
     engine_pid: int = 0  # tells a restarted engine core's steps from its predecessor's
+    # Speculative decoding (None when off): drafts, drafted and accepted tokens, per position.
+    spec_decode: SpecDecodeCounts | None = None
+
+
+class SpecDecodeCounts(msgspec.Struct):
+    """Cumulative speculative-decoding counts (vLLM's spec_decode metrics)."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: list[int]
 
 
 class NewRequest(msgspec.Struct):

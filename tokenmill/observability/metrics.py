@@ -26,7 +26,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from tokenmill.ipc.messages import ClientOutput, EngineStats
+from tokenmill.ipc.messages import ClientOutput, EngineStats, SpecDecodeCounts
 from tokenmill.observability.histogram import Histogram as EngineHistogram
 from tokenmill.sampling_params import SamplingParams
 
@@ -94,6 +94,8 @@ class _EngineCollector(Collector):
         for reason in ("stop", "length", "abort", "error"):
             success.add_metric([self.model_name, reason], stats.finished.get(reason, 0))
         yield success
+        if stats.spec_decode is not None:
+            yield from _spec_decode_families(stats.spec_decode, labels)
         docs = {
             "scheduler_step_seconds": "Host time of one engine step (not waiting for the GPU).",
             "model_forward_seconds": "Device time of one forward pass and its sampling.",
@@ -101,6 +103,30 @@ class _EngineCollector(Collector):
         }
         for name, hist in stats.histograms.items():
             yield _histogram_family(PREFIX + name, docs.get(name, name), hist, labels)
+
+
+def _spec_decode_families(spec: SpecDecodeCounts, labels: list[str]) -> Iterator[Metric]:
+    """vLLM's speculative-decoding counters: drafts, drafted and accepted tokens, and accepted
+    tokens per draft position."""
+    counters = {
+        "spec_decode_num_drafts": ("Draft proposals verified (one per request and step).",
+                                   spec.num_drafts),
+        "spec_decode_num_draft_tokens": ("Drafted tokens verified.", spec.num_draft_tokens),
+        "spec_decode_num_accepted_tokens": ("Drafted tokens accepted.",
+                                            spec.num_accepted_tokens),
+    }  # fmt: skip
+    for name, (doc, value) in counters.items():
+        c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        c.add_metric(labels, value)
+        yield c
+    per_position = CounterMetricFamily(
+        PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+        "Drafted tokens accepted, by position in the draft (0 = first).",
+        labels=["model_name", "position"],
+    )
+    for position, value in enumerate(spec.accepted_per_position):
+        per_position.add_metric([*labels, str(position)], value)
+    yield per_position
 
 
 def _histogram_family(

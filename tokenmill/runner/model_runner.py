@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,6 +24,8 @@ from tokenmill.runner.sampler import (
     SamplerOutput,
     SamplingBatch,
 )
+from tokenmill.runner.spec_decode import SpecDecoder, device_draft_entries
+from tokenmill.runner.staging import HostStaging
 
 if TYPE_CHECKING:
     from tokenmill.runner.cuda_graphs import CudaGraphRunner
@@ -49,6 +51,16 @@ class HostBatch:
     @property
     def is_decode(self) -> bool:
         return len(self.input_ids) == len(self.kv_lens)
+
+
+def _device_draft_positions(plan: StepPlan) -> np.ndarray:
+    """Query token indices the draft model fills: each drafting row's last tokens, in order."""
+    assert plan.num_device_drafts is not None
+    ends = np.cumsum(plan.query_lens)
+    return np.concatenate(
+        [np.arange(e - n, e) for e, n in zip(ends, plan.num_device_drafts, strict=True) if n]
+        or [np.zeros(0, dtype=np.int64)]
+    )
 
 
 def lay_out(plan: StepPlan, page_size: int) -> HostBatch:
@@ -116,11 +128,12 @@ class ModelRunner:
             config.runner.attention_backend, config.model, self.kv_cache, max_seqs
         )
         self.sampler = Sampler(self.device, config.seed)
+        # Every host→device copy of a step goes through here: one pinned, non-blocking copy.
+        self.staging = HostStaging(self.device)
+        self.spec: SpecDecoder | None = None
+        if config.speculative is not None:
+            self.spec = SpecDecoder(config, self.sampler, self.num_pages, self.device, self.staging)
         self.num_forward_tokens = 0
-        # Two pinned staging buffers, used in turn: with overlap scheduling the host fills one
-        # while the previous step's copy from the other may still be queued on the GPU.
-        self._staging = [torch.empty(0, dtype=torch.int64) for _ in range(2)]
-        self._step_parity = 0
         # The last launched step's sampled tokens, on the device: a plan's `input_src` points
         # into them. With CUDA graphs the sampler writes them into one static buffer the graphs
         # read, long enough for one sample per token of a step.
@@ -153,15 +166,22 @@ class ModelRunner:
 
             max_samples = config.scheduler.max_num_batched_tokens
             self._tokens = torch.zeros(max_samples, dtype=torch.int64, device=self.device)
+            # Verify steps: rows of up to 1 + k tokens, drafts possibly from the draft model.
+            k = config.speculative.num_speculative_tokens if config.speculative else 0
+            drafts = self.spec.draft_tokens if self.spec is not None else None
             self.graphs = CudaGraphRunner(
                 self.model, self.attention, max_bs, max_pages, self.device, self._tokens,
-                max_prefill,
+                max_prefill, 1 + k, config.scheduler.max_num_batched_tokens, drafts,
             )  # fmt: skip
             self.graphs.capture()
+            if self.spec is not None:
+                self.spec.capture_graphs(self.graphs)
 
     def _num_pages(self) -> int:
         cfg = self.config
+        # A draft model keeps its K/V in the same pages: one page accounting for both.
         per_page = KVCache.bytes_per_page(cfg.model, self.page_size)
+        per_page += SpecDecoder.extra_bytes_per_page(cfg)
         if cfg.cache.num_pages is not None:
             pages = cfg.cache.num_pages
         elif cfg.cache.kv_cache_memory_bytes is not None:
@@ -194,30 +214,86 @@ class ModelRunner:
         launched = LaunchedStep(self.device)
         host = lay_out(plan, self.page_size)
         self.num_forward_tokens += len(host.input_ids)
+        drafts = None
+        if plan.num_device_drafts is not None:
+            assert self.spec is not None
+            drafts = self.spec.draft(plan, self._last_tokens)
         graphs = self.graphs
+        ids: torch.Tensor | None = None
+        verify = self._verify_graph(plan)
         if graphs is not None and host.is_decode and len(host.kv_lens) <= graphs.max_bs:
+            path = "decode"
             logits = self._run_graph(host)
+        elif verify is not None:
+            path = "verify"
+            ids, logits = self._run_verify_graph(host, plan, verify)
         elif graphs is not None and self._prefill_graph_serves(host, graphs):
+            path = "prefill"
             block = graphs.pack_prefill(
                 host.input_ids, host.positions, host.slots, int(host.kv_lens[0]),
                 host.page_table[0],
             )  # fmt: skip
-            self._upload(block, graphs.prefill_block)
+            self.staging.upload(block, graphs.prefill_block)
             logits = graphs.run_prefill(len(host.input_ids))
         else:
-            logits = self._run_eager(host)
+            path = "eager"
+            ids, positions, inputs, logits_index = self._device_inputs(host, plan)
+            self.attention.plan(inputs)
+            hidden = self.model(ids, positions, self.attention)
+            logits = self.model.compute_logits(hidden[logits_index])
+        if self.spec is not None and self.spec.drafter is not None:
+            # The draft's cache follows the target's: the same tokens in the same slots.
+            if path == "eager":
+                self.spec.mirror_eager(ids, positions, inputs)
+            else:
+                self.spec.mirror_graph(path, len(host.kv_lens), len(host.input_ids), verify)
         mask = grammar_mask() if grammar_mask is not None else None
         if plan.sampling:
             sampling = SamplingBatch.from_rows(
                 plan.sampling, self.config.model.vocab_size, self.device, mask
             )
-            out = self._tokens[: plan.num_sampled] if self._tokens is not None else None
-            sampled = self.sampler(logits, sampling, out)
+            if self.spec is not None and (plan.num_samples > 1).any():
+                assert ids is not None
+                sampled = self.spec.sample(logits, plan, sampling, ids, drafts)
+            else:
+                out = self._tokens[: plan.num_sampled] if self._tokens is not None else None
+                sampled = self.sampler(logits, sampling, out)
             sampled.start_copy()
             self._last_tokens = sampled.token_ids
             launched.sampled = sampled
         launched.forward_done()
         return launched
+
+    def _verify_graph(self, plan: StepPlan) -> tuple[int, int] | None:
+        """The verify graph of a step whose rows all sample every query token (decode rows and
+        verify rows) and one at least verifies drafts; None if it has none."""
+        if self.graphs is None or not plan.sampling:
+            return None
+        q_max = int(plan.query_lens.max())
+        if q_max < 2 or not np.array_equal(plan.num_samples, plan.query_lens):
+            return None
+        return self.graphs.verify_key(plan.num_rows, q_max)
+
+    def _run_verify_graph(
+        self, host: HostBatch, plan: StepPlan, key: tuple[int, int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A verify batch through its CUDA graph: its input ids on the device (drafts filled
+        in) and the logits of every query token (all are sampled)."""
+        assert self.graphs is not None
+        draft_src = np.full(len(host.input_ids), -1, dtype=np.int64)
+        if plan.num_device_drafts is not None:
+            assert self.spec is not None
+            draft_src[_device_draft_positions(plan)] = device_draft_entries(
+                plan.num_device_drafts, self.spec.k
+            )
+        block = self.graphs.pack_verify(
+            key, host.input_ids, host.positions, host.slots, host.query_lens, host.kv_lens,
+            host.page_table, host.input_src, draft_src,
+        )  # fmt: skip
+        self.staging.upload(block, self.graphs.verify_block)
+        num_tokens = len(host.input_ids)
+        hidden = self.graphs.run_verify(key, num_tokens)
+        return self.graphs.input_ids[:num_tokens], self.model.compute_logits(hidden)
 
     def _run_graph(self, host: HostBatch) -> torch.Tensor:
         """A decode batch through its CUDA graph; returns the sampling rows' logits."""
@@ -228,7 +304,7 @@ class ModelRunner:
             host.input_ids, host.positions, host.slots, host.kv_lens, host.page_table,
             host.input_src,
         )  # fmt: skip
-        self._upload(block, self.graphs.decode_block)
+        self.staging.upload(block, self.graphs.decode_block)
         logits = self.graphs.run(batch)
         if len(host.logits_index) < batch:  # rare (a 1-token prefill chunk); pageable copy
             index = torch.from_numpy(host.logits_index).to(self.device, non_blocking=True)
@@ -239,59 +315,42 @@ class ModelRunner:
     def _prefill_graph_serves(host: HostBatch, graphs: CudaGraphRunner) -> bool:
         """One sequence's prefill, every input token known on the host, with a graph."""
         one = len(host.kv_lens) == 1 and not (host.input_src >= 0).any()
+        one = one and len(host.logits_index) <= 1  # not a verify: it needs every row's logits
         return one and graphs.serves_prefill(len(host.input_ids), host.page_table.shape[1])
 
-    def _run_eager(self, host: HostBatch) -> torch.Tensor:
-        """Any batch, layer by layer; returns the sampling rows' logits."""
+    def _device_inputs(
+        self, host: HostBatch, plan: StepPlan
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionInputs, torch.Tensor]:
+        """Token ids (with the tokens only the device has filled in: the previous step's
+        samples, the draft model's drafts), positions, attention inputs and sampled token
+        indices of a batch, in one host→device copy."""
         # The inputs sampled by the previous step: positions `dst` take its tokens `src`.
         dst = np.flatnonzero(host.input_src >= 0)
-        ids, positions, slots, q_lens, kv_lens, table, logits_index, dst_d, src_d = (
-            self._to_device(
+        draft_dst, draft_src = dst[:0], dst[:0]
+        if plan.num_device_drafts is not None:
+            assert self.spec is not None
+            draft_dst = _device_draft_positions(plan)
+            draft_src = device_draft_entries(plan.num_device_drafts, self.spec.k)
+        ids, positions, slots, q_lens, kv_lens, table, logits_index, dst_d, src_d, *drafts_d = (
+            self.staging.to_device(
                 host.input_ids, host.positions, host.slots, host.query_lens, host.kv_lens,
-                host.page_table, host.logits_index, dst, host.input_src[dst],
+                host.page_table, host.logits_index, dst, host.input_src[dst], draft_dst,
+                draft_src,
             )
         )  # fmt: skip
         if len(dst):
             ids[dst_d] = self._last_tokens[src_d]
+        if len(draft_dst):
+            assert self.spec is not None
+            ids[drafts_d[0]] = self.spec.draft_tokens[drafts_d[1]]
         cu = torch.zeros(len(q_lens) + 1, dtype=torch.int64, device=self.device)
         torch.cumsum(q_lens, 0, out=cu[1:])
-        self.attention.plan(
-            AttentionInputs(
-                query_lens_cpu=host.query_lens.tolist(),
-                kv_lens_cpu=host.kv_lens.tolist(),
-                cu_query_lens=cu,
-                kv_lens=kv_lens,
-                page_table=table,
-                slot_mapping=slots,
-            )
+        inputs = AttentionInputs(
+            query_lens_cpu=host.query_lens.tolist(),
+            kv_lens_cpu=host.kv_lens.tolist(),
+            cu_query_lens=cu,
+            kv_lens=kv_lens,
+            page_table=table,
+            slot_mapping=slots,
         )
-        hidden = self.model(ids, positions, self.attention)
-        return self.model.compute_logits(hidden[logits_index])
-
-    def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
-        """Int64 host arrays in one host→device copy, split back into views of their shapes."""
-        flat = self._stage(arrays).to(self.device, non_blocking=True)
-        sizes = [a.size for a in arrays]
-        return [part.view(a.shape) for part, a in zip(flat.split(sizes), arrays, strict=True)]
-
-    def _upload(self, array: np.ndarray, dst: torch.Tensor) -> None:
-        """An int64 host array into the start of the device tensor `dst`, in one copy."""
-        dst[: array.size].copy_(self._stage([array]), non_blocking=True)
-
-    def _stage(self, arrays: Sequence[np.ndarray]) -> torch.Tensor:
-        """The arrays, flattened one after another into a (pinned, on CUDA) host buffer; two
-        buffers are used in turn, so this step's copy never overwrites one still queued."""
-        total = sum(a.size for a in arrays)
-        self._step_parity ^= 1
-        buffer = self._staging[self._step_parity]
-        if buffer.numel() < total:
-            buffer = torch.empty(max(total, 2 * buffer.numel()), dtype=torch.int64)
-            if self.device.type == "cuda":
-                buffer = buffer.pin_memory()
-            self._staging[self._step_parity] = buffer
-        staging = buffer.numpy()
-        offset = 0
-        for a in arrays:
-            staging[offset : offset + a.size] = a.reshape(-1)
-            offset += a.size
-        return buffer[:total]
+        return ids, positions, inputs, logits_index

@@ -128,8 +128,18 @@ def _generator(seed: int, token_index: int, device: torch.device) -> torch.Gener
     """A seeded position's own generator, seeded from the request's seed and the index of the
     token it draws: the draw depends on neither the batch nor the step, so a seeded request
     repeats itself alone, in any batch, with or without overlap, after preemption."""
+    return seeded_generator(seed, token_index, device)
+
+
+def seeded_generator(
+    seed: int, token_index: int, device: torch.device, stream: int = 0
+) -> torch.Generator:
+    """The generator of a seeded position's draws from `stream` (0: sampling; speculative
+    decoding draws its drafts and acceptance tests from streams of their own, independent of
+    the sampling one)."""
+    key = (seed, token_index) if stream == 0 else (seed, token_index, stream)
     # Tuples of ints hash the same in every process (no hash randomisation for ints).
-    return torch.Generator(device=device).manual_seed(hash((seed, token_index)) & _MASK)
+    return torch.Generator(device=device).manual_seed(hash(key) & _MASK)
 
 
 def _token_counts(
@@ -239,44 +249,69 @@ class Sampler:
             tokens = argmax_rows(logits, host_out=host, out=out)
             return SampledTokens(tokens, batch.num_logprobs, host_token_ids=host)
         logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
-        if batch.penalties is not None:
-            logits = batch.penalties.apply(logits)
-        for row, ids in batch.suppressed:
-            logits[row, ids] = float("-inf")
-        if batch.bitmask is not None:
-            _apply_bitmask(logits, batch.bitmask)
+        raw_logits = logits if wants_logprobs else None
+        logits = _penalized(logits, batch)
         tokens = _greedy(logits)
         if batch.temperature is not None:
-            sampled = self._sample(logits, batch, batch.temperature)
+            sampled = self._race(_weights(logits, batch, batch.temperature), batch)
             tokens = torch.where(batch.temperature == 0, tokens, sampled)
         tokens = _into(tokens, out)
-        if raw_logprobs is None:
+        if raw_logits is None:
             return SampledTokens(tokens, batch.num_logprobs)
+        return self.with_logprobs(raw_logits, tokens, batch.num_logprobs)
+
+    def distribution(
+        self, logits: torch.Tensor, batch: SamplingBatch
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """What each row would sample from: its normalised probabilities after penalties,
+        min_tokens, temperature, top-k/top-p and min-p (None when every row is greedy), and its
+        greedy token (the argmax after penalties and min_tokens)."""
+        plain = batch.penalties is None and not batch.suppressed and batch.bitmask is None
+        if batch.temperature is None and plain:
+            return None, _greedy(logits)  # exact in the logits' dtype: no float copy
+        logits = _penalized(logits.float(), batch)
+        greedy = _greedy(logits)
+        if batch.temperature is None:
+            return None, greedy
+        weights = _weights(logits, batch, batch.temperature)
+        return weights / weights.sum(dim=-1, keepdim=True), greedy
+
+    def sample_with_distribution(
+        self, logits: torch.Tensor, batch: SamplingBatch
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tokens `[B]` as `__call__` picks them, and the distributions the sampled rows drew
+        from (None when every row is greedy): a draft model's sampler, whose verification needs
+        the probabilities of its drafts."""
+        probs, greedy = self.distribution(logits, batch)
+        if probs is None:
+            return greedy, None
+        assert batch.temperature is not None
+        return torch.where(batch.temperature == 0, greedy, self._race(probs, batch)), probs
+
+    @staticmethod
+    def with_logprobs(
+        logits: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]
+    ) -> SampledTokens:
+        """`tokens` `[S]` with their logprobs under the raw `logits` (before any processing,
+        as vLLM and OpenAI report them) and each row's top `num_logprobs`."""
+        raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
         chosen = raw_logprobs.gather(1, tokens[:, None])
-        top = raw_logprobs.topk(max(n or 0 for n in batch.num_logprobs), dim=-1)
+        top = raw_logprobs.topk(max(n or 0 for n in num_logprobs), dim=-1)
         return SampledTokens(
             token_ids=tokens,
-            num_logprobs=batch.num_logprobs,
+            num_logprobs=num_logprobs,
             chosen_logprobs=chosen[:, 0],
             ranks=(raw_logprobs > chosen).sum(dim=-1) + 1,
             top_logprobs=top.values,
             top_ids=top.indices,
         )
 
-    def _sample(
-        self, logits: torch.Tensor, batch: SamplingBatch, temperature: torch.Tensor
-    ) -> torch.Tensor:
-        temperature = torch.where(temperature == 0, 1.0, temperature)
-        logits = logits / temperature[:, None]
-        if batch.use_top_k or batch.use_top_p:
-            logits = _top_k_top_p(logits, batch)
-        probs = torch.softmax(logits, dim=-1)
-        if batch.use_min_p and batch.min_p is not None:
-            threshold = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-            probs = torch.where(probs < threshold, 0.0, probs)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p. Each seeded request has
-        # its own generator, so its draws do not depend on the rest of the batch.
+    def _race(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """One token per row drawn from `probs` (unnormalised weights will do).
+
+        Exponential race: argmax(p / E) with E ~ Exp(1) draws from p. Each seeded request has
+        its own generator, so its draws do not depend on the rest of the batch.
+        """
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, gen in enumerate(batch.generators):
             if gen is not None:
@@ -284,11 +319,38 @@ class Sampler:
         return (probs / noise).argmax(dim=-1)
 
 
+def _penalized(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Float logits after penalties, min_tokens' bans and grammar masks (what greedy rows take
+    the argmax of); `logits` itself is left as it is (logprobs are reported from it)."""
+    if (batch.suppressed or batch.bitmask is not None) and batch.penalties is None:
+        logits = logits.clone()
+    if batch.penalties is not None:
+        logits = batch.penalties.apply(logits)
+    for row, ids in batch.suppressed:
+        logits[row, ids] = float("-inf")
+    if batch.bitmask is not None:
+        _apply_bitmask(logits, batch.bitmask)
+    return logits
+
+
 def _apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set the logits of tokens a row's grammar forbids to -inf, in place (one kernel)."""
     import xgrammar as xgr  # here: only constrained batches need it
 
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1])
+
+
+def _weights(logits: torch.Tensor, batch: SamplingBatch, temperature: torch.Tensor) -> torch.Tensor:
+    """Sampling weights per row after temperature, top-k/top-p and min-p (sum <= 1)."""
+    temperature = torch.where(temperature == 0, 1.0, temperature)
+    logits = logits / temperature[:, None]
+    if batch.use_top_k or batch.use_top_p:
+        logits = _top_k_top_p(logits, batch)
+    probs = torch.softmax(logits, dim=-1)
+    if batch.use_min_p and batch.min_p is not None:
+        threshold = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = torch.where(probs < threshold, 0.0, probs)
+    return probs
 
 
 def _into(tokens: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

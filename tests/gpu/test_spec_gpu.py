@@ -1,0 +1,68 @@
+"""Speculative decoding on a CUDA GPU: greedy equality with plain decoding in float32, both
+proposers, k = 1..5, verify steps and greedy drafting through CUDA graphs (and eager)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+PROMPTS = [list(range(3, 10)), [11, 12, 13, 14] * 3, list(range(20, 77)), [7] * 33 + [9]]
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+def _spec(method: str, k: int, draft: Path | None) -> str:
+    if method == "ngram":
+        return json.dumps({"method": "ngram", "num_speculative_tokens": k,
+                           "prompt_lookup_min": 1, "prompt_lookup_max": 3})  # fmt: skip
+    return json.dumps({"method": "draft_model", "model": str(draft), "num_speculative_tokens": k})
+
+
+CASES = [(m, k, {}) for m in ("ngram", "draft_model") for k in range(1, 6)]
+SETTINGS = ({"page_size": 1}, {"enforce_eager": True})
+CASES += [(m, 3, s) for m in ("ngram", "draft_model") for s in SETTINGS]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize(("method", "k", "setting"), CASES)
+def test_float32_greedy_with_speculation_equals_plain_on_gpu(
+    checkpoints: dict[str, Path], family: str, method: str, k: int, setting: dict,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    from tokenmill.runner.cuda_graphs import CudaGraphRunner, DraftLoopGraphs
+
+    replays = {"verify": 0, "loop": 0}
+    run_verify, run_loop = CudaGraphRunner.run_verify, DraftLoopGraphs.run
+
+    def count_verify(self, key, num_tokens):  # type: ignore[no-untyped-def]
+        replays["verify"] += self.with_logits  # the target's, not the draft's mirror
+        return run_verify(self, key, num_tokens)
+
+    def count_loop(self, batch):  # type: ignore[no-untyped-def]
+        replays["loop"] += 1
+        return run_loop(self, batch)
+
+    monkeypatch.setattr(CudaGraphRunner, "run_verify", count_verify)
+    monkeypatch.setattr(DraftLoopGraphs, "run", count_loop)
+    path = checkpoints[family]
+    plain = LLM(str(path), device="cuda", dtype="float32", **setting)
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    # The target drafts for itself: nearly every draft is accepted.
+    llm = LLM(str(path), device="cuda", dtype="float32",
+              speculative_config=_spec(method, k, path), **setting)  # fmt: skip
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    stats = llm.engine.scheduler.spec_stats
+    assert stats.num_accepted_tokens > 0
+    if method == "draft_model":
+        assert stats.acceptance_rate > 0.9
+    assert llm.engine.cache.num_used_pages == 0
+    if not setting.get("enforce_eager"):
+        assert replays["verify"] > 0
+        assert replays["loop"] > 0 or method == "ngram"

@@ -1,0 +1,54 @@
+"""B4's oracle proposer and its ideal: the engine emits the target's tokens whatever the rate,
+and a verify yields the expected number of tokens."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.bench.speculative import OracleProposer, ideal_tokens_per_step
+
+
+def test_ideal_tokens_per_verify() -> None:
+    assert ideal_tokens_per_step(1.0, 4) == 5
+    assert ideal_tokens_per_step(0.0, 4) == 1
+    assert ideal_tokens_per_step(0.8, 4) == pytest.approx(1 + 0.8 + 0.64 + 0.512 + 0.4096)
+
+
+@pytest.mark.parametrize("rate", [1.0, 0.6])
+def test_oracle_drafts_reach_the_ideal_and_keep_the_tokens(llama_dir: Path, rate: float) -> None:
+    prompt = list(range(30, 50))
+    greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    plain = LLM(str(llama_dir), device="cpu").generate([prompt], greedy, use_tqdm=False)
+    expected = plain[0].outputs[0].token_ids
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
+    llm = LLM(str(llama_dir), device="cpu", speculative_config=spec)
+    vocab = llm.config.model.vocab_size
+    llm.engine.scheduler.host_proposer = OracleProposer(4, {tuple(prompt): expected}, rate,
+                                                         vocab, seed=0)  # fmt: skip
+    assert llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids == expected
+    stats = llm.engine.scheduler.spec_stats
+    if rate == 1.0:  # every verify but the last (capped by max_tokens) emits k + 1 tokens
+        assert stats.num_drafts == 12 and stats.mean_acceptance_length == pytest.approx(59 / 12)
+    else:
+        assert 1.3 < stats.mean_acceptance_length < 3.0
+
+
+def test_teacher_forced_oracle_applies_its_own_verdicts(llama_dir: Path) -> None:
+    """Teacher-forced, the oracle's verdicts stand even where the target's argmax would differ
+    (numerics of a verify pass): a continuation the model would never produce is emitted as
+    recorded, at the acceptance length the rate sets."""
+    prompt = list(range(30, 50))
+    recorded = [(7 * i + 3) % 200 + 10 for i in range(60)]  # not the model's continuation
+    greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
+    llm = LLM(str(llama_dir), device="cpu", speculative_config=spec)
+    oracle = OracleProposer(4, {tuple(prompt): recorded}, 1.0, llm.config.model.vocab_size, 0)
+    llm.engine.scheduler.host_proposer = oracle
+    oracle.teacher_force(llm.engine.scheduler)
+    assert llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids == recorded
+    stats = llm.engine.scheduler.spec_stats
+    assert stats.num_drafts == 12 and stats.mean_acceptance_length == pytest.approx(59 / 12)

@@ -1,0 +1,169 @@
+"""Speculative decoding in the engine: greedy output is the target's, token for token, under
+every engine setting; pages never leak; acceptance is counted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import hf_greedy
+from tests.engine.test_prefix_cache import assert_pages_partitioned
+from tokenmill import LLM, SamplingParams
+
+PROMPTS = [
+    list(range(3, 10)),
+    [11, 12, 13, 14, 11, 12, 13, 14, 11, 12],  # repeats: prompt lookup finds drafts
+    list(range(20, 77)),
+    [7] * 33 + [9],
+    [42],
+]
+MAX_TOKENS = 20
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def references(llama_dir: Path) -> list[list[int]]:
+    return [hf_greedy(llama_dir, p, MAX_TOKENS) for p in PROMPTS]
+
+
+def _spec(method: str, k: int, draft: Path | None = None) -> str:
+    if method == "ngram":
+        return json.dumps({"method": "ngram", "num_speculative_tokens": k,
+                           "prompt_lookup_min": 1, "prompt_lookup_max": 3})  # fmt: skip
+    return json.dumps({"method": "draft_model", "model": str(draft), "num_speculative_tokens": k})
+
+
+def _proposers(llama_dir: Path, draft_dir: Path) -> dict[str, tuple[str, Path | None]]:
+    # The target as its own draft accepts (nearly) everything: bonus tokens, page boundaries.
+    return {"ngram": ("ngram", None), "self_draft": ("draft_model", llama_dir),
+            "other_draft": ("draft_model", draft_dir)}  # fmt: skip
+
+
+def _greedy_tokens(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize(
+    ("proposer", "k"),
+    [("ngram", 1), ("ngram", 2), ("ngram", 5), ("self_draft", 1), ("self_draft", 3),
+     ("self_draft", 4), ("other_draft", 2), ("other_draft", 5)],
+)  # fmt: skip
+def test_greedy_with_speculation_equals_greedy_without(
+    proposer: str, k: int, llama_dir: Path, draft_dir: Path, references: list[list[int]]
+) -> None:
+    method, draft = _proposers(llama_dir, draft_dir)[proposer]
+    llm = LLM(str(llama_dir), device="cpu", speculative_config=_spec(method, k, draft))
+    assert _greedy_tokens(llm) == references
+    stats = llm.engine.scheduler.spec_stats
+    assert stats.num_drafts > 0
+    # Prompt lookup and the target as its own draft get drafts accepted; the other draft
+    # mostly proposes what the target rejects.
+    assert stats.num_accepted_tokens > 0 or proposer == "other_draft"
+    assert stats.num_accepted_tokens < stats.num_draft_tokens or proposer == "self_draft"
+    if proposer == "self_draft":
+        assert stats.acceptance_rate > 0.9
+    assert llm.engine.cache.num_used_pages == 0
+
+
+SETTINGS = {
+    "chunked_prefill_budget_3": {"max_num_batched_tokens": 3},  # fewer drafts than k fit
+    "page_size_1": {"page_size": 1},
+    "page_size_16": {"page_size": 16},
+    "tiny_pool_preempts": {"page_size": 4, "num_pages": 24, "max_model_len": 96},
+    "tiny_pool_chunked": {
+        "page_size": 2, "num_pages": 48, "max_model_len": 96, "max_num_batched_tokens": 5,
+    },
+    "no_prefix_cache": {"enable_prefix_caching": False},
+}  # fmt: skip
+
+
+# Each setting with the proposers whose paths it stresses (CPU time is short).
+CASES = [
+    ("chunked_prefill_budget_3", "self_draft"),
+    ("chunked_prefill_budget_3", "ngram"),
+    ("page_size_1", "other_draft"),
+    ("page_size_16", "ngram"),
+    ("tiny_pool_preempts", "self_draft"),
+    ("tiny_pool_preempts", "other_draft"),
+    ("tiny_pool_chunked", "ngram"),
+    ("no_prefix_cache", "other_draft"),
+]
+
+
+@pytest.mark.parametrize(("setting", "proposer"), CASES)
+def test_constrained_engine_with_speculation_matches(
+    proposer: str,
+    setting: str,
+    llama_dir: Path,
+    draft_dir: Path,
+    references: list[list[int]],
+) -> None:
+    method, draft = _proposers(llama_dir, draft_dir)[proposer]
+    spec = _spec(method, 3, draft)
+    llm = LLM(str(llama_dir), device="cpu", speculative_config=spec, **SETTINGS[setting])
+    assert _greedy_tokens(llm) == references
+    if "preempts" in setting:
+        assert llm.engine.scheduler.stats.num_preemptions > 0
+    if "tiny_pool" not in setting and SETTINGS[setting].get("enable_prefix_caching", True):
+        # Again: every prompt's prefix is cached now (target and draft K/V in the same pages).
+        assert _greedy_tokens(llm) == references
+        assert llm.engine.cache.stats.hits > 0
+    assert llm.engine.cache.num_used_pages == 0
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "self_draft"])
+def test_stop_conditions_apply_to_each_accepted_token(
+    proposer: str, llama_dir: Path, draft_dir: Path, references: list[list[int]]
+) -> None:
+    method, draft = _proposers(llama_dir, draft_dir)[proposer]
+    llm = LLM(str(llama_dir), device="cpu", speculative_config=_spec(method, 4, draft))
+    plain = LLM(str(llama_dir), device="cpu")
+    stop = references[1][6]
+    cases = [
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[stop]),
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[stop], min_tokens=8),
+        *(SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (1, 2, 5, 7)),
+    ]
+    ours = llm.generate([PROMPTS[1]] * len(cases), cases, use_tqdm=False)
+    ref = plain.generate([PROMPTS[1]] * len(cases), cases, use_tqdm=False)
+    for a, b in zip(ours, ref, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
+    assert ours[0].outputs[0].token_ids[-1] == stop
+    assert len(ours[0].outputs[0].token_ids) < MAX_TOKENS
+
+
+def test_context_window_caps_speculation(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir), device="cpu", max_model_len=20, speculative_config=_spec(
+        "draft_model", 5, llama_dir))  # fmt: skip
+    plain = LLM(str(llama_dir), device="cpu", max_model_len=20)
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    ours = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
+    ref = plain.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
+    assert ours.token_ids == ref.token_ids and len(ours.token_ids) == 20 - len(PROMPTS[0])
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "self_draft"])
+def test_random_traffic_with_speculation_never_leaks_a_page(
+    proposer: str, llama_dir: Path, draft_dir: Path
+) -> None:
+    method, draft = _proposers(llama_dir, draft_dir)[proposer]
+    llm = LLM(str(llama_dir), device="cpu", page_size=4, num_pages=40, max_model_len=96,
+              max_num_batched_tokens=24, speculative_config=_spec(method, 4, draft))  # fmt: skip
+    engine = llm.engine
+    for i in range(12):
+        prompt = [*PROMPTS[i % len(PROMPTS)], i]
+        params = SamplingParams(max_tokens=10 + 3 * i, seed=i, ignore_eos=True)
+        engine.add_request(f"r{i}", prompt, params)
+        if i % 4 == 3:
+            engine.abort_request(f"r{i - 2}")
+        engine.step()
+        assert_pages_partitioned(engine.cache, engine)
+    while engine.has_unfinished():
+        engine.step()
+        assert_pages_partitioned(engine.cache, engine)
+    assert engine.cache.num_used_pages == 0
+    assert engine.scheduler.stats.num_preemptions > 0

@@ -1,0 +1,98 @@
+"""Sampling with speculation keeps the target's distribution: chi-square tests of the first
+three sampled tokens against exact marginals computed with transformers; seeded requests give
+the same tokens alone and in a busy batch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from tests.conftest import _hf_model
+from tokenmill import LLM, SamplingParams
+
+PROMPT = [11, 12, 13, 14, 11, 12, 13, 14, 11, 12]
+# Every token id once, then the prompt: whatever is sampled, prompt lookup finds it and drafts
+# the tokens after it (mostly rejected: this checks the residual draws of one-hot drafts).
+LOOKUP_PROMPT = [*torch.randperm(512, generator=torch.Generator().manual_seed(0)).tolist(),
+                 *PROMPT]  # fmt: skip
+TEMPERATURE, TOP_K = 0.8, 8
+SAMPLES = 800
+ALPHA = 1e-4
+
+
+def _spec(proposer: str, llama_dir: Path, draft_dir: Path) -> str:
+    if proposer == "ngram":
+        return json.dumps({"method": "ngram", "num_speculative_tokens": 3,
+                           "prompt_lookup_min": 1, "prompt_lookup_max": 3})  # fmt: skip
+    draft = llama_dir if proposer == "self_draft" else draft_dir
+    return json.dumps({"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
+
+
+def _next_token_probs(path: Path, contexts: list[list[int]]) -> torch.Tensor:
+    """`[C, V]` the sampling distribution after each context (temperature, top-k), float64."""
+    with torch.no_grad():
+        logits = _hf_model(path)(torch.tensor(contexts)).logits[:, -1].double() / TEMPERATURE
+    top = logits.topk(TOP_K, dim=-1)
+    probs = torch.zeros_like(logits)
+    return probs.scatter_(1, top.indices, top.values.softmax(dim=-1))
+
+
+def _exact_marginals(path: Path, prompt: list[int]) -> list[torch.Tensor]:
+    """Marginal distributions of the first three sampled tokens, summing over earlier ones."""
+    p1 = _next_token_probs(path, [prompt])[0]
+    first = p1.nonzero()[:, 0].tolist()
+    p2 = _next_token_probs(path, [[*prompt, a] for a in first])  # [8, V]
+    pairs = [(a, b) for i, a in enumerate(first) for b in p2[i].nonzero()[:, 0].tolist()]
+    p3 = _next_token_probs(path, [[*prompt, a, b] for a, b in pairs])
+    weight2 = p1[first]
+    weight3 = torch.tensor([p1[a] * p2[first.index(a), b] for a, b in pairs], dtype=torch.float64)
+    return [p1, weight2 @ p2, weight3 @ p3]
+
+
+def _assert_follows(tokens: list[int], probs: torch.Tensor) -> None:
+    counts = torch.bincount(torch.tensor(tokens), minlength=len(probs)).double()
+    support = probs > 0
+    assert counts[~support].sum() == 0, "a token outside top-k was sampled"
+    expected = probs[support] / probs[support].sum() * len(tokens)
+    result = chisquare(counts[support].numpy(), expected.numpy())
+    assert result.pvalue > ALPHA, (counts[support].tolist(), expected.tolist(), result)
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "other_draft"])
+def test_sampled_tokens_keep_the_target_distribution(
+    proposer: str, llama_dir: Path, draft_dir: Path
+) -> None:
+    llm = LLM(str(llama_dir), device="cpu", max_num_seqs=256, seed=1,
+              speculative_config=_spec(proposer, llama_dir, draft_dir))  # fmt: skip
+    params = SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, max_tokens=3, n=SAMPLES,
+                            ignore_eos=True)  # fmt: skip
+    prompt = LOOKUP_PROMPT if proposer == "ngram" else PROMPT
+    outputs = llm.generate([prompt], params, use_tqdm=False)[0].outputs
+    stats = llm.engine.scheduler.spec_stats
+    assert stats.num_draft_tokens >= SAMPLES
+    if proposer != "ngram":
+        assert stats.num_accepted_tokens > 0
+    for position, marginal in enumerate(_exact_marginals(llama_dir, prompt)):
+        _assert_follows([o.token_ids[position] for o in outputs], marginal)
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "self_draft", "other_draft"])
+def test_seeded_request_is_identical_alone_and_in_a_busy_batch(
+    proposer: str, llama_dir: Path, draft_dir: Path
+) -> None:
+    llm = LLM(str(llama_dir), device="cpu", speculative_config=_spec(proposer, llama_dir,
+              draft_dir))  # fmt: skip
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=24,
+                            ignore_eos=True)  # fmt: skip
+    alone = llm.generate([PROMPT], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    busy_prompts = [list(range(5, 5 + k)) for k in (3, 40, 11)] + [PROMPT] + [[9, 8, 7]]
+    busy_params = [SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)] * 3
+    busy_params += [seeded, SamplingParams(temperature=0, max_tokens=5)]
+    busy = llm.generate(busy_prompts, busy_params, use_tqdm=False)[3].outputs[0].token_ids
+    assert busy == alone
+    other = SamplingParams(temperature=0.9, top_p=0.95, seed=99, max_tokens=24, ignore_eos=True)
+    assert llm.generate([PROMPT], other, use_tqdm=False)[0].outputs[0].token_ids != alone

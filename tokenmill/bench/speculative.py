@@ -1,0 +1,306 @@
+"""Bench B4: speculative decoding against plain decoding, in the same run.
+
+(a) Real text: the embedded demo model with prompt lookup and with its draft model, on
+copy-heavy prompts (code to edit, a document to quote) and on free generation: acceptance
+length and speedup over plain greedy decoding.
+(b) Verification efficiency at real shapes (dummy weights): an oracle proposer replays the
+target's own greedy tokens (recorded by a plain run), each draft right with probability `a`, so
+a verify step yields `(1 - a^(k+1)) / (1 - a)` tokens on average; measured tokens/s over plain
+decoding's, against that ideal.
+
+The oracle's verdicts are teacher-forced. With random weights in bfloat16 many next-token
+logits nearly tie, and a verify pass (1 + k query tokens per row, the prefill attention kernel,
+GEMMs) rounds differently from a decode step (GEMVs, the decode kernel): the target's own
+argmax then departs from the recorded continuation at some near-tie, and from there on no
+replayed draft matches, which measures the weights' ties, not verification. So the verify step
+runs in full (drafts in the batch, the forward over every position, the greedy verification on
+the device, the tokens copied back), and only then, on the host, each verify row's result is
+replaced by the oracle's: its first `n` drafts accepted, `n` being where the oracle's first
+wrong draft was, then the recorded token after them (every other sampled row takes its
+recorded token too). The device work and the host work per step are those of a real verify
+at acceptance rate `a`; the tokens are the plain run's by construction (`same_tokens_as_plain`
+checks the bookkeeping, not numerics).
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import json
+import logging
+import textwrap
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from tokenmill.batch import Logprob, Request, SchedulerOutput
+from tokenmill.bench.options import OfflineBenchArgs
+from tokenmill.config import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.entrypoints.llm import LLM
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec.proposer import Drafts, HostProposer
+from tokenmill.spec.rejection import PLACEHOLDER
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SpecBenchArgs:
+    """B4's settings; `config` is the dummy-weight checkpoint of part (b) (None: skip it)."""
+
+    config: str | None = None
+    dtype: str = "bfloat16"
+    device: str | None = None
+    num_speculative_tokens: int = 4
+    acceptance_rates: Sequence[float] = (1.0, 0.8, 0.6)
+    batch_sizes: Sequence[int] = (1, 64)
+    input_len: int = 512
+    output_len: int = 256
+    demo_output_len: int = 128
+    seed: int = 0
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @staticmethod
+    def of(args: OfflineBenchArgs) -> SpecBenchArgs:
+        """B4's settings from `tokenmill bench offline --workload b4`'s options."""
+        return SpecBenchArgs(
+            config=args.config, dtype=args.dtype, device=args.device,
+            num_speculative_tokens=args.num_speculative_tokens,
+            acceptance_rates=[float(a) for a in args.acceptance_rates.split(",")],
+            batch_sizes=[int(b) for b in args.batch_sizes.split(",")],
+            input_len=args.input_len, output_len=args.output_len, seed=args.seed,
+            engine_kwargs=args.engine_kwargs,
+        )  # fmt: skip
+
+
+def ideal_tokens_per_step(rate: float, k: int) -> float:
+    """Expected tokens one verify emits when each draft is right with probability `rate`."""
+    return float(k + 1) if rate >= 1 else (1 - rate ** (k + 1)) / (1 - rate)
+
+
+class OracleProposer(HostProposer):
+    """Drafts the target's known greedy continuation of each prompt, each draft right with
+    probability `rate` (the first wrong one ends acceptance); always `k` drafts, so a verify
+    costs what a real proposer's would. `teacher_force` makes the verdicts its own (see the
+    module docstring)."""
+
+    def __init__(
+        self,
+        k: int,
+        continuations: dict[tuple[int, ...], list[int]],
+        rate: float,
+        vocab_size: int,
+        seed: int,
+    ) -> None:
+        self.k = k
+        self.vocab_size = vocab_size
+        self.continuations = continuations
+        self.prompt_len = len(next(iter(continuations)))
+        self.rate = rate
+        self.rng = np.random.default_rng(seed)
+        # prompt -> drafts right in its latest proposal (before its first wrong one)
+        self.num_right: dict[tuple[int, ...], int] = {}
+
+    def propose(self, token_ids: Sequence[np.ndarray], max_drafts: np.ndarray) -> Drafts:
+        drafts = np.zeros((len(token_ids), self.k), dtype=np.int64)
+        counts = np.minimum(max_drafts, self.k).astype(np.int64)
+        for row, tokens in enumerate(token_ids):
+            key = tuple(int(t) for t in tokens[: self.prompt_len])
+            done = len(tokens) - self.prompt_len
+            truth = self.continuations[key][done : done + self.k]
+            truth += [0] * (self.k - len(truth))
+            right = self.rng.random(self.k) < self.rate
+            self.num_right[key] = int(np.argmin(right)) if not right.all() else self.k
+            drafts[row] = np.where(right, truth, (np.array(truth) + 1) % self.vocab_size)
+        return Drafts(token_ids=drafts, num_drafts=counts)
+
+    def teacher_force(self, scheduler: Scheduler) -> None:
+        """Make `scheduler` apply the oracle's verdicts instead of the verifier's: each step's
+        tokens are replaced, row by row, before the scheduler applies them."""
+        update = scheduler.update
+
+        def forced(
+            out: SchedulerOutput, token_ids: list[int], logprobs: list[dict[int, Logprob] | None]
+        ) -> list[tuple[Request, int]]:
+            tokens, at = list(token_ids), 0
+            for seq in out.seqs:
+                n = seq.num_samples
+                if n:
+                    tokens[at : at + n] = self._verdict(seq.request, n)
+                at += n
+            return update(out, tokens, logprobs)
+
+        scheduler.update = forced  # type: ignore[method-assign]
+
+    def _verdict(self, req: Request, num_samples: int) -> list[int]:
+        """The tokens a row of `num_samples` sampled positions emits under the oracle."""
+        key = tuple(req.prompt_token_ids)
+        done = len(req.output_token_ids)
+        accepted = min(self.num_right.get(key, 0), num_samples - 1)
+        emitted = self.continuations[key][done : done + accepted + 1]
+        return emitted + [PLACEHOLDER] * (num_samples - len(emitted))
+
+
+def run_b4(args: SpecBenchArgs) -> dict[str, Any]:
+    """Both parts of B4; returns the report."""
+    report: dict[str, Any] = {"workload": "b4", "k": args.num_speculative_tokens}
+    report["demo"] = _demo_part(args)
+    if args.config is not None:
+        report["oracle"] = _oracle_part(args)
+    return report
+
+
+def _demo_prompts() -> dict[str, str]:
+    """Copy-heavy prompts (code to edit, a document to quote) and a free one."""
+    code = inspect.getsource(textwrap.dedent)
+    doc = (json.__doc__ or "").strip().split("\n\n")[0]
+    return {
+        "code_edit": f"{code}\n\n# The same function, with a comment on each step:\n\n"
+        + code.split("\n")[0],
+        "quote": f"{doc}\n\nQuoting the first sentence above exactly: {doc[:40]}",
+        "free": "The tutorial explains how to define a function in Python.",
+    }
+
+
+def _demo_part(args: SpecBenchArgs) -> dict[str, Any]:
+    k = args.num_speculative_tokens
+    methods: dict[str, dict[str, Any] | None] = {
+        "plain": None,
+        "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
+                  "prompt_lookup_min": 2},
+        "draft_model": {"method": "draft_model", "model": str(DEMO_DRAFT_DIR),
+                        "num_speculative_tokens": k},
+    }  # fmt: skip
+    prompts = _demo_prompts()
+    greedy = SamplingParams(temperature=0, max_tokens=args.demo_output_len, ignore_eos=True)
+    results: dict[str, Any] = {}
+    plain_tokens: dict[str, list[int]] = {}
+    for name, spec in methods.items():
+        llm = LLM(
+            str(DEMO_MODEL_DIR), device=args.device, seed=args.seed, enable_prefix_caching=False,
+            speculative_config=spec, **args.engine_kwargs,
+        )  # fmt: skip
+        llm.generate(["Warm up."], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        rows = {}
+        for label, text in prompts.items():
+            before = _spec_counts(llm)
+            start = time.perf_counter()
+            out = llm.generate([text], greedy, use_tqdm=False)[0].outputs[0].token_ids
+            elapsed = time.perf_counter() - start
+            drafts, accepted = np.subtract(_spec_counts(llm), before)
+            if name == "plain":
+                plain_tokens[label] = out
+            rows[label] = {
+                "output_tok_s": len(out) / elapsed,
+                "acceptance_length": 1 + accepted / drafts if drafts else None,
+                "same_tokens_as_plain": out == plain_tokens[label],
+            }
+        results[name] = rows
+        _drop(llm)
+    for name in ("ngram", "draft_model"):
+        for label, row in results[name].items():
+            row["speedup"] = row["output_tok_s"] / results["plain"][label]["output_tok_s"]
+    return results
+
+
+def _spec_counts(llm: LLM) -> tuple[int, int]:
+    stats = llm.engine.scheduler.spec_stats
+    return stats.num_drafts, stats.num_accepted_tokens
+
+
+def _oracle_part(args: SpecBenchArgs) -> dict[str, Any]:
+    assert args.config is not None
+    k = args.num_speculative_tokens
+    rng = np.random.default_rng(args.seed)
+    results: dict[str, Any] = {}
+    for batch in args.batch_sizes:
+        prompts = [rng.integers(10, 1000, args.input_len).tolist() for _ in range(batch)]
+        plain = _engine(args, None)
+        vocab = plain.config.model.vocab_size
+        prompts = [[t % vocab for t in p] for p in prompts]
+        plain_rate, outputs = _decode_rate(plain, prompts, args.output_len)
+        _drop(plain)
+        continuations = {tuple(p): o for p, o in zip(prompts, outputs, strict=True)}
+        rows: dict[str, Any] = {"plain_decode_tok_s": plain_rate}
+        for rate in args.acceptance_rates:
+            spec = {"method": "ngram", "num_speculative_tokens": k}
+            llm = _engine(args, spec)
+            oracle = OracleProposer(k, continuations, rate, vocab, args.seed)
+            llm.engine.scheduler.host_proposer = oracle
+            oracle.teacher_force(llm.engine.scheduler)
+            spec_rate, spec_outputs = _decode_rate(llm, prompts, args.output_len)
+            stats = llm.engine.scheduler.spec_stats
+            ideal = ideal_tokens_per_step(rate, k)
+            speedup = spec_rate / plain_rate
+            rows[f"a={rate}"] = {
+                "decode_tok_s": spec_rate,
+                "speedup": speedup,
+                "tokens_per_verify": stats.mean_acceptance_length,
+                "ideal_tokens_per_verify": ideal,
+                "pct_of_ideal_speedup": 100 * speedup / ideal,
+                "same_tokens_as_plain": spec_outputs == outputs,
+            }
+            _drop(llm)
+        results[f"batch_{batch}"] = rows
+    return results
+
+
+def _engine(args: SpecBenchArgs, spec: dict[str, Any] | None) -> LLM:
+    assert args.config is not None
+    return LLM(args.config, load_format="dummy", dtype=args.dtype, device=args.device,
+               seed=args.seed, enable_prefix_caching=False, speculative_config=spec,
+               **args.engine_kwargs)  # fmt: skip
+
+
+def _decode_rate(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float, list]:
+    """Decode tokens/s of greedy generation (prefill time taken out), and the outputs."""
+    first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    full = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    start = time.perf_counter()
+    llm.generate(prompts, first, use_tqdm=False)
+    prefill = time.perf_counter() - start
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, full, use_tqdm=False)
+    total = time.perf_counter() - start
+    decoded = len(prompts) * (output_len - 1)
+    return decoded / max(total - prefill, 1e-9), [o.outputs[0].token_ids for o in outputs]
+
+
+def _drop(llm: LLM) -> None:
+    device = llm.engine.runner.device
+    del llm
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def summary_rows(report: dict[str, Any]) -> list[str]:
+    """A short human-readable table of a B4 report."""
+    rows = []
+    for method in ("ngram", "draft_model"):
+        for label, r in report["demo"][method].items():
+            length = r["acceptance_length"]
+            rows.append(
+                f"B4 demo {method:11s} {label:9s}: {r['output_tok_s']:7.1f} tok/s, "
+                f"x{r['speedup']:.2f} over plain, acceptance length "
+                f"{'-' if length is None else f'{length:.2f}'}, same tokens: "
+                f"{r['same_tokens_as_plain']}"
+            )
+    for batch, results in report.get("oracle", {}).items():
+        plain = results["plain_decode_tok_s"]
+        for label, r in results.items():
+            if label == "plain_decode_tok_s":
+                continue
+            rows.append(
+                f"B4 oracle {batch} {label}: {r['decode_tok_s']:.0f} tok/s vs plain {plain:.0f} "
+                f"(x{r['speedup']:.2f}; ideal x{r['ideal_tokens_per_verify']:.2f}: "
+                f"{r['pct_of_ideal_speedup']:.0f}%), {r['tokens_per_verify']:.2f} tokens/verify, "
+                f"same tokens: {r['same_tokens_as_plain']}"
+            )
+    return rows

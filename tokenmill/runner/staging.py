@@ -1,0 +1,72 @@
+"""Host→device copies of a step's small int64 arrays without waiting for the GPU.
+
+A plain `torch.from_numpy(a).to("cuda")` copies from pageable memory, which makes the host
+wait until the GPU has finished everything queued before it: one such copy per step undoes
+overlap scheduling, and a speculative step has several. `HostStaging` writes the arrays one
+after another into a pinned buffer and queues a single non-blocking copy. Buffers are used in
+turn from a small ring; each remembers the event recorded after its copy, and is refilled only
+once that copy has run (by then it nearly always has: the wait costs nothing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+RING = 4
+
+
+class HostStaging:
+    """Uploads int64 host arrays to `device` in one copy each call (see the module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._cuda = device.type == "cuda"
+        self._buffers = [torch.empty(0, dtype=torch.int64) for _ in range(RING)]
+        self._copied: list[torch.cuda.Event | None] = [None] * RING
+        self._next = 0
+
+    def to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        """The arrays on the device, as views of one copied block, each in its own shape."""
+        flat = self.stage(arrays)
+        if self._cuda:
+            flat = flat.to(self.device, non_blocking=True)
+            self._record()
+        else:  # the "copy" would be the buffer itself, which the ring reuses
+            flat = flat.clone()
+        sizes = [a.size for a in arrays]
+        return [part.view(a.shape) for part, a in zip(flat.split(sizes), arrays, strict=True)]
+
+    def upload(self, array: np.ndarray, dst: torch.Tensor) -> None:
+        """An int64 host array into the start of the device tensor `dst`, in one copy."""
+        dst[: array.size].copy_(self.stage([array]), non_blocking=True)
+        if self._cuda:
+            self._record()
+
+    def stage(self, arrays: Sequence[np.ndarray]) -> torch.Tensor:
+        """The arrays flattened one after another into the next buffer of the ring (pinned on
+        CUDA), once the copy that last read it has run."""
+        total = sum(a.size for a in arrays)
+        i = self._next = (self._next + 1) % RING
+        event = self._copied[i]
+        if event is not None:
+            event.synchronize()
+        buffer = self._buffers[i]
+        if buffer.numel() < total:
+            buffer = torch.empty(max(total, 2 * buffer.numel()), dtype=torch.int64)
+            if self._cuda:
+                buffer = buffer.pin_memory()
+            self._buffers[i] = buffer
+        staging = buffer.numpy()
+        offset = 0
+        for a in arrays:
+            staging[offset : offset + a.size] = a.reshape(-1)
+            offset += a.size
+        return buffer[:total]
+
+    def _record(self) -> None:
+        event = torch.cuda.Event()
+        event.record()
+        self._copied[self._next] = event

@@ -1,0 +1,43 @@
+"""SpecDecodeStats: cumulative drafting and acceptance counts (vLLM's spec_decode metrics)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class SpecDecodeStats:
+    """What proposers drafted and the target accepted, summed over every verify step.
+
+    A "draft" is one request's proposal in one step (at least one token); position i's
+    acceptance counts drafts whose first i + 1 tokens were all accepted.
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def observe(self, num_drafted: np.ndarray, num_accepted: np.ndarray) -> None:
+        """Count one step's verified rows: tokens drafted and accepted per row."""
+        drafted = num_drafted > 0
+        self.num_drafts += int(drafted.sum())
+        self.num_draft_tokens += int(num_drafted.sum())
+        self.num_accepted_tokens += int(num_accepted.sum())
+        longest = int(num_drafted.max(initial=0))
+        if len(self.accepted_per_position) < longest:
+            self.accepted_per_position += [0] * (longest - len(self.accepted_per_position))
+        for pos in range(longest):
+            self.accepted_per_position[pos] += int((num_accepted > pos).sum())
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens per drafted token (0 before any draft)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens each draft step emits on average: accepted drafts plus the target's own."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
