@@ -187,3 +187,31 @@ def test_abort_of_a_request_whose_grammar_is_compiling(llama_dir: Path) -> None:
     out = engine.abort_request("r")
     assert out is not None and out.finish_reason is not None and out.finish_reason.value == "abort"
     assert not engine.has_unfinished()
+
+
+def test_constrained_requests_beside_speculating_ones(llama_dir: Path) -> None:
+    """With prompt lookup on, constrained requests (no drafts: one token a step, masked in the
+    verify step) still validate, and unconstrained ones in the same batches still speculate
+    and decode exactly as without speculation."""
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3,
+                       "prompt_lookup_min": 1, "prompt_lookup_max": 3})  # fmt: skip
+    llm = LLM(str(llama_dir), device="cpu", max_model_len=512, speculative_config=spec)
+    schema = SCHEMAS["nested_object"]
+    constrained = [
+        SamplingParams(temperature=1.0, seed=seed, max_tokens=300,
+                       structured_outputs=StructuredOutputsParams(json=schema))
+        for seed in SEEDS
+    ]  # fmt: skip
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    repeats = [11, 12, 13, 14, 11, 12, 13, 14, 11, 12]  # prompt lookup finds drafts
+    plain_prompts = [repeats, list(range(20, 40))]
+    prompts = [PROMPTS[seed % len(PROMPTS)] for seed in SEEDS] + plain_prompts
+    outputs = llm.generate(prompts, [*constrained, greedy, greedy], use_tqdm=False)
+    for out in outputs[: len(SEEDS)]:
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    assert llm.engine.scheduler.spec_stats.num_drafts > 0
+    reference = LLM(str(llama_dir), device="cpu", max_model_len=512)
+    expected = reference.generate(plain_prompts, greedy, use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outputs[len(SEEDS) :]]
+    assert got == [o.outputs[0].token_ids for o in expected]

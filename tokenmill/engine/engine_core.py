@@ -347,13 +347,14 @@ class EngineCore:
             return None
         return GrammarMask(bitmask, frozenset(i for i, g in enumerate(grammars) if g is not None))
 
-    def _advance_grammars(self, touched: list[Request]) -> None:
-        """Feed each constrained request's new token to its grammar; end it when the grammar
+    def _advance_grammars(self, touched: list[tuple[Request, int]]) -> None:
+        """Feed each constrained request's new tokens to its grammar; end it when the grammar
         is complete (a stop token it accepted was not the request's end, e.g. ignore_eos)."""
-        for req in touched:
+        for req, num_new in touched:
             if req.grammar is None or req.is_finished:
                 continue
-            if not req.grammar.accept_token(req.output_token_ids[-1]):
+            new = req.output_token_ids[-num_new:]
+            if not all(req.grammar.accept_token(token) for token in new):
                 # Sampling applied the grammar's mask, so this is a bug, not bad input.
                 logger.error("grammar of %s rejected a sampled token", req.request_id)
                 self.scheduler.abort(req.request_id, FinishReason.ERROR)
