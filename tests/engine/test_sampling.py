@@ -19,16 +19,22 @@ def llm(llama_dir: Path) -> LLM:
     return LLM(str(llama_dir), device="cpu", seed=7)
 
 
-def test_seeded_request_is_identical_alone_and_in_a_busy_batch(llm: LLM) -> None:
+def assert_seeded_request_is_batch_independent(llm: LLM, prompt: list[int]) -> None:
+    """A seeded request gives the same tokens alone and in a busy batch, other tokens with
+    another seed."""
     seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
-    alone = llm.generate([PROMPT], seeded, use_tqdm=False)[0].outputs[0].token_ids
-    busy_prompts = [list(range(5, 5 + k)) for k in (3, 40, 11)] + [PROMPT] + [[9, 8, 7]]
+    alone = llm.generate([prompt], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    busy_prompts = [list(range(5, 5 + k)) for k in (3, 40, 11)] + [prompt] + [[9, 8, 7]]
     busy_params = [SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)] * 3
     busy_params += [seeded, SamplingParams(temperature=0, max_tokens=5)]
     busy = llm.generate(busy_prompts, busy_params, use_tqdm=False)[3].outputs[0].token_ids
     assert busy == alone
     other = SamplingParams(temperature=0.9, top_p=0.95, seed=99, max_tokens=24, ignore_eos=True)
-    assert llm.generate([PROMPT], other, use_tqdm=False)[0].outputs[0].token_ids != alone
+    assert llm.generate([prompt], other, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_seeded_request_is_identical_alone_and_in_a_busy_batch(llm: LLM) -> None:
+    assert_seeded_request_is_batch_independent(llm, PROMPT)
 
 
 @pytest.mark.parametrize("overlap", [True, False])

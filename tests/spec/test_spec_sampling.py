@@ -12,6 +12,7 @@ import torch
 from scipy.stats import chisquare
 
 from tests.conftest import _hf_model
+from tests.engine.test_sampling import assert_seeded_request_is_batch_independent
 from tokenmill import LLM, SamplingParams
 
 PROMPT = [11, 12, 13, 14, 11, 12, 13, 14, 11, 12]
@@ -86,13 +87,4 @@ def test_seeded_request_is_identical_alone_and_in_a_busy_batch(
 ) -> None:
     llm = LLM(str(llama_dir), device="cpu", speculative_config=_spec(proposer, llama_dir,
               draft_dir))  # fmt: skip
-    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=24,
-                            ignore_eos=True)  # fmt: skip
-    alone = llm.generate([PROMPT], seeded, use_tqdm=False)[0].outputs[0].token_ids
-    busy_prompts = [list(range(5, 5 + k)) for k in (3, 40, 11)] + [PROMPT] + [[9, 8, 7]]
-    busy_params = [SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)] * 3
-    busy_params += [seeded, SamplingParams(temperature=0, max_tokens=5)]
-    busy = llm.generate(busy_prompts, busy_params, use_tqdm=False)[3].outputs[0].token_ids
-    assert busy == alone
-    other = SamplingParams(temperature=0.9, top_p=0.95, seed=99, max_tokens=24, ignore_eos=True)
-    assert llm.generate([PROMPT], other, use_tqdm=False)[0].outputs[0].token_ids != alone
+    assert_seeded_request_is_batch_independent(llm, PROMPT)

@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Callable
 from functools import partial
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 # The prefill block's header: cu_query_lens (2), the row whose logits are returned (1), KV length.
 _HEADER = 4
+T = TypeVar("T")
 
 
 def batch_size_ladder(max_bs: int) -> list[int]:
@@ -62,6 +64,43 @@ def prefill_size_ladder(max_tokens: int) -> list[int]:
     sizes = [s for s in (16, 32, 64) if s < max_tokens]
     sizes += list(range(128, max_tokens, 128))
     return [*sizes, max_tokens]
+
+
+def _capture_graph(
+    plan: Callable[[], None], forward: Callable[[], T], pool: object
+) -> tuple[torch.cuda.CUDAGraph, T]:
+    """A graph of `forward` (planned by `plan`, warmed up twice) in memory pool `pool` (None:
+    a new one), and what the captured call returned."""
+    plan()
+    for _ in range(2):  # warm up: compile kernels, pick cuBLAS algorithms
+        forward()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = forward()
+    return graph, out
+
+
+def _plan_decode(
+    attention: AttentionBackend,
+    bs: int,
+    cu: torch.Tensor,
+    kv_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """Plan the attention of `bs` one-token rows on static buffers (their contents are filled
+    on the device before each replay)."""
+    attention.plan(
+        AttentionInputs(
+            query_lens_cpu=[1] * bs,
+            kv_lens_cpu=[1] * bs,
+            cu_query_lens=cu[: bs + 1],
+            kv_lens=kv_lens[:bs],
+            page_table=page_table[:bs],
+            slot_mapping=slots[:bs],
+        )
+    )
 
 
 class CudaGraphRunner:
@@ -181,27 +220,12 @@ class CudaGraphRunner:
         self, plan: Callable[[], None], forward: Callable[[], torch.Tensor]
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """A graph of `forward` (planned by `plan`) and the logits tensor it writes."""
-        plan()
-        for _ in range(2):  # warm up: compile kernels, pick cuBLAS algorithms
-            forward()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = forward()
+        graph, logits = _capture_graph(plan, forward, self._pool)
         self._pool = graph.pool()
         return graph, logits
 
     def _plan(self, bs: int) -> None:
-        self.attention.plan(
-            AttentionInputs(
-                query_lens_cpu=[1] * bs,
-                kv_lens_cpu=[1] * bs,
-                cu_query_lens=self.cu[: bs + 1],
-                kv_lens=self.kv_lens[:bs],
-                page_table=self.page_table[:bs],
-                slot_mapping=self.slots[:bs],
-            )
-        )
+        _plan_decode(self.attention, bs, self.cu, self.kv_lens, self.page_table, self.slots)
 
     def _forward(self, bs: int) -> torch.Tensor:
         static = (self.input_ids, self.positions, self.slots, self.kv_lens, self.page_table)
@@ -386,27 +410,12 @@ class DraftLoopGraphs:
     def _capture(
         self, plan: Callable[[], None], forward: Callable[[], None]
     ) -> torch.cuda.CUDAGraph:
-        plan()
-        for _ in range(2):  # warm up: compile kernels, pick cuBLAS algorithms
-            forward()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            forward()
+        graph, _ = _capture_graph(plan, forward, self._pool)
         self._pool = graph.pool()
         return graph
 
     def _plan(self, bs: int) -> None:
-        self.attention.plan(
-            AttentionInputs(
-                query_lens_cpu=[1] * bs,
-                kv_lens_cpu=[1] * bs,
-                cu_query_lens=self.cu[: bs + 1],
-                kv_lens=self.kv_lens[:bs],
-                page_table=self.page_table[:bs],
-                slot_mapping=self.slots[:bs],
-            )
-        )
+        _plan_decode(self.attention, bs, self.cu, self.kv_lens, self.page_table, self.slots)
 
     def _forward(self, bs: int) -> None:
         static = (self.input_ids, self.positions, self.slots, self.kv_lens, self.page_table)
