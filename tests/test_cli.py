@@ -35,6 +35,17 @@ def test_chat_keeps_the_conversation(llama_dir: Path, monkeypatch, capsys) -> No
     assert len(replies) == 2  # the empty line ends the chat
 
 
+def test_sampling_flags_not_given_take_the_models_generation_config(
+    llama_dir: Path, tmp_path: Path, capsys
+) -> None:
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3}))
+    args = ["--model", str(llama_dir), "--generation-config", str(tmp_path), "Hi", "--ignore-eos"]
+    assert main(["generate", *args]) == 0
+    assert "(length, 3 tokens)" in capsys.readouterr().out
+    assert main(["generate", *args, "--max-tokens", "2"]) == 0  # a flag given wins
+    assert "(length, 2 tokens)" in capsys.readouterr().out
+
+
 def test_bad_option_is_an_error_message_not_a_traceback(llama_dir: Path, capsys) -> None:
     code = main(["generate", "--model", str(llama_dir), "x", "--temperature", "-1"])
     assert code == 2

@@ -1,4 +1,4 @@
-"""The `tokenmill` command line: `tokenmill generate` (and, as they land, serve/chat/bench)."""
+"""The `tokenmill` command line: `tokenmill generate|chat|serve|bench`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 from tokenmill import __version__
 from tokenmill.config import DEMO_MODEL_DIR, EngineArgs
 from tokenmill.entrypoints.server_options import ServerOptions
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingDefaults, SamplingParams
 
 T = TypeVar("T")
 
@@ -101,19 +101,43 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return options_from(ns, EngineArgs)
 
 
+# The command line's own sampling defaults, below the model's (its generation_config.json):
+# greedy, and a short completion.
+_CLI_SAMPLING = {"temperature": 0.0, "max_tokens": 64}
+
+
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("sampling options")
-    group.add_argument("--max-tokens", type=int, default=64, help="Tokens to generate per prompt.")
-    group.add_argument(
-        "--temperature", type=float, default=0.0, help="Sampling temperature; 0 is greedy."
-    )
-    group.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass.")
-    group.add_argument(
-        "--top-k", type=int, default=0, help="Sample among the k likeliest; 0 = off."
+    group = parser.add_argument_group(
+        "sampling options",
+        "An option not given takes the model's value from its generation_config.json (see "
+        "--generation-config), else the default shown.",
     )
     group.add_argument(
-        "--min-p", type=float, default=0.0, help="Drop tokens below min_p x the max."
+        "--max-tokens", type=int, default=None,
+        help="Tokens to generate per prompt (default: the model's max_new_tokens, at most the "
+        "room left in the context, else 64).",
+    )  # fmt: skip
+    group.add_argument(
+        "--temperature", type=float, default=None, help="Sampling temperature; 0 is greedy "
+        "(default: 0).",
+    )  # fmt: skip
+    group.add_argument(
+        "--top-p", type=float, default=None, help="Nucleus sampling mass (default: 1)."
     )
+    group.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        help="Sample among the k likeliest; 0 = off (default: 0).",
+    )
+    group.add_argument(
+        "--min-p", type=float, default=None, help="Drop tokens below min_p x the max (default: 0)."
+    )
+    group.add_argument(
+        "--repetition-penalty", type=float, default=None,
+        help="Divide the logits of tokens already in the prompt or output by this (> 1 repeats "
+        "less; default: 1).",
+    )  # fmt: skip
     group.add_argument("--sampling-seed", type=int, default=None, help="Per-request seed.")
     group.add_argument("--stop", action="append", default=[], help="Stop string (repeatable).")
     group.add_argument("--ignore-eos", action="store_true", help="Keep going past end-of-sequence.")
@@ -368,24 +392,29 @@ def _serve(ns: argparse.Namespace) -> int:
     return code
 
 
-def _sampling_params(ns: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=ns.max_tokens,
-        temperature=ns.temperature,
-        top_p=ns.top_p,
-        top_k=ns.top_k,
-        min_p=ns.min_p,
-        seed=ns.sampling_seed,
-        stop=ns.stop,
-        ignore_eos=ns.ignore_eos,
-    )
+def _sampling_params(ns: argparse.Namespace, defaults: SamplingDefaults) -> SamplingParams:
+    """The sampling flags given, `defaults` (the model's) for the others, then the command
+    line's own (`_CLI_SAMPLING`)."""
+    given = {
+        "max_tokens": ns.max_tokens,
+        "temperature": ns.temperature,
+        "top_p": ns.top_p,
+        "top_k": ns.top_k,
+        "min_p": ns.min_p,
+        "repetition_penalty": ns.repetition_penalty,
+        "seed": ns.sampling_seed,
+        "stop": ns.stop,
+        "ignore_eos": ns.ignore_eos,
+    }
+    return defaults.sampling_params(given, _CLI_SAMPLING)
 
 
 def _chat(ns: argparse.Namespace) -> int:
     from tokenmill.entrypoints.llm import LLM
 
-    params = _sampling_params(ns)  # bad sampling options fail before the model loads
+    _sampling_params(ns, SamplingDefaults())  # bad sampling options fail before the model loads
     llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
+    params = _sampling_params(ns, llm.config.sampling_defaults)
     messages = [{"role": "system", "content": ns.system}] if ns.system else []
     for line in sys.stdin:
         if not line.strip():
@@ -400,8 +429,9 @@ def _chat(ns: argparse.Namespace) -> int:
 def _generate(ns: argparse.Namespace) -> int:
     from tokenmill.entrypoints.llm import LLM
 
-    params = _sampling_params(ns)  # bad sampling options fail before the model loads
+    _sampling_params(ns, SamplingDefaults())  # bad sampling options fail before the model loads
     llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
+    params = _sampling_params(ns, llm.config.sampling_defaults)
     if ns.chat:
         chats = [[{"role": "user", "content": p}] for p in ns.prompts]
         outputs = llm.chat(chats, params, use_tqdm=False)

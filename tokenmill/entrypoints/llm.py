@@ -29,7 +29,8 @@ class LLM:
     """An engine in this process: `LLM(model=dir).generate(prompts, SamplingParams(...))`.
 
     Keyword arguments are the fields of `EngineArgs` (dtype, device, max_num_seqs,
-    max_num_batched_tokens, page_size, num_pages or kv_cache_memory_bytes, seed, load_format, ...).
+    max_num_batched_tokens, page_size, num_pages or kv_cache_memory_bytes, seed, load_format,
+    generation_config, ...).
     """
 
     def __init__(self, model: str, **engine_args: Any) -> None:
@@ -43,13 +44,23 @@ class LLM:
         """The checkpoint's tokenizer (None when it has none)."""
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request without SamplingParams runs with: the model's generation_config.json
+        settings (`--generation-config`), SamplingParams' own for the rest. Its max_tokens is
+        None when the model has a default (intake applies it, at most the room left in the
+        context), else 16."""
+        return self.config.sampling_defaults.sampling_params({})
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Complete each prompt (text or token ids); returns outputs in input order."""
+        """Complete each prompt (text or token ids); returns outputs in input order.
+
+        Without `sampling_params`, every prompt runs with `get_default_sampling_params()`.
+        """
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -80,6 +91,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
     ) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _per_prompt(sampling_params, len(token_ids))
         limits = self.engine.limits
         # Every prompt is checked before any is queued, so a bad one leaves the engine idle.
@@ -138,10 +151,8 @@ class _Child:
 
 
 def _per_prompt(
-    sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    sampling_params: SamplingParams | Sequence[SamplingParams], count: int
 ) -> list[SamplingParams]:
-    if sampling_params is None:
-        return [SamplingParams()] * count
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * count
     if len(sampling_params) != count:

@@ -26,7 +26,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
+from tokenmill.sampling_params import MAX_LOGPROBS, SamplingDefaults, SamplingParams
 
 MAX_SEED = 2**64 - 1  # seeds are unsigned 64-bit (torch.Generator.manual_seed's range)
 MAX_INT64 = 2**63 - 1
@@ -178,9 +178,17 @@ class _SamplingRequest(_Strict):
                 "only 'text' is"
             )
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        defaults: SamplingDefaults,
+        fallback_max_tokens: int | None,
+    ) -> SamplingParams:
+        """The request's settings; those it leaves unset (None) come from `defaults` (the
+        model's), then SamplingParams' own (max_tokens: `fallback_max_tokens`)."""
         self._check_supported()
-        values: dict[str, Any] = {
+        given: dict[str, Any] = {
             "n": self.n,
             "seed": self.seed,
             "stop": self.stop or [],
@@ -191,8 +199,6 @@ class _SamplingRequest(_Strict):
             "logprobs": logprobs,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
-        }
-        optional = {
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
@@ -201,8 +207,7 @@ class _SamplingRequest(_Strict):
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
         }
-        values.update({k: v for k, v in optional.items() if v is not None})
-        return SamplingParams(**values)
+        return defaults.sampling_params(given, {"max_tokens": fallback_max_tokens})
 
     @model_validator(mode="after")
     def _within_limits(self) -> Self:
@@ -252,15 +257,20 @@ class CompletionRequest(_SamplingRequest):
     def num_prompts(self) -> int:
         return len(self.prompts())
 
-    def sampling_params(self) -> SamplingParams:
-        """The request as SamplingParams; raises ValueError for unsupported fields."""
+    def sampling_params(self, defaults: SamplingDefaults) -> SamplingParams:
+        """The request as SamplingParams, `defaults` for the settings it leaves unset; raises
+        ValueError for unsupported fields."""
         if self.echo:
             raise ValueError("echo is not supported, got true")
         if self.suffix:
             raise ValueError("suffix is not supported, got a non-empty string")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of must equal n ({self.n}), got {self.best_of}")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        # Without max_tokens: the model's default, else OpenAI's 16; an explicit null: the
+        # model's default, else the room left in the context (as chat completions).
+        if "max_tokens" in self.model_fields_set:
+            return self._sampling_params(self.max_tokens, self.logprobs, defaults, None)
+        return self._sampling_params(None, self.logprobs, defaults, 16)
 
 
 class TextPart(_Strict):
@@ -308,15 +318,16 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: count_type(ge=0, le=MAX_LOGPROBS) | None = None  # type: ignore[valid-type]
     tools: list[dict[Text, Any]] | None = Field(None, json_schema_extra={"maxItems": 0})
 
-    def sampling_params(self) -> SamplingParams:
-        """The request as SamplingParams; raises ValueError for unsupported fields."""
+    def sampling_params(self, defaults: SamplingDefaults) -> SamplingParams:
+        """The request as SamplingParams, `defaults` for the settings it leaves unset; raises
+        ValueError for unsupported fields."""
         if self.tools:
             raise ValueError("tools are not supported, got a non-empty list")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true, got logprobs=false")
         max_tokens = self.max_completion_tokens or self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, defaults, None)
 
 
 class TokenizeRequest(_Strict):
