@@ -7,17 +7,23 @@ import dataclasses
 import gc
 import json
 import logging
+import signal
 import sys
+import threading
 import types
 from collections.abc import Sequence
-from typing import Any, TypeVar, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, TypeVar, get_args, get_origin, get_type_hints
 
 from tokenmill import __version__
 from tokenmill.config import DEMO_MODEL_DIR, EngineArgs
 from tokenmill.entrypoints.server_options import ServerOptions
 from tokenmill.sampling_params import SamplingDefaults, SamplingParams
 
+if TYPE_CHECKING:
+    from tokenmill.entrypoints.llm import LLM
+
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 MODEL_HELP = (
     "Hugging Face checkpoint directory (default: the embedded demo model, a 15.7 M parameter "
@@ -187,9 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     chat = commands.add_parser(
         "chat",
         help="Talk to the model in the terminal (its chat template, history kept).",
-        description="Reads one user message per line from standard input and prints each "
-        "reply; the conversation so far is re-sent every turn (the prefix cache makes that "
-        "cheap). An empty line or end of input quits.",
+        description="Reads one user message per line at the '> ' prompt and prints the reply "
+        "as it is generated; the conversation so far is re-sent every turn (the prefix cache "
+        "makes that cheap). Ctrl-C stops a reply and returns to the prompt; an empty line, "
+        "end of input (Ctrl-D) or Ctrl-C at the prompt quits.",
     )
     chat.add_argument("--model", default=str(DEMO_MODEL_DIR), help=MODEL_HELP)
     chat.add_argument("--system", default=None, help="System prompt.")
@@ -416,14 +423,41 @@ def _chat(ns: argparse.Namespace) -> int:
     llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
     params = _sampling_params(ns, llm.config.sampling_defaults)
     messages = [{"role": "system", "content": ns.system}] if ns.system else []
-    for line in sys.stdin:
+    if sys.stdin.isatty():
+        import readline  # noqa: F401  (line editing and history at the prompt)
+    print("Ctrl-C stops a reply; an empty line, Ctrl-D or Ctrl-C at the prompt quits.",
+          file=sys.stderr)  # fmt: skip
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
         if not line.strip():
-            break
-        messages.append({"role": "user", "content": line.rstrip("\n")})
-        reply = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
-        messages.append({"role": "assistant", "content": reply})
-        print(f"assistant: {reply}", flush=True)
-    return 0
+            return 0
+        messages.append({"role": "user", "content": line})
+        logger.debug("chat turn: %d messages", len(messages))
+        messages.append({"role": "assistant", "content": _stream_reply(llm, messages, params)})
+
+
+def _stream_reply(llm: LLM, messages: list[dict[str, Any]], params: SamplingParams) -> str:
+    """Print the model's reply as it comes and return it (as far as it got). Ctrl-C stops it
+    between engine steps: the handler only raises a flag, so no step is cut in half."""
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stream = llm.stream_chat(messages, params)
+    text = ""
+    try:
+        for out in stream:
+            print(out.outputs[0].text[len(text) :], end="", flush=True)
+            text = out.outputs[0].text
+            if stop.is_set():
+                break
+    finally:
+        stream.close()  # aborts the request if it is still running
+        signal.signal(signal.SIGINT, previous)
+    print(" [interrupted]" if stop.is_set() else "", flush=True)
+    return text
 
 
 def _generate(ns: argparse.Namespace) -> int:
@@ -457,6 +491,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"tokenmill: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # e.g. while the model loads: no traceback
+        print("tokenmill: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
