@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-import io
 import json
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+from tests.e2e.server import wait_until
+from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineArgs
 from tokenmill.entrypoints.cli import main
 
@@ -25,14 +28,67 @@ def test_generate_chat_uses_the_template(llama_dir: Path, capsys) -> None:
     assert "(length, 3 tokens)" in capsys.readouterr().out
 
 
-def test_chat_keeps_the_conversation(llama_dir: Path, monkeypatch, capsys) -> None:
-    monkeypatch.setattr("sys.stdin", io.StringIO("Hi\nHow are you?\n\nnever read\n"))
-    code = main(["chat", "--model", str(llama_dir), "--system", "Be brief.", "--max-tokens", "4"])
-    assert code == 0
-    replies = [
-        line for line in capsys.readouterr().out.splitlines() if line.startswith("assistant:")
+def _chat_process(model: Path, *args: str) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "tokenmill", "chat", "--model", str(model), "--device", "cpu"]
+    return subprocess.Popen(
+        [*cmd, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+
+
+def test_chat_keeps_the_conversation_and_ends_at_end_of_input(llama_dir: Path) -> None:
+    proc = _chat_process(llama_dir, "--system", "Be brief.", "--max-tokens", "6")
+    out, err = proc.communicate(b"Hi\nHow are you?\n", timeout=120)
+    assert proc.returncode == 0 and b"Traceback" not in err
+    # A prompt before each turn; the reply follows it, streamed; end of input quits.
+    first, second, end = out.decode().removeprefix("> ").split("\n> ")
+    assert end == "\n" and first and second
+    # The second reply answers the whole conversation, the first reply included.
+    history = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": "How are you?"},
     ]
-    assert len(replies) == 2  # the empty line ends the chat
+    llm = LLM(str(llama_dir), device="cpu")
+    expected = llm.chat(history, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert second == expected[0].outputs[0].text
+
+
+def test_ctrl_c_stops_a_reply_then_quits_at_the_prompt(llama_dir: Path) -> None:
+    proc = _chat_process(llama_dir, "--max-tokens", "900", "--ignore-eos")
+    out = bytearray()
+
+    def read() -> None:
+        while chunk := proc.stdout.read1(1024):
+            out.extend(chunk)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        assert wait_until(lambda: out.startswith(b"> "), timeout=60)
+        proc.stdin.write(b"Hi\n")
+        proc.stdin.flush()
+        assert wait_until(lambda: len(out) > 8)  # the reply is streaming
+        proc.send_signal(signal.SIGINT)
+        assert wait_until(lambda: out.endswith(b" [interrupted]\n> "))
+        proc.send_signal(signal.SIGINT)  # at the prompt: quit
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        reader.join(timeout=5)
+    assert b"Traceback" not in proc.stderr.read()
+
+
+def test_sampling_flags_not_given_take_the_models_generation_config(
+    llama_dir: Path, tmp_path: Path, capsys
+) -> None:
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3}))
+    args = ["--model", str(llama_dir), "--generation-config", str(tmp_path), "Hi", "--ignore-eos"]
+    assert main(["generate", *args]) == 0
+    assert "(length, 3 tokens)" in capsys.readouterr().out
+    assert main(["generate", *args, "--max-tokens", "2"]) == 0  # a flag given wins
+    assert "(length, 2 tokens)" in capsys.readouterr().out
 
 
 def test_bad_option_is_an_error_message_not_a_traceback(llama_dir: Path, capsys) -> None:

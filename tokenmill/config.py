@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,10 +11,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tokenmill.intake import ContextLimits
+from tokenmill.models.registry import MODEL_REGISTRY
+from tokenmill.sampling_params import SamplingDefaults
+
 if TYPE_CHECKING:
     from tokenmill.spec.config import SpeculativeConfig
 
-from tokenmill.models.registry import MODEL_REGISTRY
+logger = logging.getLogger(__name__)
 
 # The architectures (config.json `architectures`) the model registry implements.
 SUPPORTED_ARCHITECTURES = tuple(MODEL_REGISTRY)
@@ -216,6 +221,52 @@ class ModelConfig:
         )
 
 
+# generation_config.json keys that are sampling defaults, and the SamplingParams field of each
+# (vLLM's list; `do_sample` is ignored, as vLLM does).
+_GENERATION_CONFIG_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def load_sampling_defaults(generation_config: str, model_dir: str) -> SamplingDefaults:
+    """The sampling defaults `--generation-config` names: `auto`, the checkpoint's
+    `generation_config.json` (none if it has none); `vllm`, none; else a directory holding a
+    `generation_config.json`."""
+    if generation_config == "vllm":
+        return SamplingDefaults()
+    folder = Path(model_dir if generation_config == "auto" else generation_config)
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        if generation_config == "auto":
+            return SamplingDefaults()
+        raise ValueError(
+            f"generation_config must be auto, vllm or a directory holding generation_config.json, "
+            f"got {generation_config!r} (no {path})"
+        )
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"generation_config: cannot read {path}: {exc}") from None
+    found = {field: values[key] for key, field in _GENERATION_CONFIG_KEYS.items() if key in values}
+    try:
+        defaults = SamplingDefaults(**found)
+    except ValueError as exc:
+        raise ValueError(f"generation_config: {path}: {exc}") from None
+    if defaults.given():
+        logger.info(
+            "sampling defaults from %s, for requests that do not set them: %s "
+            "(--generation-config vllm ignores them)",
+            path,
+            defaults.given(),
+        )
+    return defaults
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache: page size and pool size (explicit pages or a memory budget)."""
@@ -313,11 +364,19 @@ class EngineConfig:
     load_format: str = "auto"
     tokenizer: str | None = None  # directory, if not the model's (structured outputs read it)
     speculative: SpeculativeConfig | None = None
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
     @property
     def max_model_len(self) -> int:
         """Longest sequence (prompt + output) the engine accepts."""
         return self.scheduler.max_model_len or self.model.max_position_embeddings
+
+    @property
+    def context_limits(self) -> ContextLimits:
+        """What a request must fit (vocabulary, context), and its default max_tokens."""
+        return ContextLimits(
+            self.model.vocab_size, self.max_model_len, self.sampling_defaults.max_tokens
+        )
 
 
 def option(default: Any, help: str, **extra: Any) -> Any:
@@ -412,6 +471,13 @@ class EngineArgs:
         '"prompt_lookup_min": 2} or {"method": "draft_model", "model": DIR, '
         '"num_speculative_tokens": 4}.',
     )
+    generation_config: str = option(
+        "auto",
+        "Default sampling settings of requests that do not set them: auto reads the model's "
+        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+        "max_new_tokens as max_tokens), vllm ignores it (tokenmill's defaults), or a directory "
+        "holding a generation_config.json.",
+    )
 
     def create_engine_config(self) -> EngineConfig:
         """Validate the options and resolve defaults into an `EngineConfig`."""
@@ -456,4 +522,5 @@ class EngineArgs:
             load_format=self.load_format,
             tokenizer=self.tokenizer,
             speculative=speculative,
+            sampling_defaults=load_sampling_defaults(self.generation_config, self.model),
         )

@@ -6,8 +6,10 @@ The rules, written once:
 
 - the prompt has at least one token, every id inside the vocabulary, and leaves room for one
   output token in the context window (`max_model_len`);
-- `max_tokens` absent means the room left in the context (as vLLM); given, prompt + max_tokens
-  must fit; `min_tokens <= max_tokens`; `stop_token_ids` lie inside the vocabulary;
+- `max_tokens` absent means the room left in the context (as vLLM), or the model's default
+  (`generation_config.json`'s `max_new_tokens`: `ContextLimits.default_max_tokens`) if smaller;
+  given, prompt + max_tokens must fit; `min_tokens <= max_tokens`; `stop_token_ids` lie inside
+  the vocabulary;
 - a request of `n` choices becomes `n` engine requests: choice i of request R is `"R:i"` and
   samples with `params.for_choice(i)` (one sample; seed + i when seeded).
 
@@ -37,10 +39,12 @@ class IntakeError(ValueError):
 
 @dataclass(frozen=True)
 class ContextLimits:
-    """What a request must fit: the model's vocabulary and its context window."""
+    """What a request must fit: the model's vocabulary and its context window; and the
+    `max_tokens` of a request that gives none, at most (None: the room left in the context)."""
 
     vocab_size: int
     max_model_len: int
+    default_max_tokens: int | None = None
 
 
 def prepare(
@@ -87,11 +91,13 @@ def check_prompt(
             f"(max_model_len) of {max_len} tokens; shorten the prompt or lower max_tokens",
             "max_tokens",
         )
-    max_tokens = room if params.max_tokens is None else params.max_tokens
+    max_tokens = params.max_tokens
+    if max_tokens is None:
+        max_tokens = min(room, limits.default_max_tokens or room)
     if params.min_tokens > max_tokens:
+        why = "" if params.max_tokens is not None else ", the default when it is not given"
         raise IntakeError(
-            f"min_tokens must be <= max_tokens ({max_tokens}, the room left in the context "
-            f"window when max_tokens is not given), got {params.min_tokens}",
+            f"min_tokens must be <= max_tokens ({max_tokens}{why}), got {params.min_tokens}",
             "min_tokens",
         )
     if max_tokens == params.max_tokens:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json as json_lib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -202,6 +203,42 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when the next token is always the most likely one."""
         return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """Sampling settings for the requests that leave them unset: the model's own (its
+    `generation_config.json`, `--generation-config auto`), or none (`vllm`: SamplingParams' own).
+
+    `max_tokens` (the file's `max_new_tokens`) is not filled in here: a request without
+    max_tokens keeps None, which intake resolves to this default, at most the room left in the
+    context window (`intake.check_prompt`), so that a default never makes a long prompt fail.
+    """
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    max_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        SamplingParams(**self.given())  # a bad value fails here, naming its field
+
+    def given(self) -> dict[str, Any]:
+        """The settings this holds (None: not set)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    def sampling_params(
+        self, given: Mapping[str, Any], fallback: Mapping[str, Any] | None = None
+    ) -> SamplingParams:
+        """A request's settings: each value in `given` that is not None, else this default,
+        else `fallback`'s (the caller's own defaults), else SamplingParams' own."""
+        values = {**(fallback or {}), **self.given()}
+        values.update({k: v for k, v in given.items() if v is not None})
+        if given.get("max_tokens") is None and self.max_tokens is not None:
+            values["max_tokens"] = None  # intake applies the default, within the context
+        return SamplingParams(**values)
 
 
 def is_valid_text(text: str) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from pathlib import Path
@@ -144,3 +145,22 @@ def test_duplicate_request_id_is_rejected(llm: LLM) -> None:
     with pytest.raises(ValueError, match="already running"):
         llm.engine.add_request("dup", PROMPT, SamplingParams(max_tokens=2))
     llm.engine.abort_request("dup")
+
+
+def test_a_stream_grows_one_output_to_what_generate_returns(llm: LLM) -> None:
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    seen = [(o.outputs[0].text, len(o.outputs[0].token_ids)) for o in llm.stream(PROMPT, params)]
+    assert [n for _, n in seen] == list(range(1, 13))  # one yield per token on the CPU
+    assert all(later.startswith(text) for (text, _), (later, _) in itertools.pairwise(seen))
+    assert seen[-1][0] == expected.text
+
+
+def test_closing_a_stream_aborts_its_request_and_frees_its_pages(llm: LLM) -> None:
+    stream = llm.stream(PROMPT, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    first = next(stream)
+    next(stream)
+    stream.close()
+    assert not first.finished and len(first.outputs[0].token_ids) == 2
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.cache.num_used_pages == 0

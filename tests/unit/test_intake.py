@@ -44,6 +44,15 @@ def test_absent_max_tokens_is_the_room_left_in_the_context() -> None:
     assert check_prompt([1] * 20, SamplingParams(max_tokens=12), LIMITS).max_tokens == 12
 
 
+def test_absent_max_tokens_is_the_models_default_within_the_room_left() -> None:
+    limits = ContextLimits(vocab_size=100, max_model_len=32, default_max_tokens=8)
+    assert check_prompt([1] * 10, SamplingParams(max_tokens=None), limits).max_tokens == 8
+    # A default never makes a long prompt fail: it shrinks to the room left.
+    assert check_prompt([1] * 28, SamplingParams(max_tokens=None), limits).max_tokens == 4
+    # A request's own max_tokens is not capped by the default.
+    assert check_prompt([1] * 10, SamplingParams(max_tokens=20), limits).max_tokens == 20
+
+
 def test_fan_out_gives_each_choice_an_id_and_a_seed_of_its_own() -> None:
     children = prepare("req", [1, 2], SamplingParams(n=3, seed=MAX_SEED - 1), LIMITS)
     assert [c.request_id for c in children] == ["req:0", "req:1", "req:2"]

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from tokenmill import SamplingParams
+from tokenmill.sampling_params import SamplingDefaults
 
 BAD = [
     ("n", 0),
@@ -57,3 +58,27 @@ def test_defaults_are_valid_and_greedy_is_derived() -> None:
     assert not SamplingParams().greedy
     assert SamplingParams(temperature=0).greedy
     assert SamplingParams(top_k=1).greedy
+
+
+def test_defaults_fill_only_the_settings_a_request_leaves_unset() -> None:
+    defaults = SamplingDefaults(temperature=0.0, top_k=5, repetition_penalty=1.2, max_tokens=7)
+    params = defaults.sampling_params({"temperature": 0.7, "top_k": None, "top_p": None})
+    assert (params.temperature, params.top_k, params.repetition_penalty) == (0.7, 5, 1.2)
+    assert params.top_p == 1.0  # neither the request nor the model sets it
+    # The model's max_tokens is left to intake (it caps it at the room in the context) ...
+    assert params.max_tokens is None
+    # ... and a request's own max_tokens wins.
+    assert defaults.sampling_params({"max_tokens": 3}).max_tokens == 3
+
+
+def test_the_callers_fallback_comes_after_the_models_defaults() -> None:
+    fallback = {"temperature": 0.0, "max_tokens": 64}
+    none = SamplingDefaults().sampling_params({}, fallback)
+    assert (none.temperature, none.max_tokens) == (0.0, 64)
+    model = SamplingDefaults(temperature=0.6).sampling_params({}, fallback)
+    assert (model.temperature, model.max_tokens) == (0.6, 64)
+
+
+def test_a_bad_default_is_refused_naming_the_field() -> None:
+    with pytest.raises(ValueError, match="top_p must be in"):
+        SamplingDefaults(top_p=0.0)

@@ -227,7 +227,7 @@ class EngineCore:
     @property
     def limits(self) -> ContextLimits:
         """What a request must fit: the vocabulary and the context window."""
-        return ContextLimits(self.config.model.vocab_size, self.config.max_model_len)
+        return self.config.context_limits
 
     def abort_request(
         self, request_id: str, reason: FinishReason = FinishReason.ABORT

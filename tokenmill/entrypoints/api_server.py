@@ -518,7 +518,7 @@ async def _serve_generation(
     if state.shutting_down or not state.healthy:
         return error_response(503, state.client.failure or "the server is not ready")
     try:
-        params = body.sampling_params()
+        params = body.sampling_params(state.config.sampling_defaults)
         requests = _tokenize_requests(body, params)
     except ValueError as exc:
         return error_response(400, str(exc), _param_of(str(exc)))

@@ -1,4 +1,4 @@
-"""The `tokenmill` command line: `tokenmill generate` (and, as they land, serve/chat/bench)."""
+"""The `tokenmill` command line: `tokenmill generate|chat|serve|bench`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import dataclasses
 import gc
 import json
 import logging
+import signal
 import sys
+import threading
 import types
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, get_args, get_origin, get_type_hints
@@ -15,12 +17,16 @@ from typing import TYPE_CHECKING, Any, TypeVar, get_args, get_origin, get_type_h
 from tokenmill import __version__
 from tokenmill.config import DEMO_MODEL_DIR, EngineArgs
 from tokenmill.entrypoints.server_options import ServerOptions
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingDefaults, SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.entrypoints.llm import LLM
 
 if TYPE_CHECKING:
     from tokenmill.bench.options import OfflineBenchArgs
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 MODEL_HELP = (
     "Hugging Face checkpoint directory (default: the embedded demo model, a 15.7 M parameter "
@@ -104,19 +110,43 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return options_from(ns, EngineArgs)
 
 
+# The command line's own sampling defaults, below the model's (its generation_config.json):
+# greedy, and a short completion.
+_CLI_SAMPLING = {"temperature": 0.0, "max_tokens": 64}
+
+
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("sampling options")
-    group.add_argument("--max-tokens", type=int, default=64, help="Tokens to generate per prompt.")
-    group.add_argument(
-        "--temperature", type=float, default=0.0, help="Sampling temperature; 0 is greedy."
-    )
-    group.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass.")
-    group.add_argument(
-        "--top-k", type=int, default=0, help="Sample among the k likeliest; 0 = off."
+    group = parser.add_argument_group(
+        "sampling options",
+        "An option not given takes the model's value from its generation_config.json (see "
+        "--generation-config), else the default shown.",
     )
     group.add_argument(
-        "--min-p", type=float, default=0.0, help="Drop tokens below min_p x the max."
+        "--max-tokens", type=int, default=None,
+        help="Tokens to generate per prompt (default: the model's max_new_tokens, at most the "
+        "room left in the context, else 64).",
+    )  # fmt: skip
+    group.add_argument(
+        "--temperature", type=float, default=None, help="Sampling temperature; 0 is greedy "
+        "(default: 0).",
+    )  # fmt: skip
+    group.add_argument(
+        "--top-p", type=float, default=None, help="Nucleus sampling mass (default: 1)."
     )
+    group.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        help="Sample among the k likeliest; 0 = off (default: 0).",
+    )
+    group.add_argument(
+        "--min-p", type=float, default=None, help="Drop tokens below min_p x the max (default: 0)."
+    )
+    group.add_argument(
+        "--repetition-penalty", type=float, default=None,
+        help="Divide the logits of tokens already in the prompt or output by this (> 1 repeats "
+        "less; default: 1).",
+    )  # fmt: skip
     group.add_argument("--sampling-seed", type=int, default=None, help="Per-request seed.")
     group.add_argument("--stop", action="append", default=[], help="Stop string (repeatable).")
     group.add_argument("--ignore-eos", action="store_true", help="Keep going past end-of-sequence.")
@@ -166,9 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     chat = commands.add_parser(
         "chat",
         help="Talk to the model in the terminal (its chat template, history kept).",
-        description="Reads one user message per line from standard input and prints each "
-        "reply; the conversation so far is re-sent every turn (the prefix cache makes that "
-        "cheap). An empty line or end of input quits.",
+        description="Reads one user message per line at the '> ' prompt and prints the reply "
+        "as it is generated; the conversation so far is re-sent every turn (the prefix cache "
+        "makes that cheap). Ctrl-C stops a reply and returns to the prompt; an empty line, "
+        "end of input (Ctrl-D) or Ctrl-C at the prompt quits.",
     )
     chat.add_argument("--model", default=str(DEMO_MODEL_DIR), help=MODEL_HELP)
     chat.add_argument("--system", default=None, help="System prompt.")
@@ -384,40 +415,73 @@ def _serve(ns: argparse.Namespace) -> int:
     return code
 
 
-def _sampling_params(ns: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=ns.max_tokens,
-        temperature=ns.temperature,
-        top_p=ns.top_p,
-        top_k=ns.top_k,
-        min_p=ns.min_p,
-        seed=ns.sampling_seed,
-        stop=ns.stop,
-        ignore_eos=ns.ignore_eos,
-    )
+def _sampling_params(ns: argparse.Namespace, defaults: SamplingDefaults) -> SamplingParams:
+    """The sampling flags given, `defaults` (the model's) for the others, then the command
+    line's own (`_CLI_SAMPLING`)."""
+    given = {
+        "max_tokens": ns.max_tokens,
+        "temperature": ns.temperature,
+        "top_p": ns.top_p,
+        "top_k": ns.top_k,
+        "min_p": ns.min_p,
+        "repetition_penalty": ns.repetition_penalty,
+        "seed": ns.sampling_seed,
+        "stop": ns.stop,
+        "ignore_eos": ns.ignore_eos,
+    }
+    return defaults.sampling_params(given, _CLI_SAMPLING)
 
 
 def _chat(ns: argparse.Namespace) -> int:
     from tokenmill.entrypoints.llm import LLM
 
-    params = _sampling_params(ns)  # bad sampling options fail before the model loads
+    _sampling_params(ns, SamplingDefaults())  # bad sampling options fail before the model loads
     llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
+    params = _sampling_params(ns, llm.config.sampling_defaults)
     messages = [{"role": "system", "content": ns.system}] if ns.system else []
-    for line in sys.stdin:
+    if sys.stdin.isatty():
+        import readline  # noqa: F401  (line editing and history at the prompt)
+    print("Ctrl-C stops a reply; an empty line, Ctrl-D or Ctrl-C at the prompt quits.",
+          file=sys.stderr)  # fmt: skip
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
         if not line.strip():
-            break
-        messages.append({"role": "user", "content": line.rstrip("\n")})
-        reply = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
-        messages.append({"role": "assistant", "content": reply})
-        print(f"assistant: {reply}", flush=True)
-    return 0
+            return 0
+        messages.append({"role": "user", "content": line})
+        logger.debug("chat turn: %d messages", len(messages))
+        messages.append({"role": "assistant", "content": _stream_reply(llm, messages, params)})
+
+
+def _stream_reply(llm: LLM, messages: list[dict[str, Any]], params: SamplingParams) -> str:
+    """Print the model's reply as it comes and return it (as far as it got). Ctrl-C stops it
+    between engine steps: the handler only raises a flag, so no step is cut in half."""
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stream = llm.stream_chat(messages, params)
+    text = ""
+    try:
+        for out in stream:
+            print(out.outputs[0].text[len(text) :], end="", flush=True)
+            text = out.outputs[0].text
+            if stop.is_set():
+                break
+    finally:
+        stream.close()  # aborts the request if it is still running
+        signal.signal(signal.SIGINT, previous)
+    print(" [interrupted]" if stop.is_set() else "", flush=True)
+    return text
 
 
 def _generate(ns: argparse.Namespace) -> int:
     from tokenmill.entrypoints.llm import LLM
 
-    params = _sampling_params(ns)  # bad sampling options fail before the model loads
+    _sampling_params(ns, SamplingDefaults())  # bad sampling options fail before the model loads
     llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
+    params = _sampling_params(ns, llm.config.sampling_defaults)
     if ns.chat:
         chats = [[{"role": "user", "content": p}] for p in ns.prompts]
         outputs = llm.chat(chats, params, use_tqdm=False)
@@ -443,6 +507,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"tokenmill: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # e.g. while the model loads: no traceback
+        print("tokenmill: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tqdm import tqdm
@@ -29,7 +29,8 @@ class LLM:
     """An engine in this process: `LLM(model=dir).generate(prompts, SamplingParams(...))`.
 
     Keyword arguments are the fields of `EngineArgs` (dtype, device, max_num_seqs,
-    max_num_batched_tokens, page_size, num_pages or kv_cache_memory_bytes, seed, load_format, ...).
+    max_num_batched_tokens, page_size, num_pages or kv_cache_memory_bytes, seed, load_format,
+    generation_config, ...).
     """
 
     def __init__(self, model: str, **engine_args: Any) -> None:
@@ -38,10 +39,18 @@ class LLM:
         self.tokenizer = load_tokenizer(args.tokenizer or model)
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()
+        self._children: dict[str, _Child] = {}  # engine request id → its unfinished choice
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
         """The checkpoint's tokenizer (None when it has none)."""
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request without SamplingParams runs with: the model's generation_config.json
+        settings (`--generation-config`), SamplingParams' own for the rest. Its max_tokens is
+        None when the model has a default (intake applies it, at most the room left in the
+        context), else 16."""
+        return self.config.sampling_defaults.sampling_params({})
 
     def generate(
         self,
@@ -49,7 +58,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Complete each prompt (text or token ids); returns outputs in input order."""
+        """Complete each prompt (text or token ids); returns outputs in input order.
+
+        Without `sampling_params`, every prompt runs with `get_default_sampling_params()`.
+        """
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -69,6 +81,25 @@ class LLM:
         token_ids = [apply_chat_template(self.tokenizer, c) for c in conversations]
         return self._run(token_ids, [None] * len(token_ids), sampling_params, use_tqdm)
 
+    def stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Complete one prompt, yielding its output after each engine step that added to it.
+
+        Every yield is the same `RequestOutput`, grown (text and token ids so far, as vLLM's
+        cumulative outputs); the last one is finished. Closing the generator early (`break`,
+        `close()`) aborts the request and frees its pages.
+        """
+        ids = encode_prompt(self.tokenizer, prompt)
+        return self._stream(ids, prompt if isinstance(prompt, str) else None, sampling_params)
+
+    def stream_chat(
+        self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Answer one conversation, as `stream` does a prompt."""
+        ids = apply_chat_template(self.tokenizer, messages)
+        return self._stream(ids, None, sampling_params)
+
     def flush_prefix_cache(self) -> int:
         """Drop cached prefixes no request is using; returns the number of pages freed."""
         return self.engine.cache.flush()
@@ -80,7 +111,40 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
     ) -> list[RequestOutput]:
-        params = _per_prompt(sampling_params, len(token_ids))
+        params = self._per_prompt(sampling_params, len(token_ids))
+        results = self._add(token_ids, texts, params)
+        bar = tqdm(total=len(results), desc="Generating", disable=not use_tqdm or len(results) < 2)
+        done = 0
+        while done < len(results):
+            self._step()
+            finished = sum(r.finished for r in results)
+            bar.update(finished - done)
+            done = finished
+        bar.close()
+        return results
+
+    def _stream(
+        self, token_ids: list[int], text: str | None, sampling_params: SamplingParams | None
+    ) -> Iterator[RequestOutput]:
+        params = self._per_prompt(sampling_params, 1)
+        # Checked here, not at the first next(): a bad request fails where it is made.
+        (result,) = self._add([token_ids], [text], params)
+        return self._follow(result)
+
+    def _follow(self, result: RequestOutput) -> Iterator[RequestOutput]:
+        try:
+            while not result.finished:
+                if any(r is result for r in self._step()):
+                    yield result
+        finally:
+            for child_id in [i for i, c in self._children.items() if c.result is result]:
+                self.engine.abort_request(child_id)
+                del self._children[child_id]
+
+    def _add(
+        self, token_ids: list[list[int]], texts: list[str | None], params: list[SamplingParams]
+    ) -> list[RequestOutput]:
+        """Queue one request per prompt; returns their outputs, filled in by `_step`."""
         limits = self.engine.limits
         # Every prompt is checked before any is queued, so a bad one leaves the engine idle.
         prepared = []
@@ -88,29 +152,42 @@ class LLM:
             request_id = str(next(self._ids))
             result = RequestOutput(request_id, text, ids, [])
             prepared.append((result, prepare(request_id, ids, p, limits)))
-        results: list[RequestOutput] = []
-        children: dict[str, _Child] = {}
         for result, engine_requests in prepared:
-            results.append(result)
             for index, child in enumerate(engine_requests):
                 logprobs = [] if child.params.logprobs is not None else None
                 completion = CompletionOutput(index, logprobs=logprobs)
                 result.outputs.append(completion)
                 stream = ChoiceStream(self.tokenizer, child.prompt_token_ids, child.params)
-                children[child.request_id] = _Child(result, completion, stream)
+                self._children[child.request_id] = _Child(result, completion, stream)
                 self.engine.add_request(child.request_id, child.prompt_token_ids, child.params)
-        bar = tqdm(total=len(results), desc="Generating", disable=not use_tqdm or len(results) < 2)
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                child = children[out.request_id]
-                if child.apply(out):  # a stop string ended it: the engine reports "stop"
-                    final = self.engine.abort_request(out.request_id, FinishReason.STOP)
-                    if final is not None:
-                        child.apply(final)
-                if child.completion.finished and child.result.finished:
-                    bar.update(1)
-        bar.close()
-        return results
+        return [result for result, _ in prepared]
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step, applied; returns the requests it added to (each once)."""
+        touched: dict[int, RequestOutput] = {}
+        for out in self.engine.step():
+            child = self._children[out.request_id]
+            if child.apply(out):  # a stop string ended it: the engine reports "stop"
+                final = self.engine.abort_request(out.request_id, FinishReason.STOP)
+                if final is not None:
+                    child.apply(final)
+            if child.completion.finished:
+                del self._children[out.request_id]
+            touched[id(child.result)] = child.result
+        return list(touched.values())
+
+    def _per_prompt(
+        self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [self.get_default_sampling_params()] * count
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        if len(sampling_params) != count:
+            raise ValueError(
+                f"sampling_params has {len(sampling_params)} entries for {count} prompts"
+            )
+        return list(sampling_params)
 
 
 @dataclasses.dataclass
@@ -135,15 +212,3 @@ class _Child:
         completion.text = self.stream.text
         completion.finish_reason = update.finish_reason
         return update.stop_matched
-
-
-def _per_prompt(
-    sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
-) -> list[SamplingParams]:
-    if sampling_params is None:
-        return [SamplingParams()] * count
-    if isinstance(sampling_params, SamplingParams):
-        return [sampling_params] * count
-    if len(sampling_params) != count:
-        raise ValueError(f"sampling_params has {len(sampling_params)} entries for {count} prompts")
-    return list(sampling_params)

@@ -43,7 +43,12 @@ from tokenmill.entrypoints.schema_types import (
     text_type,
 )
 from tokenmill.entrypoints.tool_parsers import ToolParser, get_tool_parser
-from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from tokenmill.sampling_params import (
+    MAX_LOGPROBS,
+    SamplingDefaults,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 MAX_SEED = 2**64 - 1  # seeds are unsigned 64-bit (torch.Generator.manual_seed's range)
 M = TypeVar("M", bound=BaseModel)
@@ -147,9 +152,17 @@ class _SamplingRequest(_Strict):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true, got stream=false")
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        defaults: SamplingDefaults,
+        fallback_max_tokens: int | None,
+    ) -> SamplingParams:
+        """The request's settings; those it leaves unset (None) come from `defaults` (the
+        model's), then SamplingParams' own (max_tokens: `fallback_max_tokens`)."""
         self._check_supported()
-        values: dict[str, Any] = {
+        given: dict[str, Any] = {
             "n": self.n,
             "seed": self.seed,
             "stop": self.stop or [],
@@ -161,8 +174,6 @@ class _SamplingRequest(_Strict):
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "structured_outputs": self._constraint(),
-        }
-        optional = {
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
@@ -171,8 +182,7 @@ class _SamplingRequest(_Strict):
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
         }
-        values.update({k: v for k, v in optional.items() if v is not None})
-        return SamplingParams(**values)
+        return defaults.sampling_params(given, {"max_tokens": fallback_max_tokens})
 
     @model_validator(mode="after")
     def _within_limits(self) -> Self:
@@ -222,15 +232,20 @@ class CompletionRequest(_SamplingRequest):
     def num_prompts(self) -> int:
         return len(self.prompts())
 
-    def sampling_params(self) -> SamplingParams:
-        """The request as SamplingParams; raises ValueError for unsupported fields."""
+    def sampling_params(self, defaults: SamplingDefaults) -> SamplingParams:
+        """The request as SamplingParams, `defaults` for the settings it leaves unset; raises
+        ValueError for unsupported fields."""
         if self.echo:
             raise ValueError("echo is not supported, got true")
         if self.suffix:
             raise ValueError("suffix is not supported, got a non-empty string")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of must equal n ({self.n}), got {self.best_of}")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        # Without max_tokens: the model's default, else OpenAI's 16; an explicit null: the
+        # model's default, else the room left in the context (as chat completions).
+        if "max_tokens" in self.model_fields_set:
+            return self._sampling_params(self.max_tokens, self.logprobs, defaults, None)
+        return self._sampling_params(None, self.logprobs, defaults, 16)
 
 
 def _content_shape(value: Any) -> str:
@@ -337,13 +352,14 @@ class ChatCompletionRequest(_SamplingRequest):
             )
         return tools or response
 
-    def sampling_params(self) -> SamplingParams:
-        """The request as SamplingParams; raises ValueError for unsupported fields."""
+    def sampling_params(self, defaults: SamplingDefaults) -> SamplingParams:
+        """The request as SamplingParams, `defaults` for the settings it leaves unset; raises
+        ValueError for unsupported fields."""
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true, got logprobs=false")
         max_tokens = self.max_completion_tokens or self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, defaults, None)
 
 
 class TokenizeRequest(_Strict):

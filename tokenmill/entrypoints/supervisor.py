@@ -27,7 +27,6 @@ from typing import Any
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core_process import run_engine_core
 from tokenmill.entrypoints.engine_client import EngineClient
-from tokenmill.intake import ContextLimits
 from tokenmill.ipc.sockets import Addresses
 from tokenmill.tokenization.detokenizer_worker import run_detokenizer
 from tokenmill.tokenization.tokenizer_worker import run_tokenizer_worker
@@ -66,7 +65,7 @@ def server_workers(
 ) -> list[WorkerSpec]:
     """The engine core, the detokenizer and one tokenizer worker per tokenizer address (with
     `chat_template` instead of the tokenizer's own, if given)."""
-    limits = ContextLimits(config.model.vocab_size, config.max_model_len)
+    limits = config.context_limits
     server = os.getpid()
     specs = [
         WorkerSpec(
