@@ -528,6 +528,7 @@ async def _serve_generation(
         request_id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
         model=state.model_name,
         n=params.n,
+        tokens_as_ids=body.return_tokens_as_token_ids,
     )
     for i, r in enumerate(requests):
         r.request_id = f"{response.request_id}-{i}"

@@ -164,6 +164,7 @@ class _SamplingRequest(_Strict):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" (evals need ids)
 
     def _check_supported(self) -> None:
         """Refuse fields the schema accepts but tokenmill does not implement yet."""
