@@ -30,6 +30,7 @@ from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_SEED = 2**64 - 1  # seeds are unsigned 64-bit (torch.Generator.manual_seed's range)
 MAX_INT64 = 2**63 - 1
+MAX_FEEDBACK_COMMENT_CHARS = 10_000
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -343,6 +344,14 @@ class DetokenizeRequest(_Strict):
 
     model: Text | None = None
     tokens: list[TokenId]
+
+
+class FeedbackRequest(_Strict):
+    """`POST /v1/feedback`: a user's rating of a finished response (its `id`)."""
+
+    request_id: text_type(min_length=1, max_length=256)  # type: ignore[valid-type]
+    rating: int = Field(ge=-1, le=1, description="-1 bad, 0 neutral, 1 good")
+    comment: text_type(max_length=MAX_FEEDBACK_COMMENT_CHARS) | None = None  # type: ignore[valid-type]
 
 
 @dataclass(frozen=True)
