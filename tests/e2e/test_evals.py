@@ -1,5 +1,7 @@
-"""User feedback: stored with the request's trace, counted in /metrics, listed on the dashboard,
-and refused (400) for unknown requests or bad ratings."""
+"""Evaluations of a deployment and user feedback, on one demo-model server: `tokenmill eval
+tasks` scores a known file as known (with each request's id, token ids and timing); feedback is
+stored with the request's trace, counted in /metrics, listed on the dashboard, and refused (400)
+for unknown requests or bad ratings."""
 
 from __future__ import annotations
 
@@ -14,14 +16,29 @@ import httpx
 import pytest
 
 from tests.e2e.server import MODEL_NAME, ServerHandle, run_server, wait_until
+from tokenmill.config import DEMO_MODEL_DIR
+from tokenmill.entrypoints.cli import main
+from tokenmill.evals.scorers import DEMO_TASKS
 from tokenmill.observability.feedback import RecentRequests, response_id_of
+
+# Answers the demo model does not give, or gives: each scorer both ways.
+EXTRA = [
+    {"id": "wrong-exact", "prompt": "from django.db import", "expected": "views", "stop": ["\n"],
+     "max_tokens": 8},
+    {"id": "near-number", "prompt": "for i in range(", "expected": 10.4, "scorer": "numeric",
+     "tolerance": 0.5, "max_tokens": 6},
+    {"id": "far-number", "prompt": "for i in range(", "expected": 11, "scorer": "numeric",
+     "tolerance": 0.5, "max_tokens": 6},
+    {"id": "not-json", "prompt": "from django.http import", "expected": "x",
+     "scorer": "json_field", "field": "a", "max_tokens": 6},
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
-    tmp = tmp_path_factory.mktemp("feedback")
-    args = ["--max-model-len", "64", "--trace-file", str(tmp / "trace.jsonl")]
-    with run_server(llama_dir, tmp / "server.log", *args) as handle:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
+    tmp = tmp_path_factory.mktemp("evals")
+    args = ["--max-model-len", "256", "--trace-file", str(tmp / "trace.jsonl")]
+    with run_server(DEMO_MODEL_DIR, tmp / "server.log", *args) as handle:
         handle.tmp = tmp  # type: ignore[attr-defined]
         yield handle
 
@@ -30,6 +47,43 @@ def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 def client(server: ServerHandle) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.base_url, timeout=60) as c:
         yield c
+
+
+def test_known_task_file_is_scored_as_known(server: ServerHandle, tmp_path: Path) -> None:
+    tasks = tmp_path / "tasks.jsonl"
+    lines = DEMO_TASKS.read_text().splitlines() + [json.dumps(t) for t in EXTRA]
+    tasks.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "results.json"
+    argv = ["eval", "tasks", "--base-url", server.base_url, str(tasks), "--output", str(out),
+            "--no-progress", "--min-accuracy", "0.75"]  # fmt: skip
+    assert main(argv) == 0  # 10 of 13 pass: above the minimum
+    report = json.loads(out.read_text())
+    passed = {r["id"]: r["passed"] for r in report["results"]}  # the built-in ones all pass
+    assert [k for k, ok in passed.items() if not ok] == ["wrong-exact", "far-number", "not-json"]
+    assert report["num_tasks"] == len(lines) and report["accuracy"] == 10 / 13
+    by_id = {r["id"]: r for r in report["results"]}
+    assert by_id["not-json"]["detail"].startswith("not JSON")
+    models = by_id["django-models-import"]
+    assert models["answer"].strip() == "models" and models["request_id"].startswith("cmpl-")
+    assert by_id["chat-model-class"]["request_id"].startswith("chatcmpl-")
+    # Token ids as the server saw and produced them, and timing.
+    ids = httpx.post(server.base_url + "/tokenize", json={"prompt": "from django.db import"})
+    assert models["prompt_token_ids"] == ids.json()["tokens"]
+    assert models["prompt_tokens"] == len(models["prompt_token_ids"])
+    text = httpx.post(server.base_url + "/detokenize", json={"tokens": models["output_token_ids"]})
+    assert text.json()["prompt"].startswith(models["answer"])  # the stop string is cut from text
+    assert 0 < models["ttft_s"] <= models["latency_s"]
+    # A task's request id is what feedback rates.
+    body = {"request_id": models["request_id"], "rating": 1}
+    assert httpx.post(server.base_url + "/v1/feedback", json=body).status_code == 200
+
+
+def test_accuracy_below_the_minimum_is_exit_status_1(server: ServerHandle, tmp_path: Path) -> None:
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps(EXTRA[0]) + "\n")
+    argv = ["eval", "tasks", "--base-url", server.base_url, str(tasks), "--no-progress"]
+    assert main(argv) == 0  # no minimum: a wrong answer is a result, not a failure
+    assert main([*argv, "--min-accuracy", "0.5"]) == 1
 
 
 def _complete(client: httpx.Client, n: int = 1) -> dict:
