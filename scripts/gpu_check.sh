@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call (see ../shared/device/README.md).
 # Usage on the device:
-#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|structured|b4|all]
+#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|structured|b4|conformance|all]
 # (gputests = the GPU engine tests and the GEMV, decode and rotary kernel tests + profile + B1;
 #  moe = the mixture-of-experts GPU and kernel tests (moetests), B1/B2 qwen3-30b-a3b with the
 #  transformers peer (moebench);
-#  moesweep = the expert kernels' routing and tile timings per batch size, qwen3-30b-a3b shapes)
+#  moesweep = the expert kernels' routing and tile timings per batch size, qwen3-30b-a3b shapes;
 #  structured = structured-output GPU tests and benchmarks/structured_outputs.py
 #  b4 = speculative decoding vs plain decoding, qwen3-0.6b and llama-3.1-8b;
+#  conformance = `tokenmill eval conformance` of a bf16 server on llama-3.1-8b shapes with random
+#  weights against the float32 transformers reference: the weights are written once as a
+#  checkpoint (`tokenmill eval dummy-checkpoint`, /tmp, 16 GB) that both sides load)
 #   or TREES="ab/before ab/after" bash scripts/gpu_check.sh [ab-b1|ab-b2]: B1 or B2 without the
 #   transformers peer, each source tree in turn, run from inside it (see docs/perf-notes.md)
 # Full logs and JSON reports go to $OUT (or ./gpu-out); a short table is printed last.
@@ -121,6 +124,27 @@ fi
 if [[ "$what" == b4 || "$what" == all ]]; then  # speculative decoding vs plain, same run
   bench qwen3-0.6b b4 "${kv[@]}" --engine-arg max_num_seqs=64
   bench llama-3.1-8b b4 "${kv[@]}" --engine-arg max_num_seqs=64
+fi
+if [[ "$what" == conformance ]]; then
+  ckpt="${CONFORMANCE_CKPT:-/tmp/llama-3.1-8b-dummy}" port=8471
+  [[ -f "$ckpt/config.json" ]] || python3 -m tokenmill.entrypoints.cli eval dummy-checkpoint \
+    --config "$models/llama-3.1-8b" --output "$ckpt" --dtype bfloat16 2>&1 | tail -2
+  # KV cache capped: the float32 reference (32 GB) shares the GPU with the server.
+  python3 -m tokenmill.entrypoints.cli serve "$ckpt" --port $port --max-model-len 4096 \
+    --kv-cache-memory-bytes "${CONFORMANCE_KV_BYTES:-8000000000}" --disable-uvicorn-access-log > "$out/conformance-server.log" 2>&1 &
+  server=$!
+  python3 -c "
+import time, urllib.request
+for _ in range(900):
+    try:
+        urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=2); break
+    except Exception: time.sleep(1)"
+  python3 -m tokenmill.entrypoints.cli eval conformance --base-url "http://127.0.0.1:$port" \
+    --model "$ckpt" --output "$out/conformance-llama-3.1-8b.json" \
+    --plot "$out/conformance-llama-3.1-8b.png" 2>&1 | tee "$out/conformance.log" | tail -14
+  echo "conformance llama-3.1-8b bf16 vs float32:" >> "$table"
+  grep -E "^(group|text|token-ids|chat|prefix-hit|all|tokenization|PASS|FAIL)" "$out/conformance.log" >> "$table"
+  kill -TERM "$server"; wait "$server"
 fi
 echo
 echo "=== summary ==="

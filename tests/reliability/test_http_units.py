@@ -105,3 +105,14 @@ def test_error_messages_name_the_path_without_union_tags() -> None:
     assert error_param(limit) == ("n: too many", "n")
     invalid = {"type": "json_invalid", "loc": ("body", 3), "msg": "x", "ctx": {"error": "bad"}}
     assert error_param(invalid) == ("the body is not valid JSON: bad", None)
+
+
+def test_logprob_tokens_are_token_ids_when_asked() -> None:
+    # Two tokens decoding to the same text collide as text, never as ids.
+    entries = [[(7, "a", -0.1, 1), (9, "a", -2.3, 2)]]
+    assert oai.completion_logprobs(entries, 2)["top_logprobs"] == [{"a": -2.3}]
+    named = oai.completion_logprobs(entries, 2, tokens_as_ids=True)
+    assert named["tokens"] == ["token_id:7"]
+    assert named["top_logprobs"] == [{"token_id:7": -0.1, "token_id:9": -2.3}]
+    chat = oai.chat_logprobs(entries, 2, tokens_as_ids=True)["content"][0]
+    assert [t["token"] for t in chat["top_logprobs"]] == ["token_id:7", "token_id:9"]

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
@@ -40,6 +40,7 @@ from tokenmill.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ErrorResponse,
+    FeedbackRequest,
     RequestLimits,
     RequestModels,
     error_param,
@@ -300,7 +301,42 @@ def build_app(state: ServerState) -> FastAPI:
         """OpenAI chat completions, streamed or not."""
         return await _serve_generation(state, raw, body, chat=True)
 
+    _add_feedback_routes(app, state)
     return app
+
+
+def _add_feedback_routes(app: FastAPI, state: ServerState) -> None:
+    """User feedback on finished requests, and their traces (`observability/feedback.py`)."""
+
+    @app.post("/v1/feedback", responses=_BODY_ERRORS)
+    async def feedback(body: FeedbackRequest) -> Response:
+        """Rate a finished request's response: `request_id` is the response's `id`; `rating`
+        -1 (bad), 0 (neutral) or 1 (good); stored with the request's trace."""
+        log = state.client.metrics.feedback
+        if (unknown := log.unknown_request_message(body.request_id)) is not None:
+            return error_response(400, unknown, "request_id")
+        record = log.add(body.request_id, body.rating, body.comment)
+        return JSONResponse({"object": "feedback", **record.to_json()})
+
+    @app.get("/v1/feedback")
+    async def list_feedback(
+        max_rating: int | None = Query(None, ge=-1, le=1), limit: int = Query(50, ge=1, le=1000)
+    ) -> dict[str, Any]:
+        """Recent feedback, newest first (`max_rating=-1`: the negative only)."""
+        recent = state.client.metrics.feedback.recent(max_rating, limit)
+        return {"object": "list", "data": [f.to_json() for f in recent]}
+
+    @app.get("/v1/traces/{request_id}", responses=_errors_doc(404))
+    async def trace(request_id: str) -> Response:
+        """A recent request's trace lines (token ids, timings; one per choice) and its feedback,
+        read back from --trace-file."""
+        log = state.client.metrics.feedback
+        lines = await asyncio.to_thread(log.read_trace, request_id)
+        if not lines:
+            why = "no --trace-file" if log.trace_path is None else "none among the recent requests"
+            return error_response(404, f"no trace of request {request_id!r} ({why})")
+        feedback = [f.to_json() for f in log.for_request(request_id)]
+        return JSONResponse({"request_id": request_id, "lines": lines, "feedback": feedback})
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -529,6 +565,7 @@ async def _serve_generation(
         request_id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
         model=state.model_name,
         n=params.n,
+        tokens_as_ids=body.return_tokens_as_token_ids,
     )
     for i, r in enumerate(requests):
         r.request_id = f"{response.request_id}-{i}"
@@ -740,7 +777,9 @@ def serve(engine: EngineArgs, options: ServerOptions, log_level: str = "INFO") -
     model_name = options.model_name(engine.model)
     addresses = Addresses.fresh(options.num_tokenizer_workers)
     try:
-        metrics = ServerMetrics(model_name, options.trace_file, options.log_requests)
+        metrics = ServerMetrics(
+            model_name, options.trace_file, options.log_requests, options.max_recent_requests
+        )
         state = ServerState(
             options=options,
             engine=engine,

@@ -1,4 +1,4 @@
-"""The `tokenmill` command line: `tokenmill generate|chat|serve|bench`."""
+"""The `tokenmill` command line: `tokenmill generate|chat|serve|bench|eval`."""
 
 from __future__ import annotations
 
@@ -217,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(srv, ServerOptions, "server options")
     add_engine_args(srv)
     _add_bench_parser(commands)
+    _add_eval_parser(commands)
     for sub in commands.choices.values():
         _log_level_anywhere(sub)
     return parser
@@ -285,6 +286,18 @@ def _add_serve_bench_parser(kinds: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--output", default=None, help="Write the JSON report (every request).")
     serve.add_argument("--plot", default=None, help="Write PNG charts here.")
+
+
+def _add_eval_parser(commands: argparse._SubParsersAction) -> None:
+    from tokenmill.evals.cli import add_eval_parser
+
+    add_eval_parser(commands)
+
+
+def _eval(ns: argparse.Namespace) -> int:
+    from tokenmill.evals.cli import run_eval
+
+    return run_eval(ns)
 
 
 def _parse_slo(text: str | None) -> tuple[float | None, float | None]:
@@ -502,7 +515,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=ns.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        handlers = {"serve": _serve, "generate": _generate, "chat": _chat, "bench": _bench}
+        handlers = {
+            "serve": _serve, "generate": _generate, "chat": _chat, "bench": _bench, "eval": _eval,
+        }  # fmt: skip
         return handlers[ns.command](ns)
     except ValueError as exc:
         print(f"tokenmill: error: {exc}", file=sys.stderr)

@@ -28,6 +28,7 @@ class ResponseState:
     request_id: str
     model: str
     n: int
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:N"
     created: int = field(default_factory=lambda: int(time.time()))
     choices: dict[int, ChoiceState] = field(default_factory=dict)
     prompt_tokens: dict[int, int] = field(default_factory=dict)
@@ -64,12 +65,23 @@ class ResponseState:
         return sorted(self.choices.items())
 
 
+def _named(
+    entries: list[list[tuple[int, str, float, int]]], tokens_as_ids: bool
+) -> list[list[tuple[int, str, float, int]]]:
+    """Entries whose token text is `"token_id:N"` when the client asked for ids (text can be
+    ambiguous: several tokens may decode to the same string, or to part of a character)."""
+    if not tokens_as_ids:
+        return entries
+    return [[(i, f"token_id:{i}", lp, rank) for i, _, lp, rank in entry] for entry in entries]
+
+
 def completion_logprobs(
-    entries: list[list[tuple[int, str, float, int]]] | None, top_n: int
+    entries: list[list[tuple[int, str, float, int]]] | None, top_n: int, tokens_as_ids: bool = False
 ) -> dict[str, Any] | None:
     """The legacy completions `logprobs` object."""
     if entries is None:
         return None
+    entries = _named(entries, tokens_as_ids)
     tokens, token_logprobs, top, offsets = [], [], [], []
     offset = 0
     for entry in entries:
@@ -88,11 +100,12 @@ def completion_logprobs(
 
 
 def chat_logprobs(
-    entries: list[list[tuple[int, str, float, int]]] | None, top_n: int
+    entries: list[list[tuple[int, str, float, int]]] | None, top_n: int, tokens_as_ids: bool = False
 ) -> dict[str, Any] | None:
     """The chat completions `logprobs` object."""
     if entries is None:
         return None
+    entries = _named(entries, tokens_as_ids)
 
     def item(text: str, logprob: float) -> dict[str, Any]:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
@@ -120,7 +133,7 @@ def completion_body(state: ResponseState, top_n: int) -> dict[str, Any]:
             {
                 "index": i,
                 "text": c.text,
-                "logprobs": completion_logprobs(c.logprobs, top_n),
+                "logprobs": completion_logprobs(c.logprobs, top_n, state.tokens_as_ids),
                 "finish_reason": c.finish_reason,
             }
             for i, c in state.sorted_choices()
@@ -140,7 +153,7 @@ def chat_body(
             {
                 "index": i,
                 "message": message,
-                "logprobs": chat_logprobs(c.logprobs, top_n),
+                "logprobs": chat_logprobs(c.logprobs, top_n, state.tokens_as_ids),
                 "finish_reason": finish_reason,
             }
         )
@@ -202,7 +215,7 @@ def completion_chunk(
             {
                 "index": index,
                 "text": out.text,
-                "logprobs": completion_logprobs(out.logprobs, top_n),
+                "logprobs": completion_logprobs(out.logprobs, top_n, state.tokens_as_ids),
                 "finish_reason": out.finish_reason,
             }
         ],
@@ -219,7 +232,11 @@ def chat_chunk(
             {
                 "index": index,
                 "delta": delta,
-                "logprobs": chat_logprobs(out.logprobs, top_n) if out is not None else None,
+                "logprobs": (
+                    chat_logprobs(out.logprobs, top_n, state.tokens_as_ids)
+                    if out is not None
+                    else None
+                ),
                 "finish_reason": out.finish_reason if out is not None else None,
             }
         ],

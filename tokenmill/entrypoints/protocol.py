@@ -51,6 +51,7 @@ from tokenmill.sampling_params import (
 )
 
 MAX_SEED = 2**64 - 1  # seeds are unsigned 64-bit (torch.Generator.manual_seed's range)
+MAX_FEEDBACK_COMMENT_CHARS = 10_000
 M = TypeVar("M", bound=BaseModel)
 # The tool-call markup the server parses and enforces (Hermes / Qwen `<tool_call>`).
 TOOL_PARSER = "hermes"
@@ -144,6 +145,7 @@ class _SamplingRequest(_Strict):
 
     def _constraint(self) -> StructuredOutputsParams | None:
         return response_constraint(self.response_format, self.structured_outputs)
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" (evals need ids)
 
     def _check_supported(self) -> None:
         """Refuse fields the schema accepts but tokenmill does not implement yet."""
@@ -385,6 +387,14 @@ class DetokenizeRequest(_Strict):
 
     model: Text | None = None
     tokens: list[TokenId]
+
+
+class FeedbackRequest(_Strict):
+    """`POST /v1/feedback`: a user's rating of a finished response (its `id`)."""
+
+    request_id: text_type(min_length=1, max_length=256)  # type: ignore[valid-type]
+    rating: int = Field(ge=-1, le=1, description="-1 bad, 0 neutral, 1 good")
+    comment: text_type(max_length=MAX_FEEDBACK_COMMENT_CHARS) | None = None  # type: ignore[valid-type]
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,12 @@ class ServerOptions:
     trace_file: str | None = option(
         None, "Append one JSON line per finished request (token ids, timestamps, params) here."
     )
+    max_recent_requests: int = option(
+        100_000,
+        "Finished requests remembered for POST /v1/feedback (their ids, and where their lines "
+        "are in --trace-file, for GET /v1/traces/ID; about 260 bytes each); feedback on older "
+        "ones gets 400.",
+    )
     log_requests: bool = option(
         False,
         "Log each request on arrival (prompt, params) and a summary when it finishes.",
@@ -100,6 +106,7 @@ class ServerOptions:
             "max_stop_chars": self.max_stop_chars,
             "max_waiting_requests": self.max_waiting_requests,
             "max_log_len": self.max_log_len,
+            "max_recent_requests": self.max_recent_requests,
         }
         for name, value in positive.items():
             if value is not None and value < 1:

@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import IO
+from typing import IO, Any
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -27,6 +27,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from tokenmill.ipc.messages import ClientOutput, EngineStats, SpecDecodeCounts
+from tokenmill.observability.feedback import FeedbackLog, response_id_of
 from tokenmill.observability.histogram import Histogram as EngineHistogram
 from tokenmill.sampling_params import SamplingParams
 
@@ -144,7 +145,13 @@ def _histogram_family(
 class ServerMetrics:
     """The server's registry, per-request observations, request traces and request logs."""
 
-    def __init__(self, model_name: str, trace_file: str | None, log_requests: bool) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        trace_file: str | None,
+        log_requests: bool,
+        max_recent_requests: int = 100_000,
+    ) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.engine = _EngineCollector(model_name)
@@ -176,6 +183,9 @@ class ServerMetrics:
         self._trace: IO[str] | None = None
         if trace_file:  # one line per finished request, flushed per line; closed by close()
             self._trace = open(trace_file, "a", buffering=1)  # noqa: SIM115
+        self.feedback = FeedbackLog(
+            model_name, self.registry, max_recent_requests, trace_file, self.write_trace
+        )
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
@@ -209,8 +219,11 @@ class ServerMetrics:
             ):
                 if value is not None:
                     hist.observe(value)
+        response_id = response_id_of(tracker.request_id)
         record = {
+            "event": "request",
             "request_id": tracker.request_id,
+            "response_id": response_id,
             "prompt_token_ids": m.prompt_token_ids if m is not None else None,
             "output_token_ids": tracker.token_ids,
             "arrival_time": tracker.submitted,
@@ -224,8 +237,7 @@ class ServerMetrics:
             "finish_reason": out.finish_reason,
             "sampling_params": msgspec.to_builtins(tracker.params),
         }
-        if self._trace is not None:
-            self._trace.write(json.dumps(record) + "\n")
+        self.feedback.requests.add(response_id, self.write_trace(record))
         if self.log_requests:
             logger.info(
                 "request %s finished (%s): %d prompt tokens (%d cached), %d output tokens, "
@@ -234,6 +246,14 @@ class ServerMetrics:
                 out.num_cached_tokens, len(tracker.token_ids), now - tracker.submitted,
                 record["num_preemptions"] or 0,
             )  # fmt: skip
+
+    def write_trace(self, record: dict[str, Any]) -> int | None:
+        """Append one line to the trace file; its byte offset (None without a trace file)."""
+        if self._trace is None:
+            return None
+        offset = self._trace.tell()  # a byte position: the lines are ASCII (json.dumps escapes)
+        self._trace.write(json.dumps(record) + "\n")
+        return offset
 
     def close(self) -> None:
         if self._trace is not None:

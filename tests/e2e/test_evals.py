@@ -1,0 +1,204 @@
+"""Evaluations of a deployment and user feedback, on one demo-model server: `tokenmill eval
+tasks` scores a known file as known (with each request's id, token ids and timing); feedback is
+stored with the request's trace, counted in /metrics, listed on the dashboard, and refused (400)
+for unknown requests or bad ratings."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.server import MODEL_NAME, ServerHandle, run_server, wait_until
+from tokenmill.config import DEMO_MODEL_DIR
+from tokenmill.entrypoints.cli import main
+from tokenmill.evals.scorers import DEMO_TASKS
+from tokenmill.observability.feedback import RecentRequests, response_id_of
+
+# Answers the demo model does not give, or gives: each scorer both ways.
+EXTRA = [
+    {"id": "wrong-exact", "prompt": "from django.db import", "expected": "views", "stop": ["\n"],
+     "max_tokens": 8},
+    {"id": "near-number", "prompt": "for i in range(", "expected": 10.4, "scorer": "numeric",
+     "tolerance": 0.5, "max_tokens": 6},
+    {"id": "far-number", "prompt": "for i in range(", "expected": 11, "scorer": "numeric",
+     "tolerance": 0.5, "max_tokens": 6},
+    {"id": "not-json", "prompt": "from django.http import", "expected": "x",
+     "scorer": "json_field", "field": "a", "max_tokens": 6},
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
+    tmp = tmp_path_factory.mktemp("evals")
+    args = ["--max-model-len", "256", "--trace-file", str(tmp / "trace.jsonl")]
+    with run_server(DEMO_MODEL_DIR, tmp / "server.log", *args) as handle:
+        handle.tmp = tmp  # type: ignore[attr-defined]
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerHandle) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.base_url, timeout=60) as c:
+        yield c
+
+
+def test_known_task_file_is_scored_as_known(server: ServerHandle, tmp_path: Path) -> None:
+    tasks = tmp_path / "tasks.jsonl"
+    lines = DEMO_TASKS.read_text().splitlines() + [json.dumps(t) for t in EXTRA]
+    tasks.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "results.json"
+    argv = ["eval", "tasks", "--base-url", server.base_url, str(tasks), "--output", str(out),
+            "--no-progress", "--min-accuracy", "0.75"]  # fmt: skip
+    assert main(argv) == 0  # 10 of 13 pass: above the minimum
+    report = json.loads(out.read_text())
+    passed = {r["id"]: r["passed"] for r in report["results"]}  # the built-in ones all pass
+    assert [k for k, ok in passed.items() if not ok] == ["wrong-exact", "far-number", "not-json"]
+    assert report["num_tasks"] == len(lines) and report["accuracy"] == 10 / 13
+    by_id = {r["id"]: r for r in report["results"]}
+    assert by_id["not-json"]["detail"].startswith("not JSON")
+    models = by_id["django-models-import"]
+    assert models["answer"].strip() == "models" and models["request_id"].startswith("cmpl-")
+    assert by_id["chat-model-class"]["request_id"].startswith("chatcmpl-")
+    # Token ids as the server saw and produced them, and timing.
+    ids = httpx.post(server.base_url + "/tokenize", json={"prompt": "from django.db import"})
+    assert models["prompt_token_ids"] == ids.json()["tokens"]
+    assert models["prompt_tokens"] == len(models["prompt_token_ids"])
+    text = httpx.post(server.base_url + "/detokenize", json={"tokens": models["output_token_ids"]})
+    assert text.json()["prompt"].startswith(models["answer"])  # the stop string is cut from text
+    assert 0 < models["ttft_s"] <= models["latency_s"]
+    # A task's request id is what feedback rates.
+    body = {"request_id": models["request_id"], "rating": 1}
+    assert httpx.post(server.base_url + "/v1/feedback", json=body).status_code == 200
+
+
+def test_accuracy_below_the_minimum_is_exit_status_1(server: ServerHandle, tmp_path: Path) -> None:
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps(EXTRA[0]) + "\n")
+    argv = ["eval", "tasks", "--base-url", server.base_url, str(tasks), "--no-progress"]
+    assert main(argv) == 0  # no minimum: a wrong answer is a result, not a failure
+    assert main([*argv, "--min-accuracy", "0.5"]) == 1
+
+
+def _complete(client: httpx.Client, n: int = 1) -> dict:
+    body = {"model": MODEL_NAME, "prompt": "Hello world", "max_tokens": 4, "n": n}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _feedback_count(client: httpx.Client, rating: int) -> float:
+    pattern = rf'^tokenmill:feedback_total\{{[^}}]*rating="{rating}"[^}}]*\}} (\S+)$'
+    match = re.search(pattern, client.get("/metrics").text, re.MULTILINE)
+    assert match, "tokenmill:feedback_total is not exported"
+    return float(match.group(1))
+
+
+def test_feedback_round_trips_to_the_trace_and_the_metric(
+    client: httpx.Client, server: ServerHandle
+) -> None:
+    completion = _complete(client, n=2)
+    before = _feedback_count(client, -1)
+    body = {"request_id": completion["id"], "rating": -1, "comment": "wrong answer ☹"}
+    response = client.post("/v1/feedback", json=body)
+    assert response.status_code == 200, response.text
+    stored = response.json()
+    assert stored["request_id"] == completion["id"] and stored["rating"] == -1
+    assert stored["has_trace"] is True
+    assert _feedback_count(client, -1) == before + 1
+    # The trace file holds the request's lines (one per choice) and the feedback, joined by id.
+    trace_file = server.tmp / "trace.jsonl"  # type: ignore[attr-defined]
+    assert wait_until(lambda: stored["feedback_id"] in trace_file.read_text())
+    records = [json.loads(line) for line in trace_file.read_text().splitlines()]
+    lines = [r for r in records if r.get("response_id") == completion["id"]]
+    assert len(lines) == 2 and all(r["event"] == "request" for r in lines)
+    feedback = [r for r in records if r.get("event") == "feedback"]
+    assert feedback[-1]["request_id"] == completion["id"]
+    assert feedback[-1]["comment"] == "wrong answer ☹"
+    # ... and the server reads them back for the dashboard's link.
+    trace = client.get(f"/v1/traces/{completion['id']}").json()
+    assert sorted(r["request_id"] for r in trace["lines"]) == sorted(r["request_id"] for r in lines)
+    assert all(len(r["output_token_ids"]) == 4 for r in trace["lines"])
+    assert trace["feedback"][-1]["feedback_id"] == stored["feedback_id"]
+    negative = client.get("/v1/feedback", params={"max_rating": -1}).json()["data"]
+    assert negative[0]["feedback_id"] == stored["feedback_id"]
+    good = client.post("/v1/feedback", json={"request_id": completion["id"], "rating": 1})
+    assert good.status_code == 200
+    assert all(f["rating"] == -1 for f in client.get("/v1/feedback?max_rating=-1").json()["data"])
+
+
+@pytest.mark.parametrize(
+    ("patch", "param"),
+    [
+        ({"request_id": "cmpl-never-issued"}, "request_id"),
+        ({"request_id": ""}, "request_id"),
+        ({"rating": 2}, "rating"),
+        ({"rating": -2}, "rating"),
+        ({"rating": True}, "rating"),
+        ({"rating": "1"}, "rating"),
+        ({"rating": 1.0}, "rating"),
+        ({"comment": "x" * 10_001}, "comment"),
+        ({"comment": 5}, "comment"),
+    ],
+)
+def test_bad_feedback_is_400_naming_the_field(client: httpx.Client, patch, param) -> None:
+    completion = _complete(client)
+    before = _feedback_count(client, 1)
+    body = {"request_id": completion["id"], "rating": 1, **patch}
+    response = client.post("/v1/feedback", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "BadRequestError", error
+    assert _feedback_count(client, 1) == before
+
+
+def test_trace_of_an_unknown_request_is_404(client: httpx.Client) -> None:
+    response = client.get("/v1/traces/cmpl-never-issued")
+    assert response.status_code == 404
+    assert "no trace" in response.json()["error"]["message"]
+
+
+def test_recent_requests_forget_the_oldest_first() -> None:
+    recent = RecentRequests(capacity=2)
+    recent.add("a", 0)
+    recent.add("b", 10)
+    recent.add("a", 20)  # a second choice of "a" refreshes it
+    recent.add("c", None)
+    assert "b" not in recent and "a" in recent and "c" in recent
+    assert recent.trace_offsets("a") == (0, 20) and recent.trace_offsets("c") == ()
+
+
+def test_response_id_is_the_engine_request_id_without_prompt_and_choice() -> None:
+    assert response_id_of("chatcmpl-0a1b-0:3") == "chatcmpl-0a1b"
+    assert response_id_of("cmpl-9f-12:0") == "cmpl-9f"
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (see .ci/run)")
+def test_dashboard_lists_recent_negative_feedback_with_trace_links(
+    client: httpx.Client, server: ServerHandle, tmp_path: Path
+) -> None:
+    completion = _complete(client)
+    body = {"request_id": completion["id"], "rating": -1, "comment": "<b>not html</b>"}
+    assert client.post("/v1/feedback", json=body).status_code == 200
+    flags = [
+        "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+        f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=3000", "--dump-dom",
+    ]  # fmt: skip
+    dom = subprocess.run(
+        [CHROMIUM, *flags, server.base_url + "/dashboard"],
+        capture_output=True, text=True, timeout=120,
+    ).stdout  # fmt: skip
+    rows = int(re.search(r'id="feedback" data-rows="(\d+)"', dom).group(1))
+    assert rows >= 1, dom[-2000:]
+    assert f'href="/v1/traces/{completion["id"]}"' in dom
+    assert "&lt;b&gt;not html&lt;/b&gt;" in dom  # a comment is shown as text

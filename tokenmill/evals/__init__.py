@@ -1,0 +1,1 @@
+"""Evaluations of a live deployment: conformance with a reference, and the user's tasks."""
