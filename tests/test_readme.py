@@ -40,6 +40,9 @@ NOT_RUN = {
     'tokenmill serve --model DIR --api-key "$KEY"': (
         "a second server on the same port (the api key: tests/reliability/test_http_edge.py)"
     ),
+    "tokenmill eval tasks --base-url http://127.0.0.1:8000 tasks.jsonl": (
+        "the user's own task file (a placeholder; tests/e2e/test_evals.py scores a known file)"
+    ),
     # Run by other tests already (each command here costs seconds of imports on a CPU):
     "tokenmill generate --help": "tests/test_cli.py::test_help_documents_every_engine_option",
     "tokenmill serve --help": (

@@ -25,6 +25,12 @@ class Reference:
         """`[len(output_ids), vocab]` float32 log-softmax: row t is the distribution of the token
         after `prompt_ids + output_ids[:t]`, on the CPU."""
         n = len(output_ids)
+        vocab = self.model.get_input_embeddings().num_embeddings
+        if max(prompt_ids + output_ids, default=0) >= vocab:
+            raise ValueError(
+                f"model: the server's token ids go up to {max(prompt_ids + output_ids)}, beyond "
+                f"this checkpoint's {vocab}-token vocabulary: is --model the served checkpoint?"
+            )
         ids = torch.tensor([prompt_ids + output_ids[:-1]], device=self.device)
         logits = self.model(input_ids=ids, logits_to_keep=n).logits[0, -n:]
         return torch.log_softmax(logits.float(), dim=-1).cpu()
