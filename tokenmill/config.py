@@ -269,12 +269,14 @@ def load_sampling_defaults(generation_config: str, model_dir: str) -> SamplingDe
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache: page size and pool size (explicit pages or a memory budget)."""
+    """Paged KV cache: page size and pool size (explicit pages or a memory budget), prefix
+    caching, and the host tier under it (`host_kv_cache_bytes`, 0: none)."""
 
     page_size: int = 16
     num_pages: int | None = None
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
+    host_kv_cache_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -287,6 +289,13 @@ class CacheConfig:
             )
         if self.num_pages is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError("give num_pages or kv_cache_memory_bytes, not both")
+        if self.host_kv_cache_bytes < 0:
+            raise ValueError(f"host_kv_cache_bytes must be >= 0, got {self.host_kv_cache_bytes}")
+        if self.host_kv_cache_bytes and not self.enable_prefix_caching:
+            raise ValueError(
+                "host_kv_cache_bytes needs enable_prefix_caching: the host tier keeps the "
+                "prefixes the radix tree evicts"
+            )
 
 
 SCHEDULING_POLICIES = ("fcfs", "cache-aware")
@@ -430,6 +439,12 @@ class EngineArgs:
     enable_prefix_caching: bool = option(
         True, "Reuse the KV of shared prompt prefixes (radix tree)."
     )
+    host_kv_cache_bytes: int = option(
+        0,
+        "Host-memory tier under the prefix cache, in bytes (pinned on CUDA): prefixes evicted "
+        "from the device KV cache are written there and loaded back on a hit instead of "
+        "recomputed (a draft model's KV moves with them); 0: off.",
+    )
     scheduling_policy: str = option(
         "fcfs",
         "Waiting-queue order: fcfs, or cache-aware (longest cached prefix first, bounded by age).",
@@ -508,6 +523,7 @@ class EngineArgs:
                 num_pages=self.num_pages,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 enable_prefix_caching=self.enable_prefix_caching,
+                host_kv_cache_bytes=self.host_kv_cache_bytes,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

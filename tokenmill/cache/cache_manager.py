@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenmill.cache.host_tier import HostKVTier
 from tokenmill.cache.page_pool import PagePool
 from tokenmill.cache.radix_cache import RadixCache, RadixNode
 
@@ -34,15 +35,26 @@ class SeqPages:
 
 
 class CacheManager:
-    """Owns the page pool and the optional radix prefix cache; every page move goes through here.
+    """Owns the page pool, the optional radix prefix cache and its optional host tier; every
+    page move goes through here.
 
-    Every page is exactly one of: free, owned by the tree, or owned by one sequence.
+    Every device page is exactly one of: free, owned by the tree, or owned by one sequence.
+    Every host page is free or owned by the tree (sequences only ever hold device pages).
     """
 
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        enable_prefix_caching: bool,
+        host: HostKVTier | None = None,
+    ) -> None:
+        if host is not None and not enable_prefix_caching:
+            raise ValueError("host_kv_cache_bytes needs enable_prefix_caching")
         self.page_size = page_size
         self.pool = PagePool(num_pages)
-        self.radix = RadixCache(self.pool, page_size) if enable_prefix_caching else None
+        self.host = host
+        self.radix = RadixCache(self.pool, page_size, host) if enable_prefix_caching else None
         self.stats = PrefixCacheStats()
 
     @property
@@ -64,7 +76,8 @@ class CacheManager:
 
     def match_prefix(self, seq: SeqPages, token_ids: list[int]) -> int:
         """Give a sequence with no pages the longest cached prefix of `token_ids`; returns how
-        many tokens it covers (whole pages)."""
+        many tokens it covers (whole pages). The part of it on the host tier is loaded back
+        onto the device first (queued before any later step reads it)."""
         assert not seq.page_ids
         if self.radix is None:
             return 0

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 
 from tokenmill.batch import FinishReason, Logprob, Request, SchedulerOutput, StepPlan
 from tokenmill.cache.cache_manager import CacheManager
+from tokenmill.cache.host_tier import HostKVTier
 from tokenmill.config import EngineConfig
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.intake import ContextLimits, check_prompt
@@ -135,8 +136,17 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.runner = ModelRunner(config)
+        host = None
+        if self.runner.num_host_pages:
+            host = HostKVTier(
+                self.runner.kv_tensors(), self.runner.num_host_pages, self.runner.device
+            )
+            logger.info("host KV tier of %d pages", self.runner.num_host_pages)
         self.cache = CacheManager(
-            self.runner.num_pages, config.cache.page_size, config.cache.enable_prefix_caching
+            self.runner.num_pages,
+            config.cache.page_size,
+            config.cache.enable_prefix_caching,
+            host,
         )
         self.scheduler = Scheduler(config.scheduler, self.cache, config.speculative)
         self._requests: dict[str, Request] = {}

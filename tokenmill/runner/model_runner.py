@@ -122,6 +122,7 @@ class ModelRunner:
         self.model = load_model(config.model, self.device, config.load_format, config.seed)
         self.page_size = config.cache.page_size
         self.num_pages = self._num_pages()
+        self.num_host_pages = self._num_host_pages()
         self.kv_cache = KVCache.allocate(config.model, self.num_pages, self.page_size, self.device)
         max_seqs = config.scheduler.max_num_seqs
         self.attention = create_backend(
@@ -177,11 +178,36 @@ class ModelRunner:
             if self.spec is not None:
                 self.spec.capture_graphs(self.graphs)
 
+    def kv_tensors(self) -> list[torch.Tensor]:
+        """Every KV tensor indexed by the page ids: the target's K and V per layer, then the
+        draft model's (the host tier moves a page of each)."""
+        tensors = [*self.kv_cache.k, *self.kv_cache.v]
+        if self.spec is not None and self.spec.drafter is not None:
+            tensors += [*self.spec.drafter.kv_cache.k, *self.spec.drafter.kv_cache.v]
+        return tensors
+
+    def _bytes_per_page(self) -> int:
+        # A draft model keeps its K/V in the same pages: one page accounting for both.
+        cfg = self.config
+        per_page = KVCache.bytes_per_page(cfg.model, self.page_size)
+        return per_page + SpecDecoder.extra_bytes_per_page(cfg)
+
+    def _num_host_pages(self) -> int:
+        """Pages of the host tier (0: none)."""
+        budget = self.config.cache.host_kv_cache_bytes
+        if not budget:
+            return 0
+        per_page = self._bytes_per_page()
+        if budget < per_page:
+            raise ValueError(
+                f"host_kv_cache_bytes={budget} is less than one KV page ({per_page} bytes); "
+                "raise it or set 0 to turn the host tier off"
+            )
+        return budget // per_page
+
     def _num_pages(self) -> int:
         cfg = self.config
-        # A draft model keeps its K/V in the same pages: one page accounting for both.
-        per_page = KVCache.bytes_per_page(cfg.model, self.page_size)
-        per_page += SpecDecoder.extra_bytes_per_page(cfg)
+        per_page = self._bytes_per_page()
         if cfg.cache.num_pages is not None:
             pages = cfg.cache.num_pages
         elif cfg.cache.kv_cache_memory_bytes is not None:
