@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -14,6 +15,9 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.cache.kv_cache import KVCache
 from tokenmill.config import ModelConfig
 from tokenmill.engine.engine_core import EngineCore
+from tokenmill.ipc.messages import EngineStats, HostKVCacheCounts
+from tokenmill.ipc.sockets import encode
+from tokenmill.observability.metrics import ServerMetrics
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PAGE = 4
@@ -162,3 +166,22 @@ def test_random_traffic_moves_pages_both_ways(tiny_tiers_llm: LLM) -> None:
     test_random_traffic_keeps_both_tiers_partitioned(tiny_tiers_llm)
     stats = tiny_tiers_llm.engine.cache.host.stats
     assert stats.bytes_written > 0 and stats.bytes_loaded > 0
+
+
+def test_host_tier_counters_reach_metrics() -> None:
+    counts = HostKVCacheCounts(hit_tokens=64, bytes_loaded=4096, bytes_written=8192,
+                               load_seconds=0.5, used_pages=3, total_pages=12)  # fmt: skip
+    stats = EngineStats(
+        num_running=0, num_waiting=0, kv_used_pages=0, kv_total_pages=1,
+        prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0, finished={},
+        prompt_tokens=0, generation_tokens=0, histograms={}, host_kv_cache=counts,
+    )  # fmt: skip
+    metrics = ServerMetrics("m", trace_file=None, log_requests=False)
+    metrics.engine.stats = msgspec.msgpack.decode(encode(stats), type=EngineStats)  # as sent
+    text = metrics.render().decode()
+    for line in ('host_kv_cache_hits_total{model_name="m"} 64.0',
+                 'host_kv_cache_bytes_loaded_total{model_name="m"} 4096.0',
+                 'host_kv_cache_bytes_written_total{model_name="m"} 8192.0',
+                 'host_kv_cache_load_seconds_total{model_name="m"} 0.5',
+                 'host_kv_cache_usage_perc{model_name="m"} 0.25'):  # fmt: skip
+        assert "tokenmill:" + line in text

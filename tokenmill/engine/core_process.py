@@ -21,6 +21,7 @@ from tokenmill.ipc.messages import (
     EngineRequest,
     EngineStats,
     EngineStep,
+    HostKVCacheCounts,
     NewRequest,
     ProfileRequest,
     RequestDelta,
@@ -196,6 +197,7 @@ class EngineCoreLoop:
             },
             engine_pid=os.getpid(),
             spec_decode=_spec_counts(engine),
+            host_kv_cache=_host_counts(engine),
         )
 
 
@@ -208,6 +210,21 @@ def _spec_counts(engine: EngineCore) -> SpecDecodeCounts | None:
         num_draft_tokens=spec.num_draft_tokens,
         num_accepted_tokens=spec.num_accepted_tokens,
         accepted_per_position=list(spec.accepted_per_position),
+    )
+
+
+def _host_counts(engine: EngineCore) -> HostKVCacheCounts | None:
+    cache = engine.cache
+    if cache.host is None or cache.radix is None:
+        return None
+    stats = cache.host.poll()
+    return HostKVCacheCounts(
+        hit_tokens=stats.hit_tokens,
+        bytes_loaded=stats.bytes_loaded,
+        bytes_written=stats.bytes_written,
+        load_seconds=stats.load_seconds,
+        used_pages=cache.radix.num_host_pages,
+        total_pages=cache.host.pool.num_pages,
     )
 
 

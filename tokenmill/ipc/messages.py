@@ -103,6 +103,20 @@ class EngineStats(msgspec.Struct):
     engine_pid: int = 0  # tells a restarted engine core's steps from its predecessor's
     # Speculative decoding (None when off): drafts, drafted and accepted tokens, per position.
     spec_decode: SpecDecodeCounts | None = None
+    # The host KV tier (None when off).
+    host_kv_cache: HostKVCacheCounts | None = None
+
+
+class HostKVCacheCounts(msgspec.Struct):
+    """Cumulative host KV tier counts: prefix tokens loaded back instead of recomputed, bytes
+    each way, seconds the loads took, and the tier's pages in use."""
+
+    hit_tokens: int
+    bytes_loaded: int
+    bytes_written: int
+    load_seconds: float
+    used_pages: int
+    total_pages: int
 
 
 class SpecDecodeCounts(msgspec.Struct):

@@ -26,7 +26,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from tokenmill.ipc.messages import ClientOutput, EngineStats, SpecDecodeCounts
+from tokenmill.ipc.messages import ClientOutput, EngineStats, HostKVCacheCounts, SpecDecodeCounts
 from tokenmill.observability.feedback import FeedbackLog, response_id_of
 from tokenmill.observability.histogram import Histogram as EngineHistogram
 from tokenmill.sampling_params import SamplingParams
@@ -97,6 +97,8 @@ class _EngineCollector(Collector):
         yield success
         if stats.spec_decode is not None:
             yield from _spec_decode_families(stats.spec_decode, labels)
+        if stats.host_kv_cache is not None:
+            yield from _host_kv_cache_families(stats.host_kv_cache, labels)
         docs = {
             "scheduler_step_seconds": "Host time of one engine step (not waiting for the GPU).",
             "model_forward_seconds": "Device time of one forward pass and its sampling.",
@@ -128,6 +130,28 @@ def _spec_decode_families(spec: SpecDecodeCounts, labels: list[str]) -> Iterator
     for position, value in enumerate(spec.accepted_per_position):
         per_position.add_metric([*labels, str(position)], value)
     yield per_position
+
+
+def _host_kv_cache_families(host: HostKVCacheCounts, labels: list[str]) -> Iterator[Metric]:
+    """The host KV tier: hits, bytes each way, load time (counters) and its usage (a gauge)."""
+    counters = {
+        "host_kv_cache_hits": ("Prompt tokens loaded back from the host KV tier instead of "
+                               "recomputed.", host.hit_tokens),
+        "host_kv_cache_bytes_loaded": ("Bytes copied host to device.", host.bytes_loaded),
+        "host_kv_cache_bytes_written": ("Bytes copied device to host.", host.bytes_written),
+        "host_kv_cache_load_seconds": ("Seconds spent loading pages back (device time on CUDA).",
+                                       host.load_seconds),
+    }  # fmt: skip
+    for name, (doc, value) in counters.items():
+        c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        c.add_metric(labels, value)
+        yield c
+    usage = GaugeMetricFamily(
+        PREFIX + "host_kv_cache_usage_perc", "Fraction of host KV tier pages in use (1 = full).",
+        labels=["model_name"],
+    )  # fmt: skip
+    usage.add_metric(labels, host.used_pages / max(host.total_pages, 1))
+    yield usage
 
 
 def _histogram_family(
