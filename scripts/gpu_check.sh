@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call (see ../shared/device/README.md).
 # Usage on the device:
-#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|structured|b4|conformance|all]
+#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|structured|b4|conformance|hostkv|all]
 # (gputests = the GPU engine tests and the GEMV, decode and rotary kernel tests + profile + B1;
 #  moe = the mixture-of-experts GPU and kernel tests (moetests), B1/B2 qwen3-30b-a3b with the
 #  transformers peer (moebench);
 #  moesweep = the expert kernels' routing and tile timings per batch size, qwen3-30b-a3b shapes;
 #  structured = structured-output GPU tests and benchmarks/structured_outputs.py
 #  b4 = speculative decoding vs plain decoding, qwen3-0.6b and llama-3.1-8b;
+#  hostkv = the host KV tier (issue 28): its GPU tests, then benchmarks/host_kv_agent.py on
+#  llama-3.1-8b shapes: reload vs recompute of a 16,000-token prefix, and the agent workload with
+#  a 32k-token device KV pool, without and with a 32 GB pinned host tier, same run;
 #  conformance = `tokenmill eval conformance` of a bf16 server on llama-3.1-8b shapes with random
 #  weights against the float32 transformers reference: the weights are written once as a
 #  checkpoint (`tokenmill eval dummy-checkpoint`, /tmp, 16 GB) that both sides load)
@@ -124,6 +127,14 @@ fi
 if [[ "$what" == b4 || "$what" == all ]]; then  # speculative decoding vs plain, same run
   bench qwen3-0.6b b4 "${kv[@]}" --engine-arg max_num_seqs=64
   bench llama-3.1-8b b4 "${kv[@]}" --engine-arg max_num_seqs=64
+fi
+if [[ "$what" == hostkv ]]; then
+  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_host_kv_gpu.py 2>&1 | tee "$out/pytest-hostkv.log" | tail -5
+  echo "hostkv tests: $(tail -1 "$out/pytest-hostkv.log")" >> "$table"
+  python3 benchmarks/host_kv_agent.py --config "$models/llama-3.1-8b" --sessions 16 --max-turns 6 \
+    --device-kv-tokens 32768 --host-kv-bytes 32000000000 --output "$out/hostkv-llama-3.1-8b.json" \
+    2>&1 | tee "$out/hostkv.log" | tail -3
+  grep -E "^(without_host_tier|with_host_tier|reload_vs_recompute) " "$out/hostkv.log" >> "$table"
 fi
 if [[ "$what" == conformance ]]; then
   ckpt="${CONFORMANCE_CKPT:-/tmp/llama-3.1-8b-dummy}" port=8471

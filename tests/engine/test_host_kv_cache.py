@@ -53,7 +53,9 @@ def test_outputs_with_host_tier_equal_outputs_without(llama_dir: Path) -> None:
     expected = [t for t, _ in _generate_one_by_one(uncached, _rounds())]
     llm = LLM(str(llama_dir), device="cpu", host_kv_cache_bytes=host_bytes(llama_dir, 64),
               **SMALL_POOL)  # fmt: skip
-    assert [t for t, _ in _generate_one_by_one(llm, _rounds())] == expected
+    results = _generate_one_by_one(llm, _rounds())
+    assert [t for t, _ in results] == expected
+    assert [c for _, c in results[3:]] == [60, 60, 60]  # each second round: every whole page
     # All at once too: admission evicts and reloads while other requests run.
     outs = llm.generate(_rounds(), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
