@@ -258,29 +258,43 @@ class RadixCache:
         host and the node stays in the tree, on the host."""
         heap = [(n.last_access, id(n), n) for n in self._nodes() if self._is_device_leaf(n)]
         heapq.heapify(heap)
+        host_heap: list[tuple[int, int, RadixNode]] | None = None  # built when first needed
         freed = 0
         while freed < num_pages and heap:
             _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            assert parent is not None
             n = len(leaf.pages)
             self._num_cached_pages -= n
             self._num_evictable_pages -= n
-            if not (write_back and self.host is not None and self._offload(leaf)):
+            offloaded = False
+            if write_back and self.host is not None:
+                if host_heap is None and self.host.pool.num_free < n:
+                    host_heap = self._host_leaves()
+                offloaded = self._offload(leaf, host_heap)
+            if not offloaded:
                 self.pool.free(leaf.pages)
                 self._remove(leaf)
             freed += n
-            parent = leaf.parent
-            assert parent is not None
             if self._is_device_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
 
-    def _offload(self, leaf: RadixNode) -> bool:
+    def _host_leaves(self) -> list[tuple[int, int, RadixNode]]:
+        """A heap of the host tier's unreferenced leaves, least recently used first."""
+        heap = [(n.last_access, id(n), n) for n in self._nodes() if self._is_host_leaf(n)]
+        heapq.heapify(heap)
+        return heap
+
+    def _offload(self, leaf: RadixNode, host_heap: list[tuple[int, int, RadixNode]] | None) -> bool:
         """Move an unreferenced device leaf's pages to the host; False if the host has no room
-        for it without dropping nodes used more recently."""
+        for it without dropping nodes used more recently. `host_heap`: the host's leaves
+        (`_host_leaves`), needed when the host is full."""
         assert self.host is not None
         n, pool = len(leaf.pages), self.host.pool
         if pool.num_free < n:
-            self._evict_host(n - pool.num_free, older_than=leaf.last_access)
+            assert host_heap is not None
+            self._evict_host(n - pool.num_free, leaf.last_access, host_heap)
         if pool.num_free < n:
             return False
         host_pages = pool.alloc(n)
@@ -288,30 +302,30 @@ class RadixCache:
         self.pool.free(leaf.pages)
         leaf.pages, leaf.on_host = host_pages, True
         self._num_host_pages += n
+        if host_heap is not None and self._is_host_leaf(leaf):
+            heapq.heappush(host_heap, (leaf.last_access, id(leaf), leaf))
         return True
 
-    def _evict_host(self, num_pages: int, older_than: float) -> int:
-        """Drop host leaves last used before `older_than`, LRU first; returns host pages freed."""
-        heap = [
-            (n.last_access, id(n), n)
-            for n in self._nodes()
-            if self._is_host_leaf(n) and n.last_access < older_than
-        ]
-        heapq.heapify(heap)
+    def _evict_host(
+        self, num_pages: int, older_than: float, heap: list[tuple[int, int, RadixNode]]
+    ) -> int:
+        """Drop host leaves last used before `older_than` from `heap`, LRU first (entries of
+        nodes no longer host leaves in the tree are skipped); returns host pages freed."""
         freed = 0
-        while freed < num_pages and heap:
+        while freed < num_pages and heap and heap[0][0] < older_than:
             _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            if parent is None or not self._is_host_leaf(leaf):
+                continue  # removed with a subtree, or no longer a host leaf
             freed += len(leaf.pages)
             self._remove(leaf)
-            parent = leaf.parent
-            assert parent is not None
-            if self._is_host_leaf(parent) and parent.last_access < older_than:
+            if self._is_host_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
 
     def _remove(self, node: RadixNode) -> None:
         """Take `node` (its own device pages already freed, if any) and its host-resident
-        subtree out of the tree, freeing their host pages."""
+        subtree out of the tree, freeing their host pages; removed nodes have no parent."""
         parent = node.parent
         assert parent is not None
         del parent.children[self._key(node.tokens, 0)]
@@ -319,6 +333,7 @@ class RadixCache:
         while stack:
             n = stack.pop()
             stack.extend(n.children.values())
+            n.parent = None
             if n.on_host:
                 assert self.host is not None and n.ref_count == 0
                 self.host.pool.free(n.pages)
@@ -339,7 +354,7 @@ class RadixCache:
     def flush(self) -> int:
         """Drop every unreferenced node, from both tiers; returns device pages freed."""
         freed = self.evict(self._num_cached_pages, write_back=False)
-        self._evict_host(self._num_host_pages, older_than=float("inf"))
+        self._evict_host(self._num_host_pages, float("inf"), self._host_leaves())
         return freed
 
     def _nodes(self) -> list[RadixNode]:
