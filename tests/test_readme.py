@@ -29,7 +29,7 @@ README = ROOT / "README.md"
 INSTALL = "pip install torch==2.13.0 -e '.[dev]' && "
 # README commands not run here, by their start, and why.
 NOT_RUN = {
-    "pip install -q torch==2.13.0 -e '.[dev]' && python -m pytest -q": (
+    "pip install -q torch==2.13.0 -e '.[dev]' && python -m pytest -q -n 2 --dist loadfile": (
         "the whole test suite; CI runs it (.ci/run, checked by test_the_test_command_is_cis)"
     ),
     "tokenmill bench offline --config path/to/qwen3-0.6b": (

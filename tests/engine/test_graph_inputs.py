@@ -68,14 +68,14 @@ def test_decode_through_graph_inputs_matches_transformers(checkpoints) -> None:
     path = checkpoints["llama"]
     llm = _graphed_llm(path)
     _Replay.replays = 0
-    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)  # 3 rows: padded to 4
-    assert _Replay.replays >= 7  # decode steps; the batched prefill runs eagerly
+    assert _Replay.replays >= 4  # decode steps; the batched prefill runs eagerly
     _Replay.replays = 0
     single = llm.generate(PROMPTS[:1], greedy, use_tqdm=False)  # 1 row: no padding
-    assert _Replay.replays == 8  # the prefill (7 tokens padded to 16) and 7 decode steps
+    assert _Replay.replays == 5  # the prefill (7 tokens padded to 16) and 4 decode steps
     long = llm.generate(PROMPTS[2:], greedy, use_tqdm=False)  # 25 tokens: eager prefill
-    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(path, p, 8) for p in PROMPTS]
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(path, p, 5) for p in PROMPTS]
     assert single[0].outputs[0].token_ids == outputs[0].outputs[0].token_ids
     assert long[0].outputs[0].token_ids == outputs[2].outputs[0].token_ids
 

@@ -156,7 +156,7 @@ def _spec(method: str, k: int, draft: Path) -> dict:
 def test_greedy_verify_through_graphs_equals_plain(
     llama_dir: Path, draft_dir: Path, replaying: dict[str, int], method: str, k: int
 ) -> None:
-    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     plain = LLM(str(llama_dir), dtype="float32", page_size=4)
     expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy, use_tqdm=False)]
     llm = _graphed_llm(llama_dir, _spec(method, k, draft_dir))
