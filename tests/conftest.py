@@ -38,6 +38,23 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from tokenmill.testing.checkpoints import TINY_CONFIGS, build_checkpoint  # noqa: E402
 
 FAMILIES = tuple(TINY_CONFIGS)
+# Files that take a minute or more on a 2-core CPU run first: CI's two xdist workers (each file
+# on one, `--dist loadfile`) then finish together, instead of one of them running these alone
+# at the end.
+SLOW_FILES_FIRST = (
+    "tests/test_readme.py",
+    "tests/unit/test_demo_training.py",
+    "tests/kernels/test_kernels.py",
+    "tests/spec/test_spec_graphs.py",
+    "tests/engine/test_graph_inputs.py",
+    "tests/reliability/test_workers_supervision.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Put `SLOW_FILES_FIRST` first (stable: the rest keep their order)."""
+    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
 
 
 @pytest.fixture(scope="session")
