@@ -62,10 +62,10 @@ def _graphed_llm(path, **engine_args) -> LLM:  # type: ignore[no-untyped-def]
     return llm
 
 
-def test_decode_through_graph_inputs_matches_transformers(checkpoints) -> None:
-    """Decode and short prefills replayed through stand-in graphs (Llama: one family per
-    interpreter-run engine test, Qwen3 runs the Triton backend test)."""
-    path = checkpoints["llama"]
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_decode_through_graph_inputs_matches_transformers(checkpoints, family: str) -> None:
+    """Decode and short prefills replayed through stand-in graphs."""
+    path = checkpoints[family]
     llm = _graphed_llm(path)
     _Replay.replays = 0
     greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)

@@ -12,8 +12,14 @@ from tokenmill.kernels.rope_store import rope_and_store
 from tokenmill.layers.rotary import RotaryEmbedding
 
 # Decode splits the context into this many chunks per sequence, processed in parallel; fixed
-# so that a captured CUDA graph serves every context length.
+# so that a captured CUDA graph serves every context length. Off a GPU (Triton's interpreter
+# runs the programs one after another) one split: more would only add programs and a merge.
 DECODE_SPLITS = 16
+
+
+def decode_splits(device: torch.device) -> int:
+    """How many splits decode attention cuts each context into on `device`."""
+    return DECODE_SPLITS if device.type == "cuda" else 1
 
 
 class FusedStoreBackend(AttentionBackend):
@@ -54,7 +60,7 @@ class TritonAttentionBackend(FusedStoreBackend):
     def __init__(self, model: ModelConfig, kv_cache: KVCache, max_num_seqs: int) -> None:
         super().__init__(model, kv_cache, max_num_seqs)
         device = kv_cache.k[0].device
-        shape = (max_num_seqs, model.num_heads, DECODE_SPLITS)
+        shape = (max_num_seqs, model.num_heads, decode_splits(device))
         self._mid_o = torch.empty((*shape, model.head_dim), dtype=torch.float32, device=device)
         self._mid_lse = torch.empty(shape, dtype=torch.float32, device=device)
 
