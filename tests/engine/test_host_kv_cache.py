@@ -3,7 +3,6 @@ as cached, and every page (device and host) stays accounted for under random tra
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import msgspec
@@ -11,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from tests.engine.test_prefix_cache import run_traffic
 from tokenmill import LLM, SamplingParams
 from tokenmill.cache.kv_cache import KVCache
 from tokenmill.config import ModelConfig
@@ -139,27 +139,8 @@ def tiny_tiers_llm(llama_dir: Path) -> LLM:
 @given(ops=st.lists(_op, min_size=1, max_size=20))
 @example(ops=[("add", i % 4, 40, 8) for i in range(8)] + [("abort", 3), ("step", 3)] * 6)
 def test_random_traffic_keeps_both_tiers_partitioned(tiny_tiers_llm: LLM, ops) -> None:
-    engine = tiny_tiers_llm.engine
     prefixes = [list(range(10, 50)), list(range(30, 70)), [5] * 40, list(range(200, 240))]
-    ids: list[str] = []
-    for op in ops:
-        if op[0] == "add":
-            _, which, length, max_tokens = op
-            rid = f"r{len(ids)}-{random.random()}"
-            ids.append(rid)
-            prompt = [*prefixes[which][:length], len(ids) % 7 + 1]
-            engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, seed=len(ids)))
-        elif op[0] == "abort" and ids:
-            engine.abort_request(ids[op[1] % len(ids)])
-        else:
-            for _ in range(op[1]):
-                engine.step()
-                assert_both_tiers_partitioned(engine)
-        assert_both_tiers_partitioned(engine)
-    while engine.has_unfinished():
-        engine.step()
-        assert_both_tiers_partitioned(engine)
-    assert engine.cache.num_used_pages == 0
+    run_traffic(tiny_tiers_llm.engine, ops, prefixes, assert_both_tiers_partitioned)
 
 
 def test_random_traffic_moves_pages_both_ways(tiny_tiers_llm: LLM) -> None:

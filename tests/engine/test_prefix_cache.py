@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -151,16 +152,14 @@ def small_pool_llm(llama_dir: Path) -> LLM:
     )
 
 
-@settings(
-    max_examples=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
-)
-@given(ops=st.lists(_op, min_size=1, max_size=25))
-@example(ops=[("add", i % 4, 40, 12) for i in range(8)] + [("abort", 3), ("step", 3)] * 6)
-def test_random_traffic_never_leaks_or_double_owns_a_page(small_pool_llm: LLM, ops) -> None:
-    engine = small_pool_llm.engine
-    prefixes = [list(range(10, 70)), list(range(30, 90)), [5] * 60, list(range(200, 260))]
+def run_traffic(
+    engine: EngineCore,
+    ops: list[tuple],
+    prefixes: list[list[int]],
+    check: Callable[[EngineCore], None],
+) -> None:
+    """Replay add/abort/step `ops` (prompts from `prefixes`) to the end, `check`ing after every
+    op and step; every page is free at the end."""
     ids: list[str] = []
     for op in ops:
         if op[0] == "add":
@@ -174,12 +173,25 @@ def test_random_traffic_never_leaks_or_double_owns_a_page(small_pool_llm: LLM, o
         else:
             for _ in range(op[1]):
                 engine.step()
-                assert_pages_partitioned(engine.cache, engine)
-        assert_pages_partitioned(engine.cache, engine)
+                check(engine)
+        check(engine)
     while engine.has_unfinished():
         engine.step()
-        assert_pages_partitioned(engine.cache, engine)
+        check(engine)
     assert engine.cache.num_used_pages == 0
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(ops=st.lists(_op, min_size=1, max_size=25))
+@example(ops=[("add", i % 4, 40, 12) for i in range(8)] + [("abort", 3), ("step", 3)] * 6)
+def test_random_traffic_never_leaks_or_double_owns_a_page(small_pool_llm: LLM, ops) -> None:
+    prefixes = [list(range(10, 70)), list(range(30, 90)), [5] * 60, list(range(200, 260))]
+    run_traffic(small_pool_llm.engine, ops, prefixes,
+                lambda engine: assert_pages_partitioned(engine.cache, engine))  # fmt: skip
 
 
 def test_random_traffic_includes_preemptions(small_pool_llm: LLM) -> None:
