@@ -142,10 +142,10 @@ class _SamplingRequest(_Strict):
     include_stop_str_in_output: bool = False
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None  # vLLM's extension
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" (evals need ids)
 
     def _constraint(self) -> StructuredOutputsParams | None:
         return response_constraint(self.response_format, self.structured_outputs)
-    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" (evals need ids)
 
     def _check_supported(self) -> None:
         """Refuse fields the schema accepts but tokenmill does not implement yet."""
