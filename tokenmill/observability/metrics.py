@@ -84,10 +84,7 @@ class _EngineCollector(Collector):
             "prompt_tokens": ("Prompt tokens prefilled.", stats.prompt_tokens),
             "generation_tokens": ("Tokens generated.", stats.generation_tokens),
         }  # fmt: skip
-        for name, (doc, value) in counters.items():
-            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            c.add_metric(labels, value)
-            yield c
+        yield from _counter_families(counters, labels)
         success = CounterMetricFamily(
             PREFIX + "request_success", "Finished requests by finish reason.",
             labels=["model_name", "finished_reason"],
@@ -108,6 +105,16 @@ class _EngineCollector(Collector):
             yield _histogram_family(PREFIX + name, docs.get(name, name), hist, labels)
 
 
+def _counter_families(
+    counters: dict[str, tuple[str, float]], labels: list[str]
+) -> Iterator[Metric]:
+    """One counter per `name: (doc, value)`, labelled by the model name."""
+    for name, (doc, value) in counters.items():
+        c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        c.add_metric(labels, value)
+        yield c
+
+
 def _spec_decode_families(spec: SpecDecodeCounts, labels: list[str]) -> Iterator[Metric]:
     """vLLM's speculative-decoding counters: drafts, drafted and accepted tokens, and accepted
     tokens per draft position."""
@@ -118,10 +125,7 @@ def _spec_decode_families(spec: SpecDecodeCounts, labels: list[str]) -> Iterator
         "spec_decode_num_accepted_tokens": ("Drafted tokens accepted.",
                                             spec.num_accepted_tokens),
     }  # fmt: skip
-    for name, (doc, value) in counters.items():
-        c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-        c.add_metric(labels, value)
-        yield c
+    yield from _counter_families(counters, labels)
     per_position = CounterMetricFamily(
         PREFIX + "spec_decode_num_accepted_tokens_per_pos",
         "Drafted tokens accepted, by position in the draft (0 = first).",
@@ -142,10 +146,7 @@ def _host_kv_cache_families(host: HostKVCacheCounts, labels: list[str]) -> Itera
         "host_kv_cache_load_seconds": ("Seconds spent loading pages back (device time on CUDA).",
                                        host.load_seconds),
     }  # fmt: skip
-    for name, (doc, value) in counters.items():
-        c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-        c.add_metric(labels, value)
-        yield c
+    yield from _counter_families(counters, labels)
     usage = GaugeMetricFamily(
         PREFIX + "host_kv_cache_usage_perc", "Fraction of host KV tier pages in use (1 = full).",
         labels=["model_name"],
