@@ -122,6 +122,13 @@ def child_request_id(request_id: str, index: int) -> str:
     return f"{request_id}:{index}"
 
 
+def owner_request_id(request_id: str) -> str:
+    """The client request an id belongs to: a choice id's parent, any other id itself (workers
+    report errors under either)."""
+    parent, sep, _ = request_id.rpartition(":")
+    return parent if sep else request_id
+
+
 def split_child_request_id(child_id: str) -> tuple[str, int]:
     """(client request id, choice index) of an engine request id made by `child_request_id`."""
     parent, _, index = child_id.rpartition(":")

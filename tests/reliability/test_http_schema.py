@@ -64,6 +64,8 @@ def test_schema_documents_400_and_the_servers_limits(document: dict) -> None:
     assert completion["max_tokens"]["anyOf"][0]["maximum"] == 48
     ids = completion["prompt"]["oneOf"][2]
     assert ids["items"]["exclusiveMaximum"] == 512 and ids["maxItems"] == 48
+    # The tiny tokenizer adds no BOS: an empty text is no prompt, and the schema says so.
+    assert completion["prompt"]["oneOf"][0]["minLength"] == 1
     # FastAPI's schema model stores bounds as floats: 2^64 - 1 comes back as 2^64.
     assert completion["seed"]["anyOf"][0]["maximum"] == 2**64
     assert isinstance(completion["n"]["maximum"], int)

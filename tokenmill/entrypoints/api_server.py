@@ -17,7 +17,7 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -151,7 +151,25 @@ def request_limits(
         max_n=options.max_n,
         max_stop=options.max_stop,
         max_stop_chars=options.max_stop_chars,
+        min_prompt_chars=int(tokenizer is not None and not tokenizer("")["input_ids"]),
     )
+
+
+def _essential_task(
+    state: ServerState, work: Coroutine[Any, Any, None], name: str
+) -> asyncio.Task[None]:
+    """Run `work` for the server's lifetime; should it ever fail, the failure is logged and every
+    request, waiting or new, fails fast (503, /health too) instead of waiting forever."""
+
+    def ended(task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        logger.error("the api server's %s failed", name, exc_info=task.exception())
+        state.client.fail_all(f"internal error: the api server's {name} failed")
+
+    task = asyncio.create_task(work, name=name)
+    task.add_done_callback(ended)
+    return task
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -160,9 +178,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        reader = asyncio.create_task(state.client.run_output_loop())
+        reader = _essential_task(state, state.client.run_output_loop(), "output reader")
         assert state.supervisor is not None
-        watcher = asyncio.create_task(state.supervisor.watch())
+        watcher = _essential_task(state, state.supervisor.watch(), "worker watcher")
         await _wait_ready(state)
         logger.info(
             "tokenmill %s ready: serving %r on %s://%s:%d%s",

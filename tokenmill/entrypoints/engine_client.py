@@ -11,7 +11,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from tokenmill.intake import fan_out, split_child_request_id
+from tokenmill.intake import fan_out, owner_request_id, split_child_request_id
 from tokenmill.ipc.messages import (
     AbortRequest,
     ClientBatch,
@@ -95,14 +95,13 @@ class EngineClient:
             if batch.stats is not None:
                 self._on_stats(batch.stats)
             for child_id in batch.started:
-                entry = self._in_flight.get(split_child_request_id(child_id)[0])
+                entry = self._in_flight.get(owner_request_id(child_id))
                 if entry is not None:
                     entry.unstarted.discard(child_id)
             for item in [*batch.outputs, *batch.errors]:
-                # Tokenizer errors carry the sub-request's id, engine outputs a choice's id.
-                entry = self._in_flight.get(item.request_id) or self._in_flight.get(
-                    split_child_request_id(item.request_id)[0]
-                )
+                # Tokenizer errors carry the sub-request's id, engine outputs a choice's id; an
+                # item of a request already ended (its first error ended it) is dropped.
+                entry = self._in_flight.get(owner_request_id(item.request_id))
                 if entry is not None:
                     entry.queue.put_nowait(item)
 

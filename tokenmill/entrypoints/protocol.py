@@ -408,6 +408,8 @@ class RequestLimits:
     max_n: int
     max_stop: int
     max_stop_chars: int
+    # 1 when an empty text tokenizes to no token (no BOS): the schema then refuses empty prompts.
+    min_prompt_chars: int = 0
 
 
 @dataclass(frozen=True)
@@ -451,9 +453,13 @@ def request_models(limits: RequestLimits) -> RequestModels:
 
     # Characters never outnumber bytes, so the byte limit is also a character limit; the schema
     # shows it, the check (`fits`) counts bytes.
-    prompt_text = Annotated[
-        Text, AfterValidator(fits), Field(json_schema_extra={"maxLength": limits.max_prompt_bytes})
-    ]
+    def prompt_text(min_length: int = 0) -> Any:
+        return Annotated[
+            text_type(min_length=min_length),
+            AfterValidator(fits),
+            Field(json_schema_extra={"maxLength": limits.max_prompt_bytes}),
+        ]
+
     stop_text = text_type(min_length=1, max_length=limits.max_stop_chars)
     context = {"ge": 1, "le": limits.max_model_len}
     # Any other name gets a 404 (as OpenAI answers), so the schema names the one served.
@@ -478,7 +484,7 @@ def request_models(limits: RequestLimits) -> RequestModels:
         completion=derive(
             CompletionRequest,
             **common,
-            prompt=(_prompt_type(prompt_text, ids, limits.max_n), ...),
+            prompt=(_prompt_type(prompt_text(limits.min_prompt_chars), ids, limits.max_n), ...),
             max_tokens=(count_type(**context) | None, 16),
             best_of=(count_type(ge=1, le=limits.max_n) | None, None),
         ),
@@ -491,7 +497,7 @@ def request_models(limits: RequestLimits) -> RequestModels:
         tokenize=derive(
             TokenizeRequest,
             model=model,
-            prompt=(prompt_text | None, None),
+            prompt=(prompt_text() | None, None),
         ),
         detokenize=derive(DetokenizeRequest, model=model, tokens=(list[token_id], ...)),
     )

@@ -1,0 +1,94 @@
+"""The api server's EngineClient against its real sockets, the workers played by the test."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+import zmq
+
+from tokenmill.entrypoints import api_server
+from tokenmill.entrypoints.engine_client import EngineClient, RequestFailed
+from tokenmill.ipc.messages import ClientBatch, ClientOutput, RequestError, TokenizeRequest
+from tokenmill.ipc.sockets import Addresses, encode, pull, push
+from tokenmill.observability.metrics import ServerMetrics
+from tokenmill.sampling_params import SamplingParams
+
+
+def _finished(request_id: str) -> ClientOutput:
+    return ClientOutput(request_id, "x", [1], None, "length", 1, 0)
+
+
+async def _errors_after_the_request_ended() -> list[str]:
+    """A two-prompt request whose prompts both fail, their errors in two batches (the second
+    arrives after the first ended the request), then a request that should still be served."""
+    addresses = Addresses.fresh(1)
+    ctx = zmq.Context()
+    client = EngineClient(addresses, ServerMetrics("m", trace_file=None, log_requests=False))
+    tokenizer = pull(ctx, addresses.tokenizers[0], bind=True)
+    api = push(ctx, addresses.api, bind=False)
+    reader = asyncio.create_task(client.run_output_loop())
+    decoder = msgspec.msgpack.Decoder(TokenizeRequest)
+    params = SamplingParams(max_tokens=1)
+
+    async def send_later(batch: ClientBatch) -> None:
+        await asyncio.sleep(0.05)
+        api.send(encode(batch))
+
+    try:
+        failing = [TokenizeRequest(f"cmpl-a-{i}", params, prompt="") for i in range(2)]
+        first_error = RequestError("cmpl-a-0", "no tokens", status=400)
+        sender = asyncio.create_task(send_later(ClientBatch([], [first_error])))
+        with pytest.raises(RequestFailed):
+            async with asyncio.timeout(10):
+                async for _ in client.generate(failing):
+                    pass
+        await sender
+        sent = [decoder.decode(tokenizer.recv()).request_id for _ in failing]
+        assert sent == ["cmpl-a-0", "cmpl-a-1"]
+        api.send(encode(ClientBatch([], [RequestError("cmpl-a-1", "no tokens", status=400)])))
+        served = []
+        sender = asyncio.create_task(send_later(ClientBatch([_finished("cmpl-b-0:0")], [])))
+        async with asyncio.timeout(10):
+            async for choice in client.generate([TokenizeRequest("cmpl-b-0", params, prompt="hi")]):
+                served.append(choice.output.request_id)
+        await sender
+        assert not reader.done()
+        return served
+    finally:
+        reader.cancel()
+        client.close()
+        ctx.destroy(linger=0)
+        addresses.remove()
+
+
+def test_an_error_for_a_request_already_ended_is_dropped_and_serving_goes_on() -> None:
+    assert asyncio.run(_errors_after_the_request_ended()) == ["cmpl-b-0:0"]
+
+
+async def _fail_essential_task(client: EngineClient) -> None:
+    async def broken() -> None:
+        raise RuntimeError("boom")
+
+    state = SimpleNamespace(client=client)
+    task = api_server._essential_task(state, broken(), "output reader")  # type: ignore[arg-type]
+    with contextlib.suppress(RuntimeError):
+        await task
+    await asyncio.sleep(0)  # done callbacks run on the next turn of the loop
+
+
+def test_a_failed_essential_task_fails_requests_fast_instead_of_hanging(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    addresses = Addresses.fresh(1)
+    client = EngineClient(addresses, ServerMetrics("m", trace_file=None, log_requests=False))
+    try:
+        asyncio.run(_fail_essential_task(client))
+        assert client.failure == "internal error: the api server's output reader failed"
+        assert "output reader failed" in caplog.text and "boom" in caplog.text
+    finally:
+        client.close()
+        addresses.remove()
