@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -220,6 +220,52 @@ class ModelConfig:
             moe=MoeConfig.from_hf(cfg) if arch in _MOE_ARCHITECTURES else None,
         )
 
+    def shard(self, tp: int) -> ModelConfig:
+        """One tensor-parallel rank's share of the model (`tp` ranks): its attention heads
+        (at least one key/value head: fewer than `tp` are replicated) and its slice of every
+        feed-forward's intermediate size; the vocabulary stays whole (it is split by the
+        embedding itself). `check_tensor_parallel` says which `tp` divide the model."""
+        if tp == 1:
+            return self
+        check_tensor_parallel(self, tp)
+        moe = self.moe
+        if moe is not None:
+            moe = replace(
+                moe,
+                intermediate_size=moe.intermediate_size // tp,
+                shared_expert_intermediate_size=moe.shared_expert_intermediate_size // tp,
+            )
+        return replace(
+            self,
+            num_heads=self.num_heads // tp,
+            num_kv_heads=max(1, self.num_kv_heads // tp),
+            intermediate_size=self.intermediate_size // tp,
+            moe=moe,
+        )
+
+
+def check_tensor_parallel(model: ModelConfig, tp: int) -> None:
+    """Raise `ValueError` naming `tensor_parallel_size` unless `tp` ranks can split `model`:
+    the attention heads, the key/value heads (or `tp` a multiple of them) and every
+    feed-forward size must divide evenly."""
+    sizes = {
+        "num_attention_heads": model.num_heads,
+        "intermediate_size": model.intermediate_size,
+    }
+    if model.moe is not None:
+        sizes["moe_intermediate_size"] = model.moe.intermediate_size
+        if model.moe.shared_expert_intermediate_size:
+            sizes["shared_expert_intermediate_size"] = model.moe.shared_expert_intermediate_size
+    kv = model.num_kv_heads
+    uneven = [f"{name}={n}" for name, n in sizes.items() if n % tp]
+    if kv % tp and tp % kv:
+        uneven.append(f"num_key_value_heads={kv} (nor is it a divisor of {tp})")
+    if tp < 1 or uneven:
+        raise ValueError(
+            f"tensor_parallel_size={tp} must be >= 1 and divide the model's "
+            + (", ".join(uneven) if uneven else "sizes")
+        )
+
 
 # generation_config.json keys that are sampling defaults, and the SamplingParams field of each
 # (vLLM's list; `do_sample` is ignored, as vLLM does).
@@ -361,6 +407,18 @@ class RunnerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How many devices one model spans: `tensor_parallel_size` ranks, each a process with a
+    shard of every weight (rank 0 is the engine core's own)."""
+
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine core needs, resolved: model, cache, scheduler, runner, device."""
 
@@ -374,6 +432,7 @@ class EngineConfig:
     tokenizer: str | None = None  # directory, if not the model's (structured outputs read it)
     speculative: SpeculativeConfig | None = None
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @property
     def max_model_len(self) -> int:
@@ -486,6 +545,13 @@ class EngineArgs:
         '"prompt_lookup_min": 2} or {"method": "draft_model", "model": DIR, '
         '"num_speculative_tokens": 4}.',
     )
+    tensor_parallel_size: int = option(
+        1,
+        "Devices (ranks) one model is split across: attention heads, feed-forward and "
+        "vocabulary sharded, one process per rank (NCCL on CUDA, gloo on the CPU). Must "
+        "divide the attention heads and feed-forward sizes.",
+        alias="-tp",
+    )
     generation_config: str = option(
         "auto",
         "Default sampling settings of requests that do not set them: auto reads the model's "
@@ -516,6 +582,8 @@ class EngineArgs:
         speculative = SpeculativeConfig.parse(self.speculative_config)
         if speculative is not None:
             speculative.check(model, self.max_model_len or model.max_position_embeddings)
+        parallel = ParallelConfig(self.tensor_parallel_size)
+        self._check_parallel(parallel, model, device, speculative is not None)
         return EngineConfig(
             model=model,
             cache=CacheConfig(
@@ -539,4 +607,32 @@ class EngineArgs:
             tokenizer=self.tokenizer,
             speculative=speculative,
             sampling_defaults=load_sampling_defaults(self.generation_config, self.model),
+            parallel=parallel,
         )
+
+    def _check_parallel(
+        self, parallel: ParallelConfig, model: ModelConfig, device: str, speculative: bool
+    ) -> None:
+        """Refuse a tensor-parallel size the model, the devices or the other options do not
+        allow (a `ValueError` naming `tensor_parallel_size`)."""
+        tp = parallel.tensor_parallel_size
+        if tp == 1:
+            return
+        check_tensor_parallel(model, tp)
+        if device.startswith("cuda"):
+            first = int(device.partition(":")[2] or 0)
+            count = torch.cuda.device_count()
+            if first + tp > count:
+                raise ValueError(
+                    f"tensor_parallel_size={tp} needs devices cuda:{first}..cuda:{first + tp - 1}, "
+                    f"but {count} CUDA device(s) are visible"
+                )
+        unsupported = {
+            "speculative_config": speculative,
+            "host_kv_cache_bytes": bool(self.host_kv_cache_bytes),
+        }
+        for name, used in unsupported.items():
+            if used:
+                raise ValueError(
+                    f"tensor_parallel_size={tp} does not work with {name} yet; use one of them"
+                )

@@ -15,6 +15,7 @@ from tests.conftest import hf_greedy
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import ModelConfig, MoeConfig
 from tokenmill.layers.moe import FusedMoE
+from tokenmill.layers.sharding import MemoryTensor
 from tokenmill.models.loader import load_model
 from tokenmill.models.qwen3_moe import SparseMoeBlock
 from tokenmill.testing.checkpoints import build_checkpoint
@@ -160,9 +161,9 @@ def test_checkpoint_missing_one_expert_is_rejected(tmp_path, moe_checkpoints) ->
 def test_expert_shard_with_wrong_shape_is_rejected() -> None:
     layer = FusedMoE(4, hidden_size=8, intermediate_size=6, top_k=2, renormalize=True)
     with pytest.raises(ValueError, match="expected"):
-        layer.weight_loader(layer.gate_up_proj, torch.zeros(7, 8), "gate:1")
+        layer.weight_loader(layer.gate_up_proj, MemoryTensor(torch.zeros(7, 8)), "gate:1")
     with pytest.raises(ValueError, match="no expert shard"):
-        layer.weight_loader(layer.down_proj, torch.zeros(8, 6), "down:4")
+        layer.weight_loader(layer.down_proj, MemoryTensor(torch.zeros(8, 6)), "down:4")
 
 
 def test_moe_config_reads_both_expert_count_names(tmp_path, moe_checkpoints) -> None:

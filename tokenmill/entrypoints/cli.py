@@ -42,8 +42,8 @@ def add_options(
     is a required flag, a bool one is `--flag/--no-flag`.
 
     More metadata: `default_help` (shown instead of the default), `negation` (an extra flag that
-    sets a bool False, e.g. vLLM's `--disable-log-requests`); a `tuple[str, ...]` field takes a
-    JSON list or comma-separated text.
+    sets a bool False, e.g. vLLM's `--disable-log-requests`), `alias` (a second spelling, e.g.
+    `-tp`); a `tuple[str, ...]` field takes a JSON list or comma-separated text.
     """
     hints = get_type_hints(cls)
     group = parser.add_argument_group(title)
@@ -69,8 +69,9 @@ def add_options(
         elif required:
             group.add_argument(flag, type=kind, required=True, help=help_text)
         else:
+            flags = (flag, f.metadata["alias"]) if "alias" in f.metadata else (flag,)
             group.add_argument(
-                flag, type=kind, default=f.default, choices=f.metadata.get("choices"),
+                *flags, type=kind, default=f.default, choices=f.metadata.get("choices"),
                 help=help_text,
             )  # fmt: skip
 

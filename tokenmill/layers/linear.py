@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from tokenmill.distributed.group import TPGroup
 from tokenmill.kernels import InputNorm, gemv, norm_gemv
 from tokenmill.kernels.gemv_tuning import (
     GemvChoice,
@@ -25,6 +26,7 @@ from tokenmill.kernels.gemv_tuning import (
 )
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.sharding import TensorSource, copy_shard, set_tp_dim
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,10 @@ class Linear(nn.Module):
     `input_kind="gated"`: `x` is `[..., 2 * in_features]` (gate | up) and the layer computes
     `silu(gate) * up` first (an MLP's down projection). `input_kind="normed"`: the layer is
     called through `forward_normed`, with the RMSNorm in front of it.
+
+    Under tensor parallelism the sizes are this rank's: `tp_dim=0` (column-parallel) holds a
+    slice of the outputs, `tp_dim=1` (row-parallel) a slice of the inputs, whose partial
+    products the model sums over the ranks.
     """
 
     def __init__(
@@ -43,11 +49,19 @@ class Linear(nn.Module):
         out_features: int,
         bias: bool = False,
         input_kind: InputKind = "plain",
+        tp_dim: int | None = None,
     ) -> None:
         super().__init__()
+        if bias and tp_dim == 1:
+            raise ValueError("a row-parallel projection with a bias is not supported")
         self.input_kind = input_kind
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight = set_tp_dim(weight, tp_dim)
+        self.bias = None
+        if bias:
+            self.bias = set_tp_dim(
+                nn.Parameter(torch.empty(out_features), requires_grad=False), tp_dim
+            )
         # Row bucket -> GEMV kernel, filled by `choose_gemv_kernels` (empty: always cuBLAS).
         self.gemv_choices: dict[int, GemvChoice] = {}
 
@@ -109,7 +123,8 @@ class MergedLinear(Linear):
     """One matmul standing for several checkpoint projections concatenated along the output.
 
     `shard_sizes` maps each checkpoint shard name (e.g. "q", "k", "v") to its output size, in the
-    order they are stacked. `weight_loader` copies one shard into its rows.
+    order they are stacked (this rank's size, under tensor parallelism `tp`: rank r holds rows
+    `r * size ..` of each checkpoint tensor). `weight_loader` copies one shard into its rows.
     """
 
     def __init__(
@@ -118,31 +133,53 @@ class MergedLinear(Linear):
         shard_sizes: dict[str, int],
         bias: bool = False,
         input_kind: InputKind = "plain",
+        tp: TPGroup | None = None,
     ) -> None:
-        super().__init__(in_features, sum(shard_sizes.values()), bias, input_kind)
+        super().__init__(in_features, sum(shard_sizes.values()), bias, input_kind, tp_dim=0)
+        self.tp = tp or TPGroup.single()
         self.shard_offsets: dict[str, tuple[int, int]] = {}
         offset = 0
         for name, size in shard_sizes.items():
             self.shard_offsets[name] = (offset, size)
             offset += size
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
-        """Copy checkpoint tensor `loaded` (weight or bias of `shard`) into its slice of `param`."""
+    def weight_loader(self, param: nn.Parameter, loaded: TensorSource, shard: str) -> None:
+        """Copy this rank's rows of checkpoint tensor `loaded` (weight or bias of `shard`)
+        into its slice of `param`."""
         offset, size = self.shard_offsets[shard]
-        if loaded.shape[0] != size or loaded.shape[1:] != param.shape[1:]:
-            raise ValueError(
-                f"shard {shard!r} has shape {tuple(loaded.shape)}, expected "
-                f"{(size, *param.shape[1:])}"
-            )
-        param.data[offset : offset + size].copy_(loaded)
+        start = self._first_row(loaded, shard, size)
+        what = f"shard {shard!r}"
+        copy_shard(param.data[offset : offset + size], loaded, 0, self.tp, what, start)
+
+    def _first_row(self, loaded: TensorSource, shard: str, size: int) -> int | None:
+        """The first checkpoint row of this rank's slice of `shard` (None: an even split)."""
+        return None
 
 
 class QKVLinear(MergedLinear):
-    """The fused q/k/v projection of an attention layer, behind the layer's input norm."""
+    """The fused q/k/v projection of an attention layer, behind the layer's input norm.
+
+    Under tensor parallelism each rank has `num_heads` query heads and `num_kv_heads` key/value
+    heads of its own; when the model has fewer key/value heads than ranks, each rank holds the
+    one its query heads attend to (a head is replicated on `tp / kv_heads` ranks).
+    """
 
     def __init__(
-        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool
-    ) -> None:
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+        tp: TPGroup | None = None,
+    ) -> None:  # fmt: skip
         kv = num_kv_heads * head_dim
         shards = {"q": num_heads * head_dim, "k": kv, "v": kv}
-        super().__init__(hidden_size, shards, bias, input_kind="normed")
+        super().__init__(hidden_size, shards, bias, input_kind="normed", tp=tp)
+        self.head_dim = head_dim
+
+    def _first_row(self, loaded: TensorSource, shard: str, size: int) -> int | None:
+        if shard == "q" or not loaded.shape:
+            return None
+        # Rank r's key/value heads start at head r * kv_heads / tp (rounded down): the rank's
+        # own heads when they divide, else the one head its query heads share.
+        tp, heads = self.tp.size, loaded.shape[0] // self.head_dim
+        fits = loaded.shape[0] == heads * self.head_dim and (
+            heads * self.head_dim == size * tp or (tp % heads == 0 and size == self.head_dim)
+        )
+        return self.tp.rank * heads // tp * self.head_dim if fits else None

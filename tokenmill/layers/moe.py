@@ -14,8 +14,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from tokenmill.distributed.group import TPGroup
 from tokenmill.kernels import fused_moe
 from tokenmill.kernels.moe_routing import select_experts
+from tokenmill.layers.sharding import SourceRange, TensorSource, copy_shard
 
 EXPERT_PROJECTIONS = ("gate", "up", "down")
 
@@ -25,15 +27,19 @@ class FusedMoE(nn.Module):
     `[E, 2 I, H]` (each expert's gate rows, then its up rows) and `down_proj` `[E, H, I]` (the
     layout of transformers' fused `Qwen3MoeExperts`, so such checkpoints load as they are).
     Tokens go to their `top_k` most probable experts (softmax over the router logits; the
-    chosen probabilities renormalised to sum to 1 when `renormalize`)."""
+    chosen probabilities renormalised to sum to 1 when `renormalize`).
+
+    Under tensor parallelism `tp`, `intermediate_size` is this rank's slice of every expert's
+    (rank r holds entries `r * intermediate_size ..`), and the output is this rank's part of
+    the sum."""
 
     def __init__(
         self, num_experts: int, hidden_size: int, intermediate_size: int, top_k: int,
-        renormalize: bool,
+        renormalize: bool, tp: TPGroup | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.intermediate_size = intermediate_size
+        self.intermediate_size, self.tp = intermediate_size, tp or TPGroup.single()
         e, h, i = num_experts, hidden_size, intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
@@ -53,9 +59,9 @@ class FusedMoE(nn.Module):
         kinds = ("gate", "up") if param_name == "gate_up_proj" else ("down",)
         return [f"{kind}:{e}" for kind in kinds for e in range(self.num_experts)]
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
-        """Copy one expert's projection (`shard` = `"gate:3"`, `"up:3"`, `"down:3"`) into its
-        slice of the stacked `param`."""
+    def weight_loader(self, param: nn.Parameter, loaded: TensorSource, shard: str) -> None:
+        """Copy this rank's slice of one expert's projection (`shard` = `"gate:3"`, `"up:3"`,
+        `"down:3"`) into the stacked `param`."""
         kind, _, index = shard.partition(":")
         expert = int(index)
         if kind not in EXPERT_PROJECTIONS or not 0 <= expert < self.num_experts:
@@ -64,12 +70,20 @@ class FusedMoE(nn.Module):
         target = {"gate": param.data[expert, :i], "up": param.data[expert, i:]}.get(
             kind, param.data[expert]
         )
-        if loaded.shape != target.shape:
-            raise ValueError(
-                f"expert shard {shard!r} has shape {tuple(loaded.shape)}, expected "
-                f"{tuple(target.shape)}"
-            )
-        target.copy_(loaded)
+        dim = 1 if kind == "down" else 0  # down: [H, I], gate and up: [I, H]
+        copy_shard(target, loaded, dim, self.tp, f"expert shard {shard!r}")
+
+    def load_stacked(self, param: nn.Parameter, loaded: TensorSource) -> None:
+        """Copy this rank's slice of a checkpoint's already stacked `gate_up_proj` `[E, 2I, H]`
+        or `down_proj` `[E, H, I]` (transformers' fused layout) into `param`."""
+        i = self.intermediate_size
+        if param is self.down_proj:
+            copy_shard(param.data, loaded, 2, self.tp, "down_proj")
+            return
+        full = loaded.shape[1] // 2 if len(loaded.shape) == 3 else 0
+        gate, up = SourceRange(loaded, 1, 0, full), SourceRange(loaded, 1, full, 2 * full)
+        copy_shard(param.data[:, :i], gate, 1, self.tp, "gate_up_proj (gate)")
+        copy_shard(param.data[:, i:], up, 1, self.tp, "gate_up_proj (up)")
 
 
 def experts_reference(

@@ -7,26 +7,31 @@ from typing import ClassVar
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.config import ModelConfig
+from tokenmill.distributed.group import TPGroup
 from tokenmill.layers.linear import InputKind, Linear, MergedLinear, QKVLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.layers.sharding import VocabParallelEmbedding
 
 
 class LlamaAttention(nn.Module):
-    """Self-attention: fused q/k/v projection, optional q/k norm, rotary, paged attention."""
+    """Self-attention: fused q/k/v projection, optional q/k norm, rotary, paged attention.
 
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
+    Under tensor parallelism `cfg` is this rank's (`ModelConfig.shard`: its heads) and the
+    output projection's partial sums are added over the ranks."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, tp: TPGroup) -> None:
         super().__init__()
-        self.layer = layer
+        self.layer, self.tp = layer, tp
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.qkv_proj = QKVLinear(
-            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias
-        )
-        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias,
+            tp,
+        )  # fmt: skip
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp_dim=1)
         self.rotary = rotary
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -40,28 +45,30 @@ class LlamaAttention(nn.Module):
         qk_norm = (self.q_norm, self.k_norm) if self.qk_norm else None
         q = attn.store_qkv(qkv, positions, self.layer, self.rotary, qk_norm)
         out = attn.attend(q, self.layer)
-        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.num_heads * self.head_dim)))
 
 
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward of `intermediate_size` (default: the model's): fused gate/up
     projection behind the decoder layer's post-attention norm (or, `input_kind="plain"`, of an
     input normed already: `product`), then the down projection, which applies SiLU-and-mul to
-    its input."""
+    its input. Under tensor parallelism the sizes are this rank's and `forward` adds the
+    ranks' partial outputs (`product` leaves that to its caller)."""
 
     def __init__(
-        self, cfg: ModelConfig, intermediate_size: int | None = None,
+        self, cfg: ModelConfig, tp: TPGroup, intermediate_size: int | None = None,
         input_kind: InputKind = "normed",
     ) -> None:  # fmt: skip
         super().__init__()
+        self.tp = tp
         size = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = MergedLinear(
-            cfg.hidden_size, {"gate": size, "up": size}, input_kind=input_kind
+            cfg.hidden_size, {"gate": size, "up": size}, input_kind=input_kind, tp=tp
         )
-        self.down_proj = Linear(size, cfg.hidden_size, input_kind="gated")
+        self.down_proj = Linear(size, cfg.hidden_size, input_kind="gated", tp_dim=1)
 
     def product(self, h: torch.Tensor) -> torch.Tensor:
-        """The MLP of `h`, normed already."""
+        """The MLP of `h`, normed already (this rank's part of it)."""
         return self.down_proj(self.gate_up_proj(h))
 
     def forward(
@@ -70,17 +77,17 @@ class LlamaMLP(nn.Module):
         """`(mlp(norm(x + residual)), x + residual)`; the add + norm runs inside the gate/up
         projection (`Linear.forward_normed`)."""
         gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
-        return self.down_proj(gate_up), residual
+        return self.tp.all_reduce(self.down_proj(gate_up)), residual
 
 
-# The feed-forward of decoder layer `layer`: called as `mlp(x, residual, norm)`, returning
-# `(mlp(norm(x + residual)), x + residual)` like `LlamaMLP`.
-MlpFactory = Callable[[ModelConfig, int], nn.Module]
+# The feed-forward of decoder layer `layer` on one rank: called as `mlp(x, residual, norm)`,
+# returning `(mlp(norm(x + residual)), x + residual)` like `LlamaMLP`.
+MlpFactory = Callable[[ModelConfig, int, TPGroup], nn.Module]
 
 
-def dense_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+def dense_mlp(cfg: ModelConfig, layer: int, tp: TPGroup) -> nn.Module:
     """Every layer of a dense model has the same SwiGLU MLP."""
-    return LlamaMLP(cfg)
+    return LlamaMLP(cfg, tp)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -89,10 +96,10 @@ class LlamaDecoderLayer(nn.Module):
     The feed-forward is `mlp` (a `LlamaMLP`, or a mixture of experts)."""
 
     def __init__(
-        self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, mlp: nn.Module
+        self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, mlp: nn.Module, tp: TPGroup
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer, rotary)
+        self.self_attn = LlamaAttention(cfg, layer, rotary, tp)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -111,14 +118,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers (feed-forward `make_mlp(cfg, layer)`) and final norm."""
+    """Embedding, decoder layers (feed-forward `make_mlp(cfg, layer, tp)`) and final norm."""
 
-    def __init__(self, cfg: ModelConfig, make_mlp: MlpFactory = dense_mlp) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, make_mlp: MlpFactory = dense_mlp) -> None:
         super().__init__()
         rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, rotary, make_mlp(cfg, i)) for i in range(cfg.num_layers)
+            LlamaDecoderLayer(cfg, i, rotary, make_mlp(cfg, i, tp), tp)
+            for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -135,7 +143,9 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """A Llama-family decoder over a flattened batch of tokens with paged attention.
 
-    Subclasses change the feed-forward through `make_mlp` (e.g. a mixture of experts).
+    Subclasses change the feed-forward through `make_mlp` (e.g. a mixture of experts). Under
+    tensor parallelism (`tp` of several ranks) `cfg` is this rank's share (`ModelConfig.shard`),
+    the vocabulary is split by rows and every rank gets the whole logits.
     """
 
     # checkpoint name fragment → (our parameter fragment, shard id)
@@ -150,14 +160,15 @@ class LlamaForCausalLM(nn.Module):
     expert_params: ClassVar[dict[str, str]] = {}
     make_mlp: ClassVar[MlpFactory] = staticmethod(dense_mlp)
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
+        tp = tp or TPGroup.single()
         self.config = cfg
-        self.model = LlamaModel(cfg, self.make_mlp)
+        self.model = LlamaModel(cfg, tp, self.make_mlp)
         if cfg.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
-            self.lm_head = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.lm_head = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
@@ -167,4 +178,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits for the selected hidden states."""
-        return F.linear(hidden, self.lm_head.weight)
+        return self.lm_head.logits(hidden)

@@ -8,13 +8,16 @@ import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from tokenmill.config import ModelConfig
+from tokenmill.distributed.group import TPGroup
 from tokenmill.layers.moe import FusedMoE
+from tokenmill.layers.sharding import TensorSource, copy_shard, tp_dim
 from tokenmill.models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -35,14 +38,24 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def load_model(cfg: ModelConfig, device: torch.device, load_format: str, seed: int) -> nn.Module:
-    """Instantiate `cfg`'s architecture on `device` in `cfg.dtype` and load its weights."""
+def load_model(
+    cfg: ModelConfig,
+    device: torch.device,
+    load_format: str,
+    seed: int,
+    tp: TPGroup | None = None,
+) -> nn.Module:
+    """Instantiate `cfg`'s architecture on `device` in `cfg.dtype` and load its weights; under
+    tensor parallelism (`tp` of several ranks) this rank's share, from `cfg.shard(tp.size)`,
+    reading only its slices of the checkpoint."""
+    tp = tp or TPGroup.single()
+    local = cfg.shard(tp.size)
     with _default_dtype(cfg.dtype), device:
-        model = model_class(cfg)(cfg)
+        model = model_class(cfg)(local, tp)
     if load_format == "dummy":
         _init_dummy(model, seed)
     elif load_format == "auto":
-        _load_safetensors(model, Path(cfg.path), cfg.tie_word_embeddings)
+        _load_safetensors(model, Path(cfg.path), cfg.tie_word_embeddings, tp)
     else:
         raise ValueError(f"load_format must be auto or dummy, got {load_format!r}")
     return model.eval()
@@ -51,7 +64,8 @@ def load_model(cfg: ModelConfig, device: torch.device, load_format: str, seed: i
 def _init_dummy(model: nn.Module, seed: int) -> None:
     """Random weights: norms at 1, everything else normal(0, 0.02), reproducible from `seed`.
 
-    Drawn on the model's device (fast for billions of parameters), so values differ by device.
+    Drawn on the model's device (fast for billions of parameters), so values differ by device
+    (and, for a sharded weight, by tensor-parallel rank; replicated ones agree).
     """
     gen: torch.Generator | None = None
     for name, param in model.named_parameters():
@@ -82,14 +96,28 @@ def checkpoint_files(root: Path) -> list[Path]:
     return files
 
 
-def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+class CheckpointTensor:
+    """One tensor of an open safetensors file; `read` loads only the entries asked for."""
+
+    def __init__(self, view: Any) -> None:
+        self._view = view  # safetensors' slice object
+        self.shape: tuple[int, ...] = tuple(view.get_shape())
+
+    def read(self, dim: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        if not self.shape:
+            return self._view[...]
+        index = (slice(None),) * dim + (slice(start, stop),)
+        return self._view[index]
+
+
+def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, TensorSource]]:
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, f.get_tensor(name)
+                yield name, CheckpointTensor(f.get_slice(name))
 
 
-def _load_safetensors(model: nn.Module, root: Path, tied: bool) -> None:
+def _load_safetensors(model: nn.Module, root: Path, tied: bool, tp: TPGroup) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     stacked: dict[str, tuple[str, str]] = model.stacked_params
     experts: dict[str, str] = getattr(model, "expert_params", {})
@@ -112,17 +140,28 @@ def _load_safetensors(model: nn.Module, root: Path, tied: bool) -> None:
             module.weight_loader(param, tensor, shard)
             loaded.add(f"{target}:{shard}")
         else:
-            if tensor.shape != param.shape:
-                raise ValueError(
-                    f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
-                    f"model expects {tuple(param.shape)}"
-                )
-            param.data.copy_(tensor)
+            _copy_param(module, param, tensor, tp, f"checkpoint tensor {name}")
             loaded.update(_entries(module, target, shards=None))
     expected = _expected_entries(model, params, stacked, tied)
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"checkpoint {str(root)!r} is missing weights: {', '.join(missing[:8])}")
+
+
+def _copy_param(
+    module: nn.Module, param: nn.Parameter, tensor: TensorSource, tp: TPGroup, what: str
+) -> None:
+    """Copy a whole checkpoint tensor (this rank's slice of it, if `param` is sharded)."""
+    if isinstance(module, FusedMoE):
+        module.load_stacked(param, tensor)
+        return
+    dim = tp_dim(param)
+    if dim is None:
+        if tensor.shape != tuple(param.shape):
+            raise ValueError(f"{what} has shape {tensor.shape}, model expects {tuple(param.shape)}")
+        param.data.copy_(tensor.read())
+        return
+    copy_shard(param.data, tensor, dim, tp, what)
 
 
 def _expert_target(name: str, expert_params: dict[str, str]) -> tuple[str, str] | None:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig, MoeConfig
+from tokenmill.distributed.group import TPGroup
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.moe import FusedMoE
 from tokenmill.layers.norm import RMSNorm
@@ -18,19 +19,22 @@ from tokenmill.models.llama import LlamaForCausalLM, LlamaMLP
 class SparseMoeBlock(nn.Module):
     """Router (`gate`: hidden → one logit per expert) and the experts it routes to; with
     `moe.shared_expert_intermediate_size`, also a shared expert every token passes, scaled by
-    `sigmoid(shared_expert_gate(h))`."""
+    `sigmoid(shared_expert_gate(h))`. Under tensor parallelism every rank routes every token
+    and holds a slice of each expert's intermediate size (`moe` is this rank's); the partial
+    outputs are added over the ranks once, at the end."""
 
-    def __init__(self, cfg: ModelConfig, moe: MoeConfig) -> None:
+    def __init__(self, cfg: ModelConfig, moe: MoeConfig, tp: TPGroup) -> None:
         super().__init__()
+        self.tp = tp
         self.gate = Linear(cfg.hidden_size, moe.num_experts)
         self.experts = FusedMoE(
             moe.num_experts, cfg.hidden_size, moe.intermediate_size, moe.top_k,
-            moe.norm_topk_prob,
+            moe.norm_topk_prob, tp,
         )  # fmt: skip
         self.shared_expert: LlamaMLP | None = None
         if moe.shared_expert_intermediate_size:
             size = moe.shared_expert_intermediate_size
-            self.shared_expert = LlamaMLP(cfg, size, input_kind="plain")
+            self.shared_expert = LlamaMLP(cfg, tp, size, input_kind="plain")
             self.shared_expert_gate = Linear(cfg.hidden_size, 1)
 
     def forward(
@@ -46,15 +50,15 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             shared = self.shared_expert.product(h)
             out = out + torch.sigmoid(self.shared_expert_gate(h)) * shared
-        return out, residual
+        return self.tp.all_reduce(out), residual
 
 
-def sparse_or_dense_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+def sparse_or_dense_mlp(cfg: ModelConfig, layer: int, tp: TPGroup) -> nn.Module:
     """A sparse layer's mixture of experts, or the dense MLP of an `mlp_only_layers` entry (or
     a layer skipped by `decoder_sparse_step`)."""
     if cfg.moe is None:
         raise ValueError(f"{cfg.architecture} needs the mixture-of-experts fields in config.json")
-    return SparseMoeBlock(cfg, cfg.moe) if cfg.moe.is_sparse(layer) else LlamaMLP(cfg)
+    return SparseMoeBlock(cfg, cfg.moe, tp) if cfg.moe.is_sparse(layer) else LlamaMLP(cfg, tp)
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):

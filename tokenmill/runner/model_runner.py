@@ -15,6 +15,7 @@ from tokenmill.attention.backend import AttentionInputs, create_backend
 from tokenmill.batch import StepPlan
 from tokenmill.cache.kv_cache import KVCache
 from tokenmill.config import EngineConfig
+from tokenmill.distributed.group import TPGroup
 from tokenmill.layers.linear import choose_gemv_kernels
 from tokenmill.models.loader import load_model
 from tokenmill.runner.sampler import (
@@ -26,6 +27,7 @@ from tokenmill.runner.sampler import (
 )
 from tokenmill.runner.spec_decode import SpecDecoder, device_draft_entries
 from tokenmill.runner.staging import HostStaging
+from tokenmill.runner.tp_workers import TPWorkers, rank_device
 
 if TYPE_CHECKING:
     from tokenmill.runner.cuda_graphs import CudaGraphRunner
@@ -114,19 +116,36 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    """Owns the model weights, the KV cache tensors, the attention backend and the sampler."""
+    """Owns the model weights, the KV cache tensors, the attention backend and the sampler.
 
-    def __init__(self, config: EngineConfig) -> None:
+    With `tensor_parallel_size` > 1 the engine core's runner is rank 0: it starts the other
+    ranks (`TPWorkers`) and sends them each plan it launches; a worker's runner is made with
+    its `tp` group and only runs the plans (rank 0 samples, and broadcasts the tokens).
+    """
+
+    def __init__(self, config: EngineConfig, tp: TPGroup | None = None) -> None:
         self.config = config
-        self.device = torch.device(config.device)
-        self.model = load_model(config.model, self.device, config.load_format, config.seed)
+        size = config.parallel.tensor_parallel_size
+        self.workers: TPWorkers | None = None
+        if tp is None and size > 1:
+            level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+            self.workers = TPWorkers(config, level)
+            self.workers.connect()
+            tp = TPGroup.join(0, size, self.workers.store, rank_device(config, 0))
+        self.tp = tp or TPGroup.single()
+        self.device = rank_device(config, self.tp.rank)
+        self.model = load_model(config.model, self.device, config.load_format, config.seed, self.tp)
+        # This rank's share of the model: its heads size the KV cache and the attention.
+        self.model_config = config.model.shard(self.tp.size)
         self.page_size = config.cache.page_size
-        self.num_pages = self._num_pages()
+        self.num_pages = self.tp.min(self._num_pages(), self.device)
         self.num_host_pages = self._num_host_pages()
-        self.kv_cache = KVCache.allocate(config.model, self.num_pages, self.page_size, self.device)
+        self.kv_cache = KVCache.allocate(
+            self.model_config, self.num_pages, self.page_size, self.device
+        )
         max_seqs = config.scheduler.max_num_seqs
         self.attention = create_backend(
-            config.runner.attention_backend, config.model, self.kv_cache, max_seqs
+            config.runner.attention_backend, self.model_config, self.kv_cache, max_seqs
         )
         self.sampler = Sampler(self.device, config.seed)
         # Every host→device copy of a step goes through here: one pinned, non-blocking copy.
@@ -141,10 +160,11 @@ class ModelRunner:
         self._last_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
         self._tokens: torch.Tensor | None = None
         logger.info(
-            "model %s on %s (%s attention): KV cache of %d pages x %d tokens",
+            "model %s on %s (%s attention%s): KV cache of %d pages x %d tokens",
             config.model.architecture,
             self.device,
             config.runner.attention_backend,
+            f", tensor-parallel rank {self.tp.rank} of {self.tp.size}" if self.tp.size > 1 else "",
             self.num_pages,
             self.page_size,
         )
@@ -189,7 +209,7 @@ class ModelRunner:
     def _bytes_per_page(self) -> int:
         # A draft model keeps its K/V in the same pages: one page accounting for both.
         cfg = self.config
-        per_page = KVCache.bytes_per_page(cfg.model, self.page_size)
+        per_page = KVCache.bytes_per_page(self.model_config, self.page_size)
         return per_page + SpecDecoder.extra_bytes_per_page(cfg)
 
     def _num_host_pages(self) -> int:
@@ -236,7 +256,12 @@ class ModelRunner:
         host may not have seen yet) is read on the device. `grammar_mask` is called once the
         forward pass is queued, before sampling: structured outputs fill their masks from the
         previous step's tokens, read while the GPU runs this forward pass.
+
+        Rank 0 of a tensor-parallel group first hands `plan` to the other ranks; they run the
+        same forward pass and take rank 0's sampled tokens instead of sampling.
         """
+        if self.workers is not None:
+            self.workers.send(plan)
         launched = LaunchedStep(self.device)
         host = lay_out(plan, self.page_size)
         self.num_forward_tokens += len(host.input_ids)
@@ -273,8 +298,10 @@ class ModelRunner:
                 self.spec.mirror_eager(ids, positions, inputs)
             else:
                 self.spec.mirror_graph(path, len(host.kv_lens), len(host.input_ids), verify)
-        mask = grammar_mask() if grammar_mask is not None else None
-        if plan.sampling:
+        if plan.sampling and self.tp.rank > 0:
+            self._last_tokens = self.tp.broadcast(self._token_buffer(plan.num_sampled))
+        elif plan.sampling:
+            mask = grammar_mask() if grammar_mask is not None else None
             sampling = SamplingBatch.from_rows(
                 plan.sampling, self.config.model.vocab_size, self.device, mask
             )
@@ -284,11 +311,26 @@ class ModelRunner:
             else:
                 out = self._tokens[: plan.num_sampled] if self._tokens is not None else None
                 sampled = self.sampler(logits, sampling, out)
+            self.tp.broadcast(sampled.token_ids)
             sampled.start_copy()
             self._last_tokens = sampled.token_ids
             launched.sampled = sampled
+        elif grammar_mask is not None:
+            grammar_mask()  # nothing to sample, but the previous step's tokens are read
         launched.forward_done()
         return launched
+
+    def _token_buffer(self, num_sampled: int) -> torch.Tensor:
+        """Where a worker rank receives a step's `num_sampled` tokens (the graphs' static
+        buffer, when there are graphs)."""
+        if self._tokens is not None:
+            return self._tokens[:num_sampled]
+        return torch.empty(num_sampled, dtype=torch.int64, device=self.device)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any."""
+        if self.workers is not None:
+            self.workers.close()
 
     def _verify_graph(self, plan: StepPlan) -> tuple[int, int] | None:
         """The verify graph of a step whose rows all sample every query token (decode rows and

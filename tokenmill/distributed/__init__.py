@@ -1,0 +1,1 @@
+"""Tensor parallelism: the process group of the ranks that share one model."""

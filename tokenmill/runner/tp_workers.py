@@ -1,0 +1,166 @@
+"""Tensor-parallel ranks 1..N-1: one process each, running rank 0's plans on their shard.
+
+Rank 0 is the engine core's own `ModelRunner`; it starts the others (`TPWorkers.start`), and
+every step sends them the `StepPlan` it is about to launch, before launching it itself. A plan
+holds only numpy arrays, ints and `SamplingParams`, so it travels pickled over one ZeroMQ PUSH
+socket per worker (local, trusted: both ends are this engine); each rank lays it out and runs
+the same forward pass, meeting the others in the collectives (all-reduces inside the model,
+the gathered logits). Only rank 0 samples: the others receive its tokens (a broadcast), so the
+next plan's `input_src` reads the same tokens on every rank. No rank waits for another on the
+host: a worker runs plans as they come.
+
+A worker that exits takes the engine with it: the watchdog thread sees its process end and
+calls `on_lost` (the engine-core process exits, which the server reports); a collective
+pending at that moment fails at once on gloo, after `COLLECTIVE_TIMEOUT` on NCCL. Workers exit
+when rank 0's process does (`ipc.process.init_child`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from tokenmill.batch import StepPlan
+from tokenmill.config import EngineConfig
+from tokenmill.distributed.group import NCCL_ENV, TPGroup
+from tokenmill.ipc.process import init_child
+
+logger = logging.getLogger(__name__)
+
+_STOP = b""  # the message that ends a worker
+JOIN_TIMEOUT_S = 10.0
+
+
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """Rank `rank`'s device: `cuda:(first + rank)` for an engine on `cuda[:first]`, else the
+    engine's device (the CPU)."""
+    device = torch.device(config.device)
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+class TPWorkers:
+    """Rank 0's handle on ranks 1..N-1: their processes, plan sockets and watchdog."""
+
+    def __init__(self, config: EngineConfig, log_level: str) -> None:
+        size = config.parallel.tensor_parallel_size
+        self.store = TPGroup.store(0, size)
+        self.on_lost: Callable[[str], None] | None = None
+        self.lost: str | None = None
+        self._closing = False
+        os.environ.update(NCCL_ENV)  # this process's NCCL and, inherited, the workers'
+        # A fresh interpreter per rank (not multiprocessing's spawn, which would run the
+        # user's script again; not fork, unsafe once CUDA or threads run): its arguments come
+        # pickled on stdin.
+        self.procs: list[subprocess.Popen[bytes]] = []
+        for rank in range(1, size):
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tokenmill.runner.tp_workers"], stdin=subprocess.PIPE
+            )
+            assert proc.stdin is not None
+            args = (config, rank, self.store.port, log_level, os.getpid())
+            proc.stdin.write(pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL))
+            proc.stdin.close()
+            self.procs.append(proc)
+            threading.Thread(target=self._watch, args=(rank, proc), daemon=True).start()
+        self._ctx = zmq.Context()
+        self._plans: list[zmq.Socket] = []
+        atexit.register(self.close)
+
+    def connect(self) -> None:
+        """Connect to each worker's plan socket (its address comes through the store)."""
+        for rank in range(1, len(self.procs) + 1):
+            key = f"plans/{rank}"
+            while not self._ready(key):
+                if self.lost is not None:
+                    raise RuntimeError(self.lost)
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.connect(self.store.get(key).decode())
+            self._plans.append(sock)
+
+    def _ready(self, key: str) -> bool:
+        """Whether a worker has published `key`, after waiting up to half a second."""
+        try:
+            self.store.wait([key], datetime.timedelta(seconds=0.5))
+        except dist.DistStoreError:
+            return False
+        return True
+
+    def send(self, plan: StepPlan) -> None:
+        """Hand `plan` to every worker (before rank 0 launches it)."""
+        if self.lost is not None:
+            raise RuntimeError(self.lost)
+        payload = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+        for sock in self._plans:
+            sock.send(payload, copy=False)
+
+    def close(self) -> None:
+        """Stop the workers (each finishes the plan it runs), then kill any that lingers."""
+        if self._closing:
+            return
+        self._closing = True
+        for sock in self._plans:
+            sock.send(_STOP)
+        for proc in self.procs:
+            try:
+                proc.wait(JOIN_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._ctx.destroy(linger=0)
+
+    def _watch(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+        """Report worker `rank` if it exits while the engine runs."""
+        code = proc.wait()
+        if self._closing or self.lost is not None:
+            return
+        self.lost = (
+            f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {code}; "
+            "the engine cannot run without it"
+        )
+        logger.error("%s", self.lost)
+        if self.on_lost is not None:
+            self.on_lost(self.lost)
+
+
+def run_tp_worker(
+    config: EngineConfig, rank: int, port: int, log_level: str, engine_pid: int
+) -> None:
+    """Process entry point of rank `rank`: load its shard, then run plans until told to stop."""
+    init_child(log_level, f"tp_worker_{rank}", engine_pid)
+    from tokenmill.runner.model_runner import ModelRunner  # model_runner imports this module
+
+    device = rank_device(config, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    size = config.parallel.tensor_parallel_size
+    store = TPGroup.store(rank, size, port)
+    ctx = zmq.Context()
+    plans = ctx.socket(zmq.PULL)
+    plans.setsockopt(zmq.LINGER, 0)
+    port = plans.bind_to_random_port("tcp://127.0.0.1")
+    store.set(f"plans/{rank}", f"tcp://127.0.0.1:{port}")
+    runner = ModelRunner(config, TPGroup.join(rank, size, store, device))
+    while (payload := plans.recv()) != _STOP:
+        runner.launch(pickle.loads(payload))
+    ctx.destroy(linger=0)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+if __name__ == "__main__":
+    run_tp_worker(*pickle.load(sys.stdin.buffer))
