@@ -49,11 +49,21 @@ def run_engine_core(
     loop.run()
 
 
+def _exit_engine(reason: str) -> None:
+    """End the engine-core process now (a tensor-parallel rank is gone: no step can run); the
+    server sees the engine exit and fails its requests (or restarts it)."""
+    logger.critical("engine core exits: %s", reason)
+    logging.shutdown()
+    os._exit(1)
+
+
 class EngineCoreLoop:
     """Drains the input socket, steps the engine while it has work, and publishes each step."""
 
     def __init__(self, config: EngineConfig, addresses: Addresses) -> None:
         self.engine = EngineCore(config)
+        if self.engine.runner.workers is not None:
+            self.engine.runner.workers.on_lost = _exit_engine
         self.ctx = zmq.Context()
         self.inputs = pull(self.ctx, addresses.engine, bind=True)
         self.outputs = push(self.ctx, addresses.detokenizer, bind=False)
@@ -85,6 +95,7 @@ class EngineCoreLoop:
                 self._publish()
                 last_publish = time.monotonic()
         self._publish()
+        self.engine.runner.close()
         self.ctx.destroy(linger=1000)
 
     def _drain_inputs(self) -> None:

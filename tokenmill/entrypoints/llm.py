@@ -30,7 +30,7 @@ class LLM:
 
     Keyword arguments are the fields of `EngineArgs` (dtype, device, max_num_seqs,
     max_num_batched_tokens, page_size, num_pages or kv_cache_memory_bytes, seed, load_format,
-    generation_config, ...).
+    generation_config, tensor_parallel_size, ...).
     """
 
     def __init__(self, model: str, **engine_args: Any) -> None:
@@ -40,6 +40,11 @@ class LLM:
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()
         self._children: dict[str, _Child] = {}  # engine request id → its unfinished choice
+
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (done at exit too); the object is not
+        usable after."""
+        self.engine.runner.close()
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
         """The checkpoint's tokenizer (None when it has none)."""

@@ -27,7 +27,7 @@ from tokenmill.runner.sampler import (
 )
 from tokenmill.runner.spec_decode import SpecDecoder, device_draft_entries
 from tokenmill.runner.staging import HostStaging
-from tokenmill.runner.tp_workers import TPWorkers, rank_device
+from tokenmill.runner.tp_workers import TPWorkers, rank_device, share_cpu_threads
 
 if TYPE_CHECKING:
     from tokenmill.runner.cuda_graphs import CudaGraphRunner
@@ -134,6 +134,8 @@ class ModelRunner:
             tp = TPGroup.join(0, size, self.workers.store, rank_device(config, 0))
         self.tp = tp or TPGroup.single()
         self.device = rank_device(config, self.tp.rank)
+        if self.device.type == "cpu" and self.tp.size > 1:
+            logger.info("rank %d computes on %d threads", self.tp.rank, share_cpu_threads(size))
         self.model = load_model(config.model, self.device, config.load_format, config.seed, self.tp)
         # This rank's share of the model: its heads size the KV cache and the attention.
         self.model_config = config.model.shard(self.tp.size)
@@ -258,10 +260,20 @@ class ModelRunner:
         previous step's tokens, read while the GPU runs this forward pass.
 
         Rank 0 of a tensor-parallel group first hands `plan` to the other ranks; they run the
-        same forward pass and take rank 0's sampled tokens instead of sampling.
+        same forward pass and take rank 0's sampled tokens instead of sampling. A lost rank
+        fails the launch with a `RuntimeError` naming it.
         """
-        if self.workers is not None:
-            self.workers.send(plan)
+        if self.workers is None:
+            return self._launch(plan, grammar_mask)
+        self.workers.send(plan)
+        try:
+            return self._launch(plan, grammar_mask)
+        except RuntimeError as exc:  # a collective failed: say which rank is gone
+            raise self.workers.failure(exc) from exc
+
+    def _launch(
+        self, plan: StepPlan, grammar_mask: Callable[[], GrammarMask | None] | None
+    ) -> LaunchedStep:
         launched = LaunchedStep(self.device)
         host = lay_out(plan, self.page_size)
         self.num_forward_tokens += len(host.input_ids)
