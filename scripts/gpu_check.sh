@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call (see ../shared/device/README.md).
 # Usage on the device:
-#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|structured|b4|conformance|hostkv|all]
+#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|structured|b4|tp|conformance|hostkv|all]
 # (gputests = the GPU engine tests and the GEMV, decode and rotary kernel tests + profile + B1;
 #  moe = the mixture-of-experts GPU and kernel tests (moetests), B1/B2 qwen3-30b-a3b with the
 #  transformers peer (moebench);
@@ -11,6 +11,8 @@
 #  hostkv = the host KV tier (issue 28): its GPU tests, then benchmarks/host_kv_agent.py on
 #  llama-3.1-8b shapes: reload vs recompute of a 16,000-token prefix, and the agent workload with
 #  a 32k-token device KV pool, without and with a 32 GB pinned host tier, same run;
+#  tp = tensor parallelism on 2 GPUs (kind nvidia-h200-x2): its GPU tests, then B1 and B2 of
+#  llama-3.1-8b with tp=1 (and the transformers peer) and tp=2, and qwen3-30b-a3b with tp=2;
 #  conformance = `tokenmill eval conformance` of a bf16 server on llama-3.1-8b shapes with random
 #  weights against the float32 transformers reference: the weights are written once as a
 #  checkpoint (`tokenmill eval dummy-checkpoint`, /tmp, 16 GB) that both sides load)
@@ -127,6 +129,19 @@ fi
 if [[ "$what" == b4 || "$what" == all ]]; then  # speculative decoding vs plain, same run
   bench qwen3-0.6b b4 "${kv[@]}" --engine-arg max_num_seqs=64
   bench llama-3.1-8b b4 "${kv[@]}" --engine-arg max_num_seqs=64
+fi
+if [[ "$what" == tp ]]; then
+  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py 2>&1 | tee "$out/pytest-tp.log" | tail -5
+  echo "tp tests: $(tail -1 "$out/pytest-tp.log")" >> "$table"
+  b2=(--engine-arg max_num_seqs=256 --engine-arg max_num_batched_tokens=8192 --engine-arg max_model_len=4096)
+  for tp in 1 2; do
+    peer=(); [[ $tp == 2 ]] && peer=(--no-peer)
+    echo "tensor_parallel_size=$tp:" >> "$table"
+    bench llama-3.1-8b b1 "${peer[@]}" "${kv[@]}" --engine-arg max_num_seqs=8 --engine-arg tensor_parallel_size=$tp
+    bench llama-3.1-8b b2 "${peer[@]}" "${kv2[@]}" "${b2[@]}" --engine-arg tensor_parallel_size=$tp
+  done
+  bench qwen3-30b-a3b b1 --no-peer "${kv[@]}" --engine-arg max_num_seqs=8 --engine-arg tensor_parallel_size=2
+  bench qwen3-30b-a3b b2 --no-peer "${kv2[@]}" "${b2[@]}" --engine-arg tensor_parallel_size=2
 fi
 if [[ "$what" == hostkv ]]; then
   python3 -m pytest -q -p no:cacheprovider tests/gpu/test_host_kv_gpu.py 2>&1 | tee "$out/pytest-hostkv.log" | tail -5

@@ -47,15 +47,20 @@ def run_offline(args: OfflineBenchArgs) -> dict[str, Any]:
         **args.engine_kwargs,
     )
     device = llm.engine.runner.device
-    hw = _hardware(device)
+    tp = llm.engine.runner.tp.size
+    measured = _hardware(device)
+    hw = None  # the ceilings of `tp` such GPUs: each reads and multiplies 1/tp of the model
+    if measured is not None:
+        hw = Hardware(measured.bandwidth * tp, measured.matmul_flops * tp)
     report: dict[str, Any] = {
         "workload": args.workload,
         "config": args.config,
         "dtype": args.dtype,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "measured_copy_bandwidth_TBps": hw.bandwidth / 1e12 if hw else None,
-        "measured_matmul_TFLOPs": hw.matmul_flops / 1e12 if hw else None,
+        "measured_copy_bandwidth_TBps": measured.bandwidth / 1e12 if measured else None,
+        "measured_matmul_TFLOPs": measured.matmul_flops / 1e12 if measured else None,
         "engine_args": args.engine_kwargs,
+        "tensor_parallel_size": tp,
     }
     if args.workload == "b1":
         report["tokenmill"] = _b1(llm, cfg.vocab_size, args, rng)
@@ -77,6 +82,7 @@ def run_offline(args: OfflineBenchArgs) -> dict[str, Any]:
             )
     else:
         raise ValueError(f"workload must be b1 or b2, got {args.workload!r}")
+    llm.close()
     del llm
     gc.collect()
     if device.type == "cuda":
