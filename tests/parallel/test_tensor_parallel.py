@@ -4,6 +4,7 @@ engine; sizes the model cannot split are refused."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -11,12 +12,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 import torch
 
 from tests.conftest import FAMILIES, hf_greedy
 from tests.e2e.server import run_server
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM, SamplingParams, StructuredOutputsParams
 from tokenmill.config import EngineArgs
 from tokenmill.testing.checkpoints import build_checkpoint
 
@@ -92,6 +94,26 @@ def test_one_kv_head_replicated_and_a_vocabulary_that_does_not_split(
         assert tuple(embedding.weight.shape) == (258, 64)  # rank 0: rows 0..257 of 515
     finally:
         llm.close()
+
+
+def test_sampled_and_constrained_requests_run_on_two_ranks(llama_dir: Path) -> None:
+    """Rank 0 alone samples (seeded, under a grammar mask) and the others follow its tokens."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    params = [
+        SamplingParams(temperature=1.0, seed=seed, max_tokens=40, logprobs=2,
+                       structured_outputs=StructuredOutputsParams(json=schema))
+        for seed in range(4)
+    ]  # fmt: skip
+    llm = LLM(str(llama_dir), device="cpu", tensor_parallel_size=2, max_model_len=256)
+    try:
+        first = llm.generate(["Hello"] * 4, params, use_tqdm=False)
+        again = llm.generate(["Hello"] * 4, params, use_tqdm=False)
+    finally:
+        llm.close()
+    for out in first:
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+        assert len(out.outputs[0].logprobs) == len(out.outputs[0].token_ids)
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
 
 
 def test_a_lost_rank_fails_the_engine_within_seconds(llama_dir: Path) -> None:
