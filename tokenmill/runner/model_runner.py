@@ -26,6 +26,7 @@ from tokenmill.runner.sampler import (
 )
 from tokenmill.runner.spec_decode import SpecDecoder, device_draft_entries
 from tokenmill.runner.staging import HostStaging
+from tokenmill.tuning_cache import open_tuning_cache
 
 if TYPE_CHECKING:
     from tokenmill.runner.cuda_graphs import CudaGraphRunner
@@ -155,7 +156,8 @@ class ModelRunner:
                     f"attention_backend {config.runner.attention_backend!r} cannot run in CUDA "
                     "graphs; use enforce_eager=True"
                 )
-            chosen = choose_gemv_kernels(self.model)
+            cache = open_tuning_cache(config.runner.tuning_cache_dir, self.device)
+            chosen = choose_gemv_kernels(self.model, cache)
             logger.info("GEMV kernel chosen over cuBLAS for %d (layer, row bucket) pairs", chosen)
             max_pages = -(-config.max_model_len // self.page_size)
             max_bs = min(config.runner.cuda_graph_max_bs, max_seqs)
