@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -17,6 +18,7 @@ from tokenmill.cache.kv_cache import KVCache
 from tokenmill.config import EngineConfig
 from tokenmill.layers.linear import choose_gemv_kernels
 from tokenmill.models.loader import load_model
+from tokenmill.observability.startup import StartupTimer
 from tokenmill.runner.sampler import (
     GrammarMask,
     SampledTokens,
@@ -120,11 +122,18 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
-        self.model = load_model(config.model, self.device, config.load_format, config.seed)
+        # Seconds of each start-up phase, device work included (the engine core reports them).
+        sync = partial(torch.cuda.synchronize, self.device) if self.device.type == "cuda" else None
+        self.startup = StartupTimer(sync)
+        with self.startup.phase("load_weights"):
+            self.model = load_model(config.model, self.device, config.load_format, config.seed)
         self.page_size = config.cache.page_size
-        self.num_pages = self._num_pages()
-        self.num_host_pages = self._num_host_pages()
-        self.kv_cache = KVCache.allocate(config.model, self.num_pages, self.page_size, self.device)
+        with self.startup.phase("kv_cache"):
+            self.num_pages = self._num_pages()
+            self.num_host_pages = self._num_host_pages()
+            self.kv_cache = KVCache.allocate(
+                config.model, self.num_pages, self.page_size, self.device
+            )
         max_seqs = config.scheduler.max_num_seqs
         self.attention = create_backend(
             config.runner.attention_backend, config.model, self.kv_cache, max_seqs
@@ -134,7 +143,10 @@ class ModelRunner:
         self.staging = HostStaging(self.device)
         self.spec: SpecDecoder | None = None
         if config.speculative is not None:
-            self.spec = SpecDecoder(config, self.sampler, self.num_pages, self.device, self.staging)
+            with self.startup.phase("speculative"):
+                self.spec = SpecDecoder(
+                    config, self.sampler, self.num_pages, self.device, self.staging
+                )
         self.num_forward_tokens = 0
         # The last launched step's sampled tokens, on the device: a plan's `input_src` points
         # into them. With CUDA graphs the sampler writes them into one static buffer the graphs
@@ -156,8 +168,9 @@ class ModelRunner:
                     f"attention_backend {config.runner.attention_backend!r} cannot run in CUDA "
                     "graphs; use enforce_eager=True"
                 )
-            cache = open_tuning_cache(config.runner.tuning_cache_dir, self.device)
-            chosen = choose_gemv_kernels(self.model, cache)
+            with self.startup.phase("gemv_tuning"):
+                cache = open_tuning_cache(config.runner.tuning_cache_dir, self.device)
+                chosen = choose_gemv_kernels(self.model, cache)
             logger.info("GEMV kernel chosen over cuBLAS for %d (layer, row bucket) pairs", chosen)
             max_pages = -(-config.max_model_len // self.page_size)
             max_bs = min(config.runner.cuda_graph_max_bs, max_seqs)
@@ -176,9 +189,10 @@ class ModelRunner:
                 self.model, self.attention, max_bs, max_pages, self.device, self._tokens,
                 max_prefill, 1 + k, config.scheduler.max_num_batched_tokens, drafts,
             )  # fmt: skip
-            self.graphs.capture()
-            if self.spec is not None:
-                self.spec.capture_graphs(self.graphs)
+            with self.startup.phase("cuda_graphs"):
+                self.graphs.capture()
+                if self.spec is not None:
+                    self.spec.capture_graphs(self.graphs)
 
     def kv_tensors(self) -> list[torch.Tensor]:
         """Every KV tensor indexed by the page ids: the target's K and V per layer, then the
