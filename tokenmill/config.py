@@ -14,6 +14,7 @@ import torch
 from tokenmill.intake import ContextLimits
 from tokenmill.models.registry import MODEL_REGISTRY
 from tokenmill.sampling_params import SamplingDefaults
+from tokenmill.tuning_cache import default_tuning_cache_dir
 
 if TYPE_CHECKING:
     from tokenmill.spec.config import SpeculativeConfig
@@ -386,6 +387,7 @@ class RunnerConfig:
     cuda_graph_max_prefill_tokens: int = 512
     overlap_scheduling: bool = True
     gpu_memory_utilization: float = 0.9
+    tuning_cache_dir: str = ""  # where start-up tuning decisions are kept ("": nowhere)
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -559,6 +561,13 @@ class EngineArgs:
         "max_new_tokens as max_tokens), vllm ignores it (tokenmill's defaults), or a directory "
         "holding a generation_config.json.",
     )
+    tuning_cache_dir: str | None = option(
+        None,
+        "Folder where start-up tuning decisions (the GEMV kernel per weight shape) are kept, "
+        "one file per GPU, driver, CUDA, torch and triton version, dtype and shape: a later start "
+        "reads them instead of measuring again; an empty string keeps none.",
+        default_help="$XDG_CACHE_HOME/tokenmill/tuning, else ~/.cache/tokenmill/tuning",
+    )
 
     def create_engine_config(self) -> EngineConfig:
         """Validate the options and resolve defaults into an `EngineConfig`."""
@@ -575,6 +584,9 @@ class EngineArgs:
             cuda_graph_max_prefill_tokens=self.cuda_graph_max_prefill_tokens,
             overlap_scheduling=self.overlap_scheduling,
             gpu_memory_utilization=self.gpu_memory_utilization,
+            tuning_cache_dir=default_tuning_cache_dir()
+            if self.tuning_cache_dir is None
+            else self.tuning_cache_dir,
         )
         model = ModelConfig.from_pretrained(self.model, self.dtype)
         from tokenmill.spec.config import SpeculativeConfig  # spec.config imports this module

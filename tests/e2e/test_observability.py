@@ -110,6 +110,24 @@ def test_metrics_follow_a_known_sequence_of_requests(server: ServerHandle) -> No
     assert after["tokenmill:num_requests_waiting"] == 0
 
 
+def test_startup_phases_are_logged_and_exported(server: ServerHandle) -> None:
+    samples = scrape(server)
+    phases = {
+        re.search(r'phase="(\w+)"', key)[1]: seconds
+        for key, seconds in samples.items()
+        if key.startswith("tokenmill:startup_seconds{")
+    }
+    # The CPU's phases: GEMV tuning and CUDA-graph capture are the GPU's.
+    engine = {"engine_imports", "load_weights", "kv_cache", "engine_setup"}
+    assert set(phases) == {"server_imports", "server_setup", *engine, "other"}
+    assert all(phases[p] > 0 for p in ("server_imports", "engine_imports", "load_weights"))
+    assert all(seconds >= 0 for seconds in phases.values())
+    [line] = re.findall(r"start-up ([\d.]+) s \((.*)\)", server.log)
+    assert float(line[0]) == pytest.approx(sum(phases.values()), abs=0.01)
+    logged = dict(re.findall(r"(\w+) ([\d.]+) s", line[1]))
+    assert {name: float(s) for name, s in logged.items()} == pytest.approx(phases, abs=0.006)
+
+
 def test_trace_token_ids_match_what_the_api_returned(server: ServerHandle) -> None:
     client = _client(server)
     response = client.completions.create(

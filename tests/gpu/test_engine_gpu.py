@@ -69,6 +69,43 @@ def test_one_sequence_prefill_graphs_equal_transformers(checkpoints, family: str
     assert outputs[-1].num_cached_tokens > 0
 
 
+def test_a_second_start_reads_the_tuning_cache_and_measures_nothing(
+    checkpoints, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bfloat16 start-up GEMV tuning: the first start measures every weight shape and writes
+    one file for each; the second reads them, measures nothing and chooses the same kernels."""
+    import gc
+
+    from tokenmill.kernels import gemv_tuning
+    from tokenmill.layers.linear import Linear
+
+    def start() -> LLM:
+        path = str(checkpoints["llama"])
+        return LLM(path, device="cuda", dtype="bfloat16", tuning_cache_dir=str(tmp_path))
+
+    def choices(llm: LLM) -> list[dict]:
+        modules = llm.engine.runner.model.modules()
+        return [dict(m.gemv_choices) for m in modules if isinstance(m, Linear)]
+
+    first = start()
+    shapes = {(m.weight.shape, m.input_kind) for m in first.engine.runner.model.modules()
+              if isinstance(m, Linear) and m.bias is None}  # fmt: skip
+    assert len(list(tmp_path.rglob("gemv-bfloat16-*.json"))) == len(shapes)
+    expected = choices(first)
+    del first
+    gc.collect()
+
+    def measure(*_: object) -> None:
+        raise AssertionError("a shape in the tuning cache was measured again")
+
+    monkeypatch.setattr(gemv_tuning, "fastest_gemv", measure)
+    second = start()
+    assert choices(second) == expected
+    assert {"load_weights", "kv_cache", "gemv_tuning", "cuda_graphs"} <= set(
+        second.engine.runner.startup.phases
+    )
+
+
 def test_cuda_graph_batch_sizes_match_eager(checkpoints) -> None:
     path = str(checkpoints["qwen3"])
     prompts = [[5 + i, 9, 11 + i] for i in range(37)]  # 37 decodes: padded to a graph of 48

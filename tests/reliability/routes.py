@@ -8,21 +8,29 @@ from starlette.routing import Route
 
 from tokenmill.config import EngineArgs
 from tokenmill.entrypoints.api_server import ServerState, build_app
+from tokenmill.entrypoints.engine_client import EngineClient
 from tokenmill.entrypoints.protocol import RequestLimits
 from tokenmill.entrypoints.server_options import ServerOptions
 
 
-def offline_app(options: ServerOptions | None = None) -> FastAPI:
-    """The server's app with no engine behind it: routes, middleware, schema and validation."""
+def server_state(
+    options: ServerOptions | None = None, client: EngineClient | None = None
+) -> ServerState:
+    """The state of a server of model "m" without an engine configuration or a tokenizer (and
+    without an engine client, unless given): what routes that need neither run on."""
     limits = RequestLimits(
         model_name="m", vocab_size=512, max_model_len=128, max_prompt_bytes=4096, max_n=8,
         max_stop=4, max_stop_chars=16,
     )  # fmt: skip
-    state = ServerState(
-        options=options or ServerOptions(), engine=EngineArgs(), config=None, client=None,
+    return ServerState(
+        options=options or ServerOptions(), engine=EngineArgs(), config=None, client=client,
         tokenizer=None, model_name="m", limits=limits,
     )  # type: ignore[arg-type]  # fmt: skip
-    return build_app(state)
+
+
+def offline_app(options: ServerOptions | None = None) -> FastAPI:
+    """The server's app with no engine behind it: routes, middleware, schema and validation."""
+    return build_app(server_state(options))
 
 
 def app_routes(options: ServerOptions | None = None) -> list[tuple[str, str]]:

@@ -32,6 +32,7 @@ from tokenmill.ipc.messages import (
 )
 from tokenmill.ipc.process import init_child
 from tokenmill.ipc.sockets import Addresses, encode, pull, push, request_id_of
+from tokenmill.observability.startup import StartupTimer, process_age
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +62,14 @@ class EngineCoreLoop:
     """Drains the input socket, steps the engine while it has work, and publishes each step."""
 
     def __init__(self, config: EngineConfig, addresses: Addresses) -> None:
+        startup = StartupTimer(started_ago=process_age())
+        startup.rest("engine_imports")  # the process's start: Python, torch, tokenmill
         self.engine = EngineCore(config)
         if self.engine.runner.workers is not None:
             self.engine.runner.workers.on_lost = _exit_engine
+        startup.add(self.engine.runner.startup.phases)
+        startup.rest("engine_setup")  # the scheduler, the cache manager, the host KV tier
+        self.startup_seconds = startup.phases
         self.ctx = zmq.Context()
         self.inputs = pull(self.ctx, addresses.engine, bind=True)
         self.outputs = push(self.ctx, addresses.detokenizer, bind=False)
@@ -209,6 +215,7 @@ class EngineCoreLoop:
             engine_pid=os.getpid(),
             spec_decode=_spec_counts(engine),
             host_kv_cache=_host_counts(engine),
+            startup_seconds=self.startup_seconds,
         )
 
 

@@ -4,6 +4,10 @@ The edge: every request is validated by the pydantic models of `protocol` (stric
 this model's vocabulary and context, the `--max-*` limits) before any work is queued; every error
 is a JSON body in OpenAI's shape; load is shed with 503 beyond `--max-waiting-requests`; an api
 key, when set, guards every route but /health (and /metrics).
+
+Start-up: the server listens from its first second; until the engine has loaded the model, /v1
+routes answer 503 with Retry-After and /health answers 503 "starting". When it is ready, one log
+line lists each start-up phase's seconds (`tokenmill:startup_seconds{phase}` in /metrics).
 """
 
 # No `from __future__ import annotations`: the routes take request classes built per server
@@ -18,7 +22,7 @@ import os
 import socket
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +56,7 @@ from tokenmill.entrypoints.tool_parsers import ToolParser, ToolStream
 from tokenmill.ipc import messages
 from tokenmill.ipc.sockets import Addresses
 from tokenmill.observability.metrics import ServerMetrics
+from tokenmill.observability.startup import StartupTimer, process_age
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenization.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
 
@@ -82,9 +87,11 @@ def _errors_doc(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {s: {"model": ErrorResponse, "description": _ERROR_TYPES[s]} for s in statuses}
 
 
-# Every route may answer 401 (api key); those that take a body also these.
+# Every route may answer 401 (api key); those that take a body also these; /v1 routes also 503
+# (while the server starts, and for generation when it is overloaded or a worker died).
 _BODY_ERRORS = _errors_doc(400, 404, 413)
-_GENERATION_ERRORS = _errors_doc(400, 404, 413, 503)
+_V1_ERRORS = _errors_doc(503)
+_V1_BODY_ERRORS = _errors_doc(400, 404, 413, 503)
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
@@ -108,6 +115,7 @@ class ServerState:
 
     `waiting` counts the sequences this server has submitted that have not produced their first
     token yet (tokenizing, queued or prefilling): the queue that `--max-waiting-requests` bounds.
+    `startup` times the server's start-up phases, the engine's added when it is ready.
     """
 
     options: ServerOptions
@@ -122,6 +130,12 @@ class ServerState:
     shutting_down: bool = False
     waiting: int = 0
     rejected: int = 0
+    startup: StartupTimer = field(default_factory=StartupTimer)
+
+    @property
+    def starting(self) -> bool:
+        """The engine has not loaded the model yet (nor has a worker died trying)."""
+        return not self.client.ready.is_set()
 
     @property
     def healthy(self) -> bool:
@@ -173,29 +187,21 @@ def _essential_task(
 
 
 def build_app(state: ServerState) -> FastAPI:
-    """The FastAPI application; its lifespan waits for the engine and watches the workers."""
+    """The FastAPI application; its lifespan reads the engine's outputs, starts and watches the
+    workers and waits for the engine to be ready, without holding up the server."""
     models: RequestModels = request_models(state.limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         reader = _essential_task(state, state.client.run_output_loop(), "output reader")
         assert state.supervisor is not None
-        watcher = _essential_task(state, state.supervisor.watch(), "worker watcher")
-        await _wait_ready(state)
-        logger.info(
-            "tokenmill %s ready: serving %r on %s://%s:%d%s",
-            tokenmill.__version__,
-            state.model_name,
-            "https" if state.options.ssl_certfile else "http",
-            state.options.host,
-            state.options.port,
-            state.options.root_path,
-        )
+        watcher = _essential_task(state, state.supervisor.run(), "worker watcher")
+        starter = asyncio.create_task(_await_engine(state), name="start-up")
         try:
             yield
         finally:
-            reader.cancel()
-            watcher.cancel()
+            for task in (reader, watcher, starter):
+                task.cancel()
 
     app = FastAPI(
         title="tokenmill",
@@ -209,17 +215,19 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        """Liveness and readiness: 200 when serving, 503 while starting, stopping or broken."""
+        """Liveness and readiness: 200 when serving; 503 while starting, stopping or broken,
+        its body `{"status": "starting" | "stopping" | "unavailable"}`."""
         if state.healthy and not state.shutting_down:
             return Response(status_code=200)
-        return Response(status_code=503)
+        status = "stopping" if state.shutting_down else "starting" if state.starting else None
+        return JSONResponse({"status": status or "unavailable"}, status_code=503)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
         """The tokenmill version."""
         return {"version": tokenmill.__version__}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_V1_ERRORS)
     async def list_models() -> dict[str, Any]:
         """The served model (OpenAI `GET /v1/models`)."""
         card = {
@@ -309,12 +317,12 @@ def build_app(state: ServerState) -> FastAPI:
         text = await asyncio.to_thread(state.tokenizer.decode, body.tokens)
         return JSONResponse({"prompt": text})
 
-    @app.post("/v1/completions", responses=_GENERATION_ERRORS)
+    @app.post("/v1/completions", responses=_V1_BODY_ERRORS)
     async def completions(body: models.completion, raw: Request) -> Response:  # type: ignore[valid-type]
         """OpenAI completions, streamed or not."""
         return await _serve_generation(state, raw, body, chat=False)
 
-    @app.post("/v1/chat/completions", responses=_GENERATION_ERRORS)
+    @app.post("/v1/chat/completions", responses=_V1_BODY_ERRORS)
     async def chat_completions(body: models.chat, raw: Request) -> Response:  # type: ignore[valid-type]
         """OpenAI chat completions, streamed or not."""
         return await _serve_generation(state, raw, body, chat=True)
@@ -326,7 +334,7 @@ def build_app(state: ServerState) -> FastAPI:
 def _add_feedback_routes(app: FastAPI, state: ServerState) -> None:
     """User feedback on finished requests, and their traces (`observability/feedback.py`)."""
 
-    @app.post("/v1/feedback", responses=_BODY_ERRORS)
+    @app.post("/v1/feedback", responses=_V1_BODY_ERRORS)
     async def feedback(body: FeedbackRequest) -> Response:
         """Rate a finished request's response: `request_id` is the response's `id`; `rating`
         -1 (bad), 0 (neutral) or 1 (good); stored with the request's trace."""
@@ -336,7 +344,7 @@ def _add_feedback_routes(app: FastAPI, state: ServerState) -> None:
         record = log.add(body.request_id, body.rating, body.comment)
         return JSONResponse({"object": "feedback", **record.to_json()})
 
-    @app.get("/v1/feedback")
+    @app.get("/v1/feedback", responses=_V1_ERRORS)
     async def list_feedback(
         max_rating: int | None = Query(None, ge=-1, le=1), limit: int = Query(50, ge=1, le=1000)
     ) -> dict[str, Any]:
@@ -344,7 +352,7 @@ def _add_feedback_routes(app: FastAPI, state: ServerState) -> None:
         recent = state.client.metrics.feedback.recent(max_rating, limit)
         return {"object": "list", "data": [f.to_json() for f in recent]}
 
-    @app.get("/v1/traces/{request_id}", responses=_errors_doc(404))
+    @app.get("/v1/traces/{request_id}", responses=_errors_doc(404, 503))
     async def trace(request_id: str) -> Response:
         """A recent request's trace lines (token ids, timings; one per choice) and its feedback,
         read back from --trace-file."""
@@ -379,8 +387,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _add_middleware(app: FastAPI, state: ServerState) -> None:
-    """Innermost first: internal errors as 500s, the body limit, the api key, then CORS
-    (outermost, so that browsers' preflight requests need no key)."""
+    """Innermost first: 503 on /v1 while starting, internal errors as 500s, the body limit, the
+    api key, then CORS (outermost, so that browsers' preflight requests need no key)."""
+    app.add_middleware(_Starting, state=state)
     app.add_middleware(_InternalErrors)
     app.add_middleware(_BodyLimit, max_bytes=state.options.max_request_body_bytes)
     key = state.options.resolved_api_key
@@ -394,6 +403,25 @@ def _add_middleware(app: FastAPI, state: ServerState) -> None:
             allow_methods=["*"],
             allow_headers=["*"],
         )
+
+
+class _Starting:
+    """Until the engine has loaded the model, every /v1 route answers 503 in OpenAI's shape with
+    Retry-After (the server listens meanwhile: clients see it starting, not refusing)."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        v1 = scope["type"] == "http" and _route_path(scope).startswith("/v1/")
+        if v1 and self.state.starting:
+            retry = str(self.state.options.retry_after_s)
+            message = f"the server is starting: the model is loading; retry after {retry} s"
+            response = error_response(503, message, headers={"Retry-After": retry})
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 class _InternalErrors:
@@ -744,14 +772,35 @@ def _sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def _wait_ready(state: ServerState) -> None:
-    """Block start-up until the engine has loaded the model (or a child died trying)."""
+async def _await_engine(state: ServerState) -> None:
+    """Wait until the engine has loaded the model, then log the ready line and the start-up's
+    phases (the server's and the engine core's) and count them in /metrics.
+
+    A worker that dies meanwhile ends the server (`Supervisor.check`); so does an engine not
+    ready after `STARTUP_TIMEOUT_S`.
+    """
+    assert state.supervisor is not None
     try:
         await asyncio.wait_for(state.client.ready.wait(), STARTUP_TIMEOUT_S)
-    except TimeoutError as exc:
-        raise RuntimeError(f"engine not ready after {STARTUP_TIMEOUT_S:.0f} s") from exc
+    except TimeoutError:
+        state.supervisor.fail(f"the engine was not ready after {STARTUP_TIMEOUT_S:.0f} s")
+        return
     if state.client.failure is not None:
-        raise RuntimeError(state.client.failure)
+        return  # a worker died: the supervisor has said so and is ending the server
+    stats = state.client.stats
+    state.startup.add(stats.startup_seconds if stats is not None else {})
+    state.startup.rest("other")  # spawning the workers, messages: what no phase covers
+    state.client.metrics.on_ready(state.startup.phases)
+    logger.info(
+        "tokenmill %s ready: serving %r on %s://%s:%d%s",
+        tokenmill.__version__,
+        state.model_name,
+        "https" if state.options.ssl_certfile else "http",
+        state.options.host,
+        state.options.port,
+        state.options.root_path,
+    )
+    logger.info("%s", state.startup.summary())
 
 
 class _Server(uvicorn.Server):
@@ -781,14 +830,18 @@ class _Server(uvicorn.Server):
 def serve(engine: EngineArgs, options: ServerOptions, log_level: str = "INFO") -> int:
     """Start the worker processes and serve HTTP until SIGTERM/SIGINT; returns an exit code.
 
-    The port is bound first, so that a port in use fails in a second, not after the model loads.
+    The port is bound first, so that a port in use fails in a second, not after the model loads;
+    the server answers from before the model loads (503 until it is ready).
     """
+    startup = StartupTimer(started_ago=process_age())
+    startup.rest("server_imports")  # Python, torch, transformers, FastAPI
     listener = bind_socket(options.host, options.port)
     try:
-        config = engine.create_engine_config()
-        tokenizer_path = engine.tokenizer or engine.model
-        chat_template = read_chat_template(options.chat_template)
-        tokenizer = load_tokenizer(tokenizer_path, chat_template)
+        with startup.phase("server_setup"):
+            config = engine.create_engine_config()
+            tokenizer_path = engine.tokenizer or engine.model
+            chat_template = read_chat_template(options.chat_template)
+            tokenizer = load_tokenizer(tokenizer_path, chat_template)
     except BaseException:
         listener.close()
         raise
@@ -807,11 +860,11 @@ def serve(engine: EngineArgs, options: ServerOptions, log_level: str = "INFO") -
             model_name=model_name,
             limits=request_limits(model_name, options, config, tokenizer),
             log_level=log_level,
+            startup=startup,
         )
         server = _Server(_uvicorn_config(build_app(state), options), state)
         workers = server_workers(config, addresses, tokenizer_path, log_level, chat_template)
         state.supervisor = Supervisor(workers, state.client, options.restart_engine, server.fail)
-        state.supervisor.start()
         try:
             server.run(sockets=[listener])
         finally:

@@ -60,7 +60,9 @@ class ServerOptions:
         "Shed load: when this many sequences wait for their first token, new requests get 503 "
         "with Retry-After (default: no limit).",
     )
-    retry_after_s: int = option(1, "Retry-After (seconds) sent with a 503 when load is shed.")
+    retry_after_s: int = option(
+        1, "Retry-After (seconds) sent with a 503 when load is shed or the model is still loading."
+    )
     trace_file: str | None = option(
         None, "Append one JSON line per finished request (token ids, timestamps, params) here."
     )

@@ -8,7 +8,7 @@
   orchestrator restarts it; with `restart_engine` it is restarted in place instead, every request
   in flight gets an error and new ones get 503 until the model is loaded again.
 - A worker that dies before the engine is ready (or an engine that dies while reloading) is a
-  start-up failure: the server exits.
+  start-up failure: the server exits (it listens meanwhile, answering 503 on /v1 routes).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import logging
 import multiprocessing
 import os
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
@@ -90,7 +91,7 @@ def server_workers(
 
 
 class Supervisor:
-    """Starts the workers, watches them (`watch`, a task of the api server) and stops them.
+    """Starts the workers and watches them (`run`, a task of the api server), and stops them.
 
     `on_fatal(message)` is called once when the server must end (exit code 1).
     """
@@ -109,6 +110,8 @@ class Supervisor:
         self.procs: dict[str, BaseProcess] = {}
         self.restarts = 0
         self.failed = False
+        # `start` runs in a thread of its own (`run`): `stop` waits for it to finish.
+        self._starting = threading.Lock()
         # Tokenizer and detokenizer workers fork from a server process that imported their
         # modules once, so a restart takes a fraction of a second, not the seconds of importing
         # transformers again; the model-specific modules this process loaded with the tokenizer
@@ -120,10 +123,24 @@ class Supervisor:
         modules |= {name for name in sys.modules if name.startswith("transformers.models.")}
         self._forked.set_forkserver_preload(sorted(modules))
 
+    async def run(self) -> None:
+        """Start every worker, then watch them forever. The workers start in a thread: the
+        fork server's first start imports the tokenizers' modules, seconds during which the
+        api server answers requests (503 until the engine is ready)."""
+        try:
+            await asyncio.to_thread(self.start)
+        except Exception as exc:  # e.g. the system refuses a new process
+            self.fail(f"cannot start the server's processes: {exc!r}")
+            return
+        await self.watch()
+
     def start(self) -> None:
-        """Start every worker."""
-        for spec in self.specs:
-            self._spawn(spec)
+        """Start every worker, the engine core first (it takes the longest to be ready)."""
+        with self._starting:
+            for spec in self.specs:
+                if self.failed:  # stopping already: start no more
+                    return
+                self._spawn(spec)
 
     def _spawn(self, spec: WorkerSpec) -> BaseProcess:
         ctx = self._spawned if spec.kind is WorkerKind.ENGINE else self._forked
@@ -148,7 +165,7 @@ class Supervisor:
             proc.join()  # reap it
             what = f"{spec.name} (pid {proc.pid}) died with exit code {proc.exitcode}"
             if not self.client.ready.is_set():
-                self._fail(f"server process died before the server was ready: {what}")
+                self.fail(f"server process died before the server was ready: {what}")
             elif spec.kind is WorkerKind.ENGINE:
                 self._engine_died(spec, what)
             else:
@@ -156,11 +173,11 @@ class Supervisor:
 
     def _engine_died(self, spec: WorkerSpec, what: str) -> None:
         if self.client.awaiting_engine:
-            self._fail(f"server process died while restarting: {what}")
+            self.fail(f"server process died while restarting: {what}")
             return
         if not self.restart_engine:
             logger.error("%s; exiting (--restart-engine restarts it in place instead)", what)
-            self._fail(f"server process died: {what}")
+            self.fail(f"server process died: {what}")
             return
         num_failed = self.client.num_in_flight
         proc = self._spawn(spec)
@@ -178,7 +195,8 @@ class Supervisor:
         self.restarts += 1
         logger.error("%s; restarted it, failing %d requests it held", what, num_failed)
 
-    def _fail(self, message: str) -> None:
+    def fail(self, message: str) -> None:
+        """End the server (exit code 1): log why, fail every request, refuse new ones."""
         self.failed = True
         logger.error(message)
         self.client.fail_all(message)
@@ -186,17 +204,19 @@ class Supervisor:
         self.on_fatal(message)
 
     def stop(self) -> None:
-        """Let the engine core abort its requests and exit, then stop the other workers."""
+        """Let the engine core abort its requests and exit, then stop the other workers (once
+        `start`, if it is running, has returned)."""
         self.failed = True  # deaths from here on are expected
-        self.client.shutdown_engine()
-        engine = self.procs.get("engine-core")
-        if engine is not None:
-            engine.join(timeout=STOP_TIMEOUT_S)
-        for proc in self.procs.values():
-            if proc.is_alive():
-                proc.terminate()
-        for proc in self.procs.values():
-            proc.join(timeout=STOP_TIMEOUT_S)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        with self._starting:
+            self.client.shutdown_engine()
+            engine = self.procs.get("engine-core")
+            if engine is not None:
+                engine.join(timeout=STOP_TIMEOUT_S)
+            for proc in self.procs.values():
+                if proc.is_alive():
+                    proc.terminate()
+            for proc in self.procs.values():
+                proc.join(timeout=STOP_TIMEOUT_S)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()

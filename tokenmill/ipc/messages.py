@@ -105,6 +105,8 @@ class EngineStats(msgspec.Struct):
     spec_decode: SpecDecodeCounts | None = None
     # The host KV tier (None when off).
     host_kv_cache: HostKVCacheCounts | None = None
+    # Seconds of each phase of the engine core's start-up, in order (they add up to it).
+    startup_seconds: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class HostKVCacheCounts(msgspec.Struct):

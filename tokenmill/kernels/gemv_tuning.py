@@ -5,21 +5,26 @@ The choice is made per shape over every weight of that shape, timed in a CUDA gr
 streamed from memory, as in a decode step). A kernel may absorb its layer's input transform:
 SwiGLU (`"gated"`) or residual-add + RMSNorm (`"normed"`); the tuning also times the GEMV behind
 the transform's own kernel, and keeps whichever of the three is fastest. The layers
-(`layers/linear.py`) hold the result and call the kernel.
+(`layers/linear.py`) hold the result and call the kernel. With a `TuningCache` each shape's
+choices are stored on disk, and a later start in the same environment reads them instead of
+measuring.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch.nn import functional as F
 
 from tokenmill.kernels import GemvConfig, InputNorm, fused_silu_and_mul, gemv, norm_gemv, rms_norm
 from tokenmill.observability.cuda_timing import median_graph_seconds
+from tokenmill.tuning_cache import TuningCache
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +49,8 @@ GEMV_CANDIDATES = (
 )
 # A candidate must beat cuBLAS by this factor to be chosen (timing noise is a few percent).
 MARGIN = 0.97
+# Part of a cached choice's key: choices made among other candidates, buckets or margin are stale.
+_SETTINGS = hashlib.sha256(repr((GEMV_CANDIDATES, GEMV_BUCKETS, MARGIN)).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -64,24 +71,92 @@ def gemv_bucket(m: int) -> int | None:
 _EPS = 1e-6
 
 
+@dataclass(frozen=True)
+class GemvTiming:
+    """A shape's choice for one row bucket (None: cuBLAS), with its time and cuBLAS's, in
+    microseconds per layer."""
+
+    choice: GemvChoice | None
+    us: float
+    cublas_us: float
+
+
+# `fastest_gemv`'s signature: (weights of one shape, rows, input kind) -> (choice, s, cuBLAS s).
+Measure = Callable[[list[torch.Tensor], int, InputKind], tuple[GemvChoice | None, float, float]]
+
+
 def choose_gemv_configs(
     weights: Mapping[tuple[int, int, InputKind], Sequence[torch.Tensor]],
+    cache: TuningCache | None = None,
+    measure: Measure | None = None,
 ) -> dict[tuple[int, int, InputKind], dict[int, GemvChoice]]:
     """For each group of same-shape weights (`(n, k, input kind)` -> weights), the GEMV choice
     per row bucket where one matches cuBLAS's result and beats its time (buckets left out run
-    cuBLAS)."""
+    cuBLAS). A shape `cache` holds is read, the others are measured (`measure`, by default
+    `fastest_gemv`) and stored."""
     chosen: dict[tuple[int, int, InputKind], dict[int, GemvChoice]] = {}
     for (n, k, kind), group in weights.items():
-        for bucket in GEMV_BUCKETS:
-            best, seconds, cublas = fastest_gemv(list(group), bucket, kind)
+        timings, cached = _shape_timings(n, k, kind, list(group), cache, measure or fastest_gemv)
+        for bucket, t in timings.items():
             logger.info(
-                "GEMM %dx%d (%s input), M<=%d: %s, %.1f us per layer (cuBLAS %.1f us)",
-                n, k, kind, bucket, best or "cuBLAS", 1e6 * seconds / len(group),
-                1e6 * cublas / len(group),
+                "GEMM %dx%d (%s input), M<=%d: %s, %.1f us per layer (cuBLAS %.1f us)%s",
+                n, k, kind, bucket, t.choice or "cuBLAS", t.us, t.cublas_us,
+                " [tuning cache]" if cached else "",
             )  # fmt: skip
-            if best is not None:
-                chosen.setdefault((n, k, kind), {})[bucket] = best
+            if t.choice is not None:
+                chosen.setdefault((n, k, kind), {})[bucket] = t.choice
     return chosen
+
+
+def _shape_timings(
+    n: int,
+    k: int,
+    kind: InputKind,
+    group: list[torch.Tensor],
+    cache: TuningCache | None,
+    measure: Measure,
+) -> tuple[dict[int, GemvTiming], bool]:
+    """Every bucket's timing of one shape, and whether it came from the cache."""
+    dtype = str(group[0].dtype).removeprefix("torch.")
+    name = f"gemv-{dtype}-{n}x{k}-{kind}"
+    key = {"kernel": "gemv", "dtype": dtype, "n": n, "k": k, "input_kind": kind,
+           "settings": _SETTINGS}  # fmt: skip
+    if cache is not None and (found := cache.load(name, key, _decode_timings)) is not None:
+        return found, True
+    timings = {}
+    for bucket in GEMV_BUCKETS:
+        choice, seconds, cublas = measure(group, bucket, kind)
+        timings[bucket] = GemvTiming(choice, 1e6 * seconds / len(group), 1e6 * cublas / len(group))
+    if cache is not None:
+        cache.store(name, key, _encode_timings(timings))
+    return timings, False
+
+
+def _encode_timings(timings: dict[int, GemvTiming]) -> dict[str, Any]:
+    return {
+        str(bucket): {
+            "choice": None if t.choice is None else dataclasses.asdict(t.choice),
+            "us": t.us,
+            "cublas_us": t.cublas_us,
+        }
+        for bucket, t in timings.items()
+    }
+
+
+def _decode_timings(value: Any) -> dict[int, GemvTiming]:
+    """`_encode_timings`' output back; KeyError, TypeError or ValueError if it is not that (a
+    bucket missing, a config that is not a candidate)."""
+    timings = {}
+    for bucket in GEMV_BUCKETS:
+        row = value[str(bucket)]
+        choice = None
+        if row["choice"] is not None:
+            config = GemvConfig(**row["choice"]["config"])
+            if config not in GEMV_CANDIDATES:
+                raise ValueError(f"{config} is not a candidate")
+            choice = GemvChoice(config, bool(row["choice"]["fused"]))
+        timings[bucket] = GemvTiming(choice, float(row["us"]), float(row["cublas_us"]))
+    return timings
 
 
 def fastest_gemv(

@@ -27,6 +27,7 @@ from tokenmill.kernels.gemv_tuning import (
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.sharding import TensorSource, copy_shard, set_tp_dim
+from tokenmill.tuning_cache import TuningCache
 
 logger = logging.getLogger(__name__)
 
@@ -97,10 +98,10 @@ class Linear(nn.Module):
         return gemv(h, self.weight, choice.config)
 
 
-def choose_gemv_kernels(model: nn.Module) -> int:
+def choose_gemv_kernels(model: nn.Module, cache: TuningCache | None = None) -> int:
     """Give every half-precision CUDA `Linear` of `model` the GEMV kernels the start-up tuning
-    (`kernels.gemv_tuning`) chose for its weight shape and input kind. Returns how many
-    (layer, bucket) pairs took a GEMV kernel."""
+    (`kernels.gemv_tuning`, reading and filling `cache`) chose for its weight shape and input
+    kind. Returns how many (layer, bucket) pairs took a GEMV kernel."""
     groups: dict[tuple[int, int, InputKind], list[Linear]] = defaultdict(list)
     for module in model.modules():
         if isinstance(module, Linear) and module.bias is None and _half_on_cuda(module.weight):
@@ -108,7 +109,7 @@ def choose_gemv_kernels(model: nn.Module) -> int:
             groups[(n, k, module.input_kind)].append(module)
     weights = {key: [layer.weight for layer in layers] for key, layers in groups.items()}
     chosen = 0
-    for key, choices in choose_gemv_configs(weights).items():
+    for key, choices in choose_gemv_configs(weights, cache).items():
         for layer in groups[key]:
             layer.gemv_choices.update(choices)
         chosen += len(groups[key]) * len(choices)

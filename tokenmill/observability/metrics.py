@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import IO, Any
 
 import msgspec
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -204,6 +204,11 @@ class ServerMetrics:
             PREFIX + "request_rejected", "Requests refused with 503 because the server was "
             "overloaded (--max-waiting-requests).", ["model_name"], registry=self.registry,
         ).labels(model_name)  # fmt: skip
+        self.startup_seconds = Gauge(
+            PREFIX + "startup_seconds", "Seconds of each phase of the server's start-up, set "
+            "when it is ready (the phases add up to the time from launch to ready).",
+            ["model_name", "phase"], registry=self.registry,
+        )  # fmt: skip
         self.log_requests = log_requests
         self._trace: IO[str] | None = None
         if trace_file:  # one line per finished request, flushed per line; closed by close()
@@ -211,6 +216,11 @@ class ServerMetrics:
         self.feedback = FeedbackLog(
             model_name, self.registry, max_recent_requests, trace_file, self.write_trace
         )
+
+    def on_ready(self, startup_seconds: Mapping[str, float]) -> None:
+        """Record the start-up's phases (`observability.startup`)."""
+        for phase, seconds in startup_seconds.items():
+            self.startup_seconds.labels(self.model_name, phase).set(seconds)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -18,6 +19,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.distributed.group import TPGroup
 from tokenmill.layers.linear import choose_gemv_kernels
 from tokenmill.models.loader import load_model
+from tokenmill.observability.startup import StartupTimer
 from tokenmill.runner.sampler import (
     GrammarMask,
     SampledTokens,
@@ -28,6 +30,7 @@ from tokenmill.runner.sampler import (
 from tokenmill.runner.spec_decode import SpecDecoder, device_draft_entries
 from tokenmill.runner.staging import HostStaging
 from tokenmill.runner.tp_workers import TPWorkers, rank_device, share_cpu_threads
+from tokenmill.tuning_cache import open_tuning_cache
 
 if TYPE_CHECKING:
     from tokenmill.runner.cuda_graphs import CudaGraphRunner
@@ -126,25 +129,33 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TPGroup | None = None) -> None:
         self.config = config
         size = config.parallel.tensor_parallel_size
+        self.device = rank_device(config, tp.rank if tp is not None else 0)
+        # Seconds of each start-up phase, device work included (the engine core reports them).
+        sync = partial(torch.cuda.synchronize, self.device) if self.device.type == "cuda" else None
+        self.startup = StartupTimer(sync)
         self.workers: TPWorkers | None = None
         if tp is None and size > 1:
-            level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
-            self.workers = TPWorkers(config, level)
-            self.workers.connect()
-            tp = TPGroup.join(0, size, self.workers.store, rank_device(config, 0))
+            with self.startup.phase("tensor_parallel_workers"):
+                level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+                self.workers = TPWorkers(config, level)
+                self.workers.connect()
+                tp = TPGroup.join(0, size, self.workers.store, self.device)
         self.tp = tp or TPGroup.single()
-        self.device = rank_device(config, self.tp.rank)
         if self.device.type == "cpu" and self.tp.size > 1:
             logger.info("rank %d computes on %d threads", self.tp.rank, share_cpu_threads(size))
-        self.model = load_model(config.model, self.device, config.load_format, config.seed, self.tp)
+        with self.startup.phase("load_weights"):
+            self.model = load_model(
+                config.model, self.device, config.load_format, config.seed, self.tp
+            )
         # This rank's share of the model: its heads size the KV cache and the attention.
         self.model_config = config.model.shard(self.tp.size)
         self.page_size = config.cache.page_size
-        self.num_pages = self.tp.min(self._num_pages(), self.device)
-        self.num_host_pages = self._num_host_pages()
-        self.kv_cache = KVCache.allocate(
-            self.model_config, self.num_pages, self.page_size, self.device
-        )
+        with self.startup.phase("kv_cache"):
+            self.num_pages = self.tp.min(self._num_pages(), self.device)
+            self.num_host_pages = self._num_host_pages()
+            self.kv_cache = KVCache.allocate(
+                self.model_config, self.num_pages, self.page_size, self.device
+            )
         max_seqs = config.scheduler.max_num_seqs
         self.attention = create_backend(
             config.runner.attention_backend, self.model_config, self.kv_cache, max_seqs
@@ -154,7 +165,10 @@ class ModelRunner:
         self.staging = HostStaging(self.device)
         self.spec: SpecDecoder | None = None
         if config.speculative is not None:
-            self.spec = SpecDecoder(config, self.sampler, self.num_pages, self.device, self.staging)
+            with self.startup.phase("speculative"):
+                self.spec = SpecDecoder(
+                    config, self.sampler, self.num_pages, self.device, self.staging
+                )
         self.num_forward_tokens = 0
         # The last launched step's sampled tokens, on the device: a plan's `input_src` points
         # into them. With CUDA graphs the sampler writes them into one static buffer the graphs
@@ -177,7 +191,9 @@ class ModelRunner:
                     f"attention_backend {config.runner.attention_backend!r} cannot run in CUDA "
                     "graphs; use enforce_eager=True"
                 )
-            chosen = choose_gemv_kernels(self.model)
+            with self.startup.phase("gemv_tuning"):
+                cache = open_tuning_cache(config.runner.tuning_cache_dir, self.device)
+                chosen = choose_gemv_kernels(self.model, cache)
             logger.info("GEMV kernel chosen over cuBLAS for %d (layer, row bucket) pairs", chosen)
             max_pages = -(-config.max_model_len // self.page_size)
             max_bs = min(config.runner.cuda_graph_max_bs, max_seqs)
@@ -196,9 +212,10 @@ class ModelRunner:
                 self.model, self.attention, max_bs, max_pages, self.device, self._tokens,
                 max_prefill, 1 + k, config.scheduler.max_num_batched_tokens, drafts,
             )  # fmt: skip
-            self.graphs.capture()
-            if self.spec is not None:
-                self.spec.capture_graphs(self.graphs)
+            with self.startup.phase("cuda_graphs"):
+                self.graphs.capture()
+                if self.spec is not None:
+                    self.spec.capture_graphs(self.graphs)
 
     def kv_tensors(self) -> list[torch.Tensor]:
         """Every KV tensor indexed by the page ids: the target's K and V per layer, then the

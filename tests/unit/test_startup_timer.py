@@ -1,0 +1,70 @@
+"""Start-up phases: each phase's seconds in the order they ran, adding up to the start-up."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tokenmill.observability.startup import StartupTimer, process_age
+
+
+def test_phases_are_timed_in_order_and_a_repeated_phase_adds_up() -> None:
+    timer = StartupTimer()
+    with timer.phase("load_weights"):
+        time.sleep(0.02)
+    with timer.phase("kv_cache"):
+        pass
+    with timer.phase("load_weights"):
+        time.sleep(0.02)
+    assert list(timer.phases) == ["load_weights", "kv_cache"]
+    assert timer.phases["load_weights"] >= 0.04
+    assert timer.phases["kv_cache"] < timer.phases["load_weights"]
+
+
+def test_a_failing_phase_is_still_timed_and_the_error_goes_on() -> None:
+    timer = StartupTimer()
+    with pytest.raises(ValueError, match="no room"), timer.phase("kv_cache"):
+        raise ValueError("no room")
+    assert "kv_cache" in timer.phases
+
+
+def test_sync_runs_at_the_end_of_every_phase_inside_its_time() -> None:
+    synced: list[str] = []
+    timer = StartupTimer(sync=lambda: (synced.append("sync"), time.sleep(0.02)))
+    with timer.phase("cuda_graphs"):
+        synced.append("work")
+    assert synced == ["work", "sync"]
+    assert timer.phases["cuda_graphs"] >= 0.02  # the device's queued work counts in its phase
+
+
+def test_phases_from_elsewhere_and_the_rest_add_up_to_the_elapsed_time() -> None:
+    timer = StartupTimer(started_ago=0.5)  # e.g. the process's imports before the timer
+    timer.rest("imports")
+    assert 0.5 <= timer.phases["imports"] < 1.0
+    with timer.phase("setup"):
+        time.sleep(0.01)
+    time.sleep(0.35)  # meanwhile another process ran its phases:
+    timer.add({"load_weights": 0.2, "cuda_graphs": 0.1})
+    timer.rest("other")
+    timer.rest("other")  # a second call recomputes it, never counts it twice
+    assert list(timer.phases) == ["imports", "setup", "load_weights", "cuda_graphs", "other"]
+    assert sum(timer.phases.values()) == pytest.approx(timer.elapsed, abs=0.005)
+    assert timer.phases["other"] >= 0.04  # the 0.35 s wait less the 0.3 s of phases
+    summary = timer.summary()
+    assert summary.startswith(f"start-up {sum(timer.phases.values()):.2f} s (imports 0.5")
+    assert "load_weights 0.20 s, cuda_graphs 0.10 s, other " in summary
+
+
+def test_the_rest_is_never_negative() -> None:
+    timer = StartupTimer()
+    timer.add({"load_weights": 10.0})  # phases that ran alongside this timer's own time
+    timer.rest("other")
+    assert timer.phases["other"] == 0.0
+
+
+def test_the_process_age_is_the_time_since_this_process_started() -> None:
+    age = process_age()
+    assert 0 < age < time.time() - 1e9  # started, and after 2001
+    time.sleep(0.05)
+    assert process_age() >= age

@@ -1,0 +1,242 @@
+"""The start-up tuning cache: a second start reads what the first one measured and measures
+nothing; a corrupt, unreadable or stale file is ignored with a warning, measured again and
+replaced; a folder that cannot be written costs only the measuring."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+import tokenmill
+from tokenmill.config import EngineArgs
+from tokenmill.kernels.gemv_tuning import (
+    GEMV_BUCKETS,
+    GEMV_CANDIDATES,
+    GemvChoice,
+    InputKind,
+    choose_gemv_configs,
+)
+from tokenmill.tuning_cache import (
+    TuningCache,
+    default_tuning_cache_dir,
+    device_environment,
+    open_tuning_cache,
+)
+
+ENV = {
+    "device": "NVIDIA H200",
+    "driver": "550.54.15",
+    "cuda": "12.8",
+    "torch": "2.13.0",
+    "triton": "3.6.0",
+    "tokenmill": "0.1.0",
+}
+Shape = tuple[int, int, InputKind]
+# Weight groups as the layers hand them over: (n, k, input kind) -> the weights of that shape.
+WEIGHTS: dict[Shape, list[torch.Tensor]] = {
+    (32, 16, "plain"): [torch.zeros(32, 16, dtype=torch.bfloat16)] * 3,
+    (16, 64, "gated"): [torch.zeros(16, 64, dtype=torch.bfloat16)] * 2,
+    (48, 16, "normed"): [torch.zeros(48, 16, dtype=torch.bfloat16)] * 2,
+}
+
+
+class Measurer:
+    """Plays `fastest_gemv` (which needs a GPU): for one row a candidate picked by the shape
+    beats cuBLAS, unfused for a gated input; for more rows cuBLAS stays. Records its calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Shape, int]] = []
+
+    def __call__(
+        self, weights: list[torch.Tensor], rows: int, kind: InputKind
+    ) -> tuple[GemvChoice | None, float, float]:
+        n, k = weights[0].shape
+        self.calls.append(((n, k, kind), rows))
+        return self.choice(n, kind) if rows == 1 else None, 2e-6 * len(weights), 3e-6 * len(weights)
+
+    @staticmethod
+    def choice(n: int, kind: InputKind) -> GemvChoice:
+        return GemvChoice(GEMV_CANDIDATES[n % len(GEMV_CANDIDATES)], fused=kind != "gated")
+
+
+EXPECTED = {(n, k, kind): {1: Measurer.choice(n, kind)} for n, k, kind in WEIGHTS}
+
+
+def _start(directory: Path, environment: dict[str, str] = ENV) -> Measurer:
+    """One engine start's tuning with the cache in `directory`: checks its choices and returns
+    what it measured."""
+    measurer = Measurer()
+    assert choose_gemv_configs(WEIGHTS, TuningCache(directory, environment), measurer) == EXPECTED
+    return measurer
+
+
+def _measured_shapes(measurer: Measurer) -> set[Shape]:
+    return {shape for shape, _ in measurer.calls}
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_a_second_start_reads_the_cache_and_measures_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    first = _start(tmp_path)
+    assert sorted(first.calls) == sorted((s, b) for s in WEIGHTS for b in GEMV_BUCKETS)
+    files = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
+    # One file per shape, in the GPU's folder, and no temporary file left behind.
+    assert files == [
+        "gemv-bfloat16-16x64-gated.json",
+        "gemv-bfloat16-32x16-plain.json",
+        "gemv-bfloat16-48x16-normed.json",
+    ]
+    assert {p.parent.name for p in tmp_path.rglob("*.json")} == {"NVIDIA_H200"}
+    caplog.clear()
+    assert _start(tmp_path).calls == []
+    assert _warnings(caplog) == []
+    assert caplog.text.count("[tuning cache]") == len(WEIGHTS) * len(GEMV_BUCKETS)
+
+
+def test_without_a_cache_every_start_measures(tmp_path: Path) -> None:
+    for _ in range(2):
+        measurer = Measurer()
+        assert choose_gemv_configs(WEIGHTS, None, measurer) == EXPECTED
+        assert len(measurer.calls) == len(WEIGHTS) * len(GEMV_BUCKETS)
+
+
+def _edit_value(edit: Callable[[dict], None]) -> Callable[[Path], None]:
+    def damage(path: Path) -> None:
+        record = json.loads(path.read_text())
+        edit(record["value"])
+        path.write_text(json.dumps(record))
+
+    return damage
+
+
+DAMAGE: dict[str, Callable[[Path], None]] = {
+    "not JSON": lambda p: p.write_text("{not json"),
+    "cut short": lambda p: p.write_text(p.read_text()[: len(p.read_text()) // 2]),
+    "empty": lambda p: p.write_text(""),
+    "not UTF-8": lambda p: p.write_bytes(b"\xff\xfe\x00garbage"),
+    "not a record": lambda p: p.write_text("[1, 2, 3]"),
+    "no key": lambda p: p.write_text('{"value": {}}'),
+    "a bucket missing": _edit_value(lambda v: v.pop("1")),
+    "a config that is no candidate": _edit_value(
+        lambda v: v["1"]["choice"]["config"].update(block_k=3)
+    ),
+    "a config with an unknown field": _edit_value(
+        lambda v: v["1"]["choice"]["config"].update(tiles=2)
+    ),
+    "a time that is no number": _edit_value(lambda v: v["4"].update(us="fast")),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_corrupt_file_is_ignored_with_a_warning_and_rewritten(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str
+) -> None:
+    _start(tmp_path)
+    path = next(tmp_path.rglob("gemv-bfloat16-32x16-plain.json"))
+    DAMAGE[damage](path)
+    caplog.clear()
+    again = _start(tmp_path)
+    assert _measured_shapes(again) == {(32, 16, "plain")}  # only the damaged shape
+    [warning] = _warnings(caplog)
+    assert str(path) in warning and "ignoring the tuning cache file" in warning
+    assert _start(tmp_path).calls == []  # the file was written anew
+
+
+STALE: dict[str, dict[str, str]] = {
+    "torch upgraded": {"torch": "2.14.0"},
+    "triton upgraded": {"triton": "3.7.0"},
+    "driver upgraded": {"driver": "560.35.03"},
+    "CUDA upgraded": {"cuda": "13.0"},
+    "tokenmill upgraded": {"tokenmill": "0.2.0"},
+}
+
+
+@pytest.mark.parametrize("change", list(STALE))
+def test_a_stale_file_is_ignored_with_a_warning_and_replaced(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, change: str
+) -> None:
+    _start(tmp_path)
+    upgraded = {**ENV, **STALE[change]}
+    caplog.clear()
+    assert _measured_shapes(_start(tmp_path, upgraded)) == set(WEIGHTS)
+    warnings = _warnings(caplog)
+    assert len(warnings) == len(WEIGHTS)
+    [(field, now)] = STALE[change].items()
+    assert all(f"{field} {ENV[field]!r} (now {now!r})" in w for w in warnings)
+    assert _start(tmp_path, upgraded).calls == []  # replaced: read back under the new key
+    assert _measured_shapes(_start(tmp_path)) == set(WEIGHTS)  # and the old key is stale now
+
+
+def test_a_file_measured_on_another_gpu_is_stale(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _start(tmp_path)
+    other = {**ENV, "device": "NVIDIA A100"}
+    shutil.copytree(tmp_path / "NVIDIA_H200", tmp_path / "NVIDIA_A100")  # a copied cache
+    caplog.clear()
+    assert _measured_shapes(_start(tmp_path, other)) == set(WEIGHTS)
+    assert all("device 'NVIDIA H200' (now 'NVIDIA A100')" in w for w in _warnings(caplog))
+    assert _start(tmp_path).calls == []  # the first GPU's files are untouched
+
+
+def test_a_folder_that_cannot_be_written_costs_only_the_measuring(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    caplog.clear()
+    for _ in range(2):  # no start fails; each one measures
+        assert len(_start(blocked).calls) == len(WEIGHTS) * len(GEMV_BUCKETS)
+    assert all("cannot write the tuning cache file" in w for w in _warnings(caplog))
+
+
+def test_a_folder_in_place_of_a_file_is_unreadable_and_unwritable_but_harmless(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _start(tmp_path)
+    path = next(tmp_path.rglob("gemv-bfloat16-32x16-plain.json"))
+    path.unlink()
+    path.mkdir()
+    caplog.clear()
+    assert _measured_shapes(_start(tmp_path)) == {(32, 16, "plain")}
+    read, write = _warnings(caplog)
+    assert "cannot be read" in read and "cannot write" in write
+
+
+def test_the_environment_names_the_versions_a_measurement_depends_on() -> None:
+    environment = device_environment(torch.device("cpu"))
+    assert environment["torch"] == torch.__version__
+    assert environment["tokenmill"] == tokenmill.__version__
+    assert environment["triton"]  # a version, or "none" where triton is not installed
+    assert environment["device"] == "cpu"
+
+
+def test_the_cache_folder_defaults_to_the_user_cache_and_empty_turns_it_off(
+    llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_tuning_cache_dir() == str(tmp_path / "xdg" / "tokenmill" / "tuning")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    home_default = str(tmp_path / "home" / ".cache" / "tokenmill" / "tuning")
+    assert default_tuning_cache_dir() == home_default
+
+    def runner_dir(**args: str) -> str:
+        config = EngineArgs(model=str(llama_dir), device="cpu", **args).create_engine_config()
+        return config.runner.tuning_cache_dir
+
+    assert runner_dir() == home_default
+    assert runner_dir(tuning_cache_dir=str(tmp_path / "mine")) == str(tmp_path / "mine")
+    assert runner_dir(tuning_cache_dir="") == ""
+    assert open_tuning_cache("", torch.device("cpu")) is None
