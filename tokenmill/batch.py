@@ -115,11 +115,7 @@ class Request:
 
     def max_drafts(self, k: int) -> int:
         """Drafts worth verifying after the newest token: at most `k`, and no more than the
-        request may still emit minus the target's own token (max_tokens, context window).
-        No drafts for structured outputs: the grammar would have to check (and roll back over) each
-        draft, so a constrained request decodes one token a step."""
-        if self.params.structured_outputs is not None:
-            return 0
+        request may still emit minus the target's own token (max_tokens, context window)."""
         left = self.max_model_len - self.num_tokens - 1
         if self.params.max_tokens is not None:
             left = min(left, self.params.max_tokens - len(self.output_token_ids) - 1)

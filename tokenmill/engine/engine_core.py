@@ -119,15 +119,18 @@ class InFlight:
         return InFlight(batch, plan, launched, unread)
 
 
-def _grammars(batch: SchedulerOutput) -> list[RequestGrammar | None]:
-    """The grammar of each sampled position of the batch (None: unconstrained)."""
+def _grammars(batch: SchedulerOutput) -> tuple[list[RequestGrammar | None], list[tuple[int, ...]]]:
+    """The grammar of each sampled position of the batch (None: unconstrained), and the drafts
+    it comes after (a verify row's position j follows its first j drafts)."""
     grammars: list[RequestGrammar | None] = []
+    ahead: list[tuple[int, ...]] = []
     for s in batch.seqs:
         grammar = s.request.grammar
-        # A speculative row's later positions need the grammar advanced over its drafts.
-        assert grammar is None or s.num_samples <= 1, "grammar rows sample one token a step"
+        # Drafts made on the device are not on the host to check: constrained rows have none.
+        assert grammar is None or not s.num_device_drafts, "device drafts under a grammar"
         grammars += [grammar] * s.num_samples
-    return grammars
+        ahead += [s.drafts[:j] for j in range(s.num_samples)]
+    return grammars, ahead
 
 
 class EngineCore:
@@ -286,7 +289,7 @@ class EngineCore:
             outputs, previous = outputs + self._finish(previous), None
         batch = self.scheduler.schedule(previous.unread if previous is not None else None)
         if batch.plan is not None:
-            grammars = _grammars(batch)
+            grammars, ahead = _grammars(batch)
             grammar_mask = None
             if any(g is not None for g in grammars):
 
@@ -297,7 +300,7 @@ class EngineCore:
                     if previous is not None:
                         outputs.extend(self._finish(previous))
                         previous = None
-                    return self._fill_masks(batch, grammars)
+                    return self._fill_masks(batch, grammars, ahead)
 
             launched = self.runner.launch(batch.plan, grammar_mask)
             self._in_flight = InFlight.of(batch, batch.plan, launched)
@@ -341,9 +344,13 @@ class EngineCore:
         return outputs
 
     def _fill_masks(
-        self, batch: SchedulerOutput, grammars: list[RequestGrammar | None]
+        self,
+        batch: SchedulerOutput,
+        grammars: list[RequestGrammar | None],
+        ahead: list[tuple[int, ...]],
     ) -> GrammarMask | None:
-        """The grammar masks of the batch's sampled positions, from each grammar's state now."""
+        """The grammar masks of the batch's sampled positions, from each grammar's state now
+        (past the drafts a position comes after)."""
         if self._bitmasks is None:
             from tokenmill.structured.matcher import BitmaskFiller
 
@@ -352,7 +359,7 @@ class EngineCore:
         assert batch.plan is not None
         suppressed = batch.plan.sampling.suppressed
         banned = {i: list(ids) for i, ids in suppressed.items() if grammars[i] is not None}
-        bitmask = self._bitmasks.fill(grammars, banned)
+        bitmask = self._bitmasks.fill(grammars, banned, ahead)
         if bitmask is None:
             return None
         return GrammarMask(bitmask, frozenset(i for i, g in enumerate(grammars) if g is not None))

@@ -135,7 +135,10 @@ class Scheduler:
             np.array([r.max_drafts(k) for r in ready]),
         )
         for row, req in enumerate(ready):
-            req.draft_token_ids = drafts.token_ids[row, : drafts.num_drafts[row]].tolist()
+            proposed = drafts.token_ids[row, : drafts.num_drafts[row]].tolist()
+            if req.grammar is not None:  # only drafts the grammar allows can be accepted
+                proposed = proposed[: req.grammar.valid_prefix(proposed)]
+            req.draft_token_ids = proposed
 
     def _max_drafts(self) -> int:
         """Drafts per verify: k, within the step's token budget."""
@@ -148,8 +151,8 @@ class Scheduler:
 
         The number of drafts depends on the request alone (never on the budget left by the
         rest of the batch), so a seeded request draws the same tokens in any batch; a row that
-        does not fit waits for the next step. Requests with penalties are not drafted for by
-        the draft model (its drafts are not on the host to count).
+        does not fit waits for the next step. Requests with penalties or a grammar are not
+        drafted for by the draft model (its drafts are not on the host to count or to check).
         """
         if self.speculative is None or num_unread or not _decoding(req, {}):
             return None
@@ -161,7 +164,8 @@ class Scheduler:
             drafts = ()
             p = req.params
             penalised = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1
-            num_device = 0 if penalised else req.max_drafts(self._max_drafts())
+            host_only = penalised or p.structured_outputs is not None
+            num_device = 0 if host_only else req.max_drafts(self._max_drafts())
         num_drafts = len(drafts) + num_device
         if not num_drafts:
             return None

@@ -25,7 +25,19 @@ class RequestGrammar:
 
     def rollback(self, num_tokens: int) -> None:
         """Forget the last `num_tokens` accepted tokens."""
-        self.matcher.rollback(num_tokens)
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
+    def valid_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many of `token_ids` (drafts) the grammar accepts in a row from here; the state
+        is left as it was."""
+        accepted = 0
+        for token in token_ids:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+                break
+            accepted += 1
+        self.rollback(accepted)
+        return accepted
 
     @property
     def is_terminated(self) -> bool:
@@ -56,24 +68,46 @@ class BitmaskFiller:
         self,
         grammars: Sequence[RequestGrammar | None],
         banned: dict[int, list[int]] | None = None,
+        ahead: Sequence[Sequence[int]] = (),
     ) -> torch.Tensor | None:
         """The bitmask of rows `grammars` (None: unconstrained), or None if none is constrained.
 
-        `banned` (row → token ids, e.g. EOS before min_tokens) clears those tokens from a
-        constrained row, unless nothing else would be left: the grammar decides then.
+        `ahead[i]` (speculative decoding): the draft tokens row i comes after, so its mask is
+        the grammar's once it has accepted them (the grammars are rolled back after); a row
+        whose drafts the grammar refuses, or that comes after the grammar's end, cannot be
+        reached and allows everything. `banned` (row → token ids, e.g. EOS before min_tokens)
+        clears those tokens from a constrained row, unless nothing else would be left: the
+        grammar decides then.
         """
-        rows = [i for i, g in enumerate(grammars) if g is not None and not g.is_terminated]
-        if not rows:
+        if not any(g is not None and not g.is_terminated for g in grammars):
             return None
         self._turn ^= 1
         if len(self._buffers[self._turn]) < len(grammars):
             self._buffers[self._turn] = self._allocate(max(len(grammars), 64))
         bitmask = self._buffers[self._turn][: len(grammars)]
-        if len(rows) < len(grammars):  # the others allow every token (constrained rows: below)
-            free = sorted(set(range(len(grammars))) - set(rows))
-            bitmask[free] = -1
-        matchers = [grammars[i].matcher for i in rows]  # type: ignore[union-attr]
-        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        bitmask[:] = -1  # unconstrained and unreachable rows allow every token
+        depth = [len(ahead[i]) if ahead else 0 for i in range(len(grammars))]
+        accepted: dict[int, int] = {}  # id(grammar) → drafts it has accepted for this fill
+        refused: set[int] = set()  # grammars that refused a draft: deeper rows are unreachable
+        for level in sorted(set(depth)):
+            rows = []
+            for i, grammar in enumerate(grammars):
+                if grammar is None or depth[i] != level or id(grammar) in refused:
+                    continue
+                done = accepted.get(id(grammar), 0)
+                for token in ahead[i][done:level] if ahead else ():
+                    if grammar.is_terminated or not grammar.accept_token(token):
+                        refused.add(id(grammar))
+                        break
+                    done += 1
+                accepted[id(grammar)] = done
+                if id(grammar) not in refused and not grammar.is_terminated:
+                    rows.append(i)
+            if rows:
+                matchers = [grammars[i].matcher for i in rows]  # type: ignore[union-attr]
+                self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        for grammar in {id(g): g for g in grammars if g is not None}.values():
+            grammar.rollback(accepted.get(id(grammar), 0))
         for row, ids in (banned or {}).items():
             _clear_unless_empty(bitmask.numpy()[row], ids)
         return bitmask

@@ -1,0 +1,93 @@
+"""Structured outputs with speculative decoding: drafts are checked against the grammar (masks
+past each draft, the matcher rolled back), so constrained requests speculate and still always
+parse; greedy tokens are those of the same constraint without speculation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+import xgrammar as xgr
+
+from tokenmill import LLM, SamplingParams, StructuredOutputsParams
+from tokenmill.structured.matcher import BitmaskFiller, RequestGrammar
+from tokenmill.tokenization.tokenizer import load_tokenizer
+
+# Repetitive output (a list of like objects): prompt lookup finds drafts in what came before.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "rows": {
+            "type": "array",
+            "minItems": 3,
+            "maxItems": 4,
+            "items": {
+                "type": "object",
+                "properties": {"id": {"type": "integer"}, "ok": {"type": "boolean"}},
+                "required": ["id", "ok"],
+            },
+        }
+    },
+    "required": ["rows"],
+}
+CONSTRAINT = StructuredOutputsParams(json=SCHEMA)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}  # fmt: skip
+PROMPTS = ["Hello", "The cat", [5, 6, 7, 8, 9, 10]]
+
+
+@pytest.fixture(scope="module")
+def speculative(llama_dir: Path) -> LLM:
+    return LLM(str(llama_dir), device="cpu", max_model_len=512, speculative_config=NGRAM)
+
+
+def test_sampled_constrained_outputs_validate_and_drafts_are_accepted(speculative: LLM) -> None:
+    params = [
+        SamplingParams(temperature=1.0, seed=seed, max_tokens=300, structured_outputs=CONSTRAINT)
+        for seed in range(4)
+    ]
+    prompts = [PROMPTS[seed % len(PROMPTS)] for seed in range(4)]
+    stats = speculative.engine.scheduler.spec_stats
+    before = stats.num_accepted_tokens
+    outputs = speculative.generate(prompts, params, use_tqdm=False)
+    for out in outputs:
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
+    assert stats.num_accepted_tokens > before  # constrained requests did speculate
+
+
+def test_greedy_constrained_tokens_do_not_depend_on_speculation(
+    speculative: LLM, llama_dir: Path
+) -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=200, structured_outputs=CONSTRAINT)
+    plain = LLM(str(llama_dir), device="cpu", max_model_len=512)
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in speculative.generate(PROMPTS, greedy, use_tqdm=False)]
+    assert got == expected
+
+
+def test_masks_past_drafts_are_the_grammars_after_them(llama_dir: Path) -> None:
+    tokenizer = load_tokenizer(str(llama_dir))
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA))
+    grammar = RequestGrammar(compiled)
+    drafts = tokenizer.encode('{"rows": [', add_special_tokens=False)
+    bad = tokenizer.encode("x", add_special_tokens=False)[0]
+    filler = BitmaskFiller(len(tokenizer), pin=False)
+    ahead = [tuple(drafts[:j]) for j in range(len(drafts) + 1)] + [
+        (*drafts, bad),
+        (*drafts, bad, 5),
+    ]
+    masks = filler.fill([grammar] * len(ahead), ahead=ahead).clone()  # type: ignore[union-attr]
+    for j in range(len(drafts) + 1):
+        fresh = RequestGrammar(compiled)
+        assert all(fresh.accept_token(t) for t in drafts[:j])
+        expected = filler.fill([fresh])
+        assert torch.equal(masks[j], expected[0]), j  # type: ignore[index]
+    # After a draft the grammar refuses, the position cannot be reached: no constraint.
+    assert (masks[-2] == -1).all() and (masks[-1] == -1).all()
+    # The grammar is where it was: nothing accepted yet.
+    assert grammar.valid_prefix(drafts) == len(drafts) and grammar.valid_prefix([bad]) == 0
