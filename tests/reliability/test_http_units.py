@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,12 @@ def test_logprob_tokens_are_token_ids_when_asked() -> None:
     assert named["top_logprobs"] == [{"token_id:7": -0.1, "token_id:9": -2.3}]
     chat = oai.chat_logprobs(entries, 2, tokens_as_ids=True)["content"][0]
     assert [t["token"] for t in chat["top_logprobs"]] == ["token_id:7", "token_id:9"]
+
+
+def test_dashboard_requests_are_relative_so_it_works_under_a_root_path() -> None:
+    """Behind a proxy prefix (`--root-path /llm`) the page is /llm/dashboard; an absolute
+    `/metrics` would miss the prefix."""
+    page = api_server.DASHBOARD_HTML.read_text()
+    urls = re.findall(r"""(?:fetch\(|href = )["'`]([^"'`$]+)""", page)
+    assert {"metrics", "v1/feedback?max_rating=-1&limit=20", "v1/traces/"} <= set(urls)
+    assert not [u for u in urls if u.startswith("/")]
