@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
+
+# OpenMP threads that wait by spinning (its default) take turns badly with any other busy
+# process on the cores, the server's own workers included: the demo model's CPU decode fell
+# from ~60 to 5-7 tok/s whenever another process ran (docs/perf-notes.md, session 10).
+# Sleeping waiters keep it at 56-60. Set before torch loads OpenMP; the user's value wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 if TYPE_CHECKING:
     from tokenmill.entrypoints.llm import LLM

@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import subprocess
+import sys
 from dataclasses import MISSING, dataclass
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from tokenmill import config as config_module
 from tokenmill.bench.options import OfflineBenchArgs, ServeBenchArgs
 from tokenmill.config import (
     ATTENTION_BACKENDS,
+    DEMO_MODEL_DIR,
     SUPPORTED_ARCHITECTURES,
     EngineArgs,
     RunnerConfig,
@@ -105,3 +111,24 @@ def test_bench_flags_cover_their_dataclass(argv: list[str], cls: type, skip: set
     for f in dataclasses.fields(cls):
         if f.name not in skip:
             assert "--" + f.name.replace("_", "-") in text
+
+
+def test_openmp_threads_sleep_while_they_wait_unless_the_user_says_otherwise() -> None:
+    code = "import os, tokenmill, torch; print(os.environ['OMP_WAIT_POLICY'])"
+    run = partial(subprocess.run, [sys.executable, "-c", code], capture_output=True, text=True)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    assert run(env=env, check=True).stdout.strip() == "PASSIVE"
+    assert run(env={**env, "OMP_WAIT_POLICY": "ACTIVE"}, check=True).stdout.strip() == "ACTIVE"
+
+
+@pytest.mark.parametrize(
+    ("native_bf16", "expected"), [(False, torch.float32), (True, torch.bfloat16)]
+)
+def test_auto_dtype_on_a_cpu_is_float32_unless_it_multiplies_bf16(
+    monkeypatch: pytest.MonkeyPatch, native_bf16: bool, expected: torch.dtype
+) -> None:
+    monkeypatch.setattr(config_module, "cpu_has_bf16_instructions", lambda: native_bf16)
+    args = EngineArgs(model=str(DEMO_MODEL_DIR), device="cpu")  # a bf16 checkpoint
+    assert args.create_engine_config().model.dtype == expected
+    args = EngineArgs(model=str(DEMO_MODEL_DIR), device="cpu", dtype="bfloat16")
+    assert args.create_engine_config().model.dtype == torch.bfloat16
