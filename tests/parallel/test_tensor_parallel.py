@@ -48,9 +48,9 @@ def _tokens(llm: LLM) -> list[list[int]]:
 
 
 def _check_tp2(path: Path, again: bool = False, **options: object) -> LLM:
-    """A two-rank engine's greedy tokens equal transformers'; `again`: a second run, now
-    with the prompts' pages cached, too."""
-    llm = LLM(str(path), device="cpu", tensor_parallel_size=2, **options)
+    """A two-rank (or `tensor_parallel_size`) engine's greedy tokens equal transformers';
+    `again`: a second run, now with the prompts' pages cached, too."""
+    llm = LLM(str(path), device="cpu", **{"tensor_parallel_size": 2, **options})
     expected = [hf_greedy(path, p, MAX_TOKENS) for p in PROMPTS]
     assert _tokens(llm) == expected
     if again:
@@ -80,6 +80,12 @@ def test_two_ranks_through_chunks_prefix_hits_and_preemption(
         assert llm.engine.scheduler.stats.num_preemptions > 0
     finally:
         llm.close()
+
+
+def test_four_ranks_share_each_kv_head_in_pairs(llama_dir: Path) -> None:
+    """tp=4 over 4 query and 2 key/value heads: one query head a rank, each kv head on 2."""
+    llm = _check_tp2(llama_dir, tensor_parallel_size=4)
+    llm.close()
 
 
 def test_one_kv_head_replicated_and_a_vocabulary_that_does_not_split(
