@@ -72,3 +72,25 @@ def test_evicting_a_leaf_exposes_its_parent(cache: RadixCache) -> None:
     assert cache.num_cached_pages == 3
     assert cache.evict(3) == 3
     assert cache.pool.num_free == 32
+
+
+def test_eviction_follows_use_without_walking_the_tree(
+    cache: RadixCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Candidates are kept as nodes change (insert, unlock, a hit that makes a leaf recent, a
+    leaf evicted exposing its parent), so eviction never rescans the tree."""
+    a = _insert(cache, [1] * 8)
+    b = _insert(cache, [2] * 8)
+    c = _insert(cache, [*[2] * 4, 5, 5, 5, 5])  # splits b's node: [2]*4 is their parent
+    hit = cache.match_prefix([1] * 8 + [0])  # a is now the most recently used
+    cache.unlock(hit.node)
+
+    def walk() -> None:
+        raise AssertionError("eviction walked the tree")
+
+    monkeypatch.setattr(cache, "_nodes", walk)
+    assert cache.evict(1) == 1 and cache.pool.is_free(b[1])  # b's leaf, older than c's
+    assert cache.evict(1) == 1 and cache.pool.is_free(c[1])
+    assert cache.evict(1) == 1 and cache.pool.is_free(c[0])  # their parent, a leaf now
+    assert not any(cache.pool.is_free(p) for p in a)
+    assert cache.evict(8) == 2 and cache.num_cached_pages == 0

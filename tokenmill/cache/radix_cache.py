@@ -65,6 +65,11 @@ class RadixCache:
         self._num_cached_pages = 0
         self._num_evictable_pages = 0
         self._num_host_pages = 0
+        # Eviction candidates, LRU first: (last_access, id, node) pushed whenever a node may
+        # have become an unreferenced device leaf, checked when popped (an entry whose node has
+        # moved on is dropped, or pushed again with its newer access), so `evict` does not walk
+        # the whole tree on every call.
+        self._leaves: list[tuple[int, int, RadixNode]] = []
 
     @property
     def num_cached_pages(self) -> int:
@@ -218,6 +223,7 @@ class RadixCache:
             self._num_evictable_pages += len(new_pages)
             tree_pages = tree_pages + new_pages
             node = child
+            self._offer(child)
         return node, tree_pages
 
     def _adopt(self, node: RadixNode, device_pages: list[int]) -> None:
@@ -229,6 +235,7 @@ class RadixCache:
         self._num_cached_pages += len(node.pages)
         if node.ref_count == 0:
             self._num_evictable_pages += len(node.pages)
+            self._offer(node)
 
     def lock(self, node: RadixNode) -> None:
         """Protect `node` and its ancestors from eviction (from either tier)."""
@@ -245,6 +252,7 @@ class RadixCache:
             assert node.ref_count >= 0, "radix node unlocked more often than locked"
             if node.ref_count == 0 and not node.on_host:
                 self._num_evictable_pages += len(node.pages)
+                self._offer(node)
             node = node.parent
 
     @property
@@ -256,12 +264,12 @@ class RadixCache:
         """Free up to `num_pages` device pages from unreferenced leaves, LRU first; returns
         pages freed. With a host tier (and `write_back`) a leaf's pages are written out to the
         host and the node stays in the tree, on the host."""
-        heap = [(n.last_access, id(n), n) for n in self._nodes() if self._is_device_leaf(n)]
-        heapq.heapify(heap)
         host_heap: list[tuple[int, int, RadixNode]] | None = None  # built when first needed
         freed = 0
-        while freed < num_pages and heap:
-            _, _, leaf = heapq.heappop(heap)
+        while freed < num_pages:
+            leaf = self._next_leaf()
+            if leaf is None:
+                break
             parent = leaf.parent
             assert parent is not None
             n = len(leaf.pages)
@@ -276,9 +284,40 @@ class RadixCache:
                 self.pool.free(leaf.pages)
                 self._remove(leaf)
             freed += n
-            if self._is_device_leaf(parent):
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+            self._offer(parent)
         return freed
+
+    def _offer(self, node: RadixNode) -> None:
+        """Make `node` an eviction candidate if it is an unreferenced device leaf now."""
+        if self._is_device_leaf(node):
+            heapq.heappush(self._leaves, (node.last_access, id(node), node))
+            if len(self._leaves) > 2 * self._num_cached_pages + 64:  # mostly stale entries
+                self._rebuild_leaves()
+
+    def _rebuild_leaves(self) -> None:
+        """The candidates from a walk of the whole tree: every unreferenced device leaf."""
+        self._leaves = [(n.last_access, id(n), n) for n in self._nodes() if self._is_device_leaf(n)]
+        heapq.heapify(self._leaves)
+
+    def _next_leaf(self) -> RadixNode | None:
+        """The least recently used unreferenced device leaf, taken off the candidates; None if
+        there is none. Should the candidates run dry while the count says pages are evictable
+        (a path that made a leaf without offering it), they are rebuilt from the whole tree."""
+        rebuilt = False
+        while True:
+            if not self._leaves:
+                if rebuilt or not self._num_evictable_pages:
+                    return None
+                self._rebuild_leaves()
+                rebuilt = True
+                continue
+            access, _, node = heapq.heappop(self._leaves)
+            if node.parent is None or not self._is_device_leaf(node):
+                continue  # removed, referenced, on the host, or no longer a leaf
+            if access != node.last_access:  # used since it was offered: later in the order
+                heapq.heappush(self._leaves, (node.last_access, id(node), node))
+                continue
+            return node
 
     def _host_leaves(self) -> list[tuple[int, int, RadixNode]]:
         """A heap of the host tier's unreferenced leaves, least recently used first."""
