@@ -45,6 +45,7 @@ SLOW_FILES_FIRST = (
     "tests/test_readme.py",
     "tests/unit/test_demo_training.py",
     "tests/kernels/test_kernels.py",
+    "tests/parallel/test_tensor_parallel.py",
     "tests/spec/test_spec_graphs.py",
     "tests/engine/test_graph_inputs.py",
     "tests/reliability/test_workers_supervision.py",
