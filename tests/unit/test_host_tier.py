@@ -111,3 +111,24 @@ def test_page_runs_merge_consecutive_pages_on_both_sides() -> None:
     assert page_runs([], []) == []
     with pytest.raises(ValueError, match="copying 1 pages into 2"):
         page_runs([1], [1, 2])
+
+
+def test_a_full_host_drops_its_oldest_leaf_without_walking_the_tree(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cache, kv = _cache(device_pages=8, host_pages=2)
+    for first in (10, 20, 30):
+        _insert(cache, kv, [first] * PS)
+    assert cache.evict(2) == 2  # 10 and 20 to the host: full
+    hit = cache.match_prefix([10] * PS + [0])  # 10 comes back to the device, used now
+    cache.unlock(hit.node)
+
+    def walk() -> None:
+        raise AssertionError("eviction walked the tree")
+
+    monkeypatch.setattr(cache, "_nodes", walk)
+    assert cache.evict(1) == 1  # 30, the oldest on the device, joins 20 on the host: full
+    assert cache.cached_length([20] * PS) == PS and cache.cached_length([30] * PS) == PS
+    assert cache.evict(1) == 1  # 10 goes down too: the host drops its oldest, 20
+    assert cache.cached_length([20] * PS) == 0 and cache.num_host_pages == 2
+    assert cache.cached_length([10] * PS) == PS and cache.cached_length([30] * PS) == PS

@@ -70,6 +70,7 @@ class RadixCache:
         # moved on is dropped, or pushed again with its newer access), so `evict` does not walk
         # the whole tree on every call.
         self._leaves: list[tuple[int, int, RadixNode]] = []
+        self._host_leaves: list[tuple[int, int, RadixNode]] = []  # the same for host leaves
 
     @property
     def num_cached_pages(self) -> int:
@@ -253,6 +254,8 @@ class RadixCache:
             if node.ref_count == 0 and not node.on_host:
                 self._num_evictable_pages += len(node.pages)
                 self._offer(node)
+            elif node.ref_count == 0:
+                self._offer_host(node)
             node = node.parent
 
     @property
@@ -264,7 +267,6 @@ class RadixCache:
         """Free up to `num_pages` device pages from unreferenced leaves, LRU first; returns
         pages freed. With a host tier (and `write_back`) a leaf's pages are written out to the
         host and the node stays in the tree, on the host."""
-        host_heap: list[tuple[int, int, RadixNode]] | None = None  # built when first needed
         freed = 0
         while freed < num_pages:
             leaf = self._next_leaf()
@@ -277,9 +279,7 @@ class RadixCache:
             self._num_evictable_pages -= n
             offloaded = False
             if write_back and self.host is not None:
-                if host_heap is None and self.host.pool.num_free < n:
-                    host_heap = self._host_leaves()
-                offloaded = self._offload(leaf, host_heap)
+                offloaded = self._offload(leaf)
             if not offloaded:
                 self.pool.free(leaf.pages)
                 self._remove(leaf)
@@ -319,21 +319,28 @@ class RadixCache:
                 continue
             return node
 
-    def _host_leaves(self) -> list[tuple[int, int, RadixNode]]:
-        """A heap of the host tier's unreferenced leaves, least recently used first."""
-        heap = [(n.last_access, id(n), n) for n in self._nodes() if self._is_host_leaf(n)]
-        heapq.heapify(heap)
-        return heap
+    def _offer_host(self, node: RadixNode) -> None:
+        """Make `node` a candidate for dropping from the host if it is an unreferenced host
+        leaf now."""
+        if self._is_host_leaf(node):
+            heapq.heappush(self._host_leaves, (node.last_access, id(node), node))
+            if len(self._host_leaves) > 2 * self._num_host_pages + 64:  # mostly stale entries
+                self._rebuild_host_leaves()
 
-    def _offload(self, leaf: RadixNode, host_heap: list[tuple[int, int, RadixNode]] | None) -> bool:
+    def _rebuild_host_leaves(self) -> None:
+        """The host candidates from a walk of the whole tree: every unreferenced host leaf."""
+        self._host_leaves = [
+            (n.last_access, id(n), n) for n in self._nodes() if self._is_host_leaf(n)
+        ]
+        heapq.heapify(self._host_leaves)
+
+    def _offload(self, leaf: RadixNode) -> bool:
         """Move an unreferenced device leaf's pages to the host; False if the host has no room
-        for it without dropping nodes used more recently. `host_heap`: the host's leaves
-        (`_host_leaves`), needed when the host is full."""
+        for it without dropping nodes used more recently."""
         assert self.host is not None
         n, pool = len(leaf.pages), self.host.pool
         if pool.num_free < n:
-            assert host_heap is not None
-            self._evict_host(n - pool.num_free, leaf.last_access, host_heap)
+            self._evict_host(n - pool.num_free, leaf.last_access)
         if pool.num_free < n:
             return False
         host_pages = pool.alloc(n)
@@ -341,25 +348,35 @@ class RadixCache:
         self.pool.free(leaf.pages)
         leaf.pages, leaf.on_host = host_pages, True
         self._num_host_pages += n
-        if host_heap is not None and self._is_host_leaf(leaf):
-            heapq.heappush(host_heap, (leaf.last_access, id(leaf), leaf))
+        self._offer_host(leaf)
         return True
 
-    def _evict_host(
-        self, num_pages: int, older_than: float, heap: list[tuple[int, int, RadixNode]]
-    ) -> int:
-        """Drop host leaves last used before `older_than` from `heap`, LRU first (entries of
-        nodes no longer host leaves in the tree are skipped); returns host pages freed."""
-        freed = 0
-        while freed < num_pages and heap and heap[0][0] < older_than:
-            _, _, leaf = heapq.heappop(heap)
+    def _evict_host(self, num_pages: int, older_than: float) -> int:
+        """Drop host leaves last used before `older_than`, LRU first; returns host pages freed.
+        Candidates of nodes no longer host leaves are skipped, those used since they were
+        offered go back at their newer place; should the candidates run out while the host
+        holds pages (a path that made a host leaf without offering it), they are rebuilt once
+        from the whole tree."""
+        freed, rebuilt = 0, False
+        while freed < num_pages:
+            if not self._host_leaves:
+                if rebuilt or not self._num_host_pages:
+                    break
+                self._rebuild_host_leaves()
+                rebuilt = True
+                continue
+            if self._host_leaves[0][0] >= older_than:
+                break
+            access, _, leaf = heapq.heappop(self._host_leaves)
             parent = leaf.parent
             if parent is None or not self._is_host_leaf(leaf):
-                continue  # removed with a subtree, or no longer a host leaf
+                continue  # removed with a subtree, back on the device, or no longer a leaf
+            if access != leaf.last_access:
+                heapq.heappush(self._host_leaves, (leaf.last_access, id(leaf), leaf))
+                continue
             freed += len(leaf.pages)
             self._remove(leaf)
-            if self._is_host_leaf(parent):
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+            self._offer_host(parent)
         return freed
 
     def _remove(self, node: RadixNode) -> None:
@@ -393,7 +410,7 @@ class RadixCache:
     def flush(self) -> int:
         """Drop every unreferenced node, from both tiers; returns device pages freed."""
         freed = self.evict(self._num_cached_pages, write_back=False)
-        self._evict_host(self._num_host_pages, float("inf"), self._host_leaves())
+        self._evict_host(self._num_host_pages, float("inf"))
         return freed
 
     def _nodes(self) -> list[RadixNode]:
