@@ -128,6 +128,7 @@ class RouterState:
     index: PrefixIndex = field(default_factory=PrefixIndex)
     sessions: OrderedDict[str, str] = field(default_factory=OrderedDict)
     in_flight: dict[str, int] = field(default_factory=dict)
+    sent: dict[str, int] = field(default_factory=dict)
     _owner: dict[str, str] = field(default_factory=dict)  # request id -> replica
 
     def rank(self, replicas: Sequence[str], request: RoutedRequest | None) -> list[list[str]]:
@@ -137,7 +138,8 @@ class RouterState:
         if not usable:
             return []
         load = {r: self.in_flight.get(r, 0) for r in usable}
-        by_load = sorted(usable, key=lambda r: load[r])
+        # Ties go to the replica sent the fewest requests, so idle replicas take turns.
+        by_load = sorted(usable, key=lambda r: (load[r], self.sent.get(r, 0)))
         least = load[by_load[0]]
         fit = [r for r in by_load if load[r] <= least + self.max_imbalance]
         ranks: list[list[str]] = []
@@ -160,6 +162,7 @@ class RouterState:
     def routed(self, request: RoutedRequest | None, request_id: str, replica: str) -> None:
         """`request` was sent to `replica`."""
         self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
+        self.sent[replica] = self.sent.get(replica, 0) + 1
         self._owner[request_id] = replica
         if request is None:
             return
@@ -180,5 +183,6 @@ class RouterState:
         """`replica` is gone: its cache, sessions and counts with it."""
         self.index.remove(replica)
         self.in_flight.pop(replica, None)
+        self.sent.pop(replica, None)
         for session in [s for s, r in self.sessions.items() if r == replica]:
             del self.sessions[session]
