@@ -93,6 +93,8 @@ def build_app(
         graceful_shutdown_timeout_s=DRAIN_TIMEOUT_S,
         graceful_shutdown_wait_loop_s=0.5,
         health_check_period_s=2.0,
+        # A replica that fails to start fails the same way again: say so soon.
+        max_constructor_retry_count=2,
     )
     ingress = serve.deployment(Ingress, name="Ingress").options(
         num_replicas=1, max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0}

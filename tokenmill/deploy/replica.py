@@ -15,8 +15,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -56,18 +58,24 @@ class TokenmillReplica:
         self.url = f"http://{host}:{port}"
         command = [sys.executable, "-m", "tokenmill", "serve", *server_argv]
         command += ["--host", host, "--port", str(port)]
-        self.process = subprocess.Popen(command, preexec_fn=_die_with_parent)
+        # The child's output goes to a file of its own, whose end a start-up failure quotes.
+        self.log_path = Path(tempfile.mkstemp(prefix="tokenmill-replica-", suffix=".log")[1])
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+            )
         self._wait_healthy(startup_timeout_s)
         self.client = httpx.AsyncClient(base_url=self.url, timeout=None)
         self.directory = directory(app_name)
         self.directory.register.remote(self.replica_id, self.url)
-        logger.info("replica %s serving at %s", self.replica_id, self.url)
+        logger.info("replica %s serving at %s (log: %s)", self.replica_id, self.url, self.log_path)
 
     def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"tokenmill serve exited with code {self.process.returncode}")
+                code = self.process.returncode
+                raise RuntimeError(f"tokenmill serve exited with code {code}:\n{self._log_tail()}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -75,7 +83,12 @@ class TokenmillReplica:
                 pass
             time.sleep(0.25)
         self.process.kill()
-        raise RuntimeError(f"tokenmill serve not healthy after {timeout_s:.0f} s")
+        raise RuntimeError(
+            f"tokenmill serve not healthy after {timeout_s:.0f} s:\n{self._log_tail()}"
+        )
+
+    def _log_tail(self, lines: int = 20) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     async def generate(self, request: RoutedRequest) -> AsyncIterator[Any]:
         """Streams: this replica's id, then the response head (status, headers), then the body
