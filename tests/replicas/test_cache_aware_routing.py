@@ -6,6 +6,7 @@ which evict them in turn."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,11 @@ import pytest
 from tests.replicas.conftest import MODEL_NAME, server_args
 
 pytest.importorskip("ray", reason="replicas need Ray Serve: pip install 'tokenmill[ray]'")
+if not os.environ.get("TOKENMILL_LONG_TESTS"):
+    pytest.skip(
+        "two deployments of two replicas, about 2 minutes: TOKENMILL_LONG_TESTS=1 runs it",
+        allow_module_level=True,
+    )
 
 from ray import serve
 

@@ -58,7 +58,8 @@ class Ingress:
     async def __call__(self, request: Request) -> Response:
         path = request.url.path
         if request.method == "GET" and path == "/metrics":
-            return Response(await self.metrics(), media_type="text/plain; version=0.0.4")
+            text = await self.metrics(request.headers.get("authorization"))
+            return Response(text, media_type="text/plain; version=0.0.4")
         if request.method == "GET" and path == "/dashboard":
             return Response(DASHBOARD_HTML.read_text(), media_type="text/html")
         if request.method == "GET" and path == "/health":
@@ -109,15 +110,18 @@ class Ingress:
             raise ReplicaFailed(replica, exc) from exc
         return head, first
 
-    async def metrics(self) -> str:
-        """Every replica's /metrics, samples labelled `replica`, and `tokenmill:replicas`."""
+    async def metrics(self, authorization: str | None = None) -> str:
+        """Every replica's /metrics, samples labelled `replica`, and `tokenmill:replicas`
+        (with the caller's credentials: the replicas check them if --metrics-require-auth)."""
         servers: dict[str, str] = await self.directory.list.remote()
+        headers = {"authorization": authorization} if authorization else {}
 
         async def scrape(url: str) -> str:
             try:
-                return (await self.http.get(url + "/metrics")).text
+                response = await self.http.get(url + "/metrics", headers=headers)
             except httpx.HTTPError:
                 return ""
+            return response.text if response.status_code == 200 else ""
 
         texts = await asyncio.gather(*(scrape(url) for url in servers.values()))
         return merge_metrics(dict(zip(servers, texts, strict=True)))
@@ -130,6 +134,9 @@ async def _rest(
     try:
         async for chunk in stream:
             yield chunk
+    except (GeneratorExit, asyncio.CancelledError):
+        stream.cancel()  # the client left: the replica's server aborts the request
+        raise
     except (RayError, RayServeException) as exc:
         if not sse:
             raise

@@ -48,7 +48,7 @@ class DeployOptions:
         "loaded one gets no request for its prefix or session.",
     )
     ray_address: str | None = option(
-        None, "Join this Ray cluster (default: start a local Ray instance)."
+        None, "Join this Ray cluster (e.g. auto).", default_help="start a local Ray instance"
     )
     replica_num_cpus: float = option(1.0, "CPUs Ray reserves for each replica.")
     replica_num_gpus: float = option(0.0, "GPUs Ray reserves for each replica (e.g. 1).")
