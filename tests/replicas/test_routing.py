@@ -1,5 +1,5 @@
 """The replica routing policy (`tokenmill.deploy.routing`), without Ray: prefixes, sessions,
-load balance; and the merged per-replica metrics."""
+load balance; the replica flags."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 
 from tokenmill.deploy.options import DeployOptions
 from tokenmill.deploy.routing import TOKEN_BLOCK, RoutedRequest, RouterState, prefix_blocks
+from tokenmill.entrypoints.cli import main
 
 REPLICAS = ["a", "b", "c"]
 
@@ -116,3 +117,8 @@ def test_deploy_options_refuse_inconsistent_counts() -> None:
         DeployOptions(min_replicas=3, max_replicas=2)
     with pytest.raises(ValueError, match="router must be one of"):
         DeployOptions(replicas=2, router="random")
+
+
+def test_serve_refuses_inconsistent_replica_flags_before_starting_anything(capsys) -> None:
+    assert main(["serve", "--max-replicas", "2"]) == 2
+    assert "give both min_replicas and max_replicas" in capsys.readouterr().err
