@@ -118,6 +118,23 @@ def test_metrics_are_labelled_per_replica(url: str) -> None:
     assert 'm_total{replica="r1",k="v"} 1' in merged and 'm_total{replica="r2"} 2' in merged
 
 
+def test_a_client_leaving_mid_stream_aborts_its_request_on_the_replica(url: str) -> None:
+    def aborted() -> float:
+        text = httpx.get(url + "/metrics", timeout=30).text
+        lines = [line for line in text.splitlines() if 'finished_reason="abort"' in line]
+        return sum(float(line.split()[-1]) for line in lines if line.startswith("tokenmill:"))
+
+    before = aborted()
+    body = {"model": MODEL_NAME, "prompt": "leave", "max_tokens": 400, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+        next(response.iter_lines())  # the first chunk, then the client hangs up
+    deadline = time.monotonic() + 30
+    while aborted() < before + 1:
+        assert time.monotonic() < deadline, "the replica kept generating for a client that left"
+        time.sleep(0.2)
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason="needs a headless Chromium")
 def test_the_dashboard_shows_every_replica(url: str, tmp_path: Path) -> None:
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
