@@ -168,6 +168,9 @@ def main() -> None:
     t0 = reports[0]["started_at"]
     # Per second: [s since start, replicas serving, Ray's running replicas, Ray's starting ones].
     replicas = [[round(c[0] - t0, 1), *c[1:]] for c in counts]
+    for report in reports:  # every gap of every request is summarised in itl_s already
+        for record in report["records"]:
+            record.pop("itl")
     result = {"phases": summary, "replicas": replicas,
               "reports": reports}  # fmt: skip
     Path(args.output).write_text(json.dumps(result, indent=1))
