@@ -29,7 +29,7 @@ README = ROOT / "README.md"
 INSTALL = "pip install torch==2.13.0 -e '.[dev]' && "
 # README commands not run here, by their start, and why.
 NOT_RUN = {
-    "pip install -q torch==2.13.0 -e '.[dev]' && python -m pytest -q -n 2 --dist loadfile": (
+    "pip install -q torch==2.13.0 -e '.[dev,ray]' && python -m pytest -q -n 2 --dist loadfile": (
         "the whole test suite; CI runs it (.ci/run, checked by test_the_test_command_is_cis)"
     ),
     "tokenmill bench offline --config path/to/qwen3-0.6b": (
@@ -42,6 +42,14 @@ NOT_RUN = {
     ),
     "tokenmill eval tasks --base-url http://127.0.0.1:8000 tasks.jsonl": (
         "the user's own task file (a placeholder; tests/e2e/test_evals.py scores a known file)"
+    ),
+    "pip install -e '.[ray]'": "installs Ray; tests/replicas/ run where it is installed",
+    "tokenmill serve --replicas 2": (
+        "needs Ray and a minute; tests/replicas/test_replicas.py deploys the same application"
+    ),
+    "tokenmill serve --min-replicas 1": "GPUs of a Ray cluster (the autoscaling: the next one)",
+    "PYTHONPATH=$PWD python benchmarks/replica_spike.py": (
+        "minutes of a load spike; its recorded run is docs/bench/replica_spike.*"
     ),
     # Run by other tests already (each command here costs seconds of imports on a CPU):
     "tokenmill generate --help": "tests/test_cli.py::test_help_documents_every_engine_option",

@@ -217,10 +217,11 @@ def test_dashboard_renders_live_charts_under_load(server: ServerHandle, tmp_path
         chart: int(n)
         for chart, n in re.findall(r'<canvas id="chart-(\w+)"[^>]*data-points="(\d+)"', dom)
     }
-    assert len(points) == 8, points
+    assert len(points) == 9, points
     # Gauges and rates plot from the first sample; percentiles and hit rate need observations
     # inside a window, so they may start later.
-    assert all(points[c] >= samples - 1 for c in ("rate", "queue", "kv", "tokens")), points
+    gauges = ("rate", "queue", "kv", "tokens", "replicas")
+    assert all(points[c] >= samples - 1 for c in gauges), points
     assert points["ttft"] >= 1 and points["itl"] >= 1, points
     assert "tokenmill:" not in dom.split('id="grid"')[0]  # no raw metric dump above the charts
     assert shot.is_file() and shot.stat().st_size > 10_000

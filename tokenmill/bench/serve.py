@@ -121,6 +121,7 @@ async def run_serve_bench(args: ServeBenchArgs) -> dict[str, Any]:
         before = await _prefix_counters(client)
         total = sum(len(s.turns) for s in sessions)
         bar = tqdm(total=total, desc=f"{args.workload.name}", disable=not args.progress)
+        started_at = time.time()
         t0 = time.perf_counter()
         tasks = []
         for index, session in enumerate(sessions):
@@ -136,7 +137,8 @@ async def run_serve_bench(args: ServeBenchArgs) -> dict[str, Any]:
         elapsed = time.perf_counter() - t0
         bar.close()
         after = await _prefix_counters(client)
-    return summarize(records, elapsed, args, before, after)
+    # Wall-clock start: runs of a sweep (e.g. a rate step up and down) line up on one time axis.
+    return {"started_at": started_at, **summarize(records, elapsed, args, before, after)}
 
 
 async def _prefix_counters(client: httpx.AsyncClient) -> tuple[float, float] | None:

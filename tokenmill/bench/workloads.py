@@ -50,6 +50,13 @@ class WorkloadSpec:
         None, "Shared prefix tokens (shared-prefix, chatbot and agent workloads)."
     )
     length_scale: float = option(1.0, "Scale every length (e.g. 0.25 for a small CPU model).")
+    num_prefixes: int = option(
+        1, "shared-prefix: distinct shared prefixes; session i starts with prefix i mod this."
+    )
+
+    def __post_init__(self) -> None:
+        if self.num_prefixes < 1:
+            raise ValueError(f"num_prefixes must be >= 1, got {self.num_prefixes}")
 
 
 def build_workload(spec: WorkloadSpec) -> list[Session]:
@@ -76,10 +83,14 @@ def build_workload(spec: WorkloadSpec) -> list[Session]:
         if spec.prefix_len is not None
         else {"chatbot": 2000, "agent": 16000, "shared-prefix": 1024}.get(spec.name, 0)
     )
+    prefixes = [shared]
+    prefixes += [rng.integers(10, spec.vocab_size, len(shared)).tolist()
+                 for _ in range(spec.num_prefixes - 1)]  # fmt: skip
     builders["random"] = lambda: Session([Turn(ids(spec.input_len), scaled(spec.output_len))])
-    builders["shared-prefix"] = lambda: Session(
-        [Turn(shared + ids(spec.input_len), scaled(spec.output_len))]
-    )
+    next_prefix = iter(range(spec.num_sessions))
+    builders["shared-prefix"] = lambda: Session([Turn(
+        prefixes[next(next_prefix) % len(prefixes)] + ids(spec.input_len), scaled(spec.output_len)
+    )])  # fmt: skip
     builders["chatbot"] = lambda: Session(
         [Turn(shared + ids(uniform(50, 300)), uniform(50, 300))]
         + [Turn(ids(uniform(50, 300)), uniform(50, 300)) for _ in range(count(1, 5))]

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, get_args, get_origin, get_type_h
 
 from tokenmill import __version__
 from tokenmill.config import DEMO_MODEL_DIR, EngineArgs
+from tokenmill.deploy.options import DeployOptions
 from tokenmill.entrypoints.server_options import ServerOptions
 from tokenmill.sampling_params import SamplingDefaults, SamplingParams
 
@@ -216,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--model", default=None, help="The checkpoint directory (as the positional).")
     add_options(srv, ServerOptions, "server options")
+    add_options(srv, DeployOptions, "replica options (Ray Serve; pip install 'tokenmill[ray]')")
     add_engine_args(srv)
     _add_bench_parser(commands)
     _add_eval_parser(commands)
@@ -419,6 +421,9 @@ def _serve(ns: argparse.Namespace) -> int:
         raise ValueError(f"two models given: {ns.model_dir!r} and --model {ns.model!r}")
     ns.model = ns.model or ns.model_dir or str(DEMO_MODEL_DIR)
     options = options_from(ns, ServerOptions)
+    deploy = options_from(ns, DeployOptions)
+    if deploy.enabled:
+        return _serve_replicas(engine_args_from(ns), options, deploy)
     from tokenmill.entrypoints.api_server import serve
 
     code = serve(engine_args_from(ns), options, ns.log_level)
@@ -427,6 +432,16 @@ def _serve(ns: argparse.Namespace) -> int:
     # needs collecting.
     gc.freeze()
     return code
+
+
+def _serve_replicas(engine: EngineArgs, options: ServerOptions, deploy: DeployOptions) -> int:
+    try:
+        from tokenmill.deploy.app import run
+    except ImportError as exc:
+        raise ValueError(
+            f"--replicas needs Ray Serve ({exc}): pip install 'tokenmill[ray]'"
+        ) from exc
+    return run(engine, options, deploy)
 
 
 def _sampling_params(ns: argparse.Namespace, defaults: SamplingDefaults) -> SamplingParams:

@@ -1,0 +1,103 @@
+"""The ingress's failure handling, with a stand-in for the replicas' deployment handle: a
+replica that fails before its response begins is retried on another; one that fails mid-stream
+ends the SSE stream with an error event; nothing is answered twice."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("ray", reason="replicas need Ray Serve: pip install 'tokenmill[ray]'")
+
+from ray.exceptions import ActorDiedError
+
+from tokenmill.deploy.ingress import Ingress
+from tokenmill.deploy.routing import RoutedRequest
+
+SSE = [("content-type", "text/event-stream")]
+
+
+class Stream:
+    """What `handle.options(stream=True).generate.remote(...)` returns: an async iterator."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = iter(items)
+        self.cancelled = False
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self
+
+    async def __anext__(self) -> Any:
+        item = next(self.items, StopAsyncIteration)
+        if item is StopAsyncIteration:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Replicas:
+    """A deployment handle whose n-th call streams `scripts[n]`; records what it was sent."""
+
+    def __init__(self, *scripts: list[Any]) -> None:
+        self.scripts = list(scripts)
+        self.sent: list[RoutedRequest] = []
+
+    def options(self, stream: bool) -> Replicas:
+        return self
+
+    @property
+    def generate(self) -> Replicas:
+        return self
+
+    def remote(self, routed: RoutedRequest) -> Stream:
+        self.sent.append(routed)
+        return Stream(self.scripts.pop(0))
+
+
+def ingress(replicas: Replicas) -> Ingress:
+    gateway = Ingress.__new__(Ingress)  # without its constructor's Ray actors
+    gateway.replicas = replicas  # type: ignore[assignment]
+    return gateway
+
+
+async def body_of(response: Any) -> bytes:
+    return b"".join([chunk async for chunk in response.body_iterator])
+
+
+def test_a_replica_dying_before_its_response_begins_is_retried_elsewhere() -> None:
+    replicas = Replicas(
+        [{"replica": "r1"}, ActorDiedError()],
+        [{"replica": "r2"}, {"status": 200, "headers": SSE}, b"data: one\n\n", b"data: [DONE]\n\n"],
+    )
+    routed = RoutedRequest("POST", "/v1/completions", b"{}")
+    response = asyncio.run(ingress(replicas).forward(routed))
+    assert response.status_code == 200
+    assert asyncio.run(body_of(response)) == b"data: one\n\ndata: [DONE]\n\n"
+    assert [r.avoid for r in replicas.sent] == [frozenset(), frozenset({"r1"})]
+
+
+def test_a_replica_dying_mid_stream_ends_the_stream_with_an_error_event() -> None:
+    replicas = Replicas(
+        [{"replica": "r1"}, {"status": 200, "headers": SSE}, b"data: one\n\n", ActorDiedError()]
+    )
+    response = asyncio.run(ingress(replicas).forward(RoutedRequest("POST", "/v1/completions")))
+    events = asyncio.run(body_of(response)).decode().split("\n\n")
+    assert events[0] == "data: one" and events[-2:] == ["data: [DONE]", ""]
+    assert "failed mid-stream" in json.loads(events[1][6:])["error"]["message"]
+    assert len(replicas.sent) == 1, "what was streamed is never sent again"
+
+
+def test_when_every_attempt_fails_the_client_gets_a_503_naming_the_replicas() -> None:
+    replicas = Replicas(*[[{"replica": f"r{i}"}, ActorDiedError()] for i in range(3)])
+    response = asyncio.run(ingress(replicas).forward(RoutedRequest("GET", "/v1/models")))
+    assert response.status_code == 503
+    message = json.loads(response.body)["error"]["message"]
+    assert all(f"r{i}: ActorDiedError" in message for i in range(3)), message

@@ -1,0 +1,196 @@
+"""The ingress: the one OpenAI-compatible endpoint in front of the replicas.
+
+It reads each request's body once, computes what the router needs (`prefix_blocks`, the
+session: header `x-session-id`, else the body's `user`), and streams the chosen replica's
+response back. A replica that dies before its response has begun (no body byte sent) is
+retried on another; one that dies mid-stream ends an SSE stream with an error event and
+`[DONE]`, so a client never waits forever nor gets an answer twice. `/metrics` gathers every
+replica's metrics, each sample labelled `replica`, plus the replica count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+from ray.exceptions import RayError
+from ray.serve.exceptions import RayServeException, RequestCancelledError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from tokenmill.deploy.directory import directory
+from tokenmill.deploy.routing import RoutedRequest, prefix_blocks
+
+logger = logging.getLogger("tokenmill.deploy")
+
+DASHBOARD_HTML = Path(__file__).resolve().parent.parent / "dashboard" / "index.html"
+SESSION_HEADER = "x-session-id"
+MAX_ATTEMPTS = 3
+METRICS_TIMEOUT_S = 5.0
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{.*\})?( .*)$")
+
+
+class ReplicaFailed(Exception):
+    """A replica failed a request before its response began."""
+
+
+def error_response(status: int, message: str) -> JSONResponse:
+    error = {"message": message, "type": "ServiceUnavailableError", "param": None, "code": status}
+    return JSONResponse({"error": error}, status_code=status)
+
+
+class Ingress:
+    """Ray Serve deployment: HTTP in, `TokenmillReplica.generate` calls out."""
+
+    def __init__(self, replicas: DeploymentHandle, app_name: str) -> None:
+        self.replicas = replicas
+        self.directory = directory(app_name)
+        self.http = httpx.AsyncClient(timeout=METRICS_TIMEOUT_S)
+
+    async def __call__(self, request: Request) -> Response:
+        path = request.url.path
+        if request.method == "GET" and path == "/metrics":
+            text = await self.metrics(request.headers.get("authorization"))
+            return Response(text, media_type="text/plain; version=0.0.4")
+        if request.method == "GET" and path == "/dashboard":
+            return Response(DASHBOARD_HTML.read_text(), media_type="text/html")
+        if request.method == "GET" and path == "/health":
+            servers = await self.directory.list.remote()
+            return Response(status_code=200 if servers else 503)
+        body = await request.body()
+        routed = RoutedRequest(
+            method=request.method,
+            path=path,
+            body=body,
+            headers=tuple((k.lower(), v) for k, v in request.headers.items()),
+            query=request.url.query,
+            **_routing_keys(body, request.headers.get(SESSION_HEADER)),
+        )
+        return await self.forward(routed)
+
+    async def forward(self, routed: RoutedRequest) -> Response:
+        """The response of the first replica that begins one (up to `MAX_ATTEMPTS` replicas)."""
+        failures = []
+        for _ in range(MAX_ATTEMPTS):
+            stream = self.replicas.options(stream=True).generate.remote(routed)
+            try:
+                head, first = await self._begin(stream)
+            except ReplicaFailed as exc:
+                replica, cause = exc.args
+                failures.append(f"{replica or 'a replica'}: {type(cause).__name__}")
+                if replica is not None:
+                    routed = replace(routed, avoid=routed.avoid | {replica})
+                continue
+            media = dict(head["headers"]).get("content-type", "")
+            body = _rest(stream, first, sse=media.startswith("text/event-stream"))
+            return StreamingResponse(
+                body, status_code=head["status"], headers=dict(head["headers"])
+            )
+        return error_response(503, f"no replica could serve the request ({'; '.join(failures)})")
+
+    async def _begin(self, stream: DeploymentResponseGenerator) -> tuple[dict[str, Any], bytes]:
+        """The replica's response head and first body chunk; `ReplicaFailed` if it fails first."""
+        replica = None
+        try:
+            replica = (await stream.__anext__())["replica"]
+            head = await stream.__anext__()
+            first = await anext(stream, b"")
+        except RequestCancelledError:
+            raise
+        except (RayError, RayServeException) as exc:
+            logger.warning("replica %s failed a request before answering: %r", replica, exc)
+            raise ReplicaFailed(replica, exc) from exc
+        return head, first
+
+    async def metrics(self, authorization: str | None = None) -> str:
+        """Every replica's /metrics, samples labelled `replica`, and `tokenmill:replicas`
+        (with the caller's credentials: the replicas check them if --metrics-require-auth)."""
+        servers: dict[str, str] = await self.directory.list.remote()
+        headers = {"authorization": authorization} if authorization else {}
+
+        async def scrape(url: str) -> str:
+            try:
+                response = await self.http.get(url + "/metrics", headers=headers)
+            except httpx.HTTPError:
+                return ""
+            return response.text if response.status_code == 200 else ""
+
+        texts = await asyncio.gather(*(scrape(url) for url in servers.values()))
+        return merge_metrics(dict(zip(servers, texts, strict=True)))
+
+
+async def _rest(
+    stream: DeploymentResponseGenerator, first: bytes, sse: bool
+) -> AsyncIterator[bytes]:
+    yield first
+    try:
+        async for chunk in stream:
+            yield chunk
+    except (GeneratorExit, asyncio.CancelledError):
+        stream.cancel()  # the client left: the replica's server aborts the request
+        raise
+    except (RayError, RayServeException) as exc:
+        if not sse:
+            raise
+        logger.warning("a replica failed mid-stream: %r", exc)
+        message = "the replica serving this request failed mid-stream; the response is cut short"
+        error = {"message": message, "type": "ServiceUnavailableError", "param": None, "code": 503}
+        yield f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n".encode()
+
+
+def _routing_keys(body: bytes, session: str | None) -> dict[str, Any]:
+    try:
+        parsed = json.loads(body) if body else None
+    except (ValueError, UnicodeDecodeError):
+        parsed = None  # the replica answers it with a 400
+    if not isinstance(parsed, dict):
+        return {"prefix": (), "session": session}
+    user = parsed.get("user")
+    if session is None and isinstance(user, str) and user:
+        session = user
+    return {"prefix": prefix_blocks(parsed), "session": session}
+
+
+def replica_label(replica_id: str) -> str:
+    """The short, unique part of a Ray Serve replica id (`app#deployment#xyz` -> `xyz`)."""
+    return replica_id.rsplit("#", 1)[-1]
+
+
+def merge_metrics(texts: dict[str, str]) -> str:
+    """Prometheus text of several replicas as one: each family once (its HELP and TYPE, then
+    every replica's samples with a `replica` label), and `tokenmill:replicas`."""
+    headers: dict[str, list[str]] = {}
+    samples: dict[str, list[str]] = {}
+    for replica_id, text in texts.items():
+        label = f'replica="{replica_label(replica_id)}"'
+        family = None
+        for line in text.splitlines():
+            if line.startswith("# HELP ") or line.startswith("# TYPE "):
+                family = line.split(" ", 3)[2]
+                lines = headers.setdefault(family, [])
+                if len(lines) < 2 and line not in lines:
+                    lines.append(line)
+                samples.setdefault(family, [])
+                continue
+            match = _SAMPLE.match(line)
+            if match is None:
+                continue
+            name, labels, value = match.groups()
+            labels = f"{{{label},{labels[1:]}" if labels and labels != "{}" else f"{{{label}}}"
+            samples.setdefault(family or name, []).append(f"{name}{labels}{value}")
+    out = [
+        "# HELP tokenmill:replicas Replicas serving (reporting metrics).",
+        "# TYPE tokenmill:replicas gauge",
+        f"tokenmill:replicas {len(texts)}",
+    ]
+    for family, lines in samples.items():
+        out += headers.get(family, []) + lines
+    return "\n".join(out) + "\n"
