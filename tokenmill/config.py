@@ -25,6 +25,9 @@ logger = logging.getLogger(__name__)
 SUPPORTED_ARCHITECTURES = tuple(MODEL_REGISTRY)
 ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
 _MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
+# Where `attention_bias` also gives o_proj a bias (transformers' modeling code; Qwen2's q/k/v
+# bias comes without one, Mistral has none).
+_O_PROJ_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -173,13 +176,14 @@ class ModelConfig:
     rope: RopeConfig
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # q/k/v projections
     qk_norm: bool
     sliding_window: int | None
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     moe: MoeConfig | None = None
+    o_proj_bias: bool = False  # Llama and Qwen3 give the output projection a bias too
 
     @staticmethod
     def from_pretrained(path: str | Path, dtype: str | torch.dtype = "auto") -> ModelConfig:
@@ -223,6 +227,7 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", qwen2))),
+            o_proj_bias=arch in _O_PROJ_BIAS_ARCHITECTURES and bool(cfg.get("attention_bias")),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=int(window) if window else None,
             dtype=parse_dtype(dtype),

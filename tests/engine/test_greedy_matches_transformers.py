@@ -111,3 +111,11 @@ def test_sliding_window_matches_transformers(tmp_path_factory, setting: str) -> 
     path = build_checkpoint(tmp_path_factory.mktemp("sw") / "mistral", "mistral", sliding_window=8)
     llm = LLM(str(path), device="cpu", **CONSTRAINED.get(setting, {}))
     assert _greedy_tokens(llm) == [hf_greedy(path, p, MAX_TOKENS) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_attention_biases_match_transformers(tmp_path_factory, family: str) -> None:
+    """`attention_bias`: q/k/v and, in these families, o_proj biases (non-zero)."""
+    path = build_checkpoint(tmp_path_factory.mktemp("bias") / family, family, attention_bias=True)
+    llm = LLM(str(path), device="cpu")
+    assert _greedy_tokens(llm) == [hf_greedy(path, p, MAX_TOKENS) for p in PROMPTS]

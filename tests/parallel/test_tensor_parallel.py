@@ -88,12 +88,15 @@ def test_four_ranks_share_each_kv_head_in_pairs(llama_dir: Path) -> None:
     llm.close()
 
 
-def test_one_kv_head_replicated_and_a_vocabulary_that_does_not_split(
+def test_one_kv_head_replicated_biases_and_a_vocabulary_that_does_not_split(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
+    """One key/value head (and its bias) on both ranks; the row-parallel o_proj's bias added
+    once, after the sum; 515 vocabulary rows in shares of 258."""
     path = build_checkpoint(
-        tmp_path_factory.mktemp("mqa") / "llama", "llama", num_key_value_heads=1, vocab_size=515
-    )
+        tmp_path_factory.mktemp("mqa") / "llama", "llama", num_key_value_heads=1, vocab_size=515,
+        attention_bias=True,
+    )  # fmt: skip
     llm = _check_tp2(path)
     try:
         embedding = llm.engine.runner.model.model.embed_tokens

@@ -41,7 +41,8 @@ class Linear(nn.Module):
 
     Under tensor parallelism the sizes are this rank's: `tp_dim=0` (column-parallel) holds a
     slice of the outputs, `tp_dim=1` (row-parallel) a slice of the inputs, whose partial
-    products the model sums over the ranks.
+    products the model sums over the ranks; a row-parallel layer's bias is left out of its
+    product and added once to the sum (`add_bias`).
     """
 
     def __init__(
@@ -53,16 +54,16 @@ class Linear(nn.Module):
         tp_dim: int | None = None,
     ) -> None:
         super().__init__()
-        if bias and tp_dim == 1:
-            raise ValueError("a row-parallel projection with a bias is not supported")
         self.input_kind = input_kind
         weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight = set_tp_dim(weight, tp_dim)
         self.bias = None
-        if bias:
+        if bias:  # a row-parallel layer's bias is whole on every rank
+            bias_dim = 0 if tp_dim == 0 else None
             self.bias = set_tp_dim(
-                nn.Parameter(torch.empty(out_features), requires_grad=False), tp_dim
+                nn.Parameter(torch.empty(out_features), requires_grad=False), bias_dim
             )
+        self._bias_after_sum = bias and tp_dim == 1
         # Row bucket -> GEMV kernel, filled by `choose_gemv_kernels` (empty: always cuBLAS).
         self.gemv_choices: dict[int, GemvChoice] = {}
 
@@ -94,8 +95,12 @@ class Linear(nn.Module):
     def _product(self, h: torch.Tensor, choice: GemvChoice | None) -> torch.Tensor:
         """`h W^T (+ b)` of an already transformed input: the chosen GEMV, else cuBLAS."""
         if choice is None:
-            return F.linear(h, self.weight, self.bias)
+            return F.linear(h, self.weight, None if self._bias_after_sum else self.bias)
         return gemv(h, self.weight, choice.config)
+
+    def add_bias(self, summed: torch.Tensor) -> torch.Tensor:
+        """A row-parallel layer's output summed over the ranks, plus its bias (if any)."""
+        return summed + self.bias if self._bias_after_sum else summed
 
 
 def choose_gemv_kernels(model: nn.Module, cache: TuningCache | None = None) -> int:

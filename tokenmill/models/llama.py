@@ -31,7 +31,9 @@ class LlamaAttention(nn.Module):
             cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias,
             tp,
         )  # fmt: skip
-        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp_dim=1)
+        self.o_proj = Linear(
+            cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_proj_bias, tp_dim=1
+        )
         self.rotary = rotary
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -45,7 +47,8 @@ class LlamaAttention(nn.Module):
         qk_norm = (self.q_norm, self.k_norm) if self.qk_norm else None
         q = attn.store_qkv(qkv, positions, self.layer, self.rotary, qk_norm)
         out = attn.attend(q, self.layer)
-        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.num_heads * self.head_dim)))
+        partial = self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+        return self.o_proj.add_bias(self.tp.all_reduce(partial))
 
 
 class LlamaMLP(nn.Module):

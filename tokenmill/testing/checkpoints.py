@@ -132,8 +132,10 @@ def build_checkpoint(
 ) -> Path:
     """Write a tiny random-weight checkpoint of `family` (`TINY_CONFIGS`) to `path`.
 
-    Weights are drawn with a wide initializer so that greedy decoding has clear winners.
-    `overrides` replace config fields (e.g. `num_hidden_layers=4`).
+    Weights are drawn with a wide initializer so that greedy decoding has clear winners, and
+    biases (transformers starts them at zero) from the same one, so that a bias the engine
+    dropped or added twice changes the output. `overrides` replace config fields (e.g.
+    `num_hidden_layers=4`).
     """
     if family not in TINY_CONFIGS:
         raise ValueError(f"family must be one of {', '.join(TINY_CONFIGS)}, got {family!r}")
@@ -159,6 +161,10 @@ def build_checkpoint(
     config = AutoConfig.for_model(**cfg)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, cfg["initializer_range"])
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     _write_config_dtype(path)
