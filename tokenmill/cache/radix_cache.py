@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenmill.cache.host_tier import HostKVTier
@@ -46,6 +47,57 @@ class PrefixMatch:
         return len(self.pages)
 
 
+class _Leaves:
+    """One tier's eviction candidates, least recently used first: `(last_access, id, node)`
+    offered whenever a node may have become an unreferenced leaf of the tier (`is_leaf`), and
+    checked when taken (an entry whose node has moved on is dropped, or goes back at its newer
+    access), so that eviction does not walk the whole tree on every call. `nodes` walks the
+    tree, for a rebuild; `bound` is the tier's page count, past twice which (mostly stale)
+    entries a rebuild starts afresh."""
+
+    def __init__(
+        self,
+        is_leaf: Callable[[RadixNode], bool],
+        nodes: Callable[[], list[RadixNode]],
+        bound: Callable[[], int],
+    ) -> None:
+        self._is_leaf, self._nodes, self._bound = is_leaf, nodes, bound
+        self._heap: list[tuple[int, int, RadixNode]] = []
+
+    def offer(self, node: RadixNode) -> None:
+        """Make `node` a candidate if it is an unreferenced leaf of the tier now."""
+        if self._is_leaf(node):
+            heapq.heappush(self._heap, (node.last_access, id(node), node))
+            if len(self._heap) > 2 * self._bound() + 64:
+                self._rebuild()
+
+    def _rebuild(self) -> None:
+        self._heap = [(n.last_access, id(n), n) for n in self._nodes() if self._is_leaf(n)]
+        heapq.heapify(self._heap)
+
+    def take(self, older_than: float, any_left: bool) -> RadixNode | None:
+        """The least recently used leaf, if used before `older_than`, taken off the candidates;
+        else None. Should the candidates run dry while `any_left` says the tier holds pages
+        (a path that made a leaf without offering it), they are rebuilt once from the tree."""
+        rebuilt = False
+        while True:
+            if not self._heap:
+                if rebuilt or not any_left:
+                    return None
+                self._rebuild()
+                rebuilt = True
+                continue
+            if self._heap[0][0] >= older_than:
+                return None
+            access, _, node = heapq.heappop(self._heap)
+            if node.parent is None or not self._is_leaf(node):
+                continue  # removed, referenced, moved to the other tier, or not a leaf now
+            if access != node.last_access:  # used since it was offered: later in the order
+                heapq.heappush(self._heap, (node.last_access, id(node), node))
+                continue
+            return node
+
+
 class RadixCache:
     """Prefix tree keyed by token runs at page granularity, sharing one `PagePool`.
 
@@ -65,12 +117,13 @@ class RadixCache:
         self._num_cached_pages = 0
         self._num_evictable_pages = 0
         self._num_host_pages = 0
-        # Eviction candidates, LRU first: (last_access, id, node) pushed whenever a node may
-        # have become an unreferenced device leaf, checked when popped (an entry whose node has
-        # moved on is dropped, or pushed again with its newer access), so `evict` does not walk
-        # the whole tree on every call.
-        self._leaves: list[tuple[int, int, RadixNode]] = []
-        self._host_leaves: list[tuple[int, int, RadixNode]] = []  # the same for host leaves
+        # Eviction candidates of each tier (`_nodes` looked up when called: tests replace it).
+        self._device_leaves = _Leaves(
+            self._is_device_leaf, lambda: self._nodes(), lambda: self._num_cached_pages
+        )
+        self._host_leaves = _Leaves(
+            self._is_host_leaf, lambda: self._nodes(), lambda: self._num_host_pages
+        )
 
     @property
     def num_cached_pages(self) -> int:
@@ -224,7 +277,7 @@ class RadixCache:
             self._num_evictable_pages += len(new_pages)
             tree_pages = tree_pages + new_pages
             node = child
-            self._offer(child)
+            self._device_leaves.offer(child)
         return node, tree_pages
 
     def _adopt(self, node: RadixNode, device_pages: list[int]) -> None:
@@ -236,7 +289,7 @@ class RadixCache:
         self._num_cached_pages += len(node.pages)
         if node.ref_count == 0:
             self._num_evictable_pages += len(node.pages)
-            self._offer(node)
+            self._device_leaves.offer(node)
 
     def lock(self, node: RadixNode) -> None:
         """Protect `node` and its ancestors from eviction (from either tier)."""
@@ -253,9 +306,9 @@ class RadixCache:
             assert node.ref_count >= 0, "radix node unlocked more often than locked"
             if node.ref_count == 0 and not node.on_host:
                 self._num_evictable_pages += len(node.pages)
-                self._offer(node)
+                self._device_leaves.offer(node)
             elif node.ref_count == 0:
-                self._offer_host(node)
+                self._host_leaves.offer(node)
             node = node.parent
 
     @property
@@ -269,7 +322,7 @@ class RadixCache:
         host and the node stays in the tree, on the host."""
         freed = 0
         while freed < num_pages:
-            leaf = self._next_leaf()
+            leaf = self._device_leaves.take(float("inf"), self._num_evictable_pages > 0)
             if leaf is None:
                 break
             parent = leaf.parent
@@ -284,55 +337,8 @@ class RadixCache:
                 self.pool.free(leaf.pages)
                 self._remove(leaf)
             freed += n
-            self._offer(parent)
+            self._device_leaves.offer(parent)
         return freed
-
-    def _offer(self, node: RadixNode) -> None:
-        """Make `node` an eviction candidate if it is an unreferenced device leaf now."""
-        if self._is_device_leaf(node):
-            heapq.heappush(self._leaves, (node.last_access, id(node), node))
-            if len(self._leaves) > 2 * self._num_cached_pages + 64:  # mostly stale entries
-                self._rebuild_leaves()
-
-    def _rebuild_leaves(self) -> None:
-        """The candidates from a walk of the whole tree: every unreferenced device leaf."""
-        self._leaves = [(n.last_access, id(n), n) for n in self._nodes() if self._is_device_leaf(n)]
-        heapq.heapify(self._leaves)
-
-    def _next_leaf(self) -> RadixNode | None:
-        """The least recently used unreferenced device leaf, taken off the candidates; None if
-        there is none. Should the candidates run dry while the count says pages are evictable
-        (a path that made a leaf without offering it), they are rebuilt from the whole tree."""
-        rebuilt = False
-        while True:
-            if not self._leaves:
-                if rebuilt or not self._num_evictable_pages:
-                    return None
-                self._rebuild_leaves()
-                rebuilt = True
-                continue
-            access, _, node = heapq.heappop(self._leaves)
-            if node.parent is None or not self._is_device_leaf(node):
-                continue  # removed, referenced, on the host, or no longer a leaf
-            if access != node.last_access:  # used since it was offered: later in the order
-                heapq.heappush(self._leaves, (node.last_access, id(node), node))
-                continue
-            return node
-
-    def _offer_host(self, node: RadixNode) -> None:
-        """Make `node` a candidate for dropping from the host if it is an unreferenced host
-        leaf now."""
-        if self._is_host_leaf(node):
-            heapq.heappush(self._host_leaves, (node.last_access, id(node), node))
-            if len(self._host_leaves) > 2 * self._num_host_pages + 64:  # mostly stale entries
-                self._rebuild_host_leaves()
-
-    def _rebuild_host_leaves(self) -> None:
-        """The host candidates from a walk of the whole tree: every unreferenced host leaf."""
-        self._host_leaves = [
-            (n.last_access, id(n), n) for n in self._nodes() if self._is_host_leaf(n)
-        ]
-        heapq.heapify(self._host_leaves)
 
     def _offload(self, leaf: RadixNode) -> bool:
         """Move an unreferenced device leaf's pages to the host; False if the host has no room
@@ -348,35 +354,21 @@ class RadixCache:
         self.pool.free(leaf.pages)
         leaf.pages, leaf.on_host = host_pages, True
         self._num_host_pages += n
-        self._offer_host(leaf)
+        self._host_leaves.offer(leaf)
         return True
 
     def _evict_host(self, num_pages: int, older_than: float) -> int:
-        """Drop host leaves last used before `older_than`, LRU first; returns host pages freed.
-        Candidates of nodes no longer host leaves are skipped, those used since they were
-        offered go back at their newer place; should the candidates run out while the host
-        holds pages (a path that made a host leaf without offering it), they are rebuilt once
-        from the whole tree."""
-        freed, rebuilt = 0, False
+        """Drop host leaves last used before `older_than`, LRU first; returns host pages freed."""
+        freed = 0
         while freed < num_pages:
-            if not self._host_leaves:
-                if rebuilt or not self._num_host_pages:
-                    break
-                self._rebuild_host_leaves()
-                rebuilt = True
-                continue
-            if self._host_leaves[0][0] >= older_than:
+            leaf = self._host_leaves.take(older_than, self._num_host_pages > 0)
+            if leaf is None:
                 break
-            access, _, leaf = heapq.heappop(self._host_leaves)
             parent = leaf.parent
-            if parent is None or not self._is_host_leaf(leaf):
-                continue  # removed with a subtree, back on the device, or no longer a leaf
-            if access != leaf.last_access:
-                heapq.heappush(self._host_leaves, (leaf.last_access, id(leaf), leaf))
-                continue
+            assert parent is not None
             freed += len(leaf.pages)
             self._remove(leaf)
-            self._offer_host(parent)
+            self._host_leaves.offer(parent)
         return freed
 
     def _remove(self, node: RadixNode) -> None:
