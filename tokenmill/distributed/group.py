@@ -24,15 +24,12 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
 
 @dataclass(frozen=True)
 class Shard:
-    """The slice `[start, start + size)` of a dimension of `full` entries that one rank holds."""
+    """The slice `[start, start + size)` of a dimension of `full` entries that one rank holds
+    (it may reach past `full`: the last share of a split that does not divide)."""
 
     start: int
     size: int
     full: int
-
-    @property
-    def stop(self) -> int:
-        return self.start + self.size
 
 
 class TPGroup:

@@ -82,12 +82,13 @@ def copy_shard(
     start: int | None = None,
 ) -> None:
     """Copy rank `tp.rank`'s share of `source` along `dim` into `target`: entries `[start,
-    start + target.shape[dim])`, by default `start = rank * target.shape[dim]` with `source`
-    split in `ceil(full / tp.size)`-entry shares (any other size is an error naming `what`);
-    entries past the end of `source` (a padded vocabulary) are zeros."""
+    start + target.shape[dim])`, by default the rank's share of an even split (`tp.split`: any
+    other size is an error naming `what`); entries past the end of `source` (a padded
+    vocabulary) are zeros."""
     full, size = source.shape[dim], target.shape[dim]
     others = [n for d, n in enumerate(source.shape) if d != dim]
-    fits = start is not None or -(-full // tp.size) == size
+    share = tp.split(full)
+    fits = start is not None or share.size == size
     if (
         len(source.shape) != target.dim()
         or not fits
@@ -96,7 +97,7 @@ def copy_shard(
         expected = list(target.shape)
         expected[dim] *= tp.size
         raise ValueError(f"{what} has shape {source.shape}, expected {tuple(expected)}")
-    start = tp.rank * size if start is None else start
+    start = share.start if start is None else start
     stop = min(start + size, full)
     target.narrow(dim, 0, stop - start).copy_(source.read(dim, start, stop))
     if stop - start < size:
