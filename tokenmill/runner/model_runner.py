@@ -15,7 +15,7 @@ import torch
 from tokenmill.attention.backend import AttentionInputs, create_backend
 from tokenmill.batch import StepPlan
 from tokenmill.cache.kv_cache import KVCache
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.distributed.group import TPGroup
 from tokenmill.layers.linear import choose_gemv_kernels
 from tokenmill.models.loader import load_model
@@ -147,8 +147,9 @@ class ModelRunner:
             self.model = load_model(
                 config.model, self.device, config.load_format, config.seed, self.tp
             )
-        # This rank's share of the model: its heads size the KV cache and the attention.
-        self.model_config = config.model.shard(self.tp.size)
+        # This rank's share of the model (`ModelConfig.shard`, as loaded): its heads size the
+        # KV cache and the attention.
+        self.model_config: ModelConfig = self.model.config
         self.page_size = config.cache.page_size
         with self.startup.phase("kv_cache"):
             self.num_pages = self.tp.min(self._num_pages(), self.device)
