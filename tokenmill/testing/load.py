@@ -115,14 +115,23 @@ async def run_load(base_url: str, model: str, spec: LoadSpec) -> LoadReport:
     return report
 
 
+# A client that will leave asks for this many times `max_tokens`, so that its request is still
+# running when it leaves (a short one could finish first on a fast engine, and the abort path
+# would go untested); it leaves early, so the long request costs little.
+LEAVER_TOKENS_FACTOR = 10
+
+
 def _plan(rng: random.Random, spec: LoadSpec) -> dict[str, Any]:
-    return {
+    plan = {
         "stream": rng.random() < 0.5,
         "n": rng.randint(1, spec.max_n),
         "max_tokens": rng.randint(1, spec.max_tokens),
         "prompt": " ".join(rng.choice(("alpha", "beta", "gamma", "delta")) for _ in range(8)),
         "disconnect": rng.random() < spec.disconnect_fraction,
     }
+    if plan["disconnect"]:
+        plan["max_tokens"] = LEAVER_TOKENS_FACTOR * spec.max_tokens
+    return plan
 
 
 async def _request(
