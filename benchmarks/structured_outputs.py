@@ -120,8 +120,9 @@ def ttft(llm: LLM, prompt: list[int], repeats: int) -> dict[str, float]:
 def steps_while_compiling(llm: LLM, prompts: list[list[int]], num_schemas: int) -> dict:
     """Wall time of each engine step over a decode batch, with and without compiles running."""
     engine = llm.engine
-    free = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    window = llm.config.max_model_len  # each decode runs to the end of its window
     for i, p in enumerate(prompts):
+        free = SamplingParams(temperature=0, max_tokens=window - len(p), ignore_eos=True)
         engine.add_request(f"decode-{i}", p, free)
     quiet: list[float] = []
     busy: list[float] = []
