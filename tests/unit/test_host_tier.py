@@ -106,11 +106,38 @@ def test_flush_drops_both_tiers() -> None:
     assert cache.host.pool.num_free == 4 and cache.pool.num_free == 4
 
 
-def test_page_runs_merge_consecutive_pages_on_both_sides() -> None:
-    assert page_runs([3, 4, 5, 9], [0, 1, 7, 8]) == [(3, 0, 2), (5, 7, 1), (9, 8, 1)]
-    assert page_runs([], []) == []
-    with pytest.raises(ValueError, match="copying 1 pages into 2"):
-        page_runs([1], [1, 2])
+def test_page_runs_merge_consecutive_pages() -> None:
+    assert page_runs([3, 4, 5, 9, 7, 8]) == [(0, 3, 3), (3, 9, 1), (4, 7, 2)]
+    assert page_runs([]) == []
+
+
+@pytest.mark.parametrize("staging_pages", [1, 3, 64])
+def test_scattered_pages_round_trip_through_a_staging_buffer_of_any_size(
+    staging_pages: int,
+) -> None:
+    """Pages scattered on both sides, in chunks smaller than, across and larger than the
+    copy: each page lands where it was asked to, in every tensor (two tensors of different
+    shapes, as a target's and a draft's KV), and no other page changes."""
+    shapes = [(PS, 2, 3), (PS, 1, 5)]
+    device_kv = [torch.randn(12, *shape) for shape in shapes]
+    page_bytes = sum(torch.Size(shape).numel() * 4 for shape in shapes)
+    host = HostKVTier(device_kv, 10, torch.device("cpu"), staging_bytes=staging_pages * page_bytes)
+    assert host.chunk_pages == min(staging_pages, 10)
+    device_pages, host_pages = [7, 2, 3, 11, 0], [4, 5, 6, 1, 9]
+    before = [t.clone() for t in device_kv]
+    host.write(device_pages, host_pages)
+    for dev, out in zip(before, host.host_kv, strict=True):
+        assert torch.equal(out[host_pages], dev[device_pages])
+    for t in device_kv:
+        t.zero_()
+    back = [10, 4, 5, 1, 8]
+    host.load(host_pages, back)
+    for dev, old in zip(device_kv, before, strict=True):
+        assert torch.equal(dev[back], old[device_pages])
+        untouched = [p for p in range(12) if p not in back]
+        assert not dev[untouched].any()
+    with pytest.raises(ValueError, match="copying 1 device pages to 2"):
+        host.write([1], [1, 2])
 
 
 def test_a_full_host_drops_its_oldest_leaf_without_walking_the_tree(
