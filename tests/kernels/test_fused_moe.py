@@ -141,7 +141,7 @@ def test_fused_experts_match_float64(dtype, tokens: int, num_experts: int, top_k
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", list(range(1, GEMV_MAX_TOKENS + 1)))
-@pytest.mark.parametrize(("num_experts", "top_k"), [(8, 1), (8, 2), (16, 8)])
+@pytest.mark.parametrize(("num_experts", "top_k"), [(8, 1), (8, 2), (12, 3), (16, 8)])
 def test_small_batch_gemv_experts_match_float64(dtype, tokens, num_experts, top_k) -> None:
     hidden, inter = 80, 40  # not multiples of the tiles
     x, gate_up, down, logits = _problem(tokens, num_experts, hidden, inter, dtype, seed=top_k)
@@ -154,7 +154,8 @@ def test_small_batch_gemv_experts_match_float64(dtype, tokens, num_experts, top_
         weights.cpu().gather(1, order), ref_weights.float().cpu().gather(1, ref_order),
         rtol=1e-5, atol=1e-7,
     )  # fmt: skip
-    out = experts_gemv(x, gate_up, down, weights, ids, MoeGemvConfig(8, 32))
+    # Tiles that leave a partial step of both reductions (80 = 2 x 32 + 16, 40 = 2 x 16 + 8).
+    out = experts_gemv(x, gate_up, down, weights, ids, MoeGemvConfig(8, 32, down_block_k=16))
     assert out.shape == (tokens, hidden) and out.dtype == dtype
     _close(out, _experts_f64(x, gate_up, down, weights, ids), dtype)
 

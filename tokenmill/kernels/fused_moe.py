@@ -241,30 +241,36 @@ def _gate_up_gemv_kernel(
 def _down_gemv_kernel(
     h_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, hidden, inter, stride_h, stride_we,
     stride_wn, stride_out,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Small batches, one token per program row: out[token, cols] = sum over its k pairs of
-    weight * W_down[e] h[pair], the top-k sum included (no separate reduction)."""
+    weight * W_down[e] h[pair], the top-k sum included (no separate reduction). Each step loads
+    the `BLOCK_N` rows of all k experts at once (`SLOTS` = k rounded up to a power of 2): k
+    times the bytes in flight of one expert at a time, which left the loads latency-bound."""
     pdl_wait(USE_PDL)
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
+    slots = tl.arange(0, SLOTS)
+    slot_ok = slots < TOP_K
+    pairs = token * TOP_K + slots
+    experts = tl.load(ids_ptr + pairs, mask=slot_ok, other=0).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for slot in tl.static_range(TOP_K):
-        pair = token * TOP_K + slot
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        w_ptrs = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
-        h_row = h_ptr + pair.to(tl.int64) * stride_h
-        part = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            k_ok = ks < inter - k0
-            h = tl.load(h_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            w = tl.load(w_ptrs + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            part += tl.sum(w.to(tl.float32) * h, axis=1)
-        acc += tl.load(weights_ptr + pair) * part
+    w_ptrs = (w_ptr + experts[:, None, None] * stride_we
+              + cols[None, :, None].to(tl.int64) * stride_wn + ks[None, None, :])  # fmt: skip
+    h_ptrs = h_ptr + pairs[:, None].to(tl.int64) * stride_h + ks[None, :]
+    rows_ok = slot_ok[:, None, None] & col_ok[None, :, None]
+    acc = tl.zeros((SLOTS, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k_ok = ks < inter - k0
+        h = tl.load(h_ptrs + k0, mask=slot_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs + k0, mask=rows_ok & k_ok[None, None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * h.to(tl.float32)[:, None, :], axis=2)
+    weights = tl.load(weights_ptr + pairs, mask=slot_ok, other=0.0)
+    total = tl.sum(acc * weights[:, None], axis=0)
     out = out_ptr + token.to(tl.int64) * stride_out + cols
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+    tl.store(out, total.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 def route(
@@ -303,15 +309,16 @@ def experts_gemv(
     if num_tokens == 0:
         return out
     h = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
-    meta = {"TOP_K": top_k, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
-            "num_warps": config.num_warps, **pdl_options(x.device)}  # fmt: skip
+    meta = {"TOP_K": top_k, "BLOCK_N": config.block_n, "num_warps": config.num_warps,
+            **pdl_options(x.device)}  # fmt: skip
     _gate_up_gemv_kernel[(num_tokens * top_k, triton.cdiv(inter, config.block_n))](
         x, gate_up, h, topk_ids, hidden, inter, x.stride(0), gate_up.stride(0),
-        gate_up.stride(1), h.stride(0), **meta,
+        gate_up.stride(1), h.stride(0), BLOCK_K=config.block_k, **meta,
     )  # fmt: skip
     _down_gemv_kernel[(num_tokens, triton.cdiv(hidden, config.block_n))](
         h, down, out, topk_weights, topk_ids, hidden, inter, h.stride(0), down.stride(0),
-        down.stride(1), out.stride(0), **meta,
+        down.stride(1), out.stride(0), SLOTS=triton.next_power_of_2(top_k),
+        BLOCK_K=config.down_block_k, **meta,
     )  # fmt: skip
     return out
 
