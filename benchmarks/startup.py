@@ -3,13 +3,13 @@ successful completion, cold then warm, with each start-up phase's seconds.
 
 For each checkpoint directory: the cold start runs with every on-disk cache a start-up fills
 (tokenmill's tuning cache, Triton's, torch inductor's, CUDA's JIT cache, ...; see
-`tokenmill.bench.server_process.cache_environment`) pointed at an empty folder of its own, and
-the checkpoint's files dropped from the OS page cache (`posix_fadvise`, so its weights are read
-from disk); the warm start is the second start, with the caches the first one filled. Each
-start is timed from launch until the server first answers HTTP (503 while the model loads),
-until /health says ready, and until a 16-token completion succeeds; the phases are the server's
-`tokenmill:startup_seconds{phase}` (the same as its `start-up ...` log line). Prints one line
-per model; `--output` writes everything as JSON. Arguments after `--` go to `tokenmill serve`.
+`tokenmill.bench.server_process.cache_environment`) pointed at an empty folder of its own; the
+warm start is the second start, with the caches the first one filled. The checkpoint's files
+stay in the OS page cache unless `--drop-page-cache`. Each start is timed from launch until the
+server first answers HTTP (503 while the model loads), until /health says ready, and until a
+16-token completion succeeds; the phases are the server's `tokenmill:startup_seconds{phase}`
+(the same as its `start-up ...` log line). Prints a line per model and a line of phases per
+start; `--output` writes everything as JSON. Arguments after `--` go to `tokenmill serve`.
 
     PYTHONPATH=$PWD python benchmarks/startup.py DIR [DIR ...] --output startup.json \\
         [--cache-dir /tmp/tm-caches] [-- --max-model-len 8192]
@@ -30,7 +30,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tokenmill.bench.server_process import ServerProcess, cache_environment, startup_log_line
+from tokenmill.bench.server_process import (
+    ServerProcess,
+    cache_environment,
+    startup_log_line,
+    stop_on_sigterm,
+)
 
 
 def drop_from_page_cache(directory: Path) -> int:
@@ -104,18 +109,20 @@ def measure_model(
     return report
 
 
-def summary_line(report: dict[str, Any]) -> str:
-    """`startup NAME: cold X s, warm Y s to the first completion`, then each start's times."""
-
-    def start(kind: str) -> str:
-        s = report[kind]
-        phases = " ".join(f"{phase} {seconds:.1f}" for phase, seconds in s["phases"].items())
-        return (
-            f"{kind} {s['first_completion_s']:.1f} s (listening {s['listening_s']:.1f}, ready "
-            f"{s['ready_s']:.1f}: {phases})"
-        )
-
-    return f"startup {report['model']}: {start('cold')}; {start('warm')}"
+def summary_lines(report: dict[str, Any]) -> list[str]:
+    """`startup NAME: cold X s, warm Y s to the first completion (...)`, then each start's
+    phases on a line of its own."""
+    cold, warm = report["cold"], report["warm"]
+    lines = [
+        f"startup {report['model']}: cold {cold['first_completion_s']:.1f} s, warm "
+        f"{warm['first_completion_s']:.1f} s to the first completion (listening "
+        f"{cold['listening_s']:.1f} / {warm['listening_s']:.1f} s, ready {cold['ready_s']:.1f} "
+        f"/ {warm['ready_s']:.1f} s)"
+    ]
+    for kind in ("cold", "warm"):
+        phases = report[kind]["phases"].items()
+        lines.append(f"  {kind}: " + ", ".join(f"{phase} {s:.1f}" for phase, s in phases))
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,10 +149,13 @@ def main(argv: list[str] | None = None) -> int:
         help="Seconds a start may take to its first completion.",
     )  # fmt: skip
     parser.add_argument(
-        "--drop-page-cache", action=argparse.BooleanOptionalAction, default=True,
-        help="Drop the checkpoint's files from the OS page cache before the cold start.",
+        "--drop-page-cache", action=argparse.BooleanOptionalAction, default=False,
+        help="Drop the checkpoint's files from the OS page cache before the cold start, so "
+        "that it reads the weights from the disk (flushing and reading a large checkpoint "
+        "may take long on a slow disk).",
     )  # fmt: skip
     args = parser.parse_args(ours)
+    stop_on_sigterm()
     names = [d.resolve().name for d in args.model_dirs]
     if len(set(names)) < len(names):
         parser.error(f"the model directories must have distinct names, got {names}")
@@ -160,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             report = measure_model(
                 model_dir, serve_args, root / name, logs, args.timeout, args.drop_page_cache
             )
-            print(summary_line(report), flush=True)
+            print("\n".join(summary_lines(report)), flush=True)
             reports.append(report)
             if args.output:  # after each model, so that a later failure keeps this one
                 Path(args.output).write_text(json.dumps(reports, indent=2))

@@ -117,11 +117,7 @@ def run_workload(
         outputs = [1] * args.num_requests
         extra = {"input_len": args.input_len}
     elif args.workload == "data":
-        spec = WorkloadSpec(
-            "data", num_sessions=args.num_requests, vocab_size=cfg.vocab_size, seed=args.seed,
-            length_scale=args.length_scale,
-        )  # fmt: skip
-        turns = [session.turns[0] for session in build_workload(spec)]
+        turns = [session.turns[0] for session in build_workload(data_workload(args, cfg))]
         prompts, outputs = [t.new_tokens for t in turns], [t.max_tokens for t in turns]
         extra = {"length_scale": args.length_scale}
     else:
@@ -132,6 +128,15 @@ def run_workload(
     if hw is not None:
         result["pct_of_matmul_rate"] = pct_of_matmul_rate(result["flops"], result["elapsed_s"], hw)
     return result, {}
+
+
+def data_workload(args: OfflineBenchArgs, cfg: ModelConfig) -> WorkloadSpec:
+    """The serving benchmark's data workload of `args` (the same requests as `bench serve
+    --workload data` with the same --num-requests, --seed and --length-scale)."""
+    return WorkloadSpec(
+        "data", num_sessions=args.num_requests, vocab_size=cfg.vocab_size, seed=args.seed,
+        length_scale=args.length_scale,
+    )  # fmt: skip
 
 
 def pct_of_matmul_rate(flops: float, seconds: float, hw: Hardware) -> float:

@@ -175,6 +175,16 @@ class ServerProcess:
         return process.returncode
 
 
+def stop_on_sigterm() -> None:
+    """Make SIGTERM (e.g. from `timeout`) end this process through SystemExit, so that the
+    `finally` blocks that stop its servers run (they are in sessions of their own)."""
+
+    def exit_(signum: int, frame: object) -> None:
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, exit_)
+
+
 @contextlib.contextmanager
 def running_server(
     model_dir: str, serve_args: Sequence[str], log_path: Path,
