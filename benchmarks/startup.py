@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -33,35 +32,11 @@ from typing import Any
 from tokenmill.bench.server_process import (
     ServerProcess,
     cache_environment,
+    cache_files,
+    drop_from_page_cache,
     startup_log_line,
     stop_on_sigterm,
 )
-
-
-def drop_from_page_cache(directory: Path) -> int:
-    """Ask the kernel to drop `directory`'s files from the OS page cache (flushed first, so
-    that pages just written can go); the bytes of the files it was asked for."""
-    dropped = 0
-    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            dropped += os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-    return dropped
-
-
-def cache_files(root: Path) -> dict[str, int]:
-    """Files under each folder of `root` (tokenmill's tuning cache counted apart)."""
-    counts: dict[str, int] = {}
-    for path in root.rglob("*"):
-        if path.is_file():
-            relative = path.relative_to(root).parts
-            folder = "tuning" if relative[:2] == ("tokenmill", "tuning") else relative[0]
-            counts[folder] = counts.get(folder, 0) + 1
-    return dict(sorted(counts.items()))
 
 
 def measure_start(

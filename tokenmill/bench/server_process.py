@@ -1,6 +1,7 @@
 """A `tokenmill serve` child process for benchmarks: launched with the environment they choose
-(e.g. empty compile caches), timed from launch to listening, ready and its first successful
-completion, read for its start-up phases, and stopped.
+(e.g. every on-disk cache under a folder of their own, empty for a cold start), timed from
+launch to listening, ready and its first successful completion, read for its start-up phases,
+and stopped.
 """
 
 from __future__ import annotations
@@ -40,6 +41,32 @@ def cache_environment(root: Path) -> dict[str, str]:
         "TORCH_EXTENSIONS_DIR": str(root / "torch_extensions"),
         "FLASHINFER_WORKSPACE_BASE": str(root),
     }
+
+
+def drop_from_page_cache(directory: Path) -> int:
+    """Ask the kernel to drop `directory`'s files from the OS page cache (flushed first, so
+    that pages just written can go); the bytes of the files it was asked for."""
+    dropped = 0
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            dropped += os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+    return dropped
+
+
+def cache_files(root: Path) -> dict[str, int]:
+    """Files under each folder of `root` (tokenmill's tuning cache counted apart)."""
+    counts: dict[str, int] = {}
+    for path in root.rglob("*"):
+        if path.is_file():
+            relative = path.relative_to(root).parts
+            folder = "tuning" if relative[:2] == ("tokenmill", "tuning") else relative[0]
+            counts[folder] = counts.get(folder, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 @dataclass(frozen=True)
