@@ -187,7 +187,9 @@ class ServerProcess:
         return "\n".join(text.splitlines()[-lines:])
 
     def stop(self, timeout_s: float = 60.0) -> int | None:
-        """SIGTERM (a graceful shutdown), SIGKILL after `timeout_s`; the exit code."""
+        """SIGTERM (a graceful shutdown), SIGKILL to it and its workers after `timeout_s`;
+        returns its exit code once no process of its group runs (so that the device memory its
+        engine held is free for whatever runs next)."""
         process = self._process
         if process is None:
             return None
@@ -197,9 +199,29 @@ class ServerProcess:
                 process.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)  # its workers too
+                    os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+        deadline = time.monotonic() + timeout_s
+        while _group_running(process.pid):
+            if time.monotonic() > deadline:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                break
+            time.sleep(0.1)
         return process.returncode
+
+
+def _group_running(group: int) -> bool:
+    """Whether a process of process group `group` runs (zombies do not), from Linux's /proc."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # After the command name (which may hold spaces), field 3 is the state, 5 the group.
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # it ended meanwhile
+        if int(fields[2]) == group and fields[0] not in ("Z", "X"):
+            return True
+    return False
 
 
 def stop_on_sigterm() -> None:
