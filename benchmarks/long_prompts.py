@@ -48,7 +48,12 @@ from tokenmill.bench.offline import (
 from tokenmill.bench.options import OfflineBenchArgs, ServeBenchArgs
 from tokenmill.bench.roofline import Hardware
 from tokenmill.bench.serve import run_serve_bench
-from tokenmill.bench.server_process import cache_environment, running_server, stop_on_sigterm
+from tokenmill.bench.server_process import (
+    cache_environment,
+    parse_with_serve_args,
+    running_server,
+    stop_on_sigterm,
+)
 from tokenmill.config import ModelConfig
 
 WARMUP_REQUESTS = 8
@@ -98,12 +103,7 @@ def http_row(name: str, http: dict[str, Any], offline: dict[str, Any], hw: Hardw
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    ours, serve_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) \
-        if "--" in argv else (argv, [])  # fmt: skip
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], epilog="Arguments after -- go to tokenmill serve."
-    )
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model_dir", type=Path, help="Checkpoint directory.")
     parser.add_argument("--num-requests", type=int, default=512, help="Data workload requests.")
     parser.add_argument(
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-dir", type=Path, default=None, help="Write the server log here.")
     parser.add_argument("--timeout", type=float, default=600.0, help="Seconds for a step.")
     parser.add_argument("--output", default=None, help="Write the JSON report here.")
-    args = parser.parse_args(ours)
+    args, serve_args = parse_with_serve_args(parser, sys.argv[1:] if argv is None else argv)
     stop_on_sigterm()
     for flag in ("num_requests", "max_concurrency", "b6_input_len", "timeout", "length_scale"):
         if getattr(args, flag) <= 0:

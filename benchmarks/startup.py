@@ -34,6 +34,7 @@ from tokenmill.bench.server_process import (
     cache_environment,
     cache_files,
     drop_from_page_cache,
+    parse_with_serve_args,
     startup_log_line,
     stop_on_sigterm,
 )
@@ -101,12 +102,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    ours, serve_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) \
-        if "--" in argv else (argv, [])  # fmt: skip
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], epilog="Arguments after -- go to tokenmill serve."
-    )
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model_dirs", nargs="+", type=Path, help="Checkpoint directories.")
     parser.add_argument("--output", default=None, help="Write the JSON report here.")
     parser.add_argument(
@@ -129,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         "that it reads the weights from the disk (flushing and reading a large checkpoint "
         "may take long on a slow disk).",
     )  # fmt: skip
-    args = parser.parse_args(ours)
+    args, serve_args = parse_with_serve_args(parser, sys.argv[1:] if argv is None else argv)
     stop_on_sigterm()
     names = [d.resolve().name for d in args.model_dirs]
     if len(set(names)) < len(names):

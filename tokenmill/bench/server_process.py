@@ -6,6 +6,7 @@ and stopped.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import re
@@ -222,6 +223,17 @@ def _group_running(group: int) -> bool:
         if int(fields[2]) == group and fields[0] not in ("Z", "X"):
             return True
     return False
+
+
+def parse_with_serve_args(
+    parser: argparse.ArgumentParser, argv: Sequence[str]
+) -> tuple[argparse.Namespace, list[str]]:
+    """A benchmark's own arguments (`parser`'s), and those after `--`, which go to every
+    `tokenmill serve` it starts."""
+    argv = list(argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser.epilog = "Arguments after -- go to tokenmill serve."
+    return parser.parse_args(argv[:split]), argv[split + 1 :]
 
 
 def stop_on_sigterm() -> None:
