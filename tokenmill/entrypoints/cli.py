@@ -377,6 +377,7 @@ def _bench(ns: argparse.Namespace) -> int:
 
     from tokenmill.bench import offline, roofline
     from tokenmill.bench.options import OfflineBenchArgs
+    from tokenmill.bench.workloads import build_workload
     from tokenmill.config import ModelConfig
 
     if ns.bench == "serve":
@@ -394,6 +395,13 @@ def _bench(ns: argparse.Namespace) -> int:
             prompts = np.full(args.num_requests, args.input_len)
             floor = cost.prefill_time(prompts, hw)
             print(f"B6 floor: {floor:.3f} s = {prompts.sum() / floor:.0f} prompt tok/s")
+        elif args.workload == "data":
+            turns = [s.turns[0] for s in build_workload(offline.data_workload(args, cfg))]
+            p = np.array([len(t.new_tokens) for t in turns])
+            o = np.array([t.max_tokens for t in turns])
+            floor = cost.sequence_flops(p, o) / hw.matmul_flops
+            tok_s = (p + o).sum() / floor
+            print(f"data at the matmul rate: {floor:.2f} s = {tok_s:.0f} total tok/s")
         else:
             rng = np.random.default_rng(args.seed)
             p = rng.integers(args.min_len, args.max_len + 1, args.num_requests)
