@@ -137,23 +137,26 @@ class ServerProcess:
         listening = ready = None
         model = None
         with httpx.Client(base_url=self.base_url, timeout=30) as client:
-            while (now := time.perf_counter() - self._launched) < timeout_s:
+            while (now := self._elapsed()) < timeout_s:
                 self._check_running()
                 try:
                     if ready is None:
                         health = client.get("/health", timeout=2)
-                        listening = now if listening is None else listening
-                        ready = now if health.status_code == 200 else None
+                        answered = self._elapsed()
+                        listening = answered if listening is None else listening
+                        ready = answered if health.status_code == 200 else None
                     else:
                         model = model or client.get("/v1/models").json()["data"][0]["id"]
                         if self._complete(client, model, timeout_s - now):
-                            done = time.perf_counter() - self._launched
-                            assert listening is not None
-                            return StartTimes(listening, ready, done)
+                            assert listening is not None  # answered before it was ready
+                            return StartTimes(listening, ready, self._elapsed())
                 except httpx.TransportError:  # not listening yet
                     pass
                 time.sleep(0.05)
         raise RuntimeError(f"no completion {timeout_s:.0f} s after launch:\n{self.log_tail()}")
+
+    def _elapsed(self) -> float:
+        return time.perf_counter() - self._launched
 
     def _complete(self, client: httpx.Client, model: str, timeout_s: float) -> bool:
         body = {
