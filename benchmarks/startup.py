@@ -30,11 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.bench.server_process import (
-    ServerProcess,
     cache_environment,
     cache_files,
     drop_from_page_cache,
     parse_with_serve_args,
+    running_server,
     startup_log_line,
     stop_on_sigterm,
 )
@@ -44,13 +44,10 @@ def measure_start(
     model_dir: Path, serve_args: list[str], caches: Path, log: Path, timeout_s: float
 ) -> dict[str, Any]:
     """One start of `tokenmill serve`, with its caches under `caches`: its times and phases."""
-    server = ServerProcess(str(model_dir), serve_args, log, cache_environment(caches))
-    server.start()
-    try:
-        times = server.wait_first_completion(timeout_s)
+    env = cache_environment(caches)
+    with running_server(str(model_dir), serve_args, log, env, timeout_s) as (server, times):
         phases = server.startup_phases()
-    finally:
-        exit_code = server.stop()
+    exit_code = server.stop()  # stopped already: its exit code
     return {
         "listening_s": times.listening_s,
         "ready_s": times.ready_s,

@@ -193,7 +193,7 @@ class ServerProcess:
     def stop(self, timeout_s: float = 60.0) -> int | None:
         """SIGTERM (a graceful shutdown), SIGKILL to it and its workers after `timeout_s`;
         returns its exit code once no process of its group runs (so that the device memory its
-        engine held is free for whatever runs next)."""
+        engine held is free for whatever runs next). Stopping it again returns the same code."""
         process = self._process
         if process is None:
             return None
