@@ -48,7 +48,11 @@ class OfflineBenchArgs:
 
     def __post_init__(self) -> None:
         if self.input_len < 0:
-            raise ValueError(f"input_len must be >= 1, got {self.input_len}")
+            raise ValueError(
+                f"input_len must be >= 1 (or 0: the workload's default), got {self.input_len}"
+            )
+        if self.num_requests < 1:
+            raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
         if not self.input_len:  # the workload's own default
             self.input_len = 2048 if self.workload == "b6" else 512
         if self.length_scale <= 0:
