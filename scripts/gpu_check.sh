@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call (see ../shared/device/README.md).
 # Usage on the device:
-#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|structured|b4|tp|conformance|hostkv|all]
+#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|structured|b4|tp|conformance|hostkv|startup|all]
 # (gputests = the GPU engine tests and the GEMV, decode and rotary kernel tests + profile + B1;
 #  moe = the mixture-of-experts GPU and kernel tests (moetests), B1/B2 qwen3-30b-a3b with the
 #  transformers peer (moebench);
@@ -15,7 +15,16 @@
 #  llama-3.1-8b with tp=1 (and the transformers peer) and tp=2, and qwen3-30b-a3b with tp=2;
 #  conformance = `tokenmill eval conformance` of a bf16 server on llama-3.1-8b shapes with random
 #  weights against the float32 transformers reference: the weights are written once as a
-#  checkpoint (`tokenmill eval dummy-checkpoint`, /tmp, 16 GB) that both sides load)
+#  checkpoint (`tokenmill eval dummy-checkpoint`, /tmp, 16 GB) that both sides load;
+#  startup = issue 24, for qwen3-0.6b and llama-3.1-8b (STARTUP_MODELS): a dummy checkpoint each
+#  in /tmp, then benchmarks/startup.py (seconds to the first completion, cold: empty tuning,
+#  Triton and inductor caches; warm: the second start; each phase), then
+#  benchmarks/long_prompts.py starting warm from those caches: the data workload through HTTP
+#  (default options, 256 concurrent) vs LLM.generate, % of the matmul rate, and B6 with
+#  8,192-token prompts. Sized to fit one call: 512 data requests on qwen3-0.6b, 128 on
+#  llama-3.1-8b (DATA_REQUESTS overrides both), B6 64 and 32 prompts (B6_REQUESTS); SERVE_ARGS
+#  go to every server, LONG_ARGS to long_prompts.py (a CPU dry run: MODELS=<tiny configs>
+#  SERVE_ARGS="--device cpu" LONG_ARGS="--device cpu --length-scale 0.05 --b6-input-len 256"))
 #   or TREES="ab/before ab/after" bash scripts/gpu_check.sh [ab-b1|ab-b2]: B1 or B2 without the
 #   transformers peer, each source tree in turn, run from inside it (see docs/perf-notes.md)
 # Full logs and JSON reports go to $OUT (or ./gpu-out); a short table is printed last.
@@ -171,6 +180,33 @@ for _ in range(900):
   echo "conformance llama-3.1-8b bf16 vs float32:" >> "$table"
   grep -E "^(group|text|token-ids|chat|prefix-hit|all|tokenization|PASS|FAIL)" "$out/conformance.log" >> "$table"
   kill -TERM "$server"; wait "$server"
+fi
+if [[ "$what" == startup ]]; then
+  caches=/tmp/tokenmill-startup-caches
+  rm -rf "$caches"
+  read -ra startup_models <<< "${STARTUP_MODELS:-qwen3-0.6b llama-3.1-8b}"
+  read -ra serve_args <<< "${SERVE_ARGS:-}"
+  read -ra long_args <<< "${LONG_ARGS:-}"
+  for m in "${startup_models[@]}"; do  # the start-ups first: the issue's first numbers
+    ckpt="/tmp/tokenmill-checkpoints/$m"
+    if [[ ! -f "$ckpt/config.json" ]]; then
+      written=$SECONDS
+      python3 -m tokenmill.entrypoints.cli eval dummy-checkpoint --config "$models/$m" \
+        --output "$ckpt" > "$out/checkpoint-$m.log" 2>&1 || tail -3 "$out/checkpoint-$m.log"
+      echo "dummy checkpoint $m: $(du -sh "$ckpt" | cut -f1) in $((SECONDS - written)) s" >> "$table"
+    fi
+    timeout -k 20 360 python3 benchmarks/startup.py "$ckpt" --cache-dir "$caches" --log-dir "$out" \
+      --timeout 240 --output "$out/startup-$m.json" -- "${serve_args[@]}" 2>&1 \
+      | tee "$out/startup-$m.log" | grep -E "^(startup |  cold|  warm|Traceback|\w*Error)" >> "$table"
+  done
+  for m in "${startup_models[@]}"; do
+    requests=512 prompts=64
+    [[ "$m" == llama-3.1-8b ]] && requests=128 prompts=32
+    timeout -k 20 360 python3 benchmarks/long_prompts.py "/tmp/tokenmill-checkpoints/$m" --cache-dir "$caches" \
+      --log-dir "$out" --num-requests "${DATA_REQUESTS:-$requests}" --b6-requests "${B6_REQUESTS:-$prompts}" \
+      --timeout 240 --output "$out/long-prompts-$m.json" "${long_args[@]}" -- "${serve_args[@]}" 2>&1 \
+      | tee "$out/long-prompts-$m.log" | grep -E "^(data |B6 |Traceback|\w*Error)" >> "$table"
+  done
 fi
 echo
 echo "=== summary ==="

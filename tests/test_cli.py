@@ -9,6 +9,9 @@ import sys
 import threading
 from pathlib import Path
 
+import numpy as np
+import pytest
+
 from tests.e2e.server import wait_until
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineArgs
@@ -127,12 +130,51 @@ def test_bench_offline_b1_and_b2_on_the_cpu(llama_dir: Path, tmp_path: Path, cap
     assert "B1 llama" in out and "B2 llama" in out and "transformers not run" in out
 
 
+def test_bench_offline_b6_and_data_count_their_tokens_and_flops(
+    llama_dir: Path, tmp_path: Path, capsys
+) -> None:
+    """B6: prompts of --input-len tokens, one output each; data: the serving benchmark's data
+    workload (the same token ids as `bench serve --workload data`), with the FLOPs they did."""
+    from tokenmill.bench.roofline import ModelCost
+    from tokenmill.bench.workloads import WorkloadSpec, build_workload
+    from tokenmill.config import ModelConfig
+
+    b6, data = tmp_path / "b6.json", tmp_path / "data.json"
+    common = ["--config", str(llama_dir), "--device", "cpu", "--dtype", "float32"]
+    assert main(["bench", "offline", *common, "--workload", "b6", "--input-len", "24",
+                 "--num-requests", "3", "--output", str(b6)]) == 0  # fmt: skip
+    assert main(["bench", "offline", *common, "--workload", "data", "--num-requests", "4",
+                 "--length-scale", "0.01", "--output", str(data)]) == 0  # fmt: skip
+    cfg = ModelConfig.from_pretrained(llama_dir, "float32")
+    cost = ModelCost.of(cfg, 4)
+    result = json.loads(b6.read_text())["tokenmill"]
+    assert (result["requests"], result["input_len"]) == (3, 24)
+    assert result["prompt_tok_s"] * result["elapsed_s"] == pytest.approx(3 * 24)
+    assert result["flops"] == pytest.approx(cost.sequence_flops(np.full(3, 24), np.ones(3)))
+    turns = [s.turns[0] for s in build_workload(WorkloadSpec(
+        "data", num_sessions=4, vocab_size=cfg.vocab_size, length_scale=0.01
+    ))]  # fmt: skip
+    prompts = np.array([len(t.new_tokens) for t in turns])
+    outputs = np.array([t.max_tokens for t in turns])
+    result = json.loads(data.read_text())["tokenmill"]
+    assert result["total_tok_s"] * result["elapsed_s"] == pytest.approx(
+        prompts.sum() + outputs.sum()
+    )
+    assert result["flops"] == pytest.approx(cost.sequence_flops(prompts, outputs))
+    out = capsys.readouterr().out
+    assert "B6 llama: 3 x 24-token prompts" in out and "data llama: LLM.generate 4 requests" in out
+
+
 def test_bench_roofline_prints_the_floor(capsys) -> None:
     config = Path(__file__).parent / "data" / "llama-3.1-8b"
     assert main(["bench", "roofline", "--config", str(config), "--workload", "b1"]) == 0
     out = capsys.readouterr().out
     # 15.0 GB of bf16 weights per step at 4.27 TB/s: ~3.5 ms, ~283 tok/s.
     assert "B1 floor: 3.5" in out and "283 tok/s" in out
+    # B6 at 2,048 tokens: BENCHMARKS.md saw 39.9 k tok/s = 73% of the matmul rate, ~54.7 k.
+    b6 = ["--workload", "b6", "--input-len", "2048"]
+    assert main(["bench", "roofline", "--config", str(config), *b6]) == 0
+    assert "= 54773 prompt tok/s" in capsys.readouterr().out
 
 
 def test_version_answers_without_importing_torch() -> None:

@@ -36,6 +36,17 @@ NOT_RUN = {
         "a 0.6 B model and its transformers peer: minutes on a CPU (tests/test_cli.py runs "
         "bench offline on a tiny model)"
     ),
+    "tokenmill bench offline --config path/to/llama-3.1-8b": (
+        "an 8 B model (tests/test_cli.py::test_bench_offline_b6_and_data_count_their_tokens_and_"
+        "flops runs B6 and data on a tiny model)"
+    ),
+    "PYTHONPATH=$PWD python benchmarks/startup.py": (
+        "two starts of a server per model (tests/e2e/test_startup_bench.py times one start; "
+        "scripts/gpu_check.sh startup runs it)"
+    ),
+    "PYTHONPATH=$PWD python benchmarks/long_prompts.py": (
+        "a GPU-sized workload (scripts/gpu_check.sh startup runs it)"
+    ),
     "tokenmill bench serve ...": "options elided (...): the command above it runs",
     'tokenmill serve --model DIR --api-key "$KEY"': (
         "a second server on the same port (the api key: tests/reliability/test_http_edge.py)"

@@ -1,4 +1,6 @@
-"""Offline benchmarks B1 (single-stream decode) and B2 (throughput), with a transformers peer."""
+"""Offline benchmarks B1 (single-stream decode), B2 (throughput), B6 (prefill) and the data
+workload, with the roofline or the matmul rate measured in the same run and, for B1 and B2, a
+transformers peer."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from tokenmill.bench.roofline import (
     measure_hardware,
     single_stream_floor,
 )
+from tokenmill.bench.workloads import WorkloadSpec, build_workload
 from tokenmill.config import ModelConfig
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.sampling_params import SamplingParams
@@ -29,23 +32,46 @@ logger = logging.getLogger(__name__)
 
 def _hardware(device: torch.device) -> Hardware | None:
     """Measured ceilings of the GPU; None on the CPU, where no roofline is modelled."""
-    return measure_hardware(device) if device.type == "cuda" else None
+    if device.type != "cuda":
+        return None
+    measured = measure_hardware(device)
+    torch.cuda.empty_cache()  # its 2.3 GB of buffers: the engine's activations may need them
+    return measured
+
+
+def offline_llm(args: OfflineBenchArgs) -> LLM:
+    """The engine a benchmark runs: dummy weights (unless `engine_kwargs` says otherwise) and,
+    but for the data workload, which runs with the engine's defaults as a server would, no
+    prefix caching (its prompts do not repeat)."""
+    defaults: dict[str, Any] = {"load_format": "dummy", "enable_prefix_caching": False}
+    if args.workload == "data":
+        del defaults["enable_prefix_caching"]
+    options = {"dtype": args.dtype, "device": args.device, "seed": args.seed, **defaults}
+    return LLM(args.config, **{**options, **args.engine_kwargs})
 
 
 def run_offline(args: OfflineBenchArgs) -> dict[str, Any]:
     """Run the workload on tokenmill and (optionally) its transformers peer; returns the report."""
     rng = np.random.default_rng(args.seed)
     cfg = ModelConfig.from_pretrained(args.config, args.dtype)
-    cost = ModelCost.of(cfg, torch.empty((), dtype=cfg.dtype).element_size())
-    llm = LLM(
-        args.config,
-        load_format="dummy",
-        dtype=args.dtype,
-        device=args.device,
-        seed=args.seed,
-        enable_prefix_caching=False,
-        **args.engine_kwargs,
-    )
+    llm = offline_llm(args)
+    device = llm.engine.runner.device
+    report, hw = report_header(args, llm)
+    report["tokenmill"], floor = run_workload(llm, args, hw, rng)
+    report.update(floor)
+    llm.close()
+    del llm
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if args.peer and args.workload in ("b1", "b2"):
+        report["transformers"] = _peer(args, cfg, rng, device)
+    return report
+
+
+def report_header(args: OfflineBenchArgs, llm: LLM) -> tuple[dict[str, Any], Hardware | None]:
+    """The report's description of the run (model, device, the ceilings measured now) and the
+    ceilings of the run's `tp` GPUs (None on the CPU)."""
     device = llm.engine.runner.device
     tp = llm.engine.runner.tp.size
     measured = _hardware(device)
@@ -62,34 +88,64 @@ def run_offline(args: OfflineBenchArgs) -> dict[str, Any]:
         "engine_args": args.engine_kwargs,
         "tensor_parallel_size": tp,
     }
+    return report, hw
+
+
+def run_workload(
+    llm: LLM, args: OfflineBenchArgs, hw: Hardware | None, rng: np.random.Generator
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """B1, B2, B6 or data on `llm`: the measurements, and the floor of B1 or B2 when `hw` is
+    known (B6 and data report the share of `hw`'s matmul rate they used)."""
+    cfg = llm.config.model
+    cost = ModelCost.of(cfg, torch.empty((), dtype=cfg.dtype).element_size())
     if args.workload == "b1":
-        report["tokenmill"] = _b1(llm, cfg.vocab_size, args, rng)
+        result: dict[str, Any] = _b1(llm, cfg.vocab_size, args, rng)
         if hw is not None:
             floor = single_stream_floor(cost, args.input_len, args.output_len, hw)
-            report["roofline_tok_s"] = 1 / floor
-            report["tokenmill"]["pct_of_roofline"] = 100 * floor / report["tokenmill"]["tpot_s"]
-    elif args.workload == "b2":
+            result["pct_of_roofline"] = 100 * floor / result["tpot_s"]
+            return result, {"roofline_tok_s": 1 / floor}
+        return result, {}
+    if args.workload == "b2":
         prompts_len = rng.integers(args.min_len, args.max_len + 1, args.num_requests)
         outputs_len = rng.integers(args.min_len, args.max_len + 1, args.num_requests)
         prompts = [rng.integers(10, cfg.vocab_size, n).tolist() for n in prompts_len]
-        report["tokenmill"] = _b2(llm, prompts, outputs_len.tolist())
+        result = _b2(llm, prompts, outputs_len.tolist())
         if hw is not None:
             ideal = batch_floor(cost, prompts_len, outputs_len, hw)
-            report["roofline_ideal_s"] = ideal
-            report["roofline_output_tok_s"] = float(outputs_len.sum()) / ideal
-            report["tokenmill"]["pct_of_roofline"] = (
-                100 * report["tokenmill"]["output_tok_s"] / report["roofline_output_tok_s"]
-            )
+            output_tok_s = float(outputs_len.sum()) / ideal
+            result["pct_of_roofline"] = 100 * result["output_tok_s"] / output_tok_s
+            return result, {"roofline_ideal_s": ideal, "roofline_output_tok_s": output_tok_s}
+        return result, {}
+    if args.workload == "b6":
+        prompts = rng.integers(10, cfg.vocab_size, (args.num_requests, args.input_len)).tolist()
+        outputs = [1] * args.num_requests
+        extra = {"input_len": args.input_len}
+    elif args.workload == "data":
+        turns = [session.turns[0] for session in build_workload(data_workload(args, cfg))]
+        prompts, outputs = [t.new_tokens for t in turns], [t.max_tokens for t in turns]
+        extra = {"length_scale": args.length_scale}
     else:
-        raise ValueError(f"workload must be b1 or b2, got {args.workload!r}")
-    llm.close()
-    del llm
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    if args.peer:
-        report["transformers"] = _peer(args, cfg, rng, device)
-    return report
+        raise ValueError(f"workload must be b1, b2, b6 or data, got {args.workload!r}")
+    result = {**extra, **_b2(llm, prompts, outputs)}
+    result["prompt_tok_s"] = sum(map(len, prompts)) / result["elapsed_s"]
+    result["flops"] = cost.sequence_flops(np.array(list(map(len, prompts))), np.array(outputs))
+    if hw is not None:
+        result["pct_of_matmul_rate"] = pct_of_matmul_rate(result["flops"], result["elapsed_s"], hw)
+    return result, {}
+
+
+def data_workload(args: OfflineBenchArgs, cfg: ModelConfig) -> WorkloadSpec:
+    """The serving benchmark's data workload of `args` (the same requests as `bench serve
+    --workload data` with the same --num-requests, --seed and --length-scale)."""
+    return WorkloadSpec(
+        "data", num_sessions=args.num_requests, vocab_size=cfg.vocab_size, seed=args.seed,
+        length_scale=args.length_scale,
+    )  # fmt: skip
+
+
+def pct_of_matmul_rate(flops: float, seconds: float, hw: Hardware) -> float:
+    """How much of the matmul rate `flops` done in `seconds` used, in percent."""
+    return 100 * flops / seconds / hw.matmul_flops
 
 
 def _b1(llm: LLM, vocab: int, args: OfflineBenchArgs, rng: np.random.Generator) -> dict[str, float]:
@@ -116,7 +172,9 @@ def _b1(llm: LLM, vocab: int, args: OfflineBenchArgs, rng: np.random.Generator) 
 
 def _b2(llm: LLM, prompts: list[list[int]], outputs: list[int]) -> dict[str, float]:
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
-    llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm up
+    # Warm up on the first prompts reversed: their lengths, but nothing the measured run could
+    # find in the prefix cache.
+    llm.generate([p[::-1] for p in prompts[:8]], params[:8], use_tqdm=False)
     stats = llm.engine.stats
     steps, host, device = (
         stats.step_seconds.count,
@@ -216,12 +274,32 @@ def summary_rows(report: dict[str, Any]) -> list[str]:
         if "pct_of_roofline" in ours
         else "no roofline on the CPU"
     )
+    if report["workload"] in ("b6", "data"):
+        return [long_prompts_row(report["workload"], name, ours)]
     return [
         f"B2 {name}: tokenmill {ours['output_tok_s']:.0f} output tok/s, "
         f"{ours['total_tok_s']:.0f} total tok/s in {ours['elapsed_s']:.1f} s ({roofline}; "
         f"host {ours['host_ms_per_step']:.2f} ms/step, device busy "
         f"{100 * ours['device_busy_fraction']:.0f}%); {peer_text}"
     ]
+
+
+def long_prompts_row(workload: str, name: str, result: dict[str, Any]) -> str:
+    """One line of a B6 or data run of `run_workload`: throughput and share of the matmul rate."""
+    share = (
+        f"{result['pct_of_matmul_rate']:.1f}% of the matmul rate"
+        if "pct_of_matmul_rate" in result
+        else "no matmul rate on the CPU"
+    )
+    if workload == "b6":
+        return (
+            f"B6 {name}: {result['requests']} x {result['input_len']}-token prompts, "
+            f"{result['prompt_tok_s']:.0f} prompt tok/s ({share}) in {result['elapsed_s']:.2f} s"
+        )
+    return (
+        f"data {name}: LLM.generate {result['requests']} requests, {result['total_tok_s']:.0f} "
+        f"total tok/s ({share}) in {result['elapsed_s']:.2f} s"
+    )
 
 
 def write_report(report: dict[str, Any], path: str | None) -> None:

@@ -13,22 +13,29 @@ from tokenmill.config import option
 
 @dataclass
 class OfflineBenchArgs:
-    """`tokenmill bench offline` (and the sizes `bench roofline` reads): B1, B2 or B4 on dummy
-    weights built from a config directory."""
+    """`tokenmill bench offline` (and the sizes `bench roofline` reads): B1, B2, B4, B6 or the
+    data workload on dummy weights built from a config directory."""
 
     config: str = option(MISSING, "Directory holding config.json.")
     workload: str = option(
         "b1",
-        "B1 (single-stream decode), B2 (throughput) or B4 (speculative decoding vs plain).",
-        choices=("b1", "b2", "b4"),
+        "B1 (single-stream decode), B2 (throughput), B4 (speculative decoding vs plain), B6 "
+        "(prefill: prompts of --input-len tokens, one output token each) or data (the serving "
+        "benchmark's data workload through LLM.generate: the same token ids as `bench serve "
+        "--workload data` with the same --seed and --num-requests, with the engine's default "
+        "options, prefix caching included; the other workloads turn prefix caching off).",
+        choices=("b1", "b2", "b4", "b6", "data"),
     )
     dtype: str = option("bfloat16", "Weight dtype.")
     device: str | None = option(None, "cpu or cuda (None: cuda if present).")
-    num_requests: int = option(256, "B2 requests.")
-    input_len: int = option(512, "B1 prompt tokens.")
+    num_requests: int = option(256, "B2, B6 and data requests.")
+    input_len: int = option(
+        0, "B1 and B6 prompt tokens.", default_help="512 for B1 and B4, 2048 for B6"
+    )
     output_len: int = option(256, "B1 output tokens.")
     min_len: int = option(100, "B2 shortest input/output (lengths uniform in [min, max]).")
     max_len: int = option(1024, "B2 longest input/output.")
+    length_scale: float = option(1.0, "data: scale every length (e.g. 0.05 on a CPU).")
     seed: int = option(0, "Seed for lengths and token ids.")
     peer: bool = option(True, "Also run the transformers peer.")
     peer_requests: int = option(32, "B2: requests the peer runs (it is slow).")
@@ -38,6 +45,18 @@ class OfflineBenchArgs:
     )
     batch_sizes: str = option("1,64", "B4: the oracle runs' batch sizes, comma-separated.")
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # engine options, by name
+
+    def __post_init__(self) -> None:
+        if self.input_len < 0:
+            raise ValueError(
+                f"input_len must be >= 1 (or 0: the workload's default), got {self.input_len}"
+            )
+        if self.num_requests < 1:
+            raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
+        if not self.input_len:  # the workload's own default
+            self.input_len = 2048 if self.workload == "b6" else 512
+        if self.length_scale <= 0:
+            raise ValueError(f"length_scale must be > 0, got {self.length_scale}")
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ class ModelCost:
 
     dense_weight_bytes: float  # weights every step reads once (not the embedding table)
     flops_per_token: float  # 2 x multiply-accumulates of the weights a token uses
+    logits_flops: float  # the LM head's share of flops_per_token: run only where a token samples
     kv_bytes_per_token: float  # K and V of one token, all layers
     attn_flops_per_context_token: float  # QK and PV, per query per context token
     expert_bytes: float = 0.0  # one expert of every sparse layer
@@ -62,6 +63,7 @@ class ModelCost:
         return ModelCost(
             dense_weight_bytes=(dense + lm_head + h) * dtype_bytes,
             flops_per_token=2.0 * (layers * attn + mlp_macs + lm_head),
+            logits_flops=2.0 * lm_head,
             kv_bytes_per_token=2.0 * layers * cfg.num_kv_heads * d * dtype_bytes,
             attn_flops_per_context_token=4.0 * layers * cfg.num_heads * d,
             expert_bytes=sparse * expert * dtype_bytes,
@@ -84,11 +86,19 @@ class ModelCost:
         flops += self.attn_flops_per_context_token * total_context
         return max(bytes_moved / hw.bandwidth, flops / hw.matmul_flops)
 
+    def sequence_flops(self, prompt_lens: np.ndarray, output_lens: np.ndarray) -> float:
+        """FLOPs of running sequences with these prompt and output lengths to the end: every
+        token but the last output runs the layers, attending causally to itself and the tokens
+        before it; the LM head runs only where a token is sampled (the prompt's last position
+        and each output token fed back)."""
+        fed = prompt_lens.astype(np.float64) + output_lens - 1
+        layers = (self.flops_per_token - self.logits_flops) * float(fed.sum())
+        attention = self.attn_flops_per_context_token * float((fed * (fed + 1) / 2).sum())
+        return layers + attention + self.logits_flops * float(output_lens.sum())
+
     def prefill_time(self, prompt_lens: np.ndarray, hw: Hardware) -> float:
-        """Floor of prefilling these prompts at the matmul rate (causal attention: half)."""
-        flops = self.flops_per_token * float(prompt_lens.sum())
-        flops += self.attn_flops_per_context_token * float((prompt_lens**2).sum()) / 2
-        return flops / hw.matmul_flops
+        """Floor of prefilling these prompts (one token sampled each) at the matmul rate."""
+        return self.sequence_flops(prompt_lens, np.ones_like(prompt_lens)) / hw.matmul_flops
 
 
 def single_stream_floor(cost: ModelCost, prompt: int, output: int, hw: Hardware) -> float:

@@ -68,13 +68,13 @@ def build_workload(spec: WorkloadSpec) -> list[Session]:
     def scaled(n: float) -> int:
         return max(1, round(n * spec.length_scale))
 
-    def ids(n: int) -> list[int]:
+    def ids(n: int) -> list[int]:  # n tokens at length_scale 1
         return rng.integers(10, spec.vocab_size, scaled(n)).tolist()
 
     def count(lo: int, hi: int) -> int:
         return int(rng.integers(lo, hi + 1))
 
-    def uniform(lo: int, hi: int) -> int:
+    def uniform(lo: int, hi: int) -> int:  # an output length, scaled
         return scaled(count(lo, hi))
 
     builders: dict[str, Callable[[], Session]] = {}
@@ -92,14 +92,14 @@ def build_workload(spec: WorkloadSpec) -> list[Session]:
         prefixes[next(next_prefix) % len(prefixes)] + ids(spec.input_len), scaled(spec.output_len)
     )])  # fmt: skip
     builders["chatbot"] = lambda: Session(
-        [Turn(shared + ids(uniform(50, 300)), uniform(50, 300))]
-        + [Turn(ids(uniform(50, 300)), uniform(50, 300)) for _ in range(count(1, 5))]
+        [Turn(shared + ids(count(50, 300)), uniform(50, 300))]
+        + [Turn(ids(count(50, 300)), uniform(50, 300)) for _ in range(count(1, 5))]
     )
     builders["agent"] = lambda: Session(
-        [Turn(shared + ids(uniform(50, 200)), uniform(100, 500))]
-        + [Turn(ids(uniform(50, 200)), uniform(100, 500)) for _ in range(count(9, 19))]
+        [Turn(shared + ids(count(50, 200)), uniform(100, 500))]
+        + [Turn(ids(count(50, 200)), uniform(100, 500)) for _ in range(count(9, 19))]
     )
-    builders["data"] = lambda: Session([Turn(ids(uniform(2000, 8000)), uniform(20, 100))])
+    builders["data"] = lambda: Session([Turn(ids(count(2000, 8000)), uniform(20, 100))])
     return [builders[spec.name]() for _ in range(spec.num_sessions)]
 
 

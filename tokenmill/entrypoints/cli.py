@@ -233,10 +233,13 @@ def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
     kinds = bench.add_subparsers(dest="bench", required=True)
     offline = kinds.add_parser(
         "offline",
-        help="B1 (single-stream decode) or B2 (offline throughput) on dummy weights.",
-        description="Runs B1 or B2 of BENCHMARKS.md on random weights built from a config "
-        "directory, with the roofline (bandwidth and matmul rate measured in the same run) and "
-        "the transformers peer measured in the same run.",
+        help="B1 (single-stream decode), B2 (offline throughput), B4, B6 (prefill) or the data "
+        "workload on dummy weights.",
+        description="Runs B1, B2, B4 or B6 of BENCHMARKS.md, or the serving benchmark's data "
+        "workload through LLM.generate, on random weights built from a config directory, with "
+        "the roofline (bandwidth and matmul rate measured in the same run; B6 and data report "
+        "the share of the matmul rate their FLOPs, attention included, used) and, for B1 and "
+        "B2, the transformers peer measured in the same run.",
     )
     add_options(offline, OfflineBenchArgs, "benchmark options", skip=("engine_kwargs",))
     offline.add_argument("--output", default=None, help="Write the full report as JSON here.")
@@ -374,22 +377,35 @@ def _bench(ns: argparse.Namespace) -> int:
 
     from tokenmill.bench import offline, roofline
     from tokenmill.bench.options import OfflineBenchArgs
+    from tokenmill.bench.workloads import build_workload
     from tokenmill.config import ModelConfig
 
     if ns.bench == "serve":
         logging.getLogger("httpx").setLevel(logging.WARNING)
         return _serve_bench(ns)
     if ns.bench == "roofline":
-        cfg = ModelConfig.from_pretrained(ns.config, ns.dtype)
-        cost = roofline.ModelCost.of(cfg, 2 if ns.dtype != "float32" else 4)
+        args = options_from(ns, OfflineBenchArgs)
+        cfg = ModelConfig.from_pretrained(args.config, args.dtype)
+        cost = roofline.ModelCost.of(cfg, 2 if args.dtype != "float32" else 4)
         hw = roofline.Hardware(roofline.H200_COPY_BANDWIDTH, roofline.H200_MATMUL_FLOPS)
-        if ns.workload == "b1":
-            floor = roofline.single_stream_floor(cost, ns.input_len, ns.output_len, hw)
+        if args.workload == "b1":
+            floor = roofline.single_stream_floor(cost, args.input_len, args.output_len, hw)
             print(f"B1 floor: {floor * 1e3:.3f} ms per output token = {1 / floor:.0f} tok/s")
+        elif args.workload == "b6":
+            prompts = np.full(args.num_requests, args.input_len)
+            floor = cost.prefill_time(prompts, hw)
+            print(f"B6 floor: {floor:.3f} s = {prompts.sum() / floor:.0f} prompt tok/s")
+        elif args.workload == "data":
+            turns = [s.turns[0] for s in build_workload(offline.data_workload(args, cfg))]
+            p = np.array([len(t.new_tokens) for t in turns])
+            o = np.array([t.max_tokens for t in turns])
+            floor = cost.sequence_flops(p, o) / hw.matmul_flops
+            tok_s = (p + o).sum() / floor
+            print(f"data at the matmul rate: {floor:.2f} s = {tok_s:.0f} total tok/s")
         else:
-            rng = np.random.default_rng(ns.seed)
-            p = rng.integers(ns.min_len, ns.max_len + 1, ns.num_requests)
-            o = rng.integers(ns.min_len, ns.max_len + 1, ns.num_requests)
+            rng = np.random.default_rng(args.seed)
+            p = rng.integers(args.min_len, args.max_len + 1, args.num_requests)
+            o = rng.integers(args.min_len, args.max_len + 1, args.num_requests)
             ideal = roofline.batch_floor(cost, p, o, hw)
             print(f"B2 ideal: {ideal:.2f} s = {o.sum() / ideal:.0f} output tok/s")
         print(f"(weights read by a one-token step: {cost.weight_bytes(1) / 1e9:.2f} GB; "
