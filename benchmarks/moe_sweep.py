@@ -41,13 +41,13 @@ from tokenmill.observability.cuda_timing import median_graph_seconds
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 GEMV_CANDIDATES = (
     MOE_GEMV_CONFIG,
+    MoeGemvConfig(8, 512),
     MoeGemvConfig(8, 512, down_block_k=64),
     MoeGemvConfig(8, 512, down_block_k=256, num_warps=8),
     MoeGemvConfig(4, 512, down_block_k=256),
     MoeGemvConfig(4, 512),
     MoeGemvConfig(16, 256),
     MoeGemvConfig(8, 256),
-    MoeGemvConfig(4, 1024),
     MoeGemvConfig(16, 512, num_warps=8),
 )
 GEMV_SWEEP_MAX_TOKENS = 8  # the GEMV path is timed up to here (used up to GEMV_MAX_TOKENS)

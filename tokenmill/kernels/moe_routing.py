@@ -113,11 +113,12 @@ class MoeGemvConfig:
                 raise ValueError(f"MoeGemvConfig.{name} must be a power of 2, got {size}")
 
 
-# Eight rows of 512 per program: for qwen3-30b-a3b's decode step of one token, 768 gate/up
-# programs, each streaming 64 KB of one expert (the dense GEMV's shape of work), and 256 down
-# programs, each streaming 8 rows of 8 experts, 16 KB per load (one expert at a time, 8 KB per
-# load and 16 loads in a row, the down kernel ran at ~1.3 TB/s on the H200).
-MOE_GEMV_CONFIG = MoeGemvConfig(block_n=8, block_k=512, num_warps=4)
+# Four rows of 1,024 per program (the best of benchmarks/moe_sweep.py's candidates on the H200
+# for one token of qwen3-30b-a3b, session 11: 31.7 us per layer for both expert kernels, against
+# 39.3 us for eight rows of 512). The down kernel reads the same rows of all of a token's
+# experts at once, 128 of each per load: one expert at a time (8 KB per load, 16 loads in a
+# row) it was latency-bound (B1 3.51 ms per token; 3.33 ms with all at once).
+MOE_GEMV_CONFIG = MoeGemvConfig(block_n=4, block_k=1024, num_warps=4)
 
 
 # Tiles by batch size (tokens): the smallest entry >= the batch applies (the last one beyond).
