@@ -440,6 +440,9 @@ def _serve(ns: argparse.Namespace) -> int:
     deploy = options_from(ns, DeployOptions)
     if deploy.enabled:
         return _serve_replicas(engine_args_from(ns), options, deploy)
+    from tokenmill.entrypoints.fork_server import start_fork_server
+
+    start_fork_server()  # its imports run beside the api server's (seconds)
     from tokenmill.entrypoints.api_server import serve
 
     code = serve(engine_args_from(ns), options, ns.log_level)

@@ -28,6 +28,7 @@ from typing import Any
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core_process import run_engine_core
 from tokenmill.entrypoints.engine_client import EngineClient
+from tokenmill.entrypoints.fork_server import start_fork_server
 from tokenmill.ipc.sockets import Addresses
 from tokenmill.tokenization.detokenizer_worker import run_detokenizer
 from tokenmill.tokenization.tokenizer_worker import run_tokenizer_worker
@@ -117,11 +118,12 @@ class Supervisor:
         # transformers again; the model-specific modules this process loaded with the tokenizer
         # are imported there too (loading a tokenizer imports its model's configuration). The
         # engine core is spawned, so that CUDA starts in a process that never forked.
+        # (`tokenmill serve` started the fork server already, `fork_server`.)
         self._forked = multiprocessing.get_context("forkserver")
         self._spawned = multiprocessing.get_context("spawn")
         modules = {spec.target.__module__ for spec in specs if spec.kind is not WorkerKind.ENGINE}
         modules |= {name for name in sys.modules if name.startswith("transformers.models.")}
-        self._forked.set_forkserver_preload(sorted(modules))
+        start_fork_server(modules)
 
     async def run(self) -> None:
         """Start every worker, then watch them forever. The workers start in a thread: the
