@@ -24,7 +24,14 @@ logger = logging.getLogger(__name__)
 # The architectures (config.json `architectures`) the model registry implements.
 SUPPORTED_ARCHITECTURES = tuple(MODEL_REGISTRY)
 ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
-_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
+_MOE_ARCHITECTURES = (
+    "Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3VLMoeForConditionalGeneration",
+)
+# Vision-language models: the language model's fields are config.json's `text_config`.
+_VISION_ARCHITECTURES = ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
+_QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *_VISION_ARCHITECTURES)
 # Where `attention_bias` also gives o_proj a bias (transformers' modeling code; Qwen2's q/k/v
 # bias comes without one, Mistral has none).
 _O_PROJ_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -159,6 +166,70 @@ class MoeConfig:
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """The vision encoder of a Qwen3-VL checkpoint (config.json's `vision_config`) and the
+    token ids its images use in the prompt.
+
+    An image becomes a grid of `patch_size` x `patch_size` patches (`temporal_patch_size`
+    frames deep); `spatial_merge_size`^2 neighbouring patches merge into one language-model
+    token. Blocks `deepstack_visual_indexes` also feed their merged features to the first
+    language-model layers. `mrope_section` splits the rotary frequencies between the
+    temporal, height and width positions (interleaved).
+    """
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    out_hidden_size: int
+    num_position_embeddings: int
+    deepstack_visual_indexes: tuple[int, ...]
+    hidden_act: str
+    rope_theta: float
+    image_token_id: int
+    vision_start_token_id: int
+    mrope_section: tuple[int, int, int]
+
+    @property
+    def merge_unit(self) -> int:
+        """Patches per language-model token."""
+        return self.spatial_merge_size**2
+
+    @staticmethod
+    def from_hf(cfg: dict[str, Any], text: dict[str, Any]) -> VisionConfig:
+        """Read `vision_config` and the image token ids of a Qwen3-VL config.json dict (the
+        mrope sections from `text`, the language model's part)."""
+        vision = cfg["vision_config"]
+        rope = {**(text.get("rope_scaling") or {}), **(text.get("rope_parameters") or {})}
+        section = tuple(int(s) for s in rope.get("mrope_section", (24, 20, 20)))
+        if len(section) != 3:
+            raise ValueError(f"mrope_section must have 3 entries, got {list(section)}")
+        hidden = int(vision["hidden_size"])
+        return VisionConfig(
+            depth=int(vision["depth"]),
+            hidden_size=hidden,
+            intermediate_size=int(vision["intermediate_size"]),
+            num_heads=int(vision["num_heads"]),
+            in_channels=int(vision.get("in_channels", 3)),
+            patch_size=int(vision["patch_size"]),
+            temporal_patch_size=int(vision.get("temporal_patch_size", 2)),
+            spatial_merge_size=int(vision.get("spatial_merge_size", 2)),
+            out_hidden_size=int(vision["out_hidden_size"]),
+            num_position_embeddings=int(vision["num_position_embeddings"]),
+            deepstack_visual_indexes=tuple(int(i) for i in vision["deepstack_visual_indexes"]),
+            hidden_act=str(vision.get("hidden_act", "gelu_pytorch_tanh")),
+            rope_theta=float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            image_token_id=int(cfg["image_token_id"]),
+            vision_start_token_id=int(cfg["vision_start_token_id"]),
+            mrope_section=section,  # type: ignore[arg-type]
+        )
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Hyper-parameters of a Llama-family decoder, read from a Hugging Face config.json;
     `moe` is set for mixture-of-experts models (None: every layer has a dense MLP)."""
@@ -184,6 +255,7 @@ class ModelConfig:
     bos_token_id: int | None
     moe: MoeConfig | None = None
     o_proj_bias: bool = False  # Llama and Qwen3 give the output projection a bias too
+    vision: VisionConfig | None = None  # vision-language models: the image encoder
 
     @staticmethod
     def from_pretrained(path: str | Path, dtype: str | torch.dtype = "auto") -> ModelConfig:
@@ -194,14 +266,18 @@ class ModelConfig:
         cfg_file = root / "config.json"
         if not cfg_file.is_file():
             raise ValueError(f"model directory {str(root)!r} has no config.json")
-        cfg = json.loads(cfg_file.read_text())
-        archs = cfg.get("architectures") or []
+        top = json.loads(cfg_file.read_text())
+        archs = top.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
                 f"unsupported architecture {archs!r} in {cfg_file}; supported: "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        vision = arch in _VISION_ARCHITECTURES
+        # A vision-language model's language model is its `text_config` (ids and the dtype
+        # may sit at the top level).
+        cfg = {**top, **top.get("text_config", {})} if vision else top
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         eos = cfg.get("eos_token_id")
@@ -228,12 +304,13 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", qwen2))),
             o_proj_bias=arch in _O_PROJ_BIAS_ARCHITECTURES and bool(cfg.get("attention_bias")),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in _QK_NORM_ARCHITECTURES,
             sliding_window=int(window) if window else None,
             dtype=parse_dtype(dtype),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             moe=MoeConfig.from_hf(cfg) if arch in _MOE_ARCHITECTURES else None,
+            vision=VisionConfig.from_hf(top, cfg) if vision else None,
         )
 
     def shard(self, tp: int) -> ModelConfig:

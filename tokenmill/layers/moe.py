@@ -17,7 +17,7 @@ from torch.nn import functional as F
 from tokenmill.distributed.group import TPGroup
 from tokenmill.kernels import fused_moe
 from tokenmill.kernels.moe_routing import select_experts
-from tokenmill.layers.sharding import SourceRange, TensorSource, copy_shard
+from tokenmill.layers.sharding import SourceRange, TensorSource, TransposedSource, copy_shard
 
 EXPERT_PROJECTIONS = ("gate", "up", "down")
 
@@ -75,8 +75,13 @@ class FusedMoE(nn.Module):
 
     def load_stacked(self, param: nn.Parameter, loaded: TensorSource) -> None:
         """Copy this rank's slice of a checkpoint's already stacked `gate_up_proj` `[E, 2I, H]`
-        or `down_proj` `[E, H, I]` (transformers' fused layout) into `param`."""
-        i = self.intermediate_size
+        or `down_proj` `[E, H, I]` (transformers' fused layout) into `param`; the hub's
+        Qwen3-VL-MoE checkpoints hold them transposed (`[E, H, 2I]`, `[E, I, H]`)."""
+        i, hidden = self.intermediate_size, self.down_proj.shape[1]
+        hidden_dim = 2 if param is self.gate_up_proj else 1  # where ours keeps the hidden size
+        shape = loaded.shape
+        if len(shape) == 3 and shape[hidden_dim] != hidden and shape[3 - hidden_dim] == hidden:
+            loaded = TransposedSource(loaded)
         if param is self.down_proj:
             copy_shard(param.data, loaded, 2, self.tp, "down_proj")
             return

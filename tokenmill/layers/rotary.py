@@ -1,4 +1,5 @@
-"""Rotary position embedding (default, linear and llama3 frequency scaling)."""
+"""Rotary position embedding (default, linear and llama3 frequency scaling), and Qwen3-VL's
+multimodal rotary (mrope: temporal, height and width positions, interleaved)."""
 
 from __future__ import annotations
 
@@ -60,3 +61,39 @@ class RotaryEmbedding(nn.Module):
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryTable(RotaryEmbedding):
+    """Rotation rows given outright (`cos`, `sin` `[N, D]`), indexed by `positions` like a
+    `RotaryEmbedding`'s table: one step's multimodal rotation, row t for query token t."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        nn.Module.__init__(self)
+        self.cos, self.sin = cos, sin
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Qwen3-VL's multimodal rotary: each token has a temporal, a height and a width position;
+    rotation frequency j turns by the height position where `j % 3 == 1` and `j < 3 *
+    section[1]`, by the width position where `j % 3 == 2` and `j < 3 * section[2]`, else by the
+    temporal one (transformers' interleaved `mrope_section`). A text token's three positions
+    are equal, so one position (`[T]`) rotates as the plain table does."""
+
+    def __init__(
+        self, head_dim: int, rope: RopeConfig, max_positions: int, section: tuple[int, int, int]
+    ) -> None:
+        super().__init__(head_dim, rope, max_positions)
+        if sum(section) != head_dim // 2:
+            raise ValueError(f"mrope_section {list(section)} must add up to head_dim / 2")
+        j = torch.arange(head_dim // 2)
+        axis = torch.zeros(head_dim // 2, dtype=torch.int64)
+        axis[(j % 3 == 1) & (j < 3 * section[1])] = 1
+        axis[(j % 3 == 2) & (j < 3 * section[2])] = 2
+        self.register_buffer("axis", torch.cat((axis, axis)), persistent=False)
+
+    def table(self, positions: torch.Tensor) -> RotaryTable:
+        """The rotation rows of tokens at `positions` `[3, T]`: row t for token t."""
+        index = self.axis.expand(1, positions.shape[1], -1)
+        cos = self.cos[positions].gather(0, index)[0]
+        sin = self.sin[positions].gather(0, index)[0]
+        return RotaryTable(cos, sin)

@@ -62,6 +62,24 @@ class SourceRange:
         return self.source.read(self.dim, self.start, self.stop).narrow(dim, start, stop - start)
 
 
+class TransposedSource:
+    """A 3-D `TensorSource` with its last two dimensions swapped (read as it is, then
+    transposed: only the entries asked for are read)."""
+
+    def __init__(self, source: TensorSource) -> None:
+        self.source = source
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        e, a, b = self.source.shape
+        return (e, b, a)
+
+    def read(self, dim: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        stop = self.shape[dim] if stop is None else stop
+        theirs = {0: 0, 1: 2, 2: 1}[dim]
+        return self.source.read(theirs, start, stop).transpose(1, 2)
+
+
 def set_tp_dim(param: nn.Parameter, dim: int | None) -> nn.Parameter:
     """Mark the dimension tensor parallelism splits `param` along (None: every rank has all)."""
     param.tp_dim = dim  # type: ignore[attr-defined]

@@ -41,11 +41,17 @@ class LlamaAttention(nn.Module):
         self.qk_norm = cfg.qk_norm
 
     def forward(
-        self, positions: torch.Tensor, qkv: torch.Tensor, attn: AttentionBackend
+        self,
+        positions: torch.Tensor,
+        qkv: torch.Tensor,
+        attn: AttentionBackend,
+        rotary: RotaryEmbedding | None = None,
     ) -> torch.Tensor:
-        """Attention output (after `o_proj`) of the projected `qkv` of every token."""
+        """Attention output (after `o_proj`) of the projected `qkv` of every token, rotated by
+        `rotary` (a step's own rows, e.g. multimodal positions) or the model's table."""
         qk_norm = (self.q_norm, self.k_norm) if self.qk_norm else None
-        q = attn.store_qkv(qkv, positions, self.layer, self.rotary, qk_norm)
+        rotary = self.rotary if rotary is None else rotary
+        q = attn.store_qkv(qkv, positions, self.layer, rotary, qk_norm)
         out = attn.attend(q, self.layer)
         partial = self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
         return self.o_proj.add_bias(self.tp.all_reduce(partial))
@@ -113,19 +119,28 @@ class LlamaDecoderLayer(nn.Module):
         x: torch.Tensor,
         residual: torch.Tensor | None,
         attn: AttentionBackend,
+        rotary: RotaryEmbedding | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         attn_in = self.self_attn.qkv_proj
         qkv, residual = attn_in.forward_normed(x, residual, self.input_layernorm)
-        x = self.self_attn(positions, qkv, attn)
+        x = self.self_attn(positions, qkv, attn, rotary)
         return self.mlp(x, residual, self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):
     """Embedding, decoder layers (feed-forward `make_mlp(cfg, layer, tp)`) and final norm."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, make_mlp: MlpFactory = dense_mlp) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tp: TPGroup,
+        make_mlp: MlpFactory = dense_mlp,
+        rotary: RotaryEmbedding | None = None,
+    ) -> None:
         super().__init__()
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
+        if rotary is None:
+            rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
+        self.rotary = rotary
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, i, rotary, make_mlp(cfg, i, tp), tp)
@@ -163,11 +178,13 @@ class LlamaForCausalLM(nn.Module):
     expert_params: ClassVar[dict[str, str]] = {}
     make_mlp: ClassVar[MlpFactory] = staticmethod(dense_mlp)
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, tp: TPGroup | None = None, rotary: RotaryEmbedding | None = None
+    ) -> None:
         super().__init__()
         tp = tp or TPGroup.single()
         self.config = cfg
-        self.model = LlamaModel(cfg, tp, self.make_mlp)
+        self.model = LlamaModel(cfg, tp, self.make_mlp, rotary)
         if cfg.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:

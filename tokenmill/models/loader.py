@@ -121,8 +121,10 @@ def _load_safetensors(model: nn.Module, root: Path, tied: bool, tp: TPGroup) -> 
     params = dict(model.named_parameters(remove_duplicate=False))
     stacked: dict[str, tuple[str, str]] = model.stacked_params
     experts: dict[str, str] = getattr(model, "expert_params", {})
+    prefixes: dict[str, str] = getattr(model, "checkpoint_prefixes", {})
     loaded: set[str] = set()
     for name, tensor in _iter_tensors(checkpoint_files(root)):
+        name = _renamed(name, prefixes)
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
         target, shard = _expert_target(name, experts) or (name, None)
@@ -146,6 +148,15 @@ def _load_safetensors(model: nn.Module, root: Path, tied: bool, tp: TPGroup) -> 
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"checkpoint {str(root)!r} is missing weights: {', '.join(missing[:8])}")
+
+
+def _renamed(name: str, prefixes: dict[str, str]) -> str:
+    """A checkpoint name with its prefix replaced by ours (e.g. a vision-language model's
+    `model.language_model.` by `model.`)."""
+    for theirs, ours in prefixes.items():
+        if name.startswith(theirs):
+            return ours + name[len(theirs) :]
+    return name
 
 
 def _copy_param(

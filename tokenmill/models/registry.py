@@ -20,6 +20,10 @@ MODEL_REGISTRY: dict[str, str] = {
     "Qwen3ForCausalLM": "tokenmill.models.llama:LlamaForCausalLM",
     "Qwen3MoeForCausalLM": "tokenmill.models.qwen3_moe:Qwen3MoeForCausalLM",
     "Qwen2MoeForCausalLM": "tokenmill.models.qwen3_moe:Qwen2MoeForCausalLM",
+    "Qwen3VLForConditionalGeneration": "tokenmill.models.qwen3_vl:Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration": (
+        "tokenmill.models.qwen3_vl:Qwen3VLMoeForConditionalGeneration"
+    ),
 }
 
 

@@ -10,7 +10,12 @@ from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    PreTrainedTokenizerFast,
+)
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 
@@ -179,13 +184,124 @@ def _write_config_dtype(path: Path) -> None:
     cfg_file.write_text(json.dumps(cfg, indent=2))
 
 
+# The special tokens a Qwen3-VL tokenizer adds for images (and videos, which the processor
+# expects to exist).
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+# ChatML whose message content may also be a list of parts: `{"type": "text", "text": ...}`
+# and `{"type": "image"}` (the form of Qwen3-VL's own template, which the processor and
+# tokenmill both render).
+VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Tiny Qwen3-VL shapes: 8-pixel patches merged 2x2, so a 32x32 image is 4 language-model tokens;
+# two vision blocks, both feeding deepstack features; head_dim 32 split [6, 5, 5] by mrope.
+VL_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")  # their transformers model types
+VL_PATCH_SIZE = 8
+VL_MERGE_SIZE = 2
+
+
+def build_vl_checkpoint(path: str | Path, family: str = "qwen3_vl", seed: int = 0) -> Path:
+    """Write a tiny random-weight Qwen3-VL (or, `qwen3_vl_moe`, Qwen3-VL-MoE) checkpoint to
+    `path`, with its tokenizer (the vision tokens added), chat template and
+    `preprocessor_config.json` (the image processor: resize to multiples of 16 pixels between
+    16x16 and 64x64, so test images stay a few tokens)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    if family not in VL_FAMILIES:
+        raise ValueError(f"family must be one of {', '.join(VL_FAMILIES)}, got {family!r}")
+    path = Path(path)
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    tokenizer.chat_template = VL_CHAT_TEMPLATE
+    start, end, image, video = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
+    text: dict[str, Any] = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 1024,
+        "rms_norm_eps": 1e-6,
+        "initializer_range": 0.1,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [6, 5, 5],
+            "mrope_interleaved": True,
+        },
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "tie_word_embeddings": False,
+    }
+    if family == "qwen3_vl_moe":
+        # hidden 64 != 2 * 48 and != 48: the hub's transposed expert layout is unambiguous
+        text.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                    decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True)  # fmt: skip
+    vision = {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "in_channels": 3,
+        "patch_size": VL_PATCH_SIZE,
+        "temporal_patch_size": 2,
+        "spatial_merge_size": VL_MERGE_SIZE,
+        "out_hidden_size": 64,
+        "num_position_embeddings": 16,
+        "deepstack_visual_indexes": [0, 1],
+        "initializer_range": 0.1,
+    }
+    config = AutoConfig.for_model(
+        family, text_config=text, vision_config=vision, image_token_id=image,
+        video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
+            elif "experts" in name or name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.1)  # transformers starts the router (and experts) at 0
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    merge = VL_PATCH_SIZE * VL_MERGE_SIZE
+    Qwen2VLImageProcessorPil(
+        patch_size=VL_PATCH_SIZE, temporal_patch_size=2, merge_size=VL_MERGE_SIZE,
+        size={"shortest_edge": merge * merge, "longest_edge": 64 * 64},
+    ).save_pretrained(path)  # fmt: skip
+    _write_config_dtype(path)
+    return path
+
+
 def main() -> None:
     """`python -m tokenmill.testing.checkpoints DIR [FAMILY]`: write a tiny checkpoint."""
-    if len(sys.argv) not in (2, 3):
-        raise SystemExit(
-            f"usage: python -m tokenmill.testing.checkpoints DIR [{'|'.join(TINY_CONFIGS)}]"
-        )
-    build_checkpoint(sys.argv[1], *sys.argv[2:])
+    families = [*TINY_CONFIGS, *VL_FAMILIES]
+    family = sys.argv[2] if len(sys.argv) == 3 else "llama"
+    if len(sys.argv) not in (2, 3) or family not in families:
+        usage = f"DIR [{'|'.join(families)}]"
+        raise SystemExit(f"usage: python -m tokenmill.testing.checkpoints {usage}")
+    if family in VL_FAMILIES:
+        build_vl_checkpoint(sys.argv[1], family)
+    else:
+        build_checkpoint(sys.argv[1], family)
 
 
 if __name__ == "__main__":
