@@ -20,6 +20,7 @@ import numpy as np
 
 from tokenmill.cache.cache_manager import SeqPages
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.vision.inputs import MultimodalPrompt, StepImage, step_images
 
 if TYPE_CHECKING:
     from tokenmill.structured.matcher import RequestGrammar
@@ -82,6 +83,13 @@ class Request:
     grammar: RequestGrammar | None = None  # structured outputs: has accepted every output token
     # Speculative decoding: tokens a host proposer drafted to follow the newest token.
     draft_token_ids: list[int] = field(default_factory=list)
+    mm: MultimodalPrompt | None = None  # the prompt's images and their rotary positions
+
+    def prefix_keys(self, end: int) -> list[int]:
+        """The prefix cache's keys of tokens `[0, end)`: the token ids, with an image's
+        placeholder tokens keyed by the image's content (`MultimodalPrompt.cache_keys`)."""
+        tokens = self.token_slice(0, end)
+        return tokens if self.mm is None else self.mm.cache_keys(tokens)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -238,6 +246,11 @@ class StepPlan:
     # [B] a verify row's last query tokens that the runner's draft model drafts at launch
     # (their `input_ids` are placeholders); None: no row has any.
     num_device_drafts: np.ndarray | None = None
+    # Multimodal rows: [3, T] every query token's rotary positions (temporal, height, width),
+    # None when no row's request has images; and the images whose features the query tokens
+    # take.
+    rope_positions: np.ndarray | None = None
+    images: tuple[StepImage, ...] = ()
 
     @property
     def blocking(self) -> bool:
@@ -280,9 +293,16 @@ class StepPlan:
         pages: list[list[int]] = []
         sampling = SamplingRows()
         any_device_drafts = False
+        multimodal = any(s.request.mm is not None for s in seqs)
+        rope: list[np.ndarray] = []
+        images: list[StepImage] = []
         for s in seqs:
             req, num_new, num_device = s.request, s.num_new_tokens, len(s.device_tokens)
             num_drafted = len(s.drafts) + s.num_device_drafts
+            if multimodal:
+                rope.append(_rope_positions(req, s.start, s.start + num_new))
+                if req.mm is not None:
+                    images += step_images(req.mm, s.start, s.start + num_new, len(ids))
             ids += req.token_slice(s.start, s.start + num_new - num_device - num_drafted)
             if num_device:
                 device_at += range(len(ids), len(ids) + num_device)
@@ -318,7 +338,16 @@ class StepPlan:
                 if any_device_drafts
                 else None
             ),
+            rope_positions=np.concatenate(rope, axis=1) if multimodal else None,
+            images=tuple(images),
         )
+
+
+def _rope_positions(req: Request, start: int, end: int) -> np.ndarray:
+    """[3, end - start] rotary positions of a request's tokens `[start, end)`."""
+    if req.mm is not None:
+        return req.mm.rope_positions(start, end)
+    return np.broadcast_to(np.arange(start, end), (3, end - start))
 
 
 def _page_table(pages: list[list[int]], kv_lens: np.ndarray, page_size: int) -> np.ndarray:

@@ -480,8 +480,11 @@ class RunnerConfig:
     overlap_scheduling: bool = True
     gpu_memory_utilization: float = 0.9
     tuning_cache_dir: str = ""  # where start-up tuning decisions are kept ("": nowhere)
+    encoder_cache_tokens: int = 16384  # image tokens of vision-encoder outputs kept
 
     def __post_init__(self) -> None:
+        if self.encoder_cache_tokens < 0:
+            raise ValueError(f"encoder_cache_tokens must be >= 0, got {self.encoder_cache_tokens}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
@@ -513,6 +516,21 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class ImageLimits:
+    """What one request's images may be: how many, how many bytes each (encoded), and how
+    many pixels each (decoded, before resizing)."""
+
+    max_images_per_prompt: int = 8
+    max_image_bytes: int = 20 << 20
+    max_image_pixels: int = 4096 * 4096
+
+    def __post_init__(self) -> None:
+        for name in ("max_images_per_prompt", "max_image_bytes", "max_image_pixels"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine core needs, resolved: model, cache, scheduler, runner, device."""
 
@@ -527,6 +545,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    images: ImageLimits = field(default_factory=ImageLimits)
 
     @property
     def max_model_len(self) -> int:
@@ -654,6 +673,23 @@ class EngineArgs:
         "max_new_tokens as max_tokens), vllm ignores it (tokenmill's defaults), or a directory "
         "holding a generation_config.json.",
     )
+    max_images_per_prompt: int = option(
+        8, "Vision-language models: most images in one request (more: a 400 error)."
+    )
+    max_image_bytes: int = option(
+        20 << 20, "Vision-language models: largest image in a request, in bytes as sent."
+    )
+    max_image_pixels: int = option(
+        4096 * 4096,
+        "Vision-language models: most pixels of one image (width x height, before the image "
+        "processor resizes it); a larger image is a 400 error, not decoded.",
+    )
+    encoder_cache_tokens: int = option(
+        16384,
+        "Vision-language models: image tokens of vision-encoder outputs kept on the device by "
+        "image content, so that a repeated image (or a later chunk of one) is not encoded "
+        "again; least recently used first out.",
+    )
     tuning_cache_dir: str | None = option(
         None,
         "Folder where start-up tuning decisions (the GEMV kernel per weight shape) are kept, "
@@ -680,6 +716,7 @@ class EngineArgs:
             tuning_cache_dir=default_tuning_cache_dir()
             if self.tuning_cache_dir is None
             else self.tuning_cache_dir,
+            encoder_cache_tokens=self.encoder_cache_tokens,
         )
         model = ModelConfig.from_pretrained(self.model, self.dtype)
         half = model.dtype != torch.float32
@@ -721,6 +758,9 @@ class EngineArgs:
             speculative=speculative,
             sampling_defaults=load_sampling_defaults(self.generation_config, self.model),
             parallel=parallel,
+            images=ImageLimits(
+                self.max_images_per_prompt, self.max_image_bytes, self.max_image_pixels
+            ),
         )
 
     def _check_parallel(

@@ -24,6 +24,7 @@ RANKS = {
     "kernels": 3,
     "batch": 2,
     "cache": 1,
+    "vision": 1,  # a prompt's images as plain arrays (batch holds them), their preprocessing
 }
 
 

@@ -158,7 +158,8 @@ class EngineCoreLoop:
             self.engine.stats.finished[FinishReason.ABORT.value] += 1
             return
         try:
-            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params)
+            images = tuple(payload.image() for payload in msg.images)
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, images)
         except IntakeError as exc:
             self.errors.append(RequestError(msg.request_id, str(exc), param=exc.param))
             return

@@ -56,6 +56,7 @@ from tokenmill.observability.request_metrics import RequestMetrics
 from tokenmill.runner.model_runner import LaunchedStep, ModelRunner
 from tokenmill.runner.sampler import GrammarMask
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.vision.inputs import ImageInput, MultimodalPrompt, multimodal_prompt
 
 if TYPE_CHECKING:
     from tokenmill.structured.compiler import GrammarCompiler
@@ -163,12 +164,17 @@ class EngineCore:
         self._bitmasks: BitmaskFiller | None = None
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        images: tuple[ImageInput, ...] = (),
     ) -> None:
         """Queue one choice (n = 1) of a request; raises `ValueError` if it can never run.
 
         Callers go through `intake.prepare` first; the check is repeated here because the
-        engine must never hold a request that can not run.
+        engine must never hold a request that can not run. `images` (vision-language models)
+        fill the prompt's image placeholder tokens, in order.
         """
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running")
@@ -183,6 +189,7 @@ class EngineCore:
             params=params,
             eos_token_ids=self.config.model.eos_token_ids,
             max_model_len=self.config.max_model_len,
+            mm=self._multimodal(prompt_token_ids, images),
         )
         if params.structured_outputs is None:
             self._requests[request_id] = req
@@ -192,6 +199,22 @@ class EngineCore:
         compiled = self.grammar_compiler.submit(params.structured_outputs)
         self._requests[request_id] = req
         self._compiling.append((req, compiled))
+
+    def _multimodal(
+        self, prompt_token_ids: list[int], images: tuple[ImageInput, ...]
+    ) -> MultimodalPrompt | None:
+        """The prompt's images and rotary positions (None for a text-only model or prompt)."""
+        vision = self.config.model.vision
+        if vision is None:
+            if images:
+                raise ValueError(f"images: {self.config.model.architecture} takes no images")
+            return None
+        if not images and vision.image_token_id not in prompt_token_ids:
+            return None
+        patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+        return multimodal_prompt(
+            prompt_token_ids, images, vision.image_token_id, vision.spatial_merge_size, patch
+        )
 
     @property
     def num_compiling(self) -> int:

@@ -263,7 +263,7 @@ class Scheduler:
             if verifies:
                 self.cache.trim(req.pages, req.num_computed_tokens)
             if self.cache.has_uncached_pages(req.pages, req.num_computed_tokens):
-                self.cache.cache_computed(req.pages, req.token_slice(0, req.num_computed_tokens))
+                self.cache.cache_computed(req.pages, req.prefix_keys(req.num_computed_tokens))
         if verified:
             drafted, accepted = np.array(verified).T
             self.spec_stats.observe(drafted, accepted)
@@ -277,7 +277,7 @@ class Scheduler:
         self._release(req)
 
     def _release(self, req: Request) -> None:
-        self.cache.release(req.pages, req.token_slice(0, req.num_computed_tokens))
+        self.cache.release(req.pages, req.prefix_keys(req.num_computed_tokens))
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Request | None:
         """Finish a waiting or running request now; returns it, or None if unknown or finished."""
@@ -297,8 +297,8 @@ class Scheduler:
 
 def _prefix_key(req: Request) -> list[int]:
     """The tokens a prefix match may cover: all but the last, which is always computed (its
-    logits give the next token)."""
-    return req.token_slice(0, req.num_tokens - 1)
+    logits give the next token); an image's placeholders are keyed by its content."""
+    return req.prefix_keys(req.num_tokens - 1)
 
 
 def _row(req: Request, num_new: int, uncomputed: int, unread: range | None) -> ScheduledSeq:

@@ -17,12 +17,9 @@ from tokenmill.intake import prepare
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenization.detokenizer import ChoiceStream
-from tokenmill.tokenization.tokenizer import (
-    Prompt,
-    apply_chat_template,
-    encode_prompt,
-    load_tokenizer,
-)
+from tokenmill.tokenization.tokenizer import Prompt, encode_prompt, load_tokenizer, render_chat
+from tokenmill.vision.images import ImagePreprocessor, image_setup
+from tokenmill.vision.inputs import ImageInput
 
 
 class LLM:
@@ -37,6 +34,9 @@ class LLM:
         args = EngineArgs(model=model, **engine_args)
         self.config = args.create_engine_config()
         self.tokenizer = load_tokenizer(args.tokenizer or model)
+        setup = image_setup(self.config)
+        # Offline, an image part may also be a PIL image or a file path.
+        self.images = ImagePreprocessor(setup, allow_files=True) if setup is not None else None
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()
         self._children: dict[str, _Child] = {}  # engine request id → its unfinished choice
@@ -81,10 +81,17 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Answer one conversation or several, rendered with the model's chat template."""
+        """Answer one conversation or several, rendered with the model's chat template.
+
+        With a vision-language model a message's content may be a list of parts: `{"type":
+        "text", "text": ...}` and images, as `{"type": "image_url", "image_url": {"url":
+        "data:image/png;base64,..."}}` or `{"type": "image", "image": PIL_IMAGE_OR_PATH}`.
+        """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        token_ids = [apply_chat_template(self.tokenizer, c) for c in conversations]
-        return self._run(token_ids, [None] * len(token_ids), sampling_params, use_tqdm)
+        rendered = [render_chat(self.tokenizer, c, self.images) for c in conversations]
+        token_ids = [ids for ids, _ in rendered]
+        images = [inputs for _, inputs in rendered]
+        return self._run(token_ids, [None] * len(token_ids), sampling_params, use_tqdm, images)
 
     def stream(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None
@@ -101,9 +108,9 @@ class LLM:
     def stream_chat(
         self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
-        """Answer one conversation, as `stream` does a prompt."""
-        ids = apply_chat_template(self.tokenizer, messages)
-        return self._stream(ids, None, sampling_params)
+        """Answer one conversation (image parts as in `chat`), as `stream` does a prompt."""
+        ids, images = render_chat(self.tokenizer, messages, self.images)
+        return self._stream(ids, None, sampling_params, images)
 
     def flush_prefix_cache(self) -> int:
         """Drop cached prefixes no request is using; returns the number of pages freed."""
@@ -115,9 +122,10 @@ class LLM:
         texts: list[str | None],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
+        images: list[tuple[ImageInput, ...]] | None = None,
     ) -> list[RequestOutput]:
         params = self._per_prompt(sampling_params, len(token_ids))
-        results = self._add(token_ids, texts, params)
+        results = self._add(token_ids, texts, params, images)
         bar = tqdm(total=len(results), desc="Generating", disable=not use_tqdm or len(results) < 2)
         done = 0
         while done < len(results):
@@ -129,11 +137,15 @@ class LLM:
         return results
 
     def _stream(
-        self, token_ids: list[int], text: str | None, sampling_params: SamplingParams | None
+        self,
+        token_ids: list[int],
+        text: str | None,
+        sampling_params: SamplingParams | None,
+        images: tuple[ImageInput, ...] = (),
     ) -> Iterator[RequestOutput]:
         params = self._per_prompt(sampling_params, 1)
         # Checked here, not at the first next(): a bad request fails where it is made.
-        (result,) = self._add([token_ids], [text], params)
+        (result,) = self._add([token_ids], [text], params, [images])
         return self._follow(result)
 
     def _follow(self, result: RequestOutput) -> Iterator[RequestOutput]:
@@ -147,25 +159,33 @@ class LLM:
                 del self._children[child_id]
 
     def _add(
-        self, token_ids: list[list[int]], texts: list[str | None], params: list[SamplingParams]
+        self,
+        token_ids: list[list[int]],
+        texts: list[str | None],
+        params: list[SamplingParams],
+        images: list[tuple[ImageInput, ...]] | None = None,
     ) -> list[RequestOutput]:
-        """Queue one request per prompt; returns their outputs, filled in by `_step`."""
+        """Queue one request per prompt (with its images); returns their outputs, filled in by
+        `_step`."""
         limits = self.engine.limits
+        images = images or [()] * len(token_ids)
         # Every prompt is checked before any is queued, so a bad one leaves the engine idle.
         prepared = []
-        for ids, text, p in zip(token_ids, texts, params, strict=True):
+        for ids, text, p, inputs in zip(token_ids, texts, params, images, strict=True):
             request_id = str(next(self._ids))
             result = RequestOutput(request_id, text, ids, [])
-            prepared.append((result, prepare(request_id, ids, p, limits)))
-        for result, engine_requests in prepared:
+            prepared.append((result, prepare(request_id, ids, p, limits), inputs))
+        for result, engine_requests, inputs in prepared:
             for index, child in enumerate(engine_requests):
                 logprobs = [] if child.params.logprobs is not None else None
                 completion = CompletionOutput(index, logprobs=logprobs)
                 result.outputs.append(completion)
                 stream = ChoiceStream(self.tokenizer, child.prompt_token_ids, child.params)
                 self._children[child.request_id] = _Child(result, completion, stream)
-                self.engine.add_request(child.request_id, child.prompt_token_ids, child.params)
-        return [result for result, _ in prepared]
+                self.engine.add_request(
+                    child.request_id, child.prompt_token_ids, child.params, inputs
+                )
+        return [result for result, _, _ in prepared]
 
     def _step(self) -> list[RequestOutput]:
         """One engine step, applied; returns the requests it added to (each once)."""

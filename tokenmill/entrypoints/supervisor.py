@@ -32,6 +32,7 @@ from tokenmill.entrypoints.fork_server import start_fork_server
 from tokenmill.ipc.sockets import Addresses
 from tokenmill.tokenization.detokenizer_worker import run_detokenizer
 from tokenmill.tokenization.tokenizer_worker import run_tokenizer_worker
+from tokenmill.vision.images import image_setup
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -83,8 +84,9 @@ def server_workers(
             (tokenizer_path, addresses, log_level, server),
         ),
     ]
+    images = image_setup(config)
     for i in range(len(addresses.tokenizers)):
-        args = (i, tokenizer_path, limits, addresses, log_level, server, chat_template)
+        args = (i, tokenizer_path, limits, addresses, log_level, server, chat_template, images)
         specs.append(
             WorkerSpec(f"tokenizer-{i}", WorkerKind.TOKENIZER, run_tokenizer_worker, args, i)
         )

@@ -11,10 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from tokenmill.observability.histogram import Histogram
 from tokenmill.observability.request_metrics import RequestMetrics
 from tokenmill.sampling_params import SamplingParams, is_valid_text
+from tokenmill.vision.inputs import ImageInput
 
 # The integers msgpack carries.
 MIN_WIRE_INT, MAX_WIRE_INT = -(2**63), 2**64 - 1
@@ -40,12 +42,40 @@ class TokenizeRequest(msgspec.Struct, tag=True):
         check_wire_value(self.messages, "messages")
 
 
+class ImagePayload(msgspec.Struct):
+    """One preprocessed image on the wire: its float32 pixel patches as raw bytes (msgpack
+    `bin`: one copy in, a zero-copy numpy view out; never a list of floats)."""
+
+    key: int
+    pixels: bytes
+    grid_thw: tuple[int, int, int]
+    offset: int
+    num_tokens: int
+
+    @staticmethod
+    def of(image: ImageInput) -> ImagePayload:
+        pixels = np.ascontiguousarray(image.pixel_values, dtype=np.float32)
+        return ImagePayload(image.key, pixels.tobytes(), image.grid_thw, image.offset,
+                            image.num_tokens)  # fmt: skip
+
+    def image(self) -> ImageInput:
+        """The image, its pixels a view of this message's bytes."""
+        t, h, w = self.grid_thw
+        pixels = np.frombuffer(self.pixels, dtype=np.float32)
+        if t * h * w <= 0 or pixels.size % (t * h * w):
+            raise ValueError(f"images: {pixels.size} pixel values for grid {self.grid_thw}")
+        pixels = pixels.reshape(t * h * w, -1)
+        return ImageInput(self.key, pixels, self.grid_thw, self.offset, self.num_tokens)
+
+
 class EngineRequest(msgspec.Struct, tag=True):
-    """A tokenized request for the engine: one choice (`intake.child_request_id`)."""
+    """A tokenized request for the engine: one choice (`intake.child_request_id`); `images`
+    fill its image placeholder tokens (vision-language models)."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    images: list[ImagePayload] = msgspec.field(default_factory=list)
 
 
 class AbortRequest(msgspec.Struct, tag=True):

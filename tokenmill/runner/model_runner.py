@@ -34,6 +34,7 @@ from tokenmill.tuning_cache import open_tuning_cache
 
 if TYPE_CHECKING:
     from tokenmill.runner.cuda_graphs import CudaGraphRunner
+    from tokenmill.runner.encoder_cache import EncoderCache
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class HostBatch:
     """A step's inputs as host arrays: the flattened tokens and each sequence's place."""
 
     input_ids: np.ndarray  # [T]
-    positions: np.ndarray  # [T]
+    positions: np.ndarray  # [T] rotary positions, or [3, T] multimodal ones (see `lay_out`)
     slots: np.ndarray  # [T] KV-cache slot each token writes
     query_lens: np.ndarray  # [B]
     kv_lens: np.ndarray  # [B]
@@ -56,6 +57,11 @@ class HostBatch:
     @property
     def is_decode(self) -> bool:
         return len(self.input_ids) == len(self.kv_lens)
+
+    @property
+    def multimodal(self) -> bool:
+        """Some token's rotary positions differ by axis (an image's): eager only."""
+        return self.positions.ndim == 2
 
 
 def _device_draft_positions(plan: StepPlan) -> np.ndarray:
@@ -81,6 +87,11 @@ def lay_out(plan: StepPlan, page_size: int) -> HostBatch:
     sample_cu = np.cumsum(num_samples)
     from_end = sample_cu[row_of_sample] - np.arange(int(sample_cu[-1]))
     logits_index = cu[row_of_sample + 1] - from_end
+    if plan.rope_positions is not None:
+        # A multimodal model's rotary positions; where all three agree (text tokens) one row
+        # of them rotates the same, and the step can run in a CUDA graph.
+        rope = plan.rope_positions
+        positions = rope[0] if (rope == rope[0]).all() else rope
     return HostBatch(
         plan.input_ids, positions, slots, q_lens, kv_lens, plan.page_table, logits_index,
         plan.input_src,
@@ -170,6 +181,13 @@ class ModelRunner:
                 self.spec = SpecDecoder(
                     config, self.sampler, self.num_pages, self.device, self.staging
                 )
+        self.encoder_cache: EncoderCache | None = None
+        if config.model.vision is not None:
+            from tokenmill.runner.encoder_cache import EncoderCache
+
+            self.encoder_cache = EncoderCache(
+                self.model.encode_images, self.device, config.runner.encoder_cache_tokens
+            )
         self.num_forward_tokens = 0
         # The last launched step's sampled tokens, on the device: a plan's `input_src` points
         # into them. With CUDA graphs the sampler writes them into one static buffer the graphs
@@ -299,9 +317,10 @@ class ModelRunner:
         if plan.num_device_drafts is not None:
             assert self.spec is not None
             drafts = self.spec.draft(plan, self._last_tokens)
-        graphs = self.graphs
+        # Images and multimodal positions run eagerly: the graphs take one position per token.
+        graphs = None if host.multimodal or plan.images else self.graphs
         ids: torch.Tensor | None = None
-        verify = self._verify_graph(plan)
+        verify = self._verify_graph(plan) if graphs is not None else None
         if graphs is not None and host.is_decode and len(host.kv_lens) <= graphs.max_bs:
             path = "decode"
             logits = self._run_graph(host)
@@ -320,7 +339,12 @@ class ModelRunner:
             path = "eager"
             ids, positions, inputs, logits_index = self._device_inputs(host, plan)
             self.attention.plan(inputs)
-            hidden = self.model(ids, positions, self.attention)
+            if plan.images:
+                assert self.encoder_cache is not None
+                vision = self.encoder_cache.embeds(plan.images)
+                hidden = self.model(ids, positions, self.attention, vision)
+            else:
+                hidden = self.model(ids, positions, self.attention)
             logits = self.model.compute_logits(hidden[logits_index])
         if self.spec is not None and self.spec.drafter is not None:
             # The draft's cache follows the target's: the same tokens in the same slots.

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from tokenmill.vision.images import split_images
+
+if TYPE_CHECKING:
+    from tokenmill.vision.images import ImagePreprocessor
+    from tokenmill.vision.inputs import ImageInput
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -63,3 +69,20 @@ def apply_chat_template(
         raise ValueError(f"messages can not be rendered by the chat template: {exc}") from exc
     # The template writes any BOS itself.
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase | None,
+    messages: list[dict[str, Any]],
+    images: ImagePreprocessor | None,
+    tools: list[dict[str, Any]] | None = None,
+) -> tuple[list[int], tuple[ImageInput, ...]]:
+    """Token ids of a conversation whose messages may hold image parts, and its images
+    (`images` preprocesses them; None: the model takes none, and an image is an error)."""
+    rendered, sources = split_images(messages)
+    ids = apply_chat_template(tokenizer, rendered, tools=tools)
+    if images is None:
+        if sources:
+            raise ValueError("messages: this model takes no images (send text only)")
+        return ids, ()
+    return images.expand(ids, sources)

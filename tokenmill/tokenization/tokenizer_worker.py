@@ -9,10 +9,17 @@ import zmq
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.intake import ContextLimits, IntakeError, prepare
-from tokenmill.ipc.messages import ClientBatch, EngineRequest, RequestError, TokenizeRequest
+from tokenmill.ipc.messages import (
+    ClientBatch,
+    EngineRequest,
+    ImagePayload,
+    RequestError,
+    TokenizeRequest,
+)
 from tokenmill.ipc.process import init_child
 from tokenmill.ipc.sockets import Addresses, encode, pull, push, request_id_of
-from tokenmill.tokenization.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
+from tokenmill.tokenization.tokenizer import encode_prompt, load_tokenizer, render_chat
+from tokenmill.vision.images import ImagePreprocessor, ImageSetup
 
 logger = logging.getLogger(__name__)
 
@@ -25,10 +32,13 @@ def run_tokenizer_worker(
     log_level: str,
     server_pid: int,
     chat_template: str | None = None,
+    images: ImageSetup | None = None,
 ) -> None:
-    """Process entry point: tokenize requests from the api server until killed."""
+    """Process entry point: tokenize requests from the api server until killed (`images`:
+    the model's image preprocessing, for a vision-language model)."""
     init_child(log_level, f"tokenizer_{index}", server_pid)
-    worker = TokenizerWorker(load_tokenizer(tokenizer_path, chat_template), limits)
+    preprocessor = ImagePreprocessor(images) if images is not None else None
+    worker = TokenizerWorker(load_tokenizer(tokenizer_path, chat_template), limits, preprocessor)
     ctx = zmq.Context()
     requests = pull(ctx, addresses.tokenizers[index], bind=True)
     to_engine = push(ctx, addresses.engine, bind=False)
@@ -48,9 +58,15 @@ class TokenizerWorker:
     unexpected a 500 for that request alone (and a logged traceback).
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, limits: ContextLimits) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase | None,
+        limits: ContextLimits,
+        images: ImagePreprocessor | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self.images = images
         self._decoder = msgspec.msgpack.Decoder(TokenizeRequest)
 
     def handle(self, raw: bytes) -> tuple[list[bytes], RequestError | None]:
@@ -77,11 +93,13 @@ class TokenizerWorker:
             return [], RequestError(req.request_id, message, status=500)
 
     def _engine_requests(self, req: TokenizeRequest) -> list[bytes]:
+        images: list[ImagePayload] = []
         if req.messages is not None:
-            ids = apply_chat_template(self.tokenizer, req.messages, tools=req.tools)
+            ids, inputs = render_chat(self.tokenizer, req.messages, self.images, req.tools)
+            images = [ImagePayload.of(image) for image in inputs]
         elif req.prompt is not None:
             ids = encode_prompt(self.tokenizer, req.prompt, req.add_special_tokens)
         else:
             raise ValueError("prompt or messages must be given, got neither")
         children = prepare(req.request_id, ids, req.params, self.limits)
-        return [encode(EngineRequest(c.request_id, ids, c.params)) for c in children]
+        return [encode(EngineRequest(c.request_id, ids, c.params, images)) for c in children]

@@ -98,3 +98,59 @@ class MultimodalPrompt:
             end = min(image.end, len(keys))
             keys[image.offset : end] = [-1 - image.key] * (end - image.offset)
         return keys
+
+
+@dataclass(frozen=True, eq=False)
+class StepImage:
+    """Part of an image a step's query tokens cover: its features `first .. first + count`
+    replace query tokens `dst .. dst + count` of the step."""
+
+    image: ImageInput
+    dst: int
+    first: int
+    count: int
+
+
+def step_images(mm: MultimodalPrompt, start: int, end: int, base: int) -> list[StepImage]:
+    """The images (or parts) of sequence tokens `[start, end)` run as query tokens `base ..`."""
+    parts = []
+    for image in mm.images:
+        lo, hi = max(start, image.offset), min(end, image.end)
+        if lo < hi:
+            parts.append(StepImage(image, base + lo - start, lo - image.offset, hi - lo))
+    return parts
+
+
+def multimodal_prompt(
+    token_ids: list[int],
+    images: tuple[ImageInput, ...],
+    image_token_id: int,
+    merge_size: int,
+    patch_values: int,
+) -> MultimodalPrompt:
+    """Check that `images` fill exactly the runs of `image_token_id` in `token_ids`, in order,
+    each with `num_tokens` tokens and `[t * h * w, patch_values]` pixels; raises `ValueError`
+    naming `images` otherwise. Returns the prompt's rotary positions."""
+    ids = np.asarray(token_ids)
+    expected = np.flatnonzero(ids == image_token_id)
+    covered = np.concatenate(
+        [np.arange(i.offset, i.end) for i in images] or [np.zeros(0, dtype=np.int64)]
+    )
+    if not np.array_equal(expected, covered):
+        raise ValueError(
+            f"images must fill the prompt's {len(expected)} image placeholder tokens in order, "
+            f"got {len(images)} image(s) covering {len(covered)} tokens"
+        )
+    for n, image in enumerate(images):
+        t, h, w = image.grid_thw
+        if min(t, h, w) < 1 or h % merge_size or w % merge_size:
+            raise ValueError(f"images[{n}]: bad patch grid {image.grid_thw}")
+        shape = (t * h * w, patch_values)
+        if image.num_tokens != num_image_tokens(image.grid_thw, merge_size):
+            raise ValueError(f"images[{n}]: {image.num_tokens} tokens for grid {image.grid_thw}")
+        if image.pixel_values.shape != shape or image.pixel_values.dtype != np.float32:
+            raise ValueError(
+                f"images[{n}]: pixel values must be float32 {shape}, got "
+                f"{image.pixel_values.dtype} {image.pixel_values.shape}"
+            )
+    return MultimodalPrompt.build(len(token_ids), images, merge_size)

@@ -1,0 +1,206 @@
+"""From a chat's image parts to `ImageInput`s: read each image (a `data:` URL, bytes, a PIL
+image, or, offline, a file path) within the limits, run the model's image processor
+(transformers'), and expand each image's one placeholder token into as many as the image has
+language-model tokens. Runs in the tokenizer workers (and in the offline `LLM`), never in the
+engine core.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from tokenmill.vision.inputs import ImageInput, image_key, num_image_tokens
+
+if TYPE_CHECKING:  # the tokenizer workers import this module; torch (via config) stays out
+    from tokenmill.config import EngineConfig, ImageLimits, VisionConfig
+
+# What a chat's image part may hold: an OpenAI `image_url` string (a `data:` URL; offline also
+# a file path), encoded bytes, or a decoded PIL image.
+ImageSource = str | bytes | Path | Image.Image
+
+# Content part types that carry an image, and the key holding it (OpenAI's and vLLM's forms).
+_IMAGE_PARTS = {"image_url": "image_url", "image": "image", "image_pil": "image_pil"}
+
+
+def split_images(
+    messages: Sequence[dict[str, Any]],
+) -> tuple[list[dict[str, Any]], list[ImageSource]]:
+    """The messages with each image part replaced by `{"type": "image"}` (what chat templates
+    render as the image's placeholder), and the images, in order."""
+    rendered: list[dict[str, Any]] = []
+    sources: list[ImageSource] = []
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, list):
+            rendered.append(message)
+            continue
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in _IMAGE_PARTS:
+                parts.append(part)
+                continue
+            value = part.get(_IMAGE_PARTS[kind])
+            if isinstance(value, dict):  # OpenAI: {"image_url": {"url": ...}}
+                value = value.get("url")
+            if not isinstance(value, str | bytes | Path | Image.Image):
+                raise ValueError(f"messages: an {kind} part must hold an image, got {value!r:.80}")
+            sources.append(value)
+            parts.append({"type": "image"})
+        rendered.append({**message, "content": parts})
+    return rendered, sources
+
+
+@dataclass(frozen=True)
+class ImageSetup:
+    """What a process needs to preprocess a model's images (picklable: the tokenizer workers
+    get it): the folder holding its `preprocessor_config.json`, its vision config and the
+    request limits."""
+
+    processor_dir: str
+    vision: VisionConfig
+    limits: ImageLimits
+
+
+def image_setup(config: EngineConfig) -> ImageSetup | None:
+    """The image preprocessing of `config`'s model (None: a text-only model); its processor
+    is read from the model's folder."""
+    vision = config.model.vision
+    return None if vision is None else ImageSetup(config.model.path, vision, config.images)
+
+
+class ImagePreprocessor:
+    """Turns a prompt's image sources into `ImageInput`s and its token ids into ones with
+    every image's placeholders; errors are `ValueError`s naming `messages` and the image."""
+
+    def __init__(self, setup: ImageSetup, allow_files: bool = False) -> None:
+        from transformers import AutoImageProcessor  # its first import takes a second
+
+        self.vision, self.limits, self.allow_files = setup.vision, setup.limits, allow_files
+        with warnings.catch_warnings():  # "falling back to the PIL backend" without torchvision
+            warnings.simplefilter("ignore")
+            self.processor = AutoImageProcessor.from_pretrained(setup.processor_dir)
+        ours = (setup.vision.patch_size, setup.vision.spatial_merge_size)
+        theirs = (self.processor.patch_size, self.processor.merge_size)
+        if ours != theirs:
+            raise ValueError(
+                f"the image processor's (patch_size, merge_size) {theirs} differ from the "
+                f"model's vision_config {ours}"
+            )
+
+    def expand(
+        self, token_ids: list[int], sources: Sequence[ImageSource]
+    ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """`token_ids` with each image placeholder token repeated for its image's tokens, and
+        the images, preprocessed."""
+        vision, limit = self.vision, self.limits.max_images_per_prompt
+        if len(sources) > limit:
+            raise ValueError(
+                f"messages: {len(sources)} images, more than the {limit} a request may hold "
+                "(--max-images-per-prompt)"
+            )
+        placeholders = [i for i, t in enumerate(token_ids) if t == vision.image_token_id]
+        if len(placeholders) != len(sources):
+            raise ValueError(
+                f"messages: {len(sources)} images but the chat template wrote "
+                f"{len(placeholders)} image placeholders"
+            )
+        if not sources:
+            return token_ids, ()
+        images = [self.open(source, n) for n, source in enumerate(sources)]
+        out = self.processor(images=images, return_tensors="np")
+        pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
+        grids = [tuple(int(x) for x in g) for g in out["image_grid_thw"]]
+        expanded: list[int] = []
+        inputs: list[ImageInput] = []
+        cursor = start = 0
+        for position, grid in zip(placeholders, grids, strict=True):
+            patches = pixels[start : start + grid[0] * grid[1] * grid[2]]
+            start += len(patches)
+            n = num_image_tokens(grid, vision.spatial_merge_size)  # type: ignore[arg-type]
+            expanded += token_ids[cursor:position]
+            key = image_key(patches, grid)  # type: ignore[arg-type]
+            inputs.append(ImageInput(key, patches, grid, len(expanded), n))  # type: ignore[arg-type]
+            expanded += [vision.image_token_id] * n
+            cursor = position + 1
+        expanded += token_ids[cursor:]
+        return expanded, tuple(inputs)
+
+    def open(self, source: ImageSource, n: int) -> Image.Image:
+        """Image `n` of a request, decoded, in RGB, within the limits."""
+        what = f"messages: image {n}"
+        if isinstance(source, Image.Image):
+            return self._checked(source, what).convert("RGB")
+        if isinstance(source, str) and source.startswith("data:"):
+            data = self._data_url(source, what)
+        elif isinstance(source, str) and source.split(":", 1)[0].lower() in ("http", "https"):
+            raise ValueError(
+                f"{what}: http(s) image URLs are not fetched (this server reads no network); "
+                "send the image inline as a data: URL (data:image/png;base64,...)"
+            )
+        elif isinstance(source, bytes):
+            data = source
+        elif self.allow_files:
+            data = self._file(Path(source), what)
+        else:
+            raise ValueError(f"{what}: image_url must be a data: URL, got {str(source)[:40]!r}")
+        if len(data) > self.limits.max_image_bytes:
+            raise ValueError(self._too_many_bytes(what, len(data)))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", Image.DecompressionBombWarning)
+                image = Image.open(io.BytesIO(data))
+                self._checked(image, what)
+                image.load()
+        except (UnidentifiedImageError, Image.DecompressionBombWarning) as exc:
+            raise ValueError(f"{what} is not an image this server can read: {exc}") from None
+        except Image.DecompressionBombError:
+            raise ValueError(self._too_many_pixels(what, None)) from None
+        except (OSError, SyntaxError, ValueError) as exc:  # truncated or corrupt data
+            raise ValueError(f"{what} could not be decoded: {exc}") from None
+        return image.convert("RGB")
+
+    def _data_url(self, url: str, what: str) -> bytes:
+        header, sep, payload = url.partition(",")
+        if not sep or not header.endswith(";base64") or not header[5:].startswith("image/"):
+            raise ValueError(f"{what}: a data URL must be data:image/<type>;base64,<data>")
+        if len(payload) * 3 // 4 > self.limits.max_image_bytes:
+            raise ValueError(self._too_many_bytes(what, len(payload) * 3 // 4))
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError(f"{what}: the data URL is not valid base64") from None
+
+    def _file(self, path: Path, what: str) -> bytes:
+        if not path.is_file():
+            raise ValueError(f"{what}: no such image file {str(path)!r}")
+        if path.stat().st_size > self.limits.max_image_bytes:
+            raise ValueError(self._too_many_bytes(what, path.stat().st_size))
+        return path.read_bytes()
+
+    def _checked(self, image: Image.Image, what: str) -> Image.Image:
+        width, height = image.size
+        if width * height > self.limits.max_image_pixels:
+            raise ValueError(self._too_many_pixels(what, (width, height)))
+        if min(width, height) < 1:
+            raise ValueError(f"{what} is empty ({width}x{height})")
+        return image
+
+    def _too_many_bytes(self, what: str, size: int) -> str:
+        limit = self.limits.max_image_bytes
+        return f"{what} is {size} bytes, more than the {limit} allowed (--max-image-bytes)"
+
+    def _too_many_pixels(self, what: str, size: tuple[int, int] | None) -> str:
+        limit = self.limits.max_image_pixels
+        shown = f" ({size[0]}x{size[1]})" if size else ""
+        return f"{what} has more than {limit} pixels{shown} (--max-image-pixels)"
