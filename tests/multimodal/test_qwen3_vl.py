@@ -48,7 +48,9 @@ def test_greedy_matches_transformers_with_images_batched_with_text(
     assert image_token not in outputs[2].prompt_token_ids
 
 
-def test_hub_transposed_expert_layout_loads(vl_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+def test_hub_transposed_expert_layout_loads(
+    vl_checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
     """The hub's Qwen3-VL-MoE checkpoints hold the stacked experts transposed ([E, H, 2I],
     [E, I, H]); loading them gives the same model."""
     source = vl_checkpoints["qwen3_vl_moe"]
