@@ -295,6 +295,11 @@ def build_app(state: ServerState) -> FastAPI:
 
         def encode() -> list[int]:
             if body.messages is not None:
+                if any(m.has_images() for m in body.messages):
+                    raise ValueError(
+                        "messages: /tokenize takes text only (an image's token count depends "
+                        "on its preprocessing)"
+                    )
                 chat = [m.template_dict() for m in body.messages]
                 return apply_chat_template(state.tokenizer, chat)
             return encode_prompt(state.tokenizer, body.prompt, body.add_special_tokens)

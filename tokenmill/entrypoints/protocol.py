@@ -35,6 +35,7 @@ from tokenmill.entrypoints.constraints import (
 )
 from tokenmill.entrypoints.schema_types import (
     MAX_INT64,
+    ImagePart,
     StrictModel,
     Text,
     TextPart,
@@ -254,8 +255,9 @@ def _content_shape(value: Any) -> str:
     return "list[part]" if isinstance(value, list) else "str"
 
 
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 Content = Annotated[
-    Annotated[Text, Tag("str")] | Annotated[list[TextPart], Tag("list[part]")],
+    Annotated[Text, Tag("str")] | Annotated[list[ContentPart], Tag("list[part]")],
     Discriminator(_content_shape),
 ]
 
@@ -287,7 +289,7 @@ class MessageToolCall(_Strict):
 
 
 class ChatMessage(_Strict):
-    """One chat message; content may be text or a list of text parts."""
+    """One chat message; content may be text or a list of text and image parts."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Content | None = None
@@ -296,15 +298,25 @@ class ChatMessage(_Strict):
     tool_call_id: Text | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
-        """The content as one string."""
+        """The content's text as one string (image parts left out)."""
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(p.text for p in self.content if isinstance(p, TextPart))
         return self.content or ""
 
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(
+            isinstance(p, ImagePart) for p in self.content
+        )
+
     def template_dict(self) -> dict[str, Any]:
-        """The message as chat templates expect it: text content, tool calls with their
-        arguments as objects."""
-        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        """The message as chat templates expect it: text content (or, with images, the list
+        of text and `image_url` parts, which the tokenizer worker turns into images), tool
+        calls with their arguments as objects."""
+        content: Any = self.text()
+        if self.has_images():
+            assert isinstance(self.content, list)
+            content = [p.model_dump(exclude_none=True) for p in self.content]
+        message: dict[str, Any] = {"role": self.role, "content": content}
         if self.tool_calls:
             message["tool_calls"] = [call.template_dict() for call in self.tool_calls]
         if self.tool_call_id is not None:

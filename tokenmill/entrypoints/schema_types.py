@@ -61,3 +61,18 @@ class TextPart(StrictModel):
 
     type: Literal["text"]
     text: Text
+
+
+class ImageUrl(StrictModel):
+    """`image_url` of an image part: a `data:image/<type>;base64,...` URL (http(s) URLs are
+    refused: the server reads no network); `detail` is accepted and ignored."""
+
+    url: Text
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(StrictModel):
+    """An image part of a message's content (vision-language models)."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl

@@ -80,9 +80,7 @@ def render_chat(
     """Token ids of a conversation whose messages may hold image parts, and its images
     (`images` preprocesses them; None: the model takes none, and an image is an error)."""
     rendered, sources = split_images(messages)
+    if images is None and sources:
+        raise ValueError("messages: this model takes no images (send text only)")
     ids = apply_chat_template(tokenizer, rendered, tools=tools)
-    if images is None:
-        if sources:
-            raise ValueError("messages: this model takes no images (send text only)")
-        return ids, ()
-    return images.expand(ids, sources)
+    return (ids, ()) if images is None else images.expand(ids, sources)
