@@ -1,0 +1,112 @@
+"""The host side of images: tokenizer-worker preprocessing and placeholder expansion, raw-byte
+payloads to the engine core, multimodal rotary positions (against transformers'
+`get_rope_index`), image-keyed prefix-cache keys, and one encoder pass per step."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from tests.multimodal.conftest import chat, png_bytes, random_image
+from tokenmill import LLM, SamplingParams
+from tokenmill.config import EngineArgs
+from tokenmill.intake import ContextLimits
+from tokenmill.ipc.messages import EngineRequest, TokenizeRequest
+from tokenmill.ipc.sockets import encode
+from tokenmill.tokenization.tokenizer import load_tokenizer
+from tokenmill.tokenization.tokenizer_worker import TokenizerWorker
+from tokenmill.vision.images import ImagePreprocessor, image_setup
+from tokenmill.vision.inputs import ImageInput, MultimodalPrompt
+
+
+@pytest.fixture(scope="module")
+def vl_dir(vl_checkpoints: dict[str, Path]) -> Path:
+    return vl_checkpoints["qwen3_vl"]
+
+
+def _preprocessor(path: Path) -> ImagePreprocessor:
+    setup = image_setup(EngineArgs(model=str(path), device="cpu").create_engine_config())
+    assert setup is not None
+    return ImagePreprocessor(setup)
+
+
+def test_tokenizer_worker_ships_expanded_prompt_and_raw_pixels(vl_dir: Path) -> None:
+    images = _preprocessor(vl_dir)
+    worker = TokenizerWorker(load_tokenizer(str(vl_dir)), ContextLimits(600, 1024, None), images)
+    url = "data:image/png;base64," + base64.b64encode(png_bytes(random_image(64, 32, 1))).decode()
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "Look:"}, {"type": "image_url", "image_url": {"url": url}},
+    ]}]  # fmt: skip
+    raw = encode(TokenizeRequest("r1", SamplingParams(max_tokens=2), messages=messages))
+    (encoded,), error = worker.handle(raw)
+    assert error is None
+    req = msgspec.msgpack.decode(encoded, type=EngineRequest)
+    (payload,) = req.images
+    image = payload.image()
+    # 64x32 pixels are 8x4 patches of 8, merged 2x2: 8 tokens, filling the placeholders.
+    assert image.grid_thw == (1, 4, 8) and image.num_tokens == 8
+    token = images.vision.image_token_id
+    assert req.prompt_token_ids[image.offset : image.end] == [token] * 8
+    assert req.prompt_token_ids.count(token) == 8
+    # Raw bytes on the wire (4 bytes a value, not a msgpack float list) and a view out.
+    assert len(encoded) < image.pixel_values.nbytes + 2000
+    assert not image.pixel_values.flags.owndata
+    expected = images.processor(images=[random_image(64, 32, 1)], return_tensors="np")
+    np.testing.assert_array_equal(image.pixel_values, expected["pixel_values"])
+
+
+def test_mrope_positions_match_transformers(vl_dir: Path) -> None:
+    from transformers import AutoModelForImageTextToText
+
+    hf = AutoModelForImageTextToText.from_pretrained(vl_dir, dtype=torch.float32)
+    grids = [(1, 4, 8), (1, 6, 2), (1, 2, 2)]
+    ids, images = [3, 4], []
+    for n, grid in enumerate(grids):
+        count = grid[1] * grid[2] // 4
+        images.append(ImageInput(n, np.zeros((1, 1), np.float32), grid, len(ids), count))
+        ids += [hf.config.image_token_id] * count + [5] * (n + 1)
+    mm = MultimodalPrompt.build(len(ids), tuple(images), 2)
+    t = torch.tensor([ids])
+    positions, delta = hf.model.get_rope_index(
+        t, (t == hf.config.image_token_id).int(), torch.tensor(grids)
+    )
+    np.testing.assert_array_equal(mm.positions, positions[:, 0].numpy())
+    assert mm.rope_delta == int(delta)
+    after = mm.rope_positions(len(ids) - 1, len(ids) + 2)
+    np.testing.assert_array_equal(
+        after[:, 1:], np.broadcast_to(np.arange(2) + len(ids) + mm.rope_delta, (3, 2))
+    )
+
+
+def test_cache_keys_name_the_image_not_its_placeholder() -> None:
+    pixels = np.zeros((4, 1), np.float32)
+    a = ImageInput(11, pixels, (1, 2, 2), 2, 1)
+    b = ImageInput(12, pixels, (1, 2, 2), 2, 1)
+    ids = [1, 2, 9, 3]
+    keys_a = MultimodalPrompt.build(4, (a,), 2).cache_keys(ids)
+    keys_b = MultimodalPrompt.build(4, (b,), 2).cache_keys(ids)
+    assert keys_a[:2] == keys_b[:2] == [1, 2] and keys_a[3] == keys_b[3] == 3
+    assert keys_a[2] != keys_b[2] and keys_a[2] < 0
+
+
+def test_a_steps_images_are_encoded_in_one_pass(vl_dir: Path) -> None:
+    llm = LLM(str(vl_dir), dtype="float32", device="cpu")
+    runner = llm.engine.runner
+    calls: list[int] = []
+    encode_images = runner.encoder_cache.encoder
+
+    def counting(patches: torch.Tensor, grids: list) -> list:
+        calls.append(len(grids))
+        return encode_images(patches, grids)
+
+    runner.encoder_cache.encoder = counting
+    params = SamplingParams(temperature=0, max_tokens=2)
+    llm.chat([chat("one", random_image(32, 32, 1)), chat("two", random_image(32, 32, 2))], params)
+    assert calls == [2]
+    llm.chat([chat("again", random_image(32, 32, 2))], params)
+    assert calls == [2] and runner.encoder_cache.stats.cache_hits == 1
