@@ -12,6 +12,7 @@ import sys
 import threading
 import types
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, get_args, get_origin, get_type_hints
 
 from tokenmill import __version__
@@ -115,6 +116,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
 # The command line's own sampling defaults, below the model's (its generation_config.json):
 # greedy, and a short completion.
 _CLI_SAMPLING = {"temperature": 0.0, "max_tokens": 64}
+# A placard (title, attribution, a paragraph of up to 90 words) fits in this many tokens.
+PLACARD_MAX_TOKENS = 256
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -219,6 +222,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(srv, ServerOptions, "server options")
     add_options(srv, DeployOptions, "replica options (Ray Serve; pip install 'tokenmill[ray]')")
     add_engine_args(srv)
+    placard = commands.add_parser(
+        "placard",
+        help="Write a museum placard for each image (a vision-language model, e.g. Qwen3-VL).",
+        description="Asks the model to write the placard that would hang beside each image in "
+        "a museum (title; artist, medium, year; a short description) and prints them.",
+    )
+    placard.add_argument("images", nargs="+", metavar="IMAGE", help="Image files (PNG, JPEG...).")
+    placard.add_argument(
+        "--model", required=True,
+        help="A vision-language checkpoint directory (Qwen3-VL or Qwen3-VL-MoE).",
+    )  # fmt: skip
+    placard.add_argument(
+        "--prompt", default=None, help="The instruction sent with each image (default: the "
+        "curator's placard request, tokenmill.entrypoints.placard.PLACARD_PROMPT).",
+    )  # fmt: skip
+    _add_sampling_args(placard)
+    add_engine_args(placard)
     _add_bench_parser(commands)
     _add_eval_parser(commands)
     for sub in commands.choices.values():
@@ -542,6 +562,27 @@ def _generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _placard(ns: argparse.Namespace) -> int:
+    from tokenmill.entrypoints.llm import LLM
+    from tokenmill.entrypoints.placard import PLACARD_PROMPT, write_placards
+
+    missing = [image for image in ns.images if not Path(image).is_file()]
+    if missing:
+        raise ValueError(f"no such image file: {', '.join(missing)}")
+    defaults = SamplingDefaults()
+    _sampling_params(ns, defaults)  # bad sampling options fail before the model loads
+    llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
+    params = _sampling_params(ns, llm.config.sampling_defaults)
+    if ns.max_tokens is None and llm.config.sampling_defaults.max_tokens is None:
+        params = dataclasses.replace(params, max_tokens=PLACARD_MAX_TOKENS)
+    outputs = write_placards(llm, ns.images, params, ns.prompt or PLACARD_PROMPT)
+    for image, out in zip(ns.images, outputs, strict=True):
+        print(f"=== {image}")
+        print(out.outputs[0].text.strip())
+        print()
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `tokenmill` console script."""
     parser = build_parser()
@@ -552,6 +593,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         handlers = {
             "serve": _serve, "generate": _generate, "chat": _chat, "bench": _bench, "eval": _eval,
+            "placard": _placard,
         }  # fmt: skip
         return handlers[ns.command](ns)
     except ValueError as exc:
