@@ -55,6 +55,12 @@ NOT_RUN = {
         "the user's own task file (a placeholder; tests/e2e/test_evals.py scores a known file)"
     ),
     "pip install -e '.[ray]'": "installs Ray; tests/replicas/ run where it is installed",
+    "huggingface-cli download Qwen/Qwen3-VL-30B-A3B-Instruct": (
+        "a 62 GB download (no network here); the tiny Qwen3-VL above runs the same command"
+    ),
+    "tokenmill placard gallery/*.jpg --model qwen3-vl-30b-a3b": (
+        "a 30 B model on a GPU; tests/multimodal/test_placard.py runs placard on a tiny one"
+    ),
     "tokenmill serve --replicas 2": (
         "needs Ray and a minute; tests/replicas/test_replicas.py deploys the same application"
     ),

@@ -195,9 +195,9 @@ class Qwen3VLVisionModel(nn.Module):
     ) -> torch.Tensor:
         """The learned `side x side` position grid, resampled bilinearly (corners aligned) to
         each image's patch grid, at every patch's (row, column)."""
-        sizes = torch.tensor(
-            [(h, w) for t, h, w in grid_thw for _ in range(t * h * w)], device=grid.device
-        )
+        counts = torch.tensor([t * h * w for t, h, w in grid_thw])
+        sides = torch.tensor([(h, w) for _, h, w in grid_thw])
+        sizes = sides.repeat_interleave(counts, dim=0).to(grid.device)
         side = self.side
         src = grid.float() * (side - 1) / (sizes - 1).clamp(min=1)  # [N, 2]
         low = src.floor().long()
