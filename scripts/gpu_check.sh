@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call (see ../shared/device/README.md).
 # Usage on the device:
-#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|structured|b4|tp|conformance|hostkv|startup|all]
+#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|structured|b4|tp|conformance|hostkv|startup|vl|all]
 # (gputests = the GPU engine tests and the GEMV, decode and rotary kernel tests + profile + B1;
 #  moe = the mixture-of-experts GPU and kernel tests (moetests), B1/B2 qwen3-30b-a3b with the
 #  transformers peer (moebench);
@@ -13,6 +13,9 @@
 #  a 32k-token device KV pool, without and with a 32 GB pinned host tier, same run;
 #  tp = tensor parallelism on 2 GPUs (kind nvidia-h200-x2): its GPU tests, then B1 and B2 of
 #  llama-3.1-8b with tp=1 (and the transformers peer) and tp=2, and qwen3-30b-a3b with tp=2;
+#  vl = Qwen3-VL (issue 26): the multimodal GPU tests, then benchmarks/vl_images.py on
+#  Qwen3-VL-30B-A3B shapes (benchmarks/models/qwen3-vl-30b-a3b, dummy weights): TTFT per
+#  1024x768 image, images/s for 64 requests, the vision encoder's share, transformers peer;
 #  conformance = `tokenmill eval conformance` of a bf16 server on llama-3.1-8b shapes with random
 #  weights against the float32 transformers reference: the weights are written once as a
 #  checkpoint (`tokenmill eval dummy-checkpoint`, /tmp, 16 GB) that both sides load;
@@ -207,6 +210,13 @@ if [[ "$what" == startup ]]; then
       --timeout 240 --output "$out/long-prompts-$m.json" "${long_args[@]}" -- "${serve_args[@]}" 2>&1 \
       | tee "$out/long-prompts-$m.log" | grep -E "^(data |B6 |Traceback|\w*Error)" >> "$table"
   done
+fi
+if [[ "$what" == vl ]]; then
+  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_vl_gpu.py 2>&1 | tee "$out/pytest-vl.log" | tail -5
+  echo "vl tests: $(tail -1 "$out/pytest-vl.log")" >> "$table"
+  python3 benchmarks/vl_images.py --config benchmarks/models/qwen3-vl-30b-a3b --batch 64 \
+    --output "$out/vl-qwen3-vl-30b-a3b.json" 2>&1 | tee "$out/vl.log" | tail -3
+  grep -E "^(tokenmill|transformers):" "$out/vl.log" >> "$table"
 fi
 echo
 echo "=== summary ==="
