@@ -732,6 +732,11 @@ class EngineArgs:
         speculative = SpeculativeConfig.parse(self.speculative_config)
         if speculative is not None:
             speculative.check(model, self.max_model_len or model.max_position_embeddings)
+            if model.vision is not None and speculative.method == "draft_model":
+                raise ValueError(
+                    "speculative_config: a draft model cannot draft for a vision-language model "
+                    "(it reads no images); use method ngram"
+                )
         parallel = ParallelConfig(self.tensor_parallel_size)
         self._check_parallel(parallel, model, device, speculative is not None)
         return EngineConfig(
