@@ -51,9 +51,10 @@ def _message(*urls: str) -> list[dict]:
 
 def test_image_chat_answers_like_the_offline_engine(server: ServerHandle, vl_dir: Path) -> None:
     image = random_image(48, 40, seed=1)
+    url = _data_url(png_bytes(image))
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none")
     response = client.chat.completions.create(
-        model=MODEL_NAME, messages=_message(_data_url(png_bytes(image))), max_tokens=5,
+        model=MODEL_NAME, messages=_message(url), max_tokens=5,
         temperature=0, extra_body={"ignore_eos": True},
     )  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
@@ -63,6 +64,7 @@ def test_image_chat_answers_like_the_offline_engine(server: ServerHandle, vl_dir
     )[0]  # fmt: skip
     assert response.choices[0].message.content == offline.outputs[0].text
     assert response.usage.prompt_tokens == len(offline.prompt_token_ids)
+    assert url[-64:] not in server.log  # the request's log line names the image's size only
 
 
 def _bad_images() -> dict[str, list[str]]:

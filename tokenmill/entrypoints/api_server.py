@@ -59,6 +59,7 @@ from tokenmill.observability.metrics import ServerMetrics
 from tokenmill.observability.startup import StartupTimer, process_age
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenization.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
+from tokenmill.vision.images import without_image_data
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -166,6 +167,7 @@ def request_limits(
         max_stop=options.max_stop,
         max_stop_chars=options.max_stop_chars,
         min_prompt_chars=int(tokenizer is not None and not tokenizer("")["input_ids"]),
+        images=config.model.vision is not None,
     )
 
 
@@ -672,7 +674,8 @@ def _log_arrival(
     """One line per arriving request: its prompt (cut to --max-log-len) and its params."""
     limit = state.options.max_log_len
     for r in requests:
-        prompt = r.prompt if r.messages is None else json.dumps(r.messages, ensure_ascii=False)
+        chat = None if r.messages is None else without_image_data(r.messages)
+        prompt = r.prompt if chat is None else json.dumps(chat, ensure_ascii=False)
         shown = prompt if limit is None else prompt[:limit]
         logger.info("request %s: prompt %r, params %s", r.request_id, shown, r.params)
 

@@ -260,6 +260,11 @@ Content = Annotated[
     Annotated[Text, Tag("str")] | Annotated[list[ContentPart], Tag("list[part]")],
     Discriminator(_content_shape),
 ]
+# A text-only model's: text parts only, so its schema offers no image part.
+TextContent = Annotated[
+    Annotated[Text, Tag("str")] | Annotated[list[TextPart], Tag("list[part]")],
+    Discriminator(_content_shape),
+]
 
 
 class CalledFunction(_Strict):
@@ -422,6 +427,8 @@ class RequestLimits:
     max_stop_chars: int
     # 1 when an empty text tokenizes to no token (no BOS): the schema then refuses empty prompts.
     min_prompt_chars: int = 0
+    # The model reads images: chat messages may hold image parts (else text parts only).
+    images: bool = False
 
 
 @dataclass(frozen=True)
@@ -492,6 +499,10 @@ def request_models(limits: RequestLimits) -> RequestModels:
         model.limits = limits
         return model
 
+    message: type[ChatMessage] = ChatMessage
+    if not limits.images:
+        message = derive(ChatMessage, content=(TextContent | None, None))
+
     return RequestModels(
         completion=derive(
             CompletionRequest,
@@ -503,6 +514,7 @@ def request_models(limits: RequestLimits) -> RequestModels:
         chat=derive(
             ChatCompletionRequest,
             **common,
+            messages=(list[message], Field(min_length=1)),
             max_tokens=(count_type(**context) | None, None),
             max_completion_tokens=(count_type(**context) | None, None),
         ),
@@ -510,6 +522,7 @@ def request_models(limits: RequestLimits) -> RequestModels:
             TokenizeRequest,
             model=model,
             prompt=(prompt_text() | None, None),
+            messages=(list[message] | None, None),
         ),
         detokenize=derive(DetokenizeRequest, model=model, tokens=(list[token_id], ...)),
     )

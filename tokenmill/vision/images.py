@@ -50,15 +50,41 @@ def split_images(
             if kind not in _IMAGE_PARTS:
                 parts.append(part)
                 continue
-            value = part.get(_IMAGE_PARTS[kind])
-            if isinstance(value, dict):  # OpenAI: {"image_url": {"url": ...}}
-                value = value.get("url")
+            value = _image_value(part)
             if not isinstance(value, str | bytes | Path | Image.Image):
                 raise ValueError(f"messages: an {kind} part must hold an image, got {value!r:.80}")
             sources.append(value)
             parts.append({"type": "image"})
         rendered.append({**message, "content": parts})
     return rendered, sources
+
+
+def _image_value(part: dict[str, Any]) -> Any:
+    """What an image part holds (OpenAI's `{"image_url": {"url": ...}}` unwrapped)."""
+    value = part.get(_IMAGE_PARTS[part["type"]])
+    return value.get("url") if isinstance(value, dict) else value
+
+
+def _size(value: Any) -> int | None:
+    return len(value) if isinstance(value, str | bytes) else None
+
+
+def without_image_data(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with each image part's data replaced by its size (for logs: a `data:` URL
+    is megabytes)."""
+    shown = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = [
+                {"type": p["type"], "size": _size(_image_value(p))}
+                if isinstance(p, dict) and p.get("type") in _IMAGE_PARTS
+                else p
+                for p in content
+            ]
+            message = {**message, "content": content}
+        shown.append(message)
+    return shown
 
 
 @dataclass(frozen=True)
