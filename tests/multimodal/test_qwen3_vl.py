@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from tests.multimodal.conftest import chat, hf_vl_greedy, random_image
@@ -105,3 +106,17 @@ def test_chunked_prefill_and_preemption_keep_multimodal_positions(
     for conversation, out in zip(conversations, outputs, strict=True):
         ids, images = render_chat(llm.tokenizer, conversation, llm.images)
         assert out.outputs[0].token_ids == hf_vl_greedy(path, ids, images, 12)
+
+
+def test_tensor_parallel_ranks_answer_like_transformers(vl_checkpoints: dict[str, Path]) -> None:
+    """Two CPU ranks (gloo): the decoder and experts split, the vision encoder on both."""
+    threads = torch.get_num_threads()
+    path = vl_checkpoints["qwen3_vl_moe"]
+    try:
+        llm = _llm(path, tensor_parallel_size=2)
+        conversation = chat("Describe it.", random_image(48, 32, seed=7))
+        out = llm.chat(conversation, GREEDY)[0]
+        llm.close()
+    finally:
+        torch.set_num_threads(threads)  # rank 0 took its share of the cores
+    assert out.outputs[0].token_ids == _reference(_llm(path), path, conversation)

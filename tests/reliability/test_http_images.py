@@ -65,6 +65,9 @@ def test_image_chat_answers_like_the_offline_engine(server: ServerHandle, vl_dir
     assert response.choices[0].message.content == offline.outputs[0].text
     assert response.usage.prompt_tokens == len(offline.prompt_token_ids)
     assert url[-64:] not in server.log  # the request's log line names the image's size only
+    metrics = httpx.get(server.base_url + "/metrics", timeout=10).text
+    encoded = [line for line in metrics.splitlines() if "vision_encoder_images_total{" in line]
+    assert encoded and float(encoded[0].split()[-1]) >= 1, metrics
 
 
 def _bad_images() -> dict[str, list[str]]:

@@ -29,6 +29,7 @@ from tokenmill.ipc.messages import (
     ResetPrefixCacheRequest,
     ShutdownRequest,
     SpecDecodeCounts,
+    VisionEncoderCounts,
 )
 from tokenmill.ipc.process import init_child
 from tokenmill.ipc.sockets import Addresses, encode, pull, push, request_id_of
@@ -216,6 +217,7 @@ class EngineCoreLoop:
             engine_pid=os.getpid(),
             spec_decode=_spec_counts(engine),
             host_kv_cache=_host_counts(engine),
+            vision_encoder=_encoder_counts(engine),
             startup_seconds=self.startup_seconds,
         )
 
@@ -229,6 +231,15 @@ def _spec_counts(engine: EngineCore) -> SpecDecodeCounts | None:
         num_draft_tokens=spec.num_draft_tokens,
         num_accepted_tokens=spec.num_accepted_tokens,
         accepted_per_position=list(spec.accepted_per_position),
+    )
+
+
+def _encoder_counts(engine: EngineCore) -> VisionEncoderCounts | None:
+    cache = engine.runner.encoder_cache
+    if cache is None:
+        return None
+    return VisionEncoderCounts(
+        cache.stats.images_encoded, cache.stats.cache_hits, cache.encoder_seconds()
     )
 
 

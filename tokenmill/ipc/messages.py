@@ -135,6 +135,8 @@ class EngineStats(msgspec.Struct):
     spec_decode: SpecDecodeCounts | None = None
     # The host KV tier (None when off).
     host_kv_cache: HostKVCacheCounts | None = None
+    # The vision encoder (None for a text-only model).
+    vision_encoder: VisionEncoderCounts | None = None
     # Seconds of each phase of the engine core's start-up, in order (they add up to it).
     startup_seconds: dict[str, float] = msgspec.field(default_factory=dict)
 
@@ -149,6 +151,15 @@ class HostKVCacheCounts(msgspec.Struct):
     load_seconds: float
     used_pages: int
     total_pages: int
+
+
+class VisionEncoderCounts(msgspec.Struct):
+    """Cumulative vision-encoder counts: images encoded, images whose outputs were reused
+    (the encoder cache), and seconds the encoder ran (device time on CUDA)."""
+
+    images_encoded: int
+    cache_hits: int
+    seconds: float
 
 
 class SpecDecodeCounts(msgspec.Struct):

@@ -96,6 +96,15 @@ class _EngineCollector(Collector):
             yield from _spec_decode_families(stats.spec_decode, labels)
         if stats.host_kv_cache is not None:
             yield from _host_kv_cache_families(stats.host_kv_cache, labels)
+        if (encoder := stats.vision_encoder) is not None:
+            yield from _counter_families({
+                "vision_encoder_images": ("Images run through the vision encoder.",
+                                          encoder.images_encoded),
+                "vision_encoder_cache_hits": ("Images whose encoder outputs were reused (same "
+                                              "image content).", encoder.cache_hits),
+                "vision_encoder_seconds": ("Seconds the vision encoder ran (device time on "
+                                           "CUDA).", encoder.seconds),
+            }, labels)  # fmt: skip
         docs = {
             "scheduler_step_seconds": "Host time of one engine step (not waiting for the GPU).",
             "model_forward_seconds": "Device time of one forward pass and its sampling.",

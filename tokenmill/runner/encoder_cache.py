@@ -107,11 +107,11 @@ class EncoderCache:
             self._events.append(timing)
 
     def encoder_seconds(self) -> float:
-        """Seconds the encoder ran so far: device time on CUDA (waits for it), else host time."""
+        """Seconds the encoder ran so far: on CUDA the device time of the passes that have
+        finished (nothing waits: a pass still running counts once it is done), else host time."""
         if self.device.type != "cuda":
             return self.stats.host_seconds
-        for start, end in self._events:
-            end.synchronize()
+        while self._events and self._events[0][1].query():
+            start, end = self._events.pop(0)
             self._device_seconds += start.elapsed_time(end) / 1e3
-        self._events.clear()
         return self._device_seconds
