@@ -21,8 +21,8 @@ Encoder = Callable[[torch.Tensor, list[tuple[int, int, int]]], list[EncodedImage
 
 @dataclass
 class EncoderStats:
-    """Images encoded, images served from the cache, and seconds spent encoding (device
-    time on CUDA, measured with events and read when asked)."""
+    """Images encoded, images served from the cache, and host seconds spent in encoder calls
+    (`EncoderCache.encoder_seconds` gives the device time on CUDA)."""
 
     images_encoded: int = 0
     cache_hits: int = 0

@@ -183,15 +183,14 @@ class ImagePreprocessor:
         if len(data) > self.limits.max_image_bytes:
             raise ValueError(self._too_many_bytes(what, len(data)))
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("error", Image.DecompressionBombWarning)
-                image = Image.open(io.BytesIO(data))
-                self._checked(image, what)
-                image.load()
-        except (UnidentifiedImageError, Image.DecompressionBombWarning) as exc:
-            raise ValueError(f"{what} is not an image this server can read: {exc}") from None
+            image = Image.open(io.BytesIO(data))  # reads the header only
+        except UnidentifiedImageError:
+            raise ValueError(f"{what} is not an image this server can read") from None
         except Image.DecompressionBombError:
             raise ValueError(self._too_many_pixels(what, None)) from None
+        self._checked(image, what)  # the pixel count, before decoding them
+        try:
+            image.load()
         except (OSError, SyntaxError, ValueError) as exc:  # truncated or corrupt data
             raise ValueError(f"{what} could not be decoded: {exc}") from None
         return image.convert("RGB")
