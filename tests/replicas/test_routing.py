@@ -41,6 +41,25 @@ def test_a_chat_turn_extends_the_previous_turns_prefix() -> None:
     assert one and two[: len(one)] == one and len(two) > len(one)
 
 
+def test_chats_with_different_images_part_at_the_image() -> None:
+    def turn(url: str) -> list[dict]:
+        image = {"type": "image_url", "image_url": {"url": url}}
+        text = {"type": "text", "text": "t" * 600}
+        return [
+            {"role": "system", "content": "s" * 600},
+            {"role": "user", "content": [image, text]},
+        ]
+
+    same, again = (
+        prefix_blocks({"messages": turn("data:a")}),
+        prefix_blocks({"messages": turn("data:a")}),
+    )
+    other = prefix_blocks({"messages": turn("data:b")})
+    assert same == again
+    shared = sum(1 for x, y in zip(same, other, strict=False) if x == y)
+    assert 0 < shared < len(same)  # the system prompt's blocks only
+
+
 def test_request_goes_to_the_replica_holding_the_longest_prefix() -> None:
     state = RouterState()
     shared = list(range(10, 10 + 4 * TOKEN_BLOCK))

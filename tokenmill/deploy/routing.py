@@ -66,9 +66,20 @@ def _chat_text(messages: list[Any]) -> str:
             continue
         content = message.get("content")
         if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
+            content = "".join(_part_text(p) for p in content if isinstance(p, Mapping))
         parts.append(f"{message.get('role', '')}\x1f{content or ''}\x1e")
     return "".join(parts)
+
+
+def _part_text(part: Mapping[str, Any]) -> str:
+    """A content part's text; an image part stands for a digest of its URL (a data URL is the
+    image), so that requests with the same image prefer the replica holding its pages."""
+    if part.get("type") != "image_url":
+        return str(part.get("text", ""))
+    image = part.get("image_url")
+    url = image.get("url", "") if isinstance(image, Mapping) else ""
+    digest = hashlib.blake2b(str(url).encode("utf-8", "surrogatepass"), digest_size=8)
+    return f"\x1d{digest.hexdigest()}\x1d"
 
 
 def _chain(data: bytes, block_bytes: int) -> tuple[bytes, ...]:
