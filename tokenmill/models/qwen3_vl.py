@@ -206,7 +206,8 @@ class Qwen3VLVisionModel(nn.Module):
         (r0, c0), (r1, c1), (fr, fc) = low.unbind(1), high.unbind(1), frac.unbind(1)
         taps = torch.stack([r0 * side + c0, r0 * side + c1, r1 * side + c0, r1 * side + c1], 1)
         weights = torch.stack([(1 - fr) * (1 - fc), (1 - fr) * fc, fr * (1 - fc), fr * fc], dim=1)
-        return (self.pos_embed(taps) * weights[:, :, None].to(self.pos_embed.weight.dtype)).sum(1)
+        # float32 weights, as transformers (the sum is cast to the model dtype by the caller)
+        return (self.pos_embed(taps) * weights[:, :, None]).sum(1)
 
 
 class Qwen3VLForConditionalGeneration(LlamaForCausalLM):
