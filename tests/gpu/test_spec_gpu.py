@@ -17,11 +17,13 @@ PROMPTS = [list(range(3, 10)), [11, 12, 13, 14] * 3, list(range(20, 77)), [7] * 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
-def _spec(method: str, k: int, draft: Path | None) -> str:
+def _spec(method: str, k: int, draft: Path | None, adaptive: bool = False) -> str:
+    """k drafts whenever there are drafts unless `adaptive` (every k's graphs are exercised)."""
     if method == "ngram":
-        return json.dumps({"method": "ngram", "num_speculative_tokens": k,
+        return json.dumps({"method": "ngram", "num_speculative_tokens": k, "adaptive": adaptive,
                            "prompt_lookup_min": 1, "prompt_lookup_max": 3})  # fmt: skip
-    return json.dumps({"method": "draft_model", "model": str(draft), "num_speculative_tokens": k})
+    return json.dumps({"method": "draft_model", "model": str(draft), "num_speculative_tokens": k,
+                       "adaptive": adaptive})  # fmt: skip
 
 
 CASES = [(m, k, {}) for m in ("ngram", "draft_model") for k in range(1, 6)]

@@ -29,10 +29,12 @@ def references(llama_dir: Path) -> list[list[int]]:
 
 
 def _spec(method: str, k: int, draft: Path | None = None) -> str:
+    """k drafts whenever there are drafts (not adaptive: every k's shapes are exercised)."""
     if method == "ngram":
-        return json.dumps({"method": "ngram", "num_speculative_tokens": k,
+        return json.dumps({"method": "ngram", "num_speculative_tokens": k, "adaptive": False,
                            "prompt_lookup_min": 1, "prompt_lookup_max": 3})  # fmt: skip
-    return json.dumps({"method": "draft_model", "model": str(draft), "num_speculative_tokens": k})
+    return json.dumps({"method": "draft_model", "model": str(draft), "num_speculative_tokens": k,
+                       "adaptive": False})  # fmt: skip
 
 
 def _proposers(llama_dir: Path, draft_dir: Path) -> dict[str, tuple[str, Path | None]]:

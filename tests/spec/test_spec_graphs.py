@@ -148,8 +148,9 @@ def _graphed_llm(path: Path, spec: dict | None, **engine_args) -> LLM:  # type: 
 def _spec(method: str, k: int, draft: Path) -> dict:
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
-                "prompt_lookup_max": 3}  # fmt: skip
-    return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k}
+                "prompt_lookup_max": 3, "adaptive": False}  # fmt: skip
+    return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k,
+            "adaptive": False}  # fmt: skip
 
 
 @pytest.mark.parametrize(("method", "k"), [("ngram", 2), ("draft_model", 2)])

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import itertools
 import json
 import logging
 import textwrap
@@ -59,6 +60,7 @@ class SpecBenchArgs:
     num_speculative_tokens: int = 4
     acceptance_rates: Sequence[float] = (1.0, 0.8, 0.6)
     batch_sizes: Sequence[int] = (1, 64)
+    adaptive_batch_sizes: Sequence[int] = (64,)
     input_len: int = 512
     output_len: int = 256
     demo_output_len: int = 128
@@ -73,6 +75,7 @@ class SpecBenchArgs:
             num_speculative_tokens=args.num_speculative_tokens,
             acceptance_rates=[float(a) for a in args.acceptance_rates.split(",")],
             batch_sizes=[int(b) for b in args.batch_sizes.split(",")],
+            adaptive_batch_sizes=[int(b) for b in args.adaptive_batch_sizes.split(",") if b],
             input_len=args.input_len, output_len=args.output_len, seed=args.seed,
             engine_kwargs=args.engine_kwargs,
         )  # fmt: skip
@@ -227,8 +230,10 @@ def _oracle_part(args: SpecBenchArgs) -> dict[str, Any]:
         _drop(plain)
         continuations = {tuple(p): o for p, o in zip(prompts, outputs, strict=True)}
         rows: dict[str, Any] = {"plain_decode_tok_s": plain_rate}
-        for rate in args.acceptance_rates:
-            spec = {"method": "ngram", "num_speculative_tokens": k}
+        # Fixed k measures verification against its ideal; adaptive, what a user gets.
+        modes = [False, True] if batch in args.adaptive_batch_sizes else [False]
+        for rate, adaptive in itertools.product(args.acceptance_rates, modes):
+            spec = {"method": "ngram", "num_speculative_tokens": k, "adaptive": adaptive}
             llm = _engine(args, spec)
             oracle = OracleProposer(k, continuations, rate, vocab, args.seed)
             llm.engine.scheduler.host_proposer = oracle
@@ -237,12 +242,14 @@ def _oracle_part(args: SpecBenchArgs) -> dict[str, Any]:
             stats = llm.engine.scheduler.spec_stats
             ideal = ideal_tokens_per_step(rate, k)
             speedup = spec_rate / plain_rate
-            rows[f"a={rate}"] = {
+            chosen = stats.chosen_drafts
+            rows[f"a={rate}" + (" adaptive" if adaptive else "")] = {
                 "decode_tok_s": spec_rate,
                 "speedup": speedup,
                 "tokens_per_verify": stats.mean_acceptance_length,
                 "ideal_tokens_per_verify": ideal,
                 "pct_of_ideal_speedup": 100 * speedup / ideal,
+                "mean_drafts_chosen": chosen.total / max(chosen.count, 1),
                 "same_tokens_as_plain": spec_outputs == outputs,
             }
             _drop(llm)
@@ -301,6 +308,7 @@ def summary_rows(report: dict[str, Any]) -> list[str]:
                 f"B4 oracle {batch} {label}: {r['decode_tok_s']:.0f} tok/s vs plain {plain:.0f} "
                 f"(x{r['speedup']:.2f}; ideal x{r['ideal_tokens_per_verify']:.2f}: "
                 f"{r['pct_of_ideal_speedup']:.0f}%), {r['tokens_per_verify']:.2f} tokens/verify, "
+                f"{r['mean_drafts_chosen']:.2f} drafts/request-step, "
                 f"same tokens: {r['same_tokens_as_plain']}"
             )
     return rows

@@ -1,0 +1,185 @@
+"""Adaptive speculation's policy, without a model: the acceptance estimate, the learned step
+cost, and the drafts it chooses per request for the most expected tokens per second."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tokenmill.batch import ACCEPTANCE_PRIOR, AcceptanceEstimate, Request
+from tokenmill.bench.speculative import ideal_tokens_per_step
+from tokenmill.cache.cache_manager import CacheManager
+from tokenmill.config import SchedulerConfig
+from tokenmill.engine.scheduler import PLAIN_STEPS_AFTER_NO_DRAFTS, Scheduler
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec.adaptive import StepCost, choose_num_drafts, expected_tokens, token_bucket
+from tokenmill.spec.config import SpeculativeConfig
+
+K = 4
+
+
+def _cost(seconds, sizes=tuple(2**i for i in range(14))) -> StepCost:
+    """A cost table measured from `seconds(n)` at `sizes`."""
+    cost = StepCost()
+    for n in sizes:
+        cost.observe(n, seconds(n))
+    return cost
+
+
+def _roofline(knee: int):  # type: ignore[no-untyped-def]
+    """A step reads the weights (1 unit) until `knee` tokens, then is compute-bound."""
+    return lambda n: max(1.0, n / knee)
+
+
+def _choose(rates, available=None, pinned=None, cost=None, other_tokens=0, other_rows=0):  # type: ignore[no-untyped-def]
+    rates = np.asarray(rates, dtype=np.float64)
+    available = np.full(len(rates), K) if available is None else np.asarray(available)
+    pinned = np.zeros(len(rates), dtype=bool) if pinned is None else np.asarray(pinned)
+    cost = cost if cost is not None else _cost(_roofline(128))
+    return choose_num_drafts(rates, available, pinned, other_tokens, other_rows, cost)
+
+
+def test_expected_tokens_is_the_geometric_ideal() -> None:
+    for a in (0.0, 0.3, 0.8, 0.999999):
+        for k in range(6):
+            assert expected_tokens(np.array(a), np.array(k)) == pytest.approx(
+                ideal_tokens_per_step(a, k), rel=1e-6
+            )
+
+
+def test_high_acceptance_in_a_small_batch_drafts_k() -> None:
+    assert _choose([0.8, 0.9, 0.6]).tolist() == [K, K, K]
+
+
+def test_low_acceptance_turns_drafting_off() -> None:
+    # A step whose cost grows a little with its tokens: drafts that are rarely right lose.
+    cost = _cost(lambda n: 1 + 0.05 * n)
+    assert _choose([0.05, 0.02], cost=cost).tolist() == [0, 0]
+    assert _choose([0.9, 0.9], cost=cost).tolist() == [K, K]
+
+
+def test_large_batch_turns_speculation_off() -> None:
+    """Past the knee a drafted token costs what a decode does and yields less than one."""
+    assert not _choose([0.9] * 256).any()
+    assert not _choose([0.99] * 512, cost=_cost(_roofline(256))).any()
+    # Near the knee, fewer drafts fit before the step turns compute-bound.
+    near = _choose([0.8] * 64)
+    assert 0 < near.max() < K
+
+
+def test_each_row_drafts_by_its_own_acceptance() -> None:
+    cost = _cost(lambda n: 1 + 0.03 * n)
+    chosen = _choose([0.95, 0.1, 0.9, 0.05], cost=cost)
+    assert chosen[0] > 0 and chosen[2] > 0
+    assert chosen[1] == 0 and chosen[3] == 0
+
+
+def test_rows_draft_no_more_than_they_can_and_pinned_rows_keep_theirs() -> None:
+    chosen = _choose([0.9, 0.9, 0.01], available=[2, 0, 3], pinned=[False, False, True])
+    assert chosen.tolist() == [2, 0, 3]
+    # A compute-bound batch still verifies a pinned row's drafts (its tokens must not
+    # depend on its batch).
+    chosen = _choose([0.9] * 300, pinned=[True] + [False] * 299)
+    assert chosen[0] == K and not chosen[1:].any()
+
+
+def test_other_rows_of_the_step_count_towards_its_cost() -> None:
+    """Rows whose token is still on the device fill the step up to the knee: drafts for the
+    rest no longer pay."""
+    alone = _choose([0.8] * 8)
+    beside_decodes = _choose([0.8] * 8, other_tokens=120, other_rows=120)
+    assert alone.tolist() == [K] * 8 and not beside_decodes.any()
+
+
+def test_step_cost_interpolates_and_is_optimistic_outside_what_it_measured() -> None:
+    cost = StepCost()
+    assert cost.predict(np.array([1, 1000])).tolist() == [1.0, 1.0]  # nothing measured yet
+    cost.observe(8, 2.0)
+    cost.observe(64, 4.0)
+    predicted = cost.predict(np.array([4, 8, 36, 64, 500]))
+    assert predicted.tolist() == pytest.approx([1.0, 2.0, 3.0, 4.0, 4.0])
+    cost.observe(8, 4.0)  # a weighted mean: the newest measurement moves it part way
+    assert 2.0 < cost.predict(np.array([8]))[0] < 4.0
+
+
+def test_step_sizes_are_measured_exactly_when_small_then_per_quarter_octave() -> None:
+    assert [token_bucket(n) for n in (1, 5, 16)] == [1, 5, 16]
+    buckets = {token_bucket(n) for n in range(17, 1025)}
+    assert len(buckets) == 4 * 6 + 1  # 16 ... 1024: six doublings, four sizes each
+    assert all(abs(token_bucket(n) - n) / n < 0.1 for n in range(17, 4096))
+
+
+def test_acceptance_estimate_learns_and_drifts_back_to_its_prior() -> None:
+    estimate = AcceptanceEstimate()
+    assert estimate.rate == ACCEPTANCE_PRIOR
+    for _ in range(10):
+        estimate.observe(num_drafted=4, num_accepted=0)  # one draft judged each time
+    assert estimate.rate < 0.2
+    for _ in range(30):
+        estimate.fade()
+    assert estimate.rate == pytest.approx(ACCEPTANCE_PRIOR, abs=0.01)
+    for _ in range(10):
+        estimate.observe(num_drafted=4, num_accepted=4)  # none rejected: nothing but success
+    assert estimate.rate > 0.9
+
+
+# The scheduler with the policy.
+
+NGRAM = SpeculativeConfig("ngram", 3, prompt_lookup_max=2, prompt_lookup_min=1)
+
+
+def _decoding(sched: Scheduler, rid: str, first: int = 7, **params) -> Request:  # type: ignore[no-untyped-def]
+    sampling = SamplingParams(temperature=params.pop("temperature", 0), max_tokens=20, **params)
+    req = Request(rid, [5, 6, 7, 8, 5, 6], sampling, eos_token_ids=(2,), max_model_len=64)
+    sched.add_request(req)
+    out = sched.schedule()
+    sched.update(out, [first], [None])
+    return req
+
+
+def _scheduler(cost: StepCost) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64)
+    sched = Scheduler(config, CacheManager(64, 2, enable_prefix_caching=True), NGRAM)
+    sched.step_cost = cost
+    return sched
+
+
+def test_scheduler_drafts_while_steps_are_memory_bound() -> None:
+    sched = _scheduler(_cost(_roofline(128)))
+    _decoding(sched, "a")
+    assert sched.may_draft()
+    plan = sched.schedule().plan
+    assert plan is not None and plan.num_samples.tolist() == [4]
+    assert sched.spec_stats.chosen_drafts.counts[3] == 1  # 3 drafts chosen, once
+
+
+def test_scheduler_decodes_plain_and_overlapped_when_compute_bound() -> None:
+    sched = _scheduler(_cost(_roofline(1)))  # every extra token costs a whole step
+    req = _decoding(sched, "a")
+    assert not sched.may_draft()
+    plan = sched.schedule().plan
+    assert plan is not None and plan.num_samples.tolist() == [1] and not plan.blocking
+    assert sched.spec_stats.chosen_drafts.counts[0] == 1
+    assert req.acceptance.judged == 0  # nothing verified, nothing learned
+    # Drafting nothing keeps the next steps plain (overlapped) without asking the policy.
+    sched.step_cost = _cost(_roofline(128))
+    assert [sched.may_draft() for _ in range(PLAIN_STEPS_AFTER_NO_DRAFTS + 1)] == [
+        *[False] * PLAIN_STEPS_AFTER_NO_DRAFTS,
+        True,
+    ]
+
+
+def test_a_seeded_sampled_request_keeps_its_drafts_in_any_batch() -> None:
+    sched = _scheduler(_cost(_roofline(1)))
+    _decoding(sched, "seeded", temperature=0.8, seed=3)
+    assert sched.may_draft()  # its drafts must not depend on the batch: never overlapped
+    plan = sched.schedule().plan
+    assert plan is not None and plan.num_samples.tolist() == [4]
+
+
+def test_verified_rows_update_their_acceptance() -> None:
+    sched = _scheduler(_cost(_roofline(128)))
+    req = _decoding(sched, "a")
+    out = sched.schedule()  # drafts 8 5 6
+    sched.update(out, [8, 9, -1, -1], [None] * 4)  # one accepted, the second rejected
+    assert (req.acceptance.accepted, req.acceptance.judged) == (1, 2)
