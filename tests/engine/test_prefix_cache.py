@@ -152,14 +152,20 @@ def small_pool_llm(llama_dir: Path) -> LLM:
     )
 
 
+def _seeded(i: int, max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, seed=i)
+
+
 def run_traffic(
     engine: EngineCore,
     ops: list[tuple],
     prefixes: list[list[int]],
     check: Callable[[EngineCore], None],
+    sampling: Callable[[int, int], SamplingParams] | None = None,
 ) -> None:
     """Replay add/abort/step `ops` (prompts from `prefixes`) to the end, `check`ing after every
-    op and step; every page is free at the end."""
+    op and step; every page is free at the end. `sampling(i, max_tokens)`: request i's
+    settings (default: sampled, seeded by i)."""
     ids: list[str] = []
     for op in ops:
         if op[0] == "add":
@@ -167,7 +173,8 @@ def run_traffic(
             rid = f"r{len(ids)}-{random.random()}"
             ids.append(rid)
             prompt = [*prefixes[which][:length], len(ids) % 7 + 1]
-            engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, seed=len(ids)))
+            params = (sampling or _seeded)(len(ids), max_tokens)
+            engine.add_request(rid, prompt, params)
         elif op[0] == "abort" and ids:
             engine.abort_request(ids[op[1] % len(ids)])
         else:
