@@ -26,7 +26,9 @@ only then queues the sampling.
 
 So at most two steps are launched and one is unread when the scheduler runs. A plan marked
 `blocking` (a penalty counts every generated token) is read before the next step is scheduled,
-and without overlap every step is read right after its launch. A request preempted while its
+and without overlap every step is read right after its launch; so is, with speculative
+decoding, every step that may draft (`Scheduler.may_draft`: drafts continue the newest token;
+adaptive speculation lets the steps it keeps plain overlap). A request preempted while its
 token is unread waits until the token lands. Scheduling counts a row's tokens as computed
 (its KV is being written); a speculative row whose drafts are rejected gives back the rejected
 positions after reading (its KV slots stay allocated and are overwritten).
