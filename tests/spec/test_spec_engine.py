@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from tests.conftest import hf_greedy
 from tests.engine.test_prefix_cache import assert_pages_partitioned, run_traffic, traffic_ops
 from tokenmill import LLM, SamplingParams
-from tokenmill.batch import StepPlan
+from tokenmill.batch import AcceptanceEstimate, Request, StepPlan
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.spec.adaptive import StepCost
 
@@ -225,13 +225,24 @@ def test_greedy_with_adaptive_speculation_equals_greedy_without(
     assert llm.engine.cache.num_used_pages == 0
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "other_draft"])
+@pytest.mark.parametrize("proposer", ["ngram", "self_draft"])
 def test_drafts_per_row_change_between_steps_and_mix_within_a_step(
-    proposer: str, llama_dir: Path, draft_dir: Path, references: list[list[int]]
+    proposer: str, llama_dir: Path, references: list[list[int]]
 ) -> None:
+    """One request starts with a record of rejected drafts: it decodes plain beside rows that
+    draft, until its record fades; the others' drafts follow their acceptance."""
     method = "ngram" if proposer == "ngram" else "draft_model"
-    llm = LLM(str(llama_dir), device="cpu", speculative_config=_adaptive(method, draft_dir))
-    llm.engine.scheduler.step_cost = LinearCost(0.04)
+    llm = LLM(str(llama_dir), device="cpu", speculative_config=_adaptive(method, llama_dir))
+    scheduler = llm.engine.scheduler
+    scheduler.step_cost = LinearCost(0.02)
+    add = scheduler.add_request
+
+    def add_doubted(req: Request) -> None:
+        if req.prompt_token_ids == PROMPTS[2]:
+            req.acceptance = AcceptanceEstimate(accepted=0.0, judged=50.0)
+        add(req)
+
+    scheduler.add_request = add_doubted  # type: ignore[method-assign]
     plans = _record_plans(llm)
     assert _greedy_tokens(llm) == references
     decode_steps = [p for p in plans if np.array_equal(p.num_samples, p.query_lens)]

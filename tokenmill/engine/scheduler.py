@@ -146,7 +146,7 @@ class Scheduler:
         decoding = [r for r in self.running if r.num_uncomputed_tokens(0) <= 1]
         k = self._max_drafts()
         # Optimistic for prompt lookup: as if every request found k drafts.
-        available = np.array([self._device_drafts(r, k) for r in decoding], dtype=np.int64)
+        available = np.array([self._max_offer(r, k) for r in decoding], dtype=np.int64)
         if any(_pinned(r) for r, n in zip(decoding, available, strict=True) if n):
             return True
         if self._plain_steps:
@@ -180,7 +180,7 @@ class Scheduler:
                 req.draft_token_ids = proposed
             available = np.array([len(r.draft_token_ids) for r in ready])
         else:  # the draft model drafts at launch
-            available = np.array([self._device_drafts(r, k) for r in ready], dtype=np.int64)
+            available = np.array([self._max_offer(r, k) for r in ready], dtype=np.int64)
         chosen = available
         if self.speculative.adaptive:
             chosen = self._adaptive_drafts(ready, available, in_flight)
@@ -217,8 +217,9 @@ class Scheduler:
             self.step_cost,
         )
 
-    def _device_drafts(self, req: Request, k: int) -> int:
-        """Drafts the draft model can make for `req` (with prompt lookup: at most)."""
+    def _max_offer(self, req: Request, k: int) -> int:
+        """The most drafts `req` can verify this step: what the draft model will make (none
+        for requests it does not draft for); with prompt lookup, an upper bound."""
         if self.host_proposer is None and _host_only(req):
             return 0
         return req.max_drafts(k)

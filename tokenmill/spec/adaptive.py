@@ -15,9 +15,9 @@ nothing measured every row drafts all it can, and the plain batch is measured ne
 Choice (`choose_num_drafts`). For every cap K = 1..k_max each row may draft min(K, what it
 can); rows are taken in order of expected tokens gained per drafted token, and the policy keeps
 the (K, number of drafting rows) with the most expected tokens per second of the whole step, if
-that beats drafting nothing. While the step is memory-bound extra query tokens are nearly free
-and every row drafts its most; once the plain batch is compute-bound a drafted token costs
-what a decode does but yields less than one token, and speculation turns off.
+that beats drafting nothing by `MIN_SPEEDUP`. While the step is memory-bound extra query tokens
+are nearly free and every row drafts its most; once the plain batch is compute-bound a drafted
+token costs what a decode does but yields less than one token, and speculation turns off.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ import numpy as np
 
 # Weight of the newest measurement of a step size (an exponentially weighted mean).
 COST_SMOOTHING = 0.25
+# Drafting must promise this many times plain decoding's tokens per second: the costs are
+# measured, so noisy, and a near tie is not worth a synchronous step.
+MIN_SPEEDUP = 1.1
 # Sizes up to this many tokens are measured exactly; above, per quarter octave.
 EXACT_SIZES = 16
 
@@ -109,7 +112,7 @@ def choose_num_drafts(
     )
     cap, last = np.unravel_index(int(np.argmax(tokens_per_s)), tokens_per_s.shape)
     plain = base_yield / float(cost.predict(np.array(base_tokens)))
-    if tokens_per_s[cap, last] <= plain:
+    if tokens_per_s[cap, last] < MIN_SPEEDUP * plain:
         return chosen
     rows = order[cap, : last + 1]
     chosen[free[rows]] = drafts[cap, rows]
