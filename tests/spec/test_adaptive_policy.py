@@ -31,12 +31,14 @@ def _roofline(knee: int):  # type: ignore[no-untyped-def]
     return lambda n: max(1.0, n / knee)
 
 
-def _choose(rates, available=None, pinned=None, cost=None, other_tokens=0, other_rows=0):  # type: ignore[no-untyped-def]
+def _choose(  # type: ignore[no-untyped-def]
+    rates, available=None, pinned=None, cost=None, other_tokens=0, other_rows=0, padded=False
+):
     rates = np.asarray(rates, dtype=np.float64)
     available = np.full(len(rates), K) if available is None else np.asarray(available)
     pinned = np.zeros(len(rates), dtype=bool) if pinned is None else np.asarray(pinned)
     cost = cost if cost is not None else _cost(_roofline(128))
-    return choose_num_drafts(rates, available, pinned, other_tokens, other_rows, cost)
+    return choose_num_drafts(rates, available, pinned, other_tokens, other_rows, cost, padded)
 
 
 def test_expected_tokens_is_the_geometric_ideal() -> None:
@@ -83,6 +85,20 @@ def test_each_row_drafts_by_its_own_acceptance() -> None:
     chosen = _choose([0.95, 0.1, 0.9, 0.05], cost=cost)
     assert chosen[0] > 0 and chosen[2] > 0
     assert chosen[1] == 0 and chosen[3] == 0
+
+
+def test_with_cuda_graphs_every_row_pays_for_the_longest() -> None:
+    """A verify graph computes every row at the longest row's length: rows drafting fewer
+    save nothing, and one drafting row among many costs them all."""
+    cost = _cost(lambda n: 1 + 0.03 * n)
+    rates = [0.95, 0.1, 0.9, 0.05]
+    assert _choose(rates, cost=cost).tolist() == [K, 0, K, 0]  # eager: doubtful rows save
+    assert _choose(rates, cost=cost, padded=True).tolist() == [K] * 4  # graphs: free drafts
+    # Four rows that can draft beside 100 whose tokens are on the device: 120 tokens, or with
+    # graphs at least 104 x 2, past the knee.
+    beside_decodes = {"other_tokens": 100, "other_rows": 100, "cost": _cost(_roofline(128))}
+    assert _choose([0.99] * 4, **beside_decodes).tolist() == [K] * 4
+    assert not _choose([0.99] * 4, **beside_decodes, padded=True).any()
 
 
 def test_rows_draft_no_more_than_they_can_and_pinned_rows_keep_theirs() -> None:

@@ -156,6 +156,7 @@ class EngineCore:
             host,
         )
         self.scheduler = Scheduler(config.scheduler, self.cache, config.speculative)
+        self.scheduler.padded_verify_rows = self.runner.padded_verify_rows
         self._requests: dict[str, Request] = {}
         self._in_flight: InFlight | None = None
         self.stats = EngineCounters()
@@ -330,9 +331,10 @@ class EngineCore:
         return outputs
 
     def _measure(self, step: InFlight, sync: bool, host_seconds: float) -> None:
-        """Tell adaptive speculation what a decode or verify step of its size cost: its device
-        time, plus the host's when the step was synchronous (the GPU waited for the host);
-        overlapped, the slower of the two. On the CPU the host time includes the forward."""
+        """Tell adaptive speculation what a decode or verify step of its size (the query tokens
+        its forward computed, padding included) cost: its device time, plus the host's when the
+        step was synchronous (the GPU waited for the host); overlapped, the slower of the two.
+        On the CPU the host time includes the forward."""
         spec, plan = self.config.speculative, step.plan
         if spec is None or not spec.adaptive:
             return
@@ -343,7 +345,7 @@ class EngineCore:
             seconds = device_seconds + host_seconds
         else:
             seconds = max(device_seconds, host_seconds)
-        self.scheduler.step_cost.observe(len(plan.input_ids), seconds)
+        self.scheduler.step_cost.observe(step.launched.num_computed_tokens, seconds)
 
     def _finish(self, step: InFlight) -> list[EngineOutput]:
         """Wait for a launched step's tokens and apply them."""

@@ -69,6 +69,9 @@ class Scheduler:
         # reports each step it measures).
         self.step_cost = StepCost()
         self._plain_steps = 0  # plain steps left before drafting is considered again
+        # With CUDA graphs, decode/verify steps of up to this many rows compute every row at
+        # the longest row's length (the engine core sets it from the runner; 0: no padding).
+        self.padded_verify_rows = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SchedulerStats()
@@ -208,6 +211,8 @@ class Scheduler:
         unread = [len(in_flight.get(r) or ()) for r in others]
         other_tokens = sum(min(r.num_uncomputed_tokens(n), budget)
                            for r, n in zip(others, unread, strict=True))  # fmt: skip
+        # Only decode and verify rows (no prefill chunk) run a verify graph.
+        padded = other_tokens == len(others) and len(self.running) <= self.padded_verify_rows
         return choose_num_drafts(
             np.array([r.acceptance.rate for r in ready]),
             available,
@@ -215,6 +220,7 @@ class Scheduler:
             other_tokens,
             len(others),
             self.step_cost,
+            padded,
         )
 
     def _max_offer(self, req: Request, k: int) -> int:

@@ -5,11 +5,12 @@ Gain. A request whose drafts the target accepts with probability `a` each (given
 before were accepted) emits `E(a, k) = 1 + a + ... + a^k` tokens from a verify of k drafts, and
 1 from a plain decode. `a` is the request's `AcceptanceEstimate` (tokenmill/batch.py).
 
-Cost. `StepCost` learns the seconds of one engine step as a function of its query tokens (a
-decode row counts 1, a verify row 1 + k), from the steps the engine measures. A size never
-measured is assumed as cheap as it plausibly could be: above the largest measured step, no
-dearer than it (memory-bound); below the smallest, cheaper in proportion to its tokens
-(compute-bound). So the policy tries it, and the measurement corrects the table: with
+Cost. `StepCost` learns the seconds of one engine step as a function of the query tokens its
+forward computes (a decode row counts 1, a verify row 1 + k; with CUDA graphs every row of a
+verify step counts as its longest row, padding included), from the steps the engine measures.
+A size never measured is assumed as cheap as it plausibly could be: above the largest measured
+step, no dearer than it (memory-bound); below the smallest, cheaper in proportion to its
+tokens (compute-bound). So the policy tries it, and the measurement corrects the table: with
 nothing measured every row drafts all it can, and the plain batch is measured next.
 
 Choice (`choose_num_drafts`). For every cap K = 1..k_max each row may draft min(K, what it
@@ -17,7 +18,9 @@ can); rows are taken in order of expected tokens gained per drafted token, and t
 the (K, number of drafting rows) with the most expected tokens per second of the whole step, if
 that beats drafting nothing by `MIN_SPEEDUP`. While the step is memory-bound extra query tokens
 are nearly free and every row drafts its most; once the plain batch is compute-bound a drafted
-token costs what a decode does but yields less than one token, and speculation turns off.
+token costs what a decode does but yields less than one token, and speculation turns off. With
+CUDA graphs (`padded`) a step costs its rows times its longest row: a row drafting fewer saves
+nothing there, so every row drafts min(K, what it can), and one drafting row costs them all.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ def choose_num_drafts(
     other_tokens: int,
     other_rows: int,
     cost: StepCost,
+    padded: bool = False,
 ) -> np.ndarray:
     """How many tokens each decoding row drafts this step.
 
@@ -94,11 +98,17 @@ def choose_num_drafts(
     now (0: none); `pinned` `[R]`: rows that draft `available` whatever the batch (a seeded
     sampled request: its tokens must not depend on its batch). `other_tokens` and
     `other_rows`: the query tokens and rows of the step's other rows (prefill chunks, rows
-    whose token is still on the device), which emit at most one token each.
+    whose token is still on the device), which emit at most one token each. `padded`: the
+    step runs a CUDA graph that computes every row at its longest row's length, so a step
+    costs its rows times (1 + its most drafts), and rows drafting fewer save nothing.
     """
     chosen = np.where(pinned, available, 0)
     free = np.flatnonzero(~pinned & (available > 0))
+    num_rows = len(rates) + other_rows
+    widest = int(chosen.max(initial=0))
     base_tokens = other_tokens + len(rates) + int(chosen.sum())
+    if padded:
+        base_tokens = num_rows * (1 + widest)
     base_yield = other_rows + float(expected_tokens(rates, chosen).sum())
     if not len(free):
         return chosen
@@ -106,7 +116,11 @@ def choose_num_drafts(
     drafts = np.minimum(caps, available[free][None, :])  # [K, F]
     gain = expected_tokens(rates[free][None, :], drafts) - 1
     order = np.argsort(-gain / drafts, axis=1, kind="stable")  # best gain per token first
-    tokens = base_tokens + np.cumsum(np.take_along_axis(drafts, order, 1), axis=1)
+    ordered = np.take_along_axis(drafts, order, 1)
+    if padded:
+        tokens = num_rows * (1 + np.maximum(widest, np.maximum.accumulate(ordered, axis=1)))
+    else:
+        tokens = base_tokens + np.cumsum(ordered, axis=1)
     tokens_per_s = (base_yield + np.cumsum(np.take_along_axis(gain, order, 1), axis=1)) / (
         cost.predict(tokens)
     )
