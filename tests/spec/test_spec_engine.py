@@ -285,7 +285,7 @@ def adaptive_llm(llama_dir: Path) -> LLM:
     return llm
 
 
-@settings(max_examples=15, deadline=None,
+@settings(max_examples=10, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
 @given(ops=st.lists(traffic_ops(), min_size=1, max_size=20))
 @example(ops=[("add", i % 4, 40, 12) for i in range(8)] + [("abort", 3), ("step", 3)] * 6)

@@ -1,12 +1,15 @@
 """Bench B4: speculative decoding against plain decoding, in the same run.
 
-(a) Real text: the embedded demo model with prompt lookup and with its draft model, on
-copy-heavy prompts (code to edit, a document to quote) and on free generation: acceptance
-length and speedup over plain greedy decoding.
+(a) Real text: the embedded demo model with prompt lookup and with its draft model, each with
+adaptive speculation (the default) and with k fixed, on copy-heavy prompts (code to edit, a
+document to quote) and on free generation: acceptance length and speedup over plain greedy
+decoding.
 (b) Verification efficiency at real shapes (dummy weights): an oracle proposer replays the
 target's own greedy tokens (recorded by a plain run), each draft right with probability `a`, so
 a verify step yields `(1 - a^(k+1)) / (1 - a)` tokens on average; measured tokens/s over plain
-decoding's, against that ideal.
+decoding's, against that ideal, with k fixed. At the batch sizes of `adaptive_batch_sizes` the
+same oracle runs with adaptive speculation too (what a user gets: it must never be slower than
+plain decoding).
 
 The oracle's verdicts are teacher-forced. With random weights in bfloat16 many next-token
 logits nearly tie, and a verify pass (1 + k query tokens per row, the prefill attention kernel,
@@ -172,13 +175,17 @@ def _demo_prompts() -> dict[str, str]:
 
 def _demo_part(args: SpecBenchArgs) -> dict[str, Any]:
     k = args.num_speculative_tokens
-    methods: dict[str, dict[str, Any] | None] = {
-        "plain": None,
+    proposers: dict[str, dict[str, Any]] = {
         "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
                   "prompt_lookup_min": 2},
         "draft_model": {"method": "draft_model", "model": str(DEMO_DRAFT_DIR),
                         "num_speculative_tokens": k},
     }  # fmt: skip
+    # Each proposer with adaptive speculation (the default) and with k fixed.
+    methods: dict[str, dict[str, Any] | None] = {"plain": None}
+    for name, spec in proposers.items():
+        methods[name] = {**spec, "adaptive": True}
+        methods[f"{name} fixed k"] = {**spec, "adaptive": False}
     prompts = _demo_prompts()
     greedy = SamplingParams(temperature=0, max_tokens=args.demo_output_len, ignore_eos=True)
     results: dict[str, Any] = {}
@@ -205,7 +212,7 @@ def _demo_part(args: SpecBenchArgs) -> dict[str, Any]:
             }
         results[name] = rows
         _drop(llm)
-    for name in ("ngram", "draft_model"):
+    for name in methods:
         for label, row in results[name].items():
             row["speedup"] = row["output_tok_s"] / results["plain"][label]["output_tok_s"]
     return results
@@ -290,11 +297,13 @@ def _drop(llm: LLM) -> None:
 def summary_rows(report: dict[str, Any]) -> list[str]:
     """A short human-readable table of a B4 report."""
     rows = []
-    for method in ("ngram", "draft_model"):
-        for label, r in report["demo"][method].items():
+    for method, results in report["demo"].items():
+        if method == "plain":
+            continue
+        for label, r in results.items():
             length = r["acceptance_length"]
             rows.append(
-                f"B4 demo {method:11s} {label:9s}: {r['output_tok_s']:7.1f} tok/s, "
+                f"B4 demo {method:19s} {label:9s}: {r['output_tok_s']:7.1f} tok/s, "
                 f"x{r['speedup']:.2f} over plain, acceptance length "
                 f"{'-' if length is None else f'{length:.2f}'}, same tokens: "
                 f"{r['same_tokens_as_plain']}"
