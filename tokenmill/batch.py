@@ -53,8 +53,10 @@ class Logprob:
 
 # Adaptive speculation's prior belief about a request's drafts: each accepted with probability
 # ACCEPTANCE_PRIOR, a belief worth PRIOR_WEIGHT judged drafts; evidence fades by
-# ACCEPTANCE_DECAY per verify (and per step the request could have drafted but did not).
-ACCEPTANCE_PRIOR = 0.5
+# ACCEPTANCE_DECAY per verify (and per step the request could have drafted but did not). The
+# prior is a good draft's: a request is tried where good drafts would pay, and its own
+# verifies then decide (a request never tried would never show its drafts are good).
+ACCEPTANCE_PRIOR = 0.8
 PRIOR_WEIGHT = 2.0
 ACCEPTANCE_DECAY = 0.8
 
