@@ -14,6 +14,7 @@ from tokenmill.engine.scheduler import PLAIN_STEPS_AFTER_NO_DRAFTS, Scheduler
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec.adaptive import StepCost, choose_num_drafts, expected_tokens, token_bucket
 from tokenmill.spec.config import SpeculativeConfig
+from tokenmill.spec.ngram import NgramProposer
 
 K = 4
 
@@ -197,16 +198,27 @@ def test_scheduler_decodes_plain_and_overlapped_when_compute_bound() -> None:
     sched = _scheduler(_cost(_roofline(1)))  # every extra token costs a whole step
     req = _decoding(sched, "a")
     assert not sched.may_draft()
-    plan = sched.schedule().plan
-    assert plan is not None and plan.num_samples.tolist() == [1] and not plan.blocking
+    out = sched.schedule()
+    assert out.plan is not None and out.plan.num_samples.tolist() == [1]
+    assert not out.plan.blocking
+    sched.update(out, [9], [None])
     assert sched.spec_stats.chosen_drafts.counts[0] == 1
     assert req.acceptance.judged == 0  # nothing verified, nothing learned
-    # Drafting nothing keeps the next steps plain (overlapped) without asking the policy.
+    # Drafting nothing keeps the next steps plain (overlapped) without asking the policy,
+    # twice as many after each further step that drafts nothing, until one drafts.
     sched.step_cost = _cost(_roofline(128))
-    assert [sched.may_draft() for _ in range(PLAIN_STEPS_AFTER_NO_DRAFTS + 1)] == [
-        *[False] * PLAIN_STEPS_AFTER_NO_DRAFTS,
-        True,
-    ]
+    assert _plain_steps_before_drafting(sched) == PLAIN_STEPS_AFTER_NO_DRAFTS
+    sched.host_proposer = NgramProposer(3, min_n=3, max_n=3)  # "6 7 9" occurred nowhere
+    sched.update(sched.schedule(), [11], [None])
+    assert _plain_steps_before_drafting(sched) == 2 * PLAIN_STEPS_AFTER_NO_DRAFTS
+
+
+def _plain_steps_before_drafting(sched: Scheduler) -> int:
+    """How many times `may_draft` says no before it says yes."""
+    steps = 0
+    while not sched.may_draft():
+        steps += 1
+    return steps
 
 
 def test_a_seeded_sampled_request_keeps_its_drafts_in_any_batch() -> None:

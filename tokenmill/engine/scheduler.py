@@ -33,8 +33,10 @@ logger = logging.getLogger(__name__)
 # How many waiting requests the cache-aware policy compares per admission.
 CACHE_AWARE_SCAN = 128
 # Adaptive speculation: after a step whose decoding requests drafted nothing, this many steps
-# decode plain (overlapped) before drafting is considered again.
+# decode plain (overlapped) before drafting is considered again, twice as many after each
+# further such step, up to the most (a step that drafts resets it).
 PLAIN_STEPS_AFTER_NO_DRAFTS = 4
+MAX_PLAIN_STEPS_AFTER_NO_DRAFTS = 64
 
 
 @dataclass
@@ -69,6 +71,7 @@ class Scheduler:
         # reports each step it measures).
         self.step_cost = StepCost()
         self._plain_steps = 0  # plain steps left before drafting is considered again
+        self._plain_after_no_drafts = PLAIN_STEPS_AFTER_NO_DRAFTS  # the next such pause
         # With CUDA graphs, decode/verify steps of up to this many rows compute every row at
         # the longest row's length (the engine core sets it from the runner; 0: no padding).
         self.padded_verify_rows = 0
@@ -138,9 +141,9 @@ class Scheduler:
         generated token read (drafts continue the newest token).
 
         Adaptive speculation says no when it expects to draft nothing for the running batch
-        even if every request had drafts to offer, and for `PLAIN_STEPS_AFTER_NO_DRAFTS` steps
-        after a step whose decoding requests drafted nothing (prompt lookup found nothing):
-        plain decoding then keeps overlap scheduling. A seeded sampled request that can draft
+        even if every request had drafts to offer, and for a while after a step whose decoding
+        requests drafted nothing (prompt lookup found nothing; `_pause_after`): plain decoding
+        then keeps overlap scheduling. A seeded sampled request that can draft
         always makes it yes: its drafts must not depend on its batch.
         """
         spec = self.speculative
@@ -187,8 +190,7 @@ class Scheduler:
         chosen = available
         if self.speculative.adaptive:
             chosen = self._adaptive_drafts(ready, available, in_flight)
-            if not chosen.any():  # plain steps overlap for a while (see may_draft)
-                self._plain_steps = PLAIN_STEPS_AFTER_NO_DRAFTS
+            self._pause_after(drafted=bool(chosen.any()))
         num_drafts = {}
         for req, offered, n in zip(ready, available.tolist(), chosen.tolist(), strict=True):
             req.draft_token_ids = req.draft_token_ids[:n]
@@ -199,6 +201,18 @@ class Scheduler:
             elif offered:  # could have drafted: its acceptance drifts back to the prior
                 req.acceptance.fade()
         return num_drafts
+
+    def _pause_after(self, drafted: bool) -> None:
+        """After a step that drafted nothing, plain steps overlap for a while (see may_draft),
+        longer each time in a row: prompt lookup that keeps finding nothing costs a
+        synchronous step only every so often."""
+        if drafted:
+            self._plain_after_no_drafts = PLAIN_STEPS_AFTER_NO_DRAFTS
+            return
+        self._plain_steps = self._plain_after_no_drafts
+        self._plain_after_no_drafts = min(
+            2 * self._plain_after_no_drafts, MAX_PLAIN_STEPS_AFTER_NO_DRAFTS
+        )
 
     def _adaptive_drafts(
         self, ready: list[Request], available: np.ndarray, in_flight: Mapping[Request, range]
