@@ -281,7 +281,7 @@ def test_a_compute_bound_batch_decodes_plain_and_overlapped(
 def adaptive_llm(llama_dir: Path) -> LLM:
     llm = LLM(str(llama_dir), device="cpu", page_size=4, num_pages=40, max_model_len=96,
               max_num_batched_tokens=24, speculative_config=_adaptive("ngram"))  # fmt: skip
-    llm.engine.scheduler.step_cost = LinearCost(0.1)
+    llm.engine.scheduler.step_cost = LinearCost(0.2)
     return llm
 
 
