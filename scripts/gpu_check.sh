@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call (see ../shared/device/README.md).
 # Usage on the device:
-#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|structured|b4|tp|conformance|hostkv|startup|vl|all]
+#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|structured|b4|b4adaptive|tp|conformance|hostkv|startup|vl|all]
 # (gputests = the GPU engine tests and the GEMV, decode and rotary kernel tests + profile + B1;
 #  moe = the mixture-of-experts GPU and kernel tests (moetests), B1/B2 qwen3-30b-a3b with the
 #  transformers peer (moebench);
 #  moesweep = the expert kernels' routing and tile timings per batch size, qwen3-30b-a3b shapes;
 #  structured = structured-output GPU tests and benchmarks/structured_outputs.py
-#  b4 = speculative decoding vs plain decoding, qwen3-0.6b and llama-3.1-8b;
+#  b4 = speculative decoding vs plain decoding, qwen3-0.6b and llama-3.1-8b (batch 64 also
+#  with adaptive speculation, next to fixed k and plain decoding in the same run);
+#  b4adaptive = adaptive speculation next to fixed k = 4 and plain decoding, same run: qwen3-0.6b
+#  at batch 1 and 64, oracle a = 0.8 and 0.6 (fixed k ran x1.02 / x0.68 at batch 1 in session
+#  11: a verify step's host time), llama-3.1-8b at batch 64 and 256, a = 0.6 (fixed k x0.97 at
+#  batch 64; at 256 adaptive speculation must turn itself off);
 #  hostkv = the host KV tier (issue 28): its GPU tests, then benchmarks/host_kv_agent.py on
 #  llama-3.1-8b shapes: reload vs recompute of a 16,000-token prefix, and the agent workload with
 #  a 32k-token device KV pool, without and with a 32 GB pinned host tier, same run;
@@ -141,6 +146,12 @@ fi
 if [[ "$what" == b4 || "$what" == all ]]; then  # speculative decoding vs plain, same run
   bench qwen3-0.6b b4 "${kv[@]}" --engine-arg max_num_seqs=64
   bench llama-3.1-8b b4 "${kv[@]}" --engine-arg max_num_seqs=64
+fi
+if [[ "$what" == b4adaptive ]]; then  # adaptive speculation at high load vs plain, same run
+  bench qwen3-0.6b b4 "${kv[@]}" --engine-arg max_num_seqs=64 --acceptance-rates 0.8,0.6 \
+    --batch-sizes 1,64 --adaptive-batch-sizes 1,64
+  bench llama-3.1-8b b4 "${kv2[@]}" --engine-arg max_num_seqs=256 --acceptance-rates 0.6 \
+    --batch-sizes 64,256 --adaptive-batch-sizes 64,256
 fi
 if [[ "$what" == tp ]]; then
   python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py 2>&1 | tee "$out/pytest-tp.log" | tail -5

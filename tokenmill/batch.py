@@ -52,6 +52,46 @@ class Logprob:
     rank: int
 
 
+# Adaptive speculation's prior belief about a request's drafts: each accepted with probability
+# ACCEPTANCE_PRIOR, a belief worth PRIOR_WEIGHT judged drafts; evidence fades by
+# ACCEPTANCE_DECAY per verify (and per step the request could have drafted but did not). The
+# prior is a good draft's: a request is tried where good drafts would pay, and its own
+# verifies then decide (a request never tried would never show its drafts are good).
+ACCEPTANCE_PRIOR = 0.8
+PRIOR_WEIGHT = 2.0
+ACCEPTANCE_DECAY = 0.8
+
+
+@dataclass
+class AcceptanceEstimate:
+    """A request's chance that the target accepts a draft, given it accepted the ones before.
+
+    A verify of k drafts that accepts m judged `m + 1` of them (`m` when m = k: none was
+    rejected); the estimate is accepted over judged drafts, exponentially weighted (recent
+    verifies count most), starting from a prior. A request that stops drafting drifts back to
+    the prior, so it is tried again later (its text may have turned repetitive).
+    """
+
+    accepted: float = 0.0
+    judged: float = 0.0
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        """Count one verify: `num_accepted` of `num_drafted` drafts accepted."""
+        judged = num_accepted + (num_accepted < num_drafted)
+        self.accepted = ACCEPTANCE_DECAY * self.accepted + num_accepted
+        self.judged = ACCEPTANCE_DECAY * self.judged + judged
+
+    def fade(self) -> None:
+        """A step without drafting: old evidence counts less."""
+        self.accepted *= ACCEPTANCE_DECAY
+        self.judged *= ACCEPTANCE_DECAY
+
+    @property
+    def rate(self) -> float:
+        """The estimated per-draft acceptance, in (0, 1)."""
+        return (self.accepted + ACCEPTANCE_PRIOR * PRIOR_WEIGHT) / (self.judged + PRIOR_WEIGHT)
+
+
 @dataclass(eq=False)
 class Request:
     """Token ids and KV pages of one sequence, plus what the scheduler needs to place it.
@@ -81,8 +121,10 @@ class Request:
     num_preemptions: int = 0
     pages: SeqPages = field(default_factory=SeqPages)
     grammar: RequestGrammar | None = None  # structured outputs: has accepted every output token
-    # Speculative decoding: tokens a host proposer drafted to follow the newest token.
+    # Speculative decoding: tokens a host proposer drafted to follow the newest token, and how
+    # often the target accepts this request's drafts (adaptive speculation reads it).
     draft_token_ids: list[int] = field(default_factory=list)
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     mm: MultimodalPrompt | None = None  # the prompt's images and their rotary positions
 
     def prefix_keys(self, end: int) -> list[int]:

@@ -657,7 +657,10 @@ class EngineArgs:
         "Speculative decoding, as JSON (vLLM's shape): "
         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
         '"prompt_lookup_min": 2} or {"method": "draft_model", "model": DIR, '
-        '"num_speculative_tokens": 4}.',
+        '"num_speculative_tokens": 4}. "adaptive": true (the default) lets each step draft '
+        "0..num_speculative_tokens tokens per request, from its measured acceptance and the "
+        "measured cost of the step, so speculation turns itself off where it would slow the "
+        'batch (large batches); "adaptive": false always drafts num_speculative_tokens.',
     )
     tensor_parallel_size: int = option(
         1,

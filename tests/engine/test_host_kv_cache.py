@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from tests.engine.test_prefix_cache import run_traffic
+from tests.engine.test_prefix_cache import run_traffic, traffic_ops
 from tokenmill import LLM, SamplingParams
 from tokenmill.cache.kv_cache import KVCache
 from tokenmill.config import ModelConfig
@@ -118,13 +118,6 @@ def assert_both_tiers_partitioned(engine: EngineCore) -> None:
             assert all(child.on_host for child in node.children.values())
 
 
-_op = st.one_of(
-    st.tuples(st.just("add"), st.integers(0, 3), st.integers(1, 40), st.integers(1, 8)),
-    st.tuples(st.just("abort"), st.integers(0, 50)),
-    st.tuples(st.just("step"), st.integers(1, 3)),
-)
-
-
 @pytest.fixture(scope="module")
 def tiny_tiers_llm(llama_dir: Path) -> LLM:
     """A 24-page device pool and a 12-page host pool: both evict under this traffic."""
@@ -136,7 +129,7 @@ def tiny_tiers_llm(llama_dir: Path) -> LLM:
 @settings(
     max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(ops=st.lists(_op, min_size=1, max_size=20))
+@given(ops=st.lists(traffic_ops(8), min_size=1, max_size=20))
 @example(ops=[("add", i % 4, 40, 8) for i in range(8)] + [("abort", 3), ("step", 3)] * 6)
 def test_random_traffic_keeps_both_tiers_partitioned(tiny_tiers_llm: LLM, ops) -> None:
     prefixes = [list(range(10, 50)), list(range(30, 70)), [5] * 40, list(range(200, 240))]

@@ -133,11 +133,16 @@ def assert_pages_partitioned(cache: CacheManager, engine: EngineCore) -> None:
             assert node.ref_count == expected.get(id(node), 0) + extra
 
 
-_op = st.one_of(
-    st.tuples(st.just("add"), st.integers(0, 3), st.integers(1, 40), st.integers(1, 12)),
-    st.tuples(st.just("abort"), st.integers(0, 50)),
-    st.tuples(st.just("step"), st.integers(1, 3)),
-)
+def traffic_ops(max_tokens: int = 12) -> st.SearchStrategy[tuple]:
+    """One op of `run_traffic`: add a request (prefix index, its length, max_tokens), abort
+    one, or step the engine 1-3 times."""
+    return st.one_of(
+        st.tuples(
+            st.just("add"), st.integers(0, 3), st.integers(1, 40), st.integers(1, max_tokens)
+        ),
+        st.tuples(st.just("abort"), st.integers(0, 50)),
+        st.tuples(st.just("step"), st.integers(1, 3)),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -152,14 +157,20 @@ def small_pool_llm(llama_dir: Path) -> LLM:
     )
 
 
+def _seeded(i: int, max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, seed=i)
+
+
 def run_traffic(
     engine: EngineCore,
     ops: list[tuple],
     prefixes: list[list[int]],
     check: Callable[[EngineCore], None],
+    sampling: Callable[[int, int], SamplingParams] | None = None,
 ) -> None:
     """Replay add/abort/step `ops` (prompts from `prefixes`) to the end, `check`ing after every
-    op and step; every page is free at the end."""
+    op and step; every page is free at the end. `sampling(i, max_tokens)`: request i's
+    settings (default: sampled, seeded by i)."""
     ids: list[str] = []
     for op in ops:
         if op[0] == "add":
@@ -167,7 +178,8 @@ def run_traffic(
             rid = f"r{len(ids)}-{random.random()}"
             ids.append(rid)
             prompt = [*prefixes[which][:length], len(ids) % 7 + 1]
-            engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, seed=len(ids)))
+            params = (sampling or _seeded)(len(ids), max_tokens)
+            engine.add_request(rid, prompt, params)
         elif op[0] == "abort" and ids:
             engine.abort_request(ids[op[1] % len(ids)])
         else:
@@ -186,7 +198,7 @@ def run_traffic(
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
-@given(ops=st.lists(_op, min_size=1, max_size=25))
+@given(ops=st.lists(traffic_ops(), min_size=1, max_size=25))
 @example(ops=[("add", i % 4, 40, 12) for i in range(8)] + [("abort", 3), ("step", 3)] * 6)
 def test_random_traffic_never_leaks_or_double_owns_a_page(small_pool_llm: LLM, ops) -> None:
     prefixes = [list(range(10, 70)), list(range(30, 90)), [5] * 60, list(range(200, 260))]

@@ -17,11 +17,13 @@ PROMPTS = [list(range(3, 10)), [11, 12, 13, 14] * 3, list(range(20, 77)), [7] * 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
-def _spec(method: str, k: int, draft: Path | None) -> str:
+def _spec(method: str, k: int, draft: Path | None, adaptive: bool = False) -> str:
+    """k drafts whenever there are drafts unless `adaptive` (every k's graphs are exercised)."""
     if method == "ngram":
-        return json.dumps({"method": "ngram", "num_speculative_tokens": k,
+        return json.dumps({"method": "ngram", "num_speculative_tokens": k, "adaptive": adaptive,
                            "prompt_lookup_min": 1, "prompt_lookup_max": 3})  # fmt: skip
-    return json.dumps({"method": "draft_model", "model": str(draft), "num_speculative_tokens": k})
+    return json.dumps({"method": "draft_model", "model": str(draft), "num_speculative_tokens": k,
+                       "adaptive": adaptive})  # fmt: skip
 
 
 CASES = [(m, k, {}) for m in ("ngram", "draft_model") for k in range(1, 6)]
@@ -66,3 +68,21 @@ def test_float32_greedy_with_speculation_equals_plain_on_gpu(
     if not setting.get("enforce_eager"):
         assert replays["verify"] > 0
         assert replays["loop"] > 0 or method == "ngram"
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_float32_greedy_with_adaptive_speculation_equals_plain_on_gpu(
+    checkpoints: dict[str, Path], method: str
+) -> None:
+    """Adaptive speculation with the cost measured on the GPU (CUDA graphs): rows with
+    different numbers of drafts share verify graphs, plain steps overlap; tokens unchanged."""
+    path = checkpoints["llama"]
+    prompts = PROMPTS * 8  # a batch of 32: larger steps too
+    plain = LLM(str(path), device="cuda", dtype="float32")
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
+    llm = LLM(str(path), device="cuda", dtype="float32",
+              speculative_config=_spec(method, 4, path, adaptive=True))  # fmt: skip
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert llm.engine.scheduler.spec_stats.chosen_drafts.count > 0
+    assert llm.engine.cache.num_used_pages == 0

@@ -24,7 +24,7 @@ def test_oracle_drafts_reach_the_ideal_and_keep_the_tokens(llama_dir: Path, rate
     greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     plain = LLM(str(llama_dir), device="cpu").generate([prompt], greedy, use_tqdm=False)
     expected = plain[0].outputs[0].token_ids
-    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})
     llm = LLM(str(llama_dir), device="cpu", speculative_config=spec)
     vocab = llm.config.model.vocab_size
     llm.engine.scheduler.host_proposer = OracleProposer(4, {tuple(prompt): expected}, rate,
@@ -44,7 +44,7 @@ def test_teacher_forced_oracle_applies_its_own_verdicts(llama_dir: Path) -> None
     prompt = list(range(30, 50))
     recorded = [(7 * i + 3) % 200 + 10 for i in range(60)]  # not the model's continuation
     greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})
     llm = LLM(str(llama_dir), device="cpu", speculative_config=spec)
     oracle = OracleProposer(4, {tuple(prompt): recorded}, 1.0, llm.config.model.vocab_size, 0)
     llm.engine.scheduler.host_proposer = oracle

@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("triton")  # the graph-safe backend and the input fills are Triton kernels
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.batch import StepPlan
 from tokenmill.kernels.graph_inputs import fill_verify_inputs, pack_verify_inputs
 from tokenmill.runner.cuda_graphs import CudaGraphRunner, DraftLoopGraphs, verify_ladder
 from tokenmill.runner.spec_decode import device_draft_entries
@@ -148,8 +149,14 @@ def _graphed_llm(path: Path, spec: dict | None, **engine_args) -> LLM:  # type: 
 def _spec(method: str, k: int, draft: Path) -> dict:
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
-                "prompt_lookup_max": 3}  # fmt: skip
-    return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k}
+                "prompt_lookup_max": 3, "adaptive": False}  # fmt: skip
+    return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k,
+            "adaptive": False}  # fmt: skip
+
+
+def _verifies(plan: StepPlan) -> bool:
+    """A step of decode and verify rows only, one at least verifying drafts."""
+    return plan.query_lens.max() > 1 and np.array_equal(plan.num_samples, plan.query_lens)
 
 
 @pytest.mark.parametrize(("method", "k"), [("ngram", 2), ("draft_model", 2)])
@@ -162,9 +169,25 @@ def test_greedy_verify_through_graphs_equals_plain(
     plain = LLM(str(llama_dir), dtype="float32", page_size=4)
     expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy, use_tqdm=False)]
     llm = _graphed_llm(llama_dir, _spec(method, k, llama_dir))
+    runner = llm.engine.runner
+    computed: list[tuple[StepPlan, int]] = []  # what adaptive speculation would measure
+    launch = runner.launch
+
+    def recording(plan, grammar_mask=None):  # type: ignore[no-untyped-def]
+        step = launch(plan, grammar_mask)
+        computed.append((plan, step.num_computed_tokens))
+        return step
+
+    runner.launch = recording  # type: ignore[method-assign]
     outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert replaying["verify"] > 0
+    assert runner.padded_verify_rows == 4
+    verifies = [(p, n) for p, n in computed if _verifies(p)]
+    assert verifies
+    for plan, num_tokens in verifies:  # every row of a verify graph at the longest row's length
+        rows = runner.graphs.padded_size(plan.num_rows)
+        assert num_tokens == rows * plan.query_lens.max()
     if method == "draft_model":
         assert replaying["loop"] > 0
     assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0

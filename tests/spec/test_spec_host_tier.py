@@ -22,7 +22,7 @@ def _run(llm: LLM) -> tuple[list[list[int]], list[int]]:
 
 def test_draft_kv_moves_with_the_target_kv(llama_dir: Path, draft_dir: Path) -> None:
     spec = json.dumps({"method": "draft_model", "model": str(draft_dir),
-                       "num_speculative_tokens": 3})  # fmt: skip
+                       "num_speculative_tokens": 3, "adaptive": False})  # fmt: skip
     per_page = sum(KVCache.bytes_per_page(ModelConfig.from_pretrained(d), PAGE)
                    for d in (llama_dir, draft_dir))  # fmt: skip
     # Everything stays on the device: the reference for tokens and for the draft's guesses.

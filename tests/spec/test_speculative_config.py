@@ -39,6 +39,14 @@ def test_a_draft_checkpoint_alone_means_draft_model() -> None:
     assert draft.vocab_size == target.vocab_size and draft.num_layers < target.num_layers
 
 
+def test_adaptive_is_on_unless_turned_off() -> None:
+    on = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4})
+    off = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4, '
+                                  '"adaptive": false}')  # fmt: skip
+    assert on is not None and on.adaptive
+    assert off is not None and not off.adaptive
+
+
 def test_none_and_configs_pass_through() -> None:
     cfg = SpeculativeConfig("ngram", 1)
     assert SpeculativeConfig.parse(cfg) is cfg
@@ -54,6 +62,11 @@ def test_none_and_configs_pass_through() -> None:
         ('{"method": "ngram"}', "num_speculative_tokens is required"),
         ('{"num_speculative_tokens": 2}', "method is required"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "k": 3}', "unknown field(s) 'k'"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2, "adaptive": "yes"}',
+            "speculative_config.adaptive must be true or false",
+        ),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "adaptive": 1}', "adaptive"),
         (
             '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}',
             "prompt_lookup_min",

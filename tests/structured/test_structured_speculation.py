@@ -35,7 +35,7 @@ SCHEMA = {
 }
 CONSTRAINT = StructuredOutputsParams(json=SCHEMA)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 3}  # fmt: skip
+         "prompt_lookup_max": 3, "adaptive": False}  # fmt: skip
 PROMPTS = ["Hello", "The cat", [5, 6, 7, 8, 9, 10]]
 
 

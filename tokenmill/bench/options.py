@@ -44,6 +44,12 @@ class OfflineBenchArgs:
         "1.0,0.8,0.6", "B4: the oracle proposer's per-draft acceptance rates, comma-separated."
     )
     batch_sizes: str = option("1,64", "B4: the oracle runs' batch sizes, comma-separated.")
+    adaptive_batch_sizes: str = option(
+        "64",
+        "B4: batch sizes (of --batch-sizes) whose oracle runs are repeated with adaptive "
+        "speculation (drafts chosen per request and step), next to fixed k and plain decoding "
+        "in the same run; comma-separated, empty for none.",
+    )
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # engine options, by name
 
     def __post_init__(self) -> None:

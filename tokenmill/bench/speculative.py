@@ -1,12 +1,15 @@
 """Bench B4: speculative decoding against plain decoding, in the same run.
 
-(a) Real text: the embedded demo model with prompt lookup and with its draft model, on
-copy-heavy prompts (code to edit, a document to quote) and on free generation: acceptance
-length and speedup over plain greedy decoding.
+(a) Real text: the embedded demo model with prompt lookup and with its draft model, each with
+adaptive speculation (the default) and with k fixed, on copy-heavy prompts (code to edit, a
+document to quote) and on free generation: acceptance length and speedup over plain greedy
+decoding.
 (b) Verification efficiency at real shapes (dummy weights): an oracle proposer replays the
 target's own greedy tokens (recorded by a plain run), each draft right with probability `a`, so
 a verify step yields `(1 - a^(k+1)) / (1 - a)` tokens on average; measured tokens/s over plain
-decoding's, against that ideal.
+decoding's, against that ideal, with k fixed. At the batch sizes of `adaptive_batch_sizes` the
+same oracle runs with adaptive speculation too (what a user gets: it must never be slower than
+plain decoding).
 
 The oracle's verdicts are teacher-forced. With random weights in bfloat16 many next-token
 logits nearly tie, and a verify pass (1 + k query tokens per row, the prefill attention kernel,
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import itertools
 import json
 import logging
 import textwrap
@@ -59,6 +63,7 @@ class SpecBenchArgs:
     num_speculative_tokens: int = 4
     acceptance_rates: Sequence[float] = (1.0, 0.8, 0.6)
     batch_sizes: Sequence[int] = (1, 64)
+    adaptive_batch_sizes: Sequence[int] = (64,)
     input_len: int = 512
     output_len: int = 256
     demo_output_len: int = 128
@@ -73,6 +78,7 @@ class SpecBenchArgs:
             num_speculative_tokens=args.num_speculative_tokens,
             acceptance_rates=[float(a) for a in args.acceptance_rates.split(",")],
             batch_sizes=[int(b) for b in args.batch_sizes.split(",")],
+            adaptive_batch_sizes=[int(b) for b in args.adaptive_batch_sizes.split(",") if b],
             input_len=args.input_len, output_len=args.output_len, seed=args.seed,
             engine_kwargs=args.engine_kwargs,
         )  # fmt: skip
@@ -169,13 +175,17 @@ def _demo_prompts() -> dict[str, str]:
 
 def _demo_part(args: SpecBenchArgs) -> dict[str, Any]:
     k = args.num_speculative_tokens
-    methods: dict[str, dict[str, Any] | None] = {
-        "plain": None,
+    proposers: dict[str, dict[str, Any]] = {
         "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
                   "prompt_lookup_min": 2},
         "draft_model": {"method": "draft_model", "model": str(DEMO_DRAFT_DIR),
                         "num_speculative_tokens": k},
     }  # fmt: skip
+    # Each proposer with adaptive speculation (the default) and with k fixed.
+    methods: dict[str, dict[str, Any] | None] = {"plain": None}
+    for name, spec in proposers.items():
+        methods[name] = {**spec, "adaptive": True}
+        methods[f"{name} fixed k"] = {**spec, "adaptive": False}
     prompts = _demo_prompts()
     greedy = SamplingParams(temperature=0, max_tokens=args.demo_output_len, ignore_eos=True)
     results: dict[str, Any] = {}
@@ -202,7 +212,7 @@ def _demo_part(args: SpecBenchArgs) -> dict[str, Any]:
             }
         results[name] = rows
         _drop(llm)
-    for name in ("ngram", "draft_model"):
+    for name in methods:
         for label, row in results[name].items():
             row["speedup"] = row["output_tok_s"] / results["plain"][label]["output_tok_s"]
     return results
@@ -227,8 +237,10 @@ def _oracle_part(args: SpecBenchArgs) -> dict[str, Any]:
         _drop(plain)
         continuations = {tuple(p): o for p, o in zip(prompts, outputs, strict=True)}
         rows: dict[str, Any] = {"plain_decode_tok_s": plain_rate}
-        for rate in args.acceptance_rates:
-            spec = {"method": "ngram", "num_speculative_tokens": k}
+        # Fixed k measures verification against its ideal; adaptive, what a user gets.
+        modes = [False, True] if batch in args.adaptive_batch_sizes else [False]
+        for rate, adaptive in itertools.product(args.acceptance_rates, modes):
+            spec = {"method": "ngram", "num_speculative_tokens": k, "adaptive": adaptive}
             llm = _engine(args, spec)
             oracle = OracleProposer(k, continuations, rate, vocab, args.seed)
             llm.engine.scheduler.host_proposer = oracle
@@ -237,12 +249,14 @@ def _oracle_part(args: SpecBenchArgs) -> dict[str, Any]:
             stats = llm.engine.scheduler.spec_stats
             ideal = ideal_tokens_per_step(rate, k)
             speedup = spec_rate / plain_rate
-            rows[f"a={rate}"] = {
+            chosen = stats.chosen_drafts
+            rows[f"a={rate}" + (" adaptive" if adaptive else "")] = {
                 "decode_tok_s": spec_rate,
                 "speedup": speedup,
                 "tokens_per_verify": stats.mean_acceptance_length,
                 "ideal_tokens_per_verify": ideal,
                 "pct_of_ideal_speedup": 100 * speedup / ideal,
+                "mean_drafts_chosen": chosen.total / max(chosen.count, 1),
                 "same_tokens_as_plain": spec_outputs == outputs,
             }
             _drop(llm)
@@ -283,11 +297,13 @@ def _drop(llm: LLM) -> None:
 def summary_rows(report: dict[str, Any]) -> list[str]:
     """A short human-readable table of a B4 report."""
     rows = []
-    for method in ("ngram", "draft_model"):
-        for label, r in report["demo"][method].items():
+    for method, results in report["demo"].items():
+        if method == "plain":
+            continue
+        for label, r in results.items():
             length = r["acceptance_length"]
             rows.append(
-                f"B4 demo {method:11s} {label:9s}: {r['output_tok_s']:7.1f} tok/s, "
+                f"B4 demo {method:19s} {label:9s}: {r['output_tok_s']:7.1f} tok/s, "
                 f"x{r['speedup']:.2f} over plain, acceptance length "
                 f"{'-' if length is None else f'{length:.2f}'}, same tokens: "
                 f"{r['same_tokens_as_plain']}"
@@ -301,6 +317,7 @@ def summary_rows(report: dict[str, Any]) -> list[str]:
                 f"B4 oracle {batch} {label}: {r['decode_tok_s']:.0f} tok/s vs plain {plain:.0f} "
                 f"(x{r['speedup']:.2f}; ideal x{r['ideal_tokens_per_verify']:.2f}: "
                 f"{r['pct_of_ideal_speedup']:.0f}%), {r['tokens_per_verify']:.2f} tokens/verify, "
+                f"{r['mean_drafts_chosen']:.2f} drafts/request-step, "
                 f"same tokens: {r['same_tokens_as_plain']}"
             )
     return rows

@@ -33,6 +33,7 @@ from tokenmill.ipc.messages import (
 )
 from tokenmill.ipc.process import init_child
 from tokenmill.ipc.sockets import Addresses, encode, pull, push, request_id_of
+from tokenmill.observability.histogram import Histogram
 from tokenmill.observability.startup import StartupTimer, process_age
 
 logger = logging.getLogger(__name__)
@@ -209,17 +210,24 @@ class EngineCoreLoop:
             finished=dict(engine.stats.finished),
             prompt_tokens=engine.stats.prompt_tokens,
             generation_tokens=engine.stats.generation_tokens,
-            histograms={
-                "scheduler_step_seconds": engine.stats.step_seconds,
-                "model_forward_seconds": engine.stats.forward_seconds,
-                "iteration_tokens_total": engine.stats.iteration_tokens,
-            },
+            histograms=_histograms(engine),
             engine_pid=os.getpid(),
             spec_decode=_spec_counts(engine),
             host_kv_cache=_host_counts(engine),
             vision_encoder=_encoder_counts(engine),
             startup_seconds=self.startup_seconds,
         )
+
+
+def _histograms(engine: EngineCore) -> dict[str, Histogram]:
+    histograms = {
+        "scheduler_step_seconds": engine.stats.step_seconds,
+        "model_forward_seconds": engine.stats.forward_seconds,
+        "iteration_tokens_total": engine.stats.iteration_tokens,
+    }
+    if engine.config.speculative is not None:
+        histograms["spec_decode_chosen_drafts"] = engine.scheduler.spec_stats.chosen_drafts
+    return histograms
 
 
 def _spec_counts(engine: EngineCore) -> SpecDecodeCounts | None:

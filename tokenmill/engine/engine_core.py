@@ -26,7 +26,9 @@ only then queues the sampling.
 
 So at most two steps are launched and one is unread when the scheduler runs. A plan marked
 `blocking` (a penalty counts every generated token) is read before the next step is scheduled,
-and without overlap every step is read right after its launch. A request preempted while its
+and without overlap every step is read right after its launch; so is, with speculative
+decoding, every step that may draft (`Scheduler.may_draft`: drafts continue the newest token;
+adaptive speculation lets the steps it keeps plain overlap). A request preempted while its
 token is unread waits until the token lands. Scheduling counts a row's tokens as computed
 (its KV is being written); a speculative row whose drafts are rejected gives back the rejected
 positions after reading (its KV slots stay allocated and are overwritten).
@@ -40,6 +42,8 @@ from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from tokenmill.batch import FinishReason, Logprob, Request, SchedulerOutput, StepPlan
 from tokenmill.cache.cache_manager import CacheManager
@@ -153,10 +157,12 @@ class EngineCore:
             host,
         )
         self.scheduler = Scheduler(config.scheduler, self.cache, config.speculative)
+        self.scheduler.padded_verify_rows = self.runner.padded_verify_rows
         self._requests: dict[str, Request] = {}
         self._in_flight: InFlight | None = None
         self.stats = EngineCounters()
         self._waited = 0.0  # seconds the current step spent waiting for the GPU
+        self._read: InFlight | None = None  # the last step the current step read
         # Structured outputs: requests wait here, outside the scheduler, while their grammar
         # compiles on a background thread; made by the first constrained request.
         self._compiling: list[tuple[Request, Future]] = []
@@ -304,10 +310,12 @@ class EngineCore:
         """
         start = time.perf_counter()
         self._waited = 0.0
+        self._read = None
         outputs: list[EngineOutput] = self._admit_compiled()
         previous, self._in_flight = self._in_flight, None
-        # Speculation drafts from every generated token: each step is read before the next.
-        sync = not self.config.runner.overlap_scheduling or self.config.speculative is not None
+        # Drafts continue the newest token: a step that may draft is scheduled after every
+        # generated token is read (adaptive speculation lets plain steps overlap).
+        sync = not self.config.runner.overlap_scheduling or self.scheduler.may_draft()
         if previous is not None and (sync or previous.plan.blocking):
             outputs, previous = outputs + self._finish(previous), None
         batch = self.scheduler.schedule(previous.unread if previous is not None else None)
@@ -339,14 +347,35 @@ class EngineCore:
             outputs += self._finish(self._in_flight)
             self._in_flight = None
         # Host time of the step: everything but waiting for the GPU.
-        self.stats.step_seconds.observe(time.perf_counter() - start - self._waited)
+        host_seconds = time.perf_counter() - start - self._waited
+        self.stats.step_seconds.observe(host_seconds)
+        if self._read is not None:
+            self._measure(self._read, sync, host_seconds)
         return outputs
+
+    def _measure(self, step: InFlight, sync: bool, host_seconds: float) -> None:
+        """Tell adaptive speculation what a decode or verify step of its size (the query tokens
+        its forward computed, padding included) cost: its device time, plus the host's when the
+        step was synchronous (the GPU waited for the host); overlapped, the slower of the two.
+        On the CPU the host time includes the forward."""
+        spec, plan = self.config.speculative, step.plan
+        if spec is None or not spec.adaptive:
+            return
+        if not np.array_equal(plan.num_samples, plan.query_lens):
+            return  # a prefill chunk's cost says nothing about decoding
+        device_seconds = step.launched.forward_seconds()
+        if sync and self.runner.device.type == "cuda":
+            seconds = device_seconds + host_seconds
+        else:
+            seconds = max(device_seconds, host_seconds)
+        self.scheduler.step_cost.observe(step.launched.num_computed_tokens, seconds)
 
     def _finish(self, step: InFlight) -> list[EngineOutput]:
         """Wait for a launched step's tokens and apply them."""
         wait_start = time.perf_counter()
         sampled = step.launched.read()
         self._waited += time.perf_counter() - wait_start
+        self._read = step
         self.stats.forward_seconds.observe(step.launched.forward_seconds())
         tokens = sampled.token_ids if sampled is not None else []
         logprobs = sampled.logprobs if sampled is not None else []

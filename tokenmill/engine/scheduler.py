@@ -22,6 +22,7 @@ from tokenmill.batch import (
 )
 from tokenmill.cache.cache_manager import CacheManager
 from tokenmill.config import SchedulerConfig
+from tokenmill.spec.adaptive import StepCost, choose_num_drafts
 from tokenmill.spec.config import SpeculativeConfig
 from tokenmill.spec.proposer import HostProposer
 from tokenmill.spec.rejection import PLACEHOLDER
@@ -31,6 +32,11 @@ logger = logging.getLogger(__name__)
 
 # How many waiting requests the cache-aware policy compares per admission.
 CACHE_AWARE_SCAN = 128
+# Adaptive speculation: after a step whose decoding requests drafted nothing, this many steps
+# decode plain (overlapped) before drafting is considered again, twice as many after each
+# further such step, up to the most (a step that drafts resets it).
+PLAIN_STEPS_AFTER_NO_DRAFTS = 4
+MAX_PLAIN_STEPS_AFTER_NO_DRAFTS = 64
 
 
 @dataclass
@@ -61,6 +67,14 @@ class Scheduler:
         # Replaceable: B4's oracle proposer stands in for prompt lookup.
         self.host_proposer = _host_proposer(speculative)
         self.spec_stats = SpecDecodeStats()
+        # Adaptive speculation: the measured seconds of a step by its size (the engine core
+        # reports each step it measures).
+        self.step_cost = StepCost()
+        self._plain_steps = 0  # plain steps left before drafting is considered again
+        self._plain_after_no_drafts = PLAIN_STEPS_AFTER_NO_DRAFTS  # the next such pause
+        # With CUDA graphs, decode/verify steps of up to this many rows compute every row at
+        # the longest row's length (the engine core sets it from the runner; 0: no padding).
+        self.padded_verify_rows = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SchedulerStats()
@@ -95,7 +109,7 @@ class Scheduler:
     def _schedule_running(
         self, out: SchedulerOutput, budget: int, in_flight: Mapping[Request, range]
     ) -> int:
-        self._propose_drafts(in_flight)
+        num_drafts = self._plan_drafts(in_flight)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -105,7 +119,7 @@ class Scheduler:
                 i += 1  # its in-flight token is its last: nothing more to compute
                 continue
             uncomputed = req.num_uncomputed_tokens(num_unread)
-            verify = self._verify_row(req, num_unread)
+            verify = self._verify_row(req, num_drafts.get(req, 0))
             if verify is not None and verify.num_new_tokens > budget:
                 i += 1  # waits for a step with room for all its drafts (see _verify_row)
                 continue
@@ -122,23 +136,113 @@ class Scheduler:
                 i += 1
         return budget
 
-    def _propose_drafts(self, in_flight: Mapping[Request, range]) -> None:
-        """A host proposer drafts for every decoding request before the batch is built."""
-        if self.host_proposer is None or self.speculative is None:
-            return
+    def may_draft(self) -> bool:
+        """Whether the next step may verify drafts, and so must be scheduled with every
+        generated token read (drafts continue the newest token).
+
+        Adaptive speculation says no when it expects to draft nothing for the running batch
+        even if every request had drafts to offer, and for a while after a step whose decoding
+        requests drafted nothing (prompt lookup found nothing; `_pause_after`): plain decoding
+        then keeps overlap scheduling. A seeded sampled request that can draft
+        always makes it yes: its drafts must not depend on its batch.
+        """
+        spec = self.speculative
+        if spec is None or not spec.adaptive:
+            return spec is not None
+        decoding = [r for r in self.running if r.num_uncomputed_tokens(0) <= 1]
+        k = self._max_drafts()
+        # Optimistic for prompt lookup: as if every request found k drafts.
+        available = np.array([self._max_offer(r, k) for r in decoding], dtype=np.int64)
+        if any(_pinned(r) for r, n in zip(decoding, available, strict=True) if n):
+            return True
+        if self._plain_steps:
+            self._plain_steps -= 1
+            return False
+        return bool(self._adaptive_drafts(decoding, available, {}).any())
+
+    def _plan_drafts(self, in_flight: Mapping[Request, range]) -> dict[Request, int]:
+        """How many tokens each decoding request drafts this step (absent: none).
+
+        A host proposer drafts first (up to k each), so each request's offer is known; then
+        adaptive speculation chooses how many of them to verify (`spec/adaptive.py`). Without
+        it a request drafts all it can. The number of drafts depends on the request alone
+        where its tokens must not depend on its batch (a seeded sampled request).
+        """
+        if self.speculative is None:
+            return {}
         ready = [r for r in self.running if _decoding(r, in_flight)]
         if not ready:
-            return
+            return {}
         k = self._max_drafts()
-        drafts = self.host_proposer.propose(
-            [np.asarray(r.all_token_ids) for r in ready],
-            np.array([r.max_drafts(k) for r in ready]),
+        if self.host_proposer is not None:
+            drafts = self.host_proposer.propose(
+                [np.asarray(r.all_token_ids) for r in ready],
+                np.array([r.max_drafts(k) for r in ready]),
+            )
+            for row, req in enumerate(ready):
+                proposed = drafts.token_ids[row, : drafts.num_drafts[row]].tolist()
+                if req.grammar is not None:  # only drafts the grammar allows can be accepted
+                    proposed = proposed[: req.grammar.valid_prefix(proposed)]
+                req.draft_token_ids = proposed
+            available = np.array([len(r.draft_token_ids) for r in ready])
+        else:  # the draft model drafts at launch
+            available = np.array([self._max_offer(r, k) for r in ready], dtype=np.int64)
+        chosen = available
+        if self.speculative.adaptive:
+            chosen = self._adaptive_drafts(ready, available, in_flight)
+            self._pause_after(drafted=bool(chosen.any()))
+        num_drafts = {}
+        for req, offered, n in zip(ready, available.tolist(), chosen.tolist(), strict=True):
+            req.draft_token_ids = req.draft_token_ids[:n]
+            if offered:
+                self.spec_stats.chosen_drafts.observe(n)
+            if n:
+                num_drafts[req] = n
+            elif offered:  # could have drafted: its acceptance drifts back to the prior
+                req.acceptance.fade()
+        return num_drafts
+
+    def _pause_after(self, drafted: bool) -> None:
+        """After a step that drafted nothing, plain steps overlap for a while (see may_draft),
+        longer each time in a row: prompt lookup that keeps finding nothing costs a
+        synchronous step only every so often."""
+        if drafted:
+            self._plain_after_no_drafts = PLAIN_STEPS_AFTER_NO_DRAFTS
+            return
+        self._plain_steps = self._plain_after_no_drafts
+        self._plain_after_no_drafts = min(
+            2 * self._plain_after_no_drafts, MAX_PLAIN_STEPS_AFTER_NO_DRAFTS
         )
-        for row, req in enumerate(ready):
-            proposed = drafts.token_ids[row, : drafts.num_drafts[row]].tolist()
-            if req.grammar is not None:  # only drafts the grammar allows can be accepted
-                proposed = proposed[: req.grammar.valid_prefix(proposed)]
-            req.draft_token_ids = proposed
+
+    def _adaptive_drafts(
+        self, ready: list[Request], available: np.ndarray, in_flight: Mapping[Request, range]
+    ) -> np.ndarray:
+        """Adaptive speculation's drafts for the decoding requests `ready`, which can draft
+        `available` tokens each, given the rest of the running batch."""
+        drafting = set(ready)
+        others = [r for r in self.running if r not in drafting]
+        budget = self.config.max_num_batched_tokens
+        unread = [len(in_flight.get(r) or ()) for r in others]
+        other_tokens = sum(min(r.num_uncomputed_tokens(n), budget)
+                           for r, n in zip(others, unread, strict=True))  # fmt: skip
+        # Only decode and verify rows (no prefill chunk) run a verify graph.
+        padded = other_tokens == len(others) and len(self.running) <= self.padded_verify_rows
+        return choose_num_drafts(
+            np.array([r.acceptance.rate for r in ready]),
+            available,
+            np.array([_pinned(r) for r in ready], dtype=bool),
+            other_tokens,
+            len(others),
+            self.step_cost,
+            padded,
+        )
+
+    def _max_offer(self, req: Request, k: int) -> int:
+        """The most drafts `req` can verify this step: what the draft model will make (none
+        for requests it does not draft for); with prompt lookup, an upper bound."""
+        if self.host_proposer is None and _host_only(req):
+            return 0
+        return req.max_drafts(k)
 
     def _max_drafts(self) -> int:
         """Drafts per verify: k, within the step's token budget."""
@@ -146,29 +250,19 @@ class Scheduler:
         k = self.speculative.num_speculative_tokens
         return min(k, self.config.max_num_batched_tokens - 1)
 
-    def _verify_row(self, req: Request, num_unread: int) -> ScheduledSeq | None:
-        """A decoding request's row when speculating: its newest token and its drafts.
+    def _verify_row(self, req: Request, num_drafts: int) -> ScheduledSeq | None:
+        """A decoding request's row when it drafts `num_drafts` tokens: its newest token and
+        its drafts (the host proposer's, or the draft model's at launch).
 
-        The number of drafts depends on the request alone (never on the budget left by the
-        rest of the batch), so a seeded request draws the same tokens in any batch; a row that
-        does not fit waits for the next step. Requests with penalties or a grammar are not
-        drafted for by the draft model (its drafts are not on the host to count or to check).
+        The number of drafts never depends on the budget left by the rest of the batch, so a
+        seeded request draws the same tokens in any batch; a row that does not fit waits for
+        the next step.
         """
-        if self.speculative is None or num_unread or not _decoding(req, {}):
-            return None
-        if self.host_proposer is not None:
-            drafts = tuple(req.draft_token_ids)
-            req.draft_token_ids = []
-            num_device = 0
-        else:
-            drafts = ()
-            p = req.params
-            penalised = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1
-            host_only = penalised or p.structured_outputs is not None
-            num_device = 0 if host_only else req.max_drafts(self._max_drafts())
-        num_drafts = len(drafts) + num_device
         if not num_drafts:
             return None
+        drafts = tuple(req.draft_token_ids)
+        req.draft_token_ids = []
+        num_device = 0 if self.host_proposer is not None else num_drafts
         return ScheduledSeq(req, req.num_computed_tokens, 1 + num_drafts, 1 + num_drafts,
                             drafts=drafts, num_device_drafts=num_device)  # fmt: skip
 
@@ -245,6 +339,7 @@ class Scheduler:
             if verifies:  # its accepted drafts and the token after them, then placeholders
                 results = [r for r in results if r[0] != PLACEHOLDER]
                 verified.append((seq.num_samples - 1, len(results) - 1))
+                req.acceptance.observe(*verified[-1])
             if req.is_finished:  # aborted, or finished by the previous step, while this one ran
                 continue
             appended = 0
@@ -313,6 +408,20 @@ def _row(req: Request, num_new: int, uncomputed: int, unread: range | None) -> S
 def _decoding(req: Request, in_flight: Mapping[Request, range]) -> bool:
     """Whether the request's next row is one decode token (all else computed, none unread)."""
     return req not in in_flight and req.num_uncomputed_tokens(0) == 1
+
+
+def _host_only(req: Request) -> bool:
+    """Requests the draft model does not draft for: its drafts are not on the host to count
+    (penalties) or to check against a grammar."""
+    p = req.params
+    penalised = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1
+    return bool(penalised) or p.structured_outputs is not None
+
+
+def _pinned(req: Request) -> bool:
+    """A seeded sampled request: adaptive speculation leaves its drafts alone, since the tokens
+    it draws depend on how many drafts it verifies, and must not depend on its batch."""
+    return req.params.seed is not None and not req.params.greedy
 
 
 def _host_proposer(speculative: SpeculativeConfig | None) -> HostProposer | None:

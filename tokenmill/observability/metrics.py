@@ -109,6 +109,8 @@ class _EngineCollector(Collector):
             "scheduler_step_seconds": "Host time of one engine step (not waiting for the GPU).",
             "model_forward_seconds": "Device time of one forward pass and its sampling.",
             "iteration_tokens_total": "Tokens processed per engine step.",
+            "spec_decode_chosen_drafts": "Drafts verified per request and step, of requests "
+            "with drafts to offer (0: adaptive speculation left them out).",
         }
         for name, hist in stats.histograms.items():
             yield _histogram_family(PREFIX + name, docs.get(name, name), hist, labels)

@@ -103,6 +103,9 @@ class LaunchedStep:
 
     def __init__(self, device: torch.device) -> None:
         self.sampled: SampledTokens | None = None
+        # Query tokens the forward computes, CUDA graphs' padding included (adaptive
+        # speculation measures step costs by it).
+        self.num_computed_tokens = 0
         self._cuda = device.type == "cuda"
         if self._cuda:
             self._start, self._end = torch.cuda.Event(True), torch.cuda.Event(True)
@@ -321,12 +324,15 @@ class ModelRunner:
         graphs = None if host.multimodal or plan.images else self.graphs
         ids: torch.Tensor | None = None
         verify = self._verify_graph(plan) if graphs is not None else None
+        launched.num_computed_tokens = len(host.input_ids)
         if graphs is not None and host.is_decode and len(host.kv_lens) <= graphs.max_bs:
             path = "decode"
             logits = self._run_graph(host)
+            launched.num_computed_tokens = graphs.padded_size(len(host.kv_lens))
         elif verify is not None:
             path = "verify"
             ids, logits = self._run_verify_graph(host, plan, verify)
+            launched.num_computed_tokens = verify[0] * verify[1]
         elif graphs is not None and self._prefill_graph_serves(host, graphs):
             path = "prefill"
             block = graphs.pack_prefill(
@@ -385,6 +391,13 @@ class ModelRunner:
         """Stop the other tensor-parallel ranks, if any."""
         if self.workers is not None:
             self.workers.close()
+
+    @property
+    def padded_verify_rows(self) -> int:
+        """With CUDA graphs, a verify step of up to this many rows computes every row at its
+        longest row's query length (0: no verify graphs; rows compute their own length)."""
+        graphs = self.graphs
+        return graphs.max_bs if graphs is not None and graphs.verify_graphs else 0
 
     def _verify_graph(self, plan: StepPlan) -> tuple[int, int] | None:
         """The verify graph of a step whose rows all sample every query token (decode rows and

@@ -26,6 +26,10 @@ class SpeculativeConfig:
     output, proposes the tokens that followed it. "draft_model" drafts with the checkpoint in
     `model`, which must share the target's tokenizer. Either proposes up to
     `num_speculative_tokens` tokens per step, which the target verifies in one pass.
+    With `adaptive` (the default) each step chooses how many of those each request drafts,
+    0 included, from the request's measured acceptance and the measured cost of the step's
+    size, so that speculation does not slow a large batch down (`spec/adaptive.py`); `false`
+    drafts `num_speculative_tokens` whenever a proposal is found (vLLM's behaviour).
     Every bad value raises `ValueError` naming the field.
     """
 
@@ -34,6 +38,7 @@ class SpeculativeConfig:
     model: str | None = None
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in PROPOSERS:
@@ -41,6 +46,8 @@ class SpeculativeConfig:
                 f"{_PREFIX}.method must be one of {', '.join(PROPOSERS)}, got {self.method!r}"
             )
         _check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=1)
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"{_PREFIX}.adaptive must be true or false, got {self.adaptive!r}")
         if self.method == "ngram":
             self._resolve_prompt_lookup()
         elif self.prompt_lookup_max is not None or self.prompt_lookup_min is not None:

@@ -1,0 +1,133 @@
+"""Adaptive speculation: how many tokens each request drafts in a step (0: none), chosen from
+its measured acceptance and the measured cost of the step's size.
+
+Gain. A request whose drafts the target accepts with probability `a` each (given the ones
+before were accepted) emits `E(a, k) = 1 + a + ... + a^k` tokens from a verify of k drafts, and
+1 from a plain decode. `a` is the request's `AcceptanceEstimate` (tokenmill/batch.py).
+
+Cost. `StepCost` learns the seconds of one engine step as a function of the query tokens its
+forward computes (a decode row counts 1, a verify row 1 + k; with CUDA graphs every row of a
+verify step counts as its longest row, padding included), from the steps the engine measures.
+A size never measured is assumed as cheap as it plausibly could be: above the largest measured
+step, no dearer than it (memory-bound); below the smallest, cheaper in proportion to its
+tokens (compute-bound). So the policy tries it, and the measurement corrects the table: with
+nothing measured every row drafts all it can, and the plain batch is measured next.
+
+Choice (`choose_num_drafts`). For every cap K = 1..k_max each row may draft min(K, what it
+can); rows are taken in order of expected tokens gained per drafted token, and the policy keeps
+the (K, number of drafting rows) with the most expected tokens per second of the whole step, if
+that beats drafting nothing by `MIN_SPEEDUP`. While the step is memory-bound extra query tokens
+are nearly free and every row drafts its most; once the plain batch is compute-bound a drafted
+token costs what a decode does but yields less than one token, and speculation turns off. With
+CUDA graphs (`padded`) a step costs its rows times its longest row: a row drafting fewer saves
+nothing there, so every row drafts min(K, what it can), and one drafting row costs them all.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+# Weight of the newest measurement of a step size (an exponentially weighted mean).
+COST_SMOOTHING = 0.25
+# Drafting must promise this many times plain decoding's tokens per second: the costs are
+# measured, so noisy, and a near tie is not worth a synchronous step.
+MIN_SPEEDUP = 1.1
+# Sizes up to this many tokens are measured exactly; above, per quarter octave.
+EXACT_SIZES = 16
+
+
+def token_bucket(num_tokens: int) -> int:
+    """The step size `num_tokens` is measured as: itself up to `EXACT_SIZES`, above that the
+    nearest of four sizes per doubling (..., 16, 19, 23, 27, 32, 38, ...)."""
+    if num_tokens <= EXACT_SIZES:
+        return num_tokens
+    return round(2 ** (round(4 * math.log2(num_tokens)) / 4))
+
+
+class StepCost:
+    """Seconds of one engine step, as a function of its query tokens, learned from measured
+    steps (an exponentially weighted mean per `token_bucket`)."""
+
+    def __init__(self, smoothing: float = COST_SMOOTHING) -> None:
+        self.smoothing = smoothing
+        self._seconds: dict[int, float] = {}
+        self._sizes = np.zeros(0)
+        self._values = np.zeros(0)
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """Record one measured step of `num_tokens` query tokens."""
+        size = token_bucket(num_tokens)
+        old = self._seconds.get(size)
+        self._seconds[size] = seconds if old is None else old + self.smoothing * (seconds - old)
+        sizes = sorted(self._seconds)
+        self._sizes = np.array(sizes, dtype=np.float64)
+        self._values = np.array([self._seconds[s] for s in sizes])
+
+    def predict(self, num_tokens: np.ndarray) -> np.ndarray:
+        """Seconds of steps of `num_tokens` (any shape): interpolated between measured sizes,
+        optimistic outside them (see the module docstring); 1.0 before any measurement."""
+        n = np.asarray(num_tokens, dtype=np.float64)
+        if not len(self._sizes):
+            return np.ones_like(n)
+        seconds = np.interp(n, self._sizes, self._values)
+        smallest, cost = self._sizes[0], self._values[0]
+        return np.where(n < smallest, cost * n / smallest, seconds)
+
+
+def expected_tokens(rate: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
+    """Tokens a verify of `num_drafts` drafts emits on average, each draft accepted with
+    probability `rate` after the ones before it: `1 + a + ... + a^k`."""
+    a = np.minimum(np.asarray(rate, dtype=np.float64), 1 - 1e-9)
+    return (1 - a ** (np.asarray(num_drafts) + 1)) / (1 - a)
+
+
+def choose_num_drafts(
+    rates: np.ndarray,
+    available: np.ndarray,
+    pinned: np.ndarray,
+    other_tokens: int,
+    other_rows: int,
+    cost: StepCost,
+    padded: bool = False,
+) -> np.ndarray:
+    """How many tokens each decoding row drafts this step.
+
+    `rates` `[R]`: each row's per-draft acceptance; `available` `[R]`: the most it can draft
+    now (0: none); `pinned` `[R]`: rows that draft `available` whatever the batch (a seeded
+    sampled request: its tokens must not depend on its batch). `other_tokens` and
+    `other_rows`: the query tokens and rows of the step's other rows (prefill chunks, rows
+    whose token is still on the device), which emit at most one token each. `padded`: the
+    step runs a CUDA graph that computes every row at its longest row's length, so a step
+    costs its rows times (1 + its most drafts), and rows drafting fewer save nothing.
+    """
+    chosen = np.where(pinned, available, 0)
+    free = np.flatnonzero(~pinned & (available > 0))
+    num_rows = len(rates) + other_rows
+    widest = int(chosen.max(initial=0))
+    base_tokens = other_tokens + len(rates) + int(chosen.sum())
+    if padded:
+        base_tokens = num_rows * (1 + widest)
+    base_yield = other_rows + float(expected_tokens(rates, chosen).sum())
+    if not len(free):
+        return chosen
+    caps = np.arange(1, int(available[free].max()) + 1)[:, None]  # [K, 1]
+    drafts = np.minimum(caps, available[free][None, :])  # [K, F]
+    gain = expected_tokens(rates[free][None, :], drafts) - 1
+    order = np.argsort(-gain / drafts, axis=1, kind="stable")  # best gain per token first
+    ordered = np.take_along_axis(drafts, order, 1)
+    if padded:
+        tokens = num_rows * (1 + np.maximum(widest, np.maximum.accumulate(ordered, axis=1)))
+    else:
+        tokens = base_tokens + np.cumsum(ordered, axis=1)
+    tokens_per_s = (base_yield + np.cumsum(np.take_along_axis(gain, order, 1), axis=1)) / (
+        cost.predict(tokens)
+    )
+    cap, last = np.unravel_index(int(np.argmax(tokens_per_s)), tokens_per_s.shape)
+    plain = base_yield / float(cost.predict(np.array(base_tokens)))
+    if tokens_per_s[cap, last] < MIN_SPEEDUP * plain:
+        return chosen
+    rows = order[cap, : last + 1]
+    chosen[free[rows]] = drafts[cap, rows]
+    return chosen
