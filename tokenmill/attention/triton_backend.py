@@ -54,11 +54,21 @@ class FusedStoreBackend(AttentionBackend):
         )  # fmt: skip
 
 
-class TritonAttentionBackend(FusedStoreBackend):
-    """Decode batches use split-KV decode; any batch with a multi-token query uses prefill."""
+# Deterministic mode runs every batch through the prefill kernel with these query tiles: its
+# programs reduce each query over the keys in blocks of 64 from position 0, so a token's output
+# is the same decoded alone, in any batch, or in any prefill chunk; one tile size keeps the
+# tensor-core instruction (and its rounding) the same for every batch.
+DETERMINISTIC_BLOCK_M = 16
 
-    def __init__(self, model: ModelConfig, kv_cache: KVCache, max_num_seqs: int) -> None:
-        super().__init__(model, kv_cache, max_num_seqs)
+
+class TritonAttentionBackend(FusedStoreBackend):
+    """Decode batches use split-KV decode; any batch with a multi-token query uses prefill
+    (deterministic mode: every batch, `DETERMINISTIC_BLOCK_M`)."""
+
+    def __init__(
+        self, model: ModelConfig, kv_cache: KVCache, max_num_seqs: int, deterministic: bool = False
+    ) -> None:
+        super().__init__(model, kv_cache, max_num_seqs, deterministic)
         device = kv_cache.k[0].device
         shape = (max_num_seqs, model.num_heads, decode_splits(device))
         self._mid_o = torch.empty((*shape, model.head_dim), dtype=torch.float32, device=device)
@@ -66,7 +76,7 @@ class TritonAttentionBackend(FusedStoreBackend):
 
     def plan(self, inputs: AttentionInputs) -> None:
         self._inputs = inputs
-        self._decode = inputs.is_decode
+        self._decode = inputs.is_decode and not self.deterministic
         self._max_q_len = max(inputs.query_lens_cpu)
 
     def graph_safe(self) -> bool:
@@ -86,4 +96,5 @@ class TritonAttentionBackend(FusedStoreBackend):
         return prefill_attention(
             q, k_cache, v_cache, inputs.cu_query_lens, inputs.kv_lens, inputs.page_table,
             self._max_q_len, ps, self.scale, window,
+            DETERMINISTIC_BLOCK_M if self.deterministic else None,
         )  # fmt: skip

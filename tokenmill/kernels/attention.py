@@ -104,17 +104,21 @@ def prefill_attention(
     page_size: int,
     scale: float,
     window: int | None,
+    block_m: int | None = None,
 ) -> torch.Tensor:
     """Causal attention for `q` `[T, Hq, D]` (sequences laid out by `cu_q`) over paged K/V.
 
     Each sequence's queries are its last `q_len` positions; its first `kv_len - q_len`
-    positions are a cached prefix every query sees.
+    positions are a cached prefix every query sees. Every query folds in the keys in blocks of
+    64 from position 0 (blocks past it change nothing), whatever its chunk. `block_m`: query
+    rows per program (default: by `max_q_len`).
     """
     _tokens, hq, d = q.shape
     hkv = k_cache.shape[-2]
     out = torch.empty_like(q)
     num_seqs = kv_lens.shape[0]
-    block_m = 64 if max_q_len > 32 else 16
+    if block_m is None:
+        block_m = 64 if max_q_len > 32 else 16
     grid = (num_seqs, hq, triton.cdiv(max_q_len, block_m))
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, cu_q, kv_lens, page_table, page_table.stride(0),
