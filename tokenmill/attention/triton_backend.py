@@ -7,7 +7,7 @@ import torch
 from tokenmill.attention.backend import AttentionBackend, AttentionInputs, QKNorm
 from tokenmill.cache.kv_cache import KVCache
 from tokenmill.config import ModelConfig
-from tokenmill.kernels.attention import decode_attention, prefill_attention
+from tokenmill.kernels.attention import decode_attention, invariant_attention, prefill_attention
 from tokenmill.kernels.rope_store import rope_and_store
 from tokenmill.layers.rotary import RotaryEmbedding
 
@@ -54,16 +54,9 @@ class FusedStoreBackend(AttentionBackend):
         )  # fmt: skip
 
 
-# Deterministic mode runs every batch through the prefill kernel with these query tiles: its
-# programs reduce each query over the keys in blocks of 64 from position 0, so a token's output
-# is the same decoded alone, in any batch, or in any prefill chunk; one tile size keeps the
-# tensor-core instruction (and its rounding) the same for every batch.
-DETERMINISTIC_BLOCK_M = 16
-
-
 class TritonAttentionBackend(FusedStoreBackend):
-    """Decode batches use split-KV decode; any batch with a multi-token query uses prefill
-    (deterministic mode: every batch, `DETERMINISTIC_BLOCK_M`)."""
+    """Decode batches use split-KV decode; any batch with a multi-token query uses prefill.
+    Deterministic mode runs every batch through `invariant_attention`."""
 
     def __init__(
         self, model: ModelConfig, kv_cache: KVCache, max_num_seqs: int, deterministic: bool = False
@@ -76,7 +69,7 @@ class TritonAttentionBackend(FusedStoreBackend):
 
     def plan(self, inputs: AttentionInputs) -> None:
         self._inputs = inputs
-        self._decode = inputs.is_decode and not self.deterministic
+        self._decode = inputs.is_decode
         self._max_q_len = max(inputs.query_lens_cpu)
 
     def graph_safe(self) -> bool:
@@ -88,6 +81,11 @@ class TritonAttentionBackend(FusedStoreBackend):
     def attend(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         k_cache, v_cache = self._cache(layer)
         inputs, ps, window = self._inputs, self.kv_cache.page_size, self.model.sliding_window
+        if self.deterministic:
+            return invariant_attention(
+                q, k_cache, v_cache, inputs.cu_query_lens, inputs.kv_lens, inputs.page_table,
+                self._max_q_len, ps, self.scale, window,
+            )  # fmt: skip
         if self._decode:
             return decode_attention(
                 q, k_cache, v_cache, inputs.kv_lens, inputs.page_table, ps, self.scale, window,
@@ -96,5 +94,4 @@ class TritonAttentionBackend(FusedStoreBackend):
         return prefill_attention(
             q, k_cache, v_cache, inputs.cu_query_lens, inputs.kv_lens, inputs.page_table,
             self._max_q_len, ps, self.scale, window,
-            DETERMINISTIC_BLOCK_M if self.deterministic else None,
         )  # fmt: skip
