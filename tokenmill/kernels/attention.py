@@ -44,6 +44,29 @@ def _attend_block(q, k, v, keep, m_i, l_i, acc, qk_scale):
 
 
 @triton.jit
+def _attend_causal(
+    q, q_pos, lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh, offs_d, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HKV: tl.constexpr,
+    D: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):  # fmt: skip
+    """Output rows of queries `q` (at positions `q_pos`) over key/value head `kvh`'s keys
+    `lo .. hi`, causal (and windowed), folded in blocks of BLOCK_N."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        valid = offs_n < kv_len
+        k = _kv_block(k_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
+        v = _kv_block(v_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
+        keep = (offs_n[None, :] <= q_pos[:, None]) & valid[None, :]
+        if HAS_WINDOW:
+            keep &= offs_n[None, :] > q_pos[:, None] - window
+        m_i, l_i, acc = _attend_block(q, k, v, keep, m_i, l_i, acc, qk_scale)
+    return acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, kv_lens_ptr, page_table_ptr,
     stride_pt, qk_scale, window,
@@ -68,24 +91,14 @@ def _prefill_kernel(
     q = tl.load(q_ptr + rows[:, None] * (HQ * D) + h * D + offs_d[None, :], mask=m_mask[:, None])
     q_pos = prefix + offs_m
     page_row = page_table_ptr + seq.to(tl.int64) * stride_pt
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
     hi = tl.minimum(kv_len, prefix + (mblk + 1) * BLOCK_M)
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(prefix + mblk * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        valid = offs_n < kv_len
-        k = _kv_block(k_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
-        v = _kv_block(v_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
-        keep = (offs_n[None, :] <= q_pos[:, None]) & valid[None, :]
-        if HAS_WINDOW:
-            keep &= offs_n[None, :] > q_pos[:, None] - window
-        m_i, l_i, acc = _attend_block(q, k, v, keep, m_i, l_i, acc, qk_scale)
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = _attend_causal(
+        q, q_pos, lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh, offs_d,
+        qk_scale, BLOCK_M, BLOCK_N, PAGE, HKV, D, HAS_WINDOW,
+    )  # fmt: skip
     tl.store(
         out_ptr + rows[:, None] * (HQ * D) + h * D + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -154,24 +167,15 @@ def _invariant_kernel(
     q = tl.load(q_ptr + q_offs, mask=m_mask[:, None], other=0.0)
     q_pos = prefix + tok
     page_row = page_table_ptr + seq.to(tl.int64) * stride_pt
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
     last_tok = tl.minimum((mblk * BLOCK_M + BLOCK_M - 1) // group, q_len - 1)
     hi = tl.minimum(kv_len, prefix + last_tok + 1)
     lo = 0
     if HAS_WINDOW:  # blocks before the tile's first query's window: masked for every row
         lo = tl.maximum(prefix + (mblk * BLOCK_M) // group - window + 1, 0) // BLOCK_N * BLOCK_N
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        valid = offs_n < kv_len
-        k = _kv_block(k_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
-        v = _kv_block(v_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
-        keep = (offs_n[None, :] <= q_pos[:, None]) & valid[None, :]
-        if HAS_WINDOW:
-            keep &= offs_n[None, :] > q_pos[:, None] - window
-        m_i, l_i, acc = _attend_block(q, k, v, keep, m_i, l_i, acc, qk_scale)
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = _attend_causal(
+        q, q_pos, lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh, offs_d,
+        qk_scale, BLOCK_M, BLOCK_N, PAGE, HKV, D, HAS_WINDOW,
+    )  # fmt: skip
     tl.store(out_ptr + q_offs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 
 

@@ -166,7 +166,8 @@ class ModelRunner:
                 config.model, self.device, config.load_format, config.seed, self.tp
             )
         if deterministic:
-            make_batch_invariant(self.model)
+            switched = make_batch_invariant(self.model)
+            logger.info("deterministic mode: %d layers on batch-invariant paths", switched)
         # This rank's share of the model (`ModelConfig.shard`, as loaded): its heads size the
         # KV cache and the attention.
         self.model_config: ModelConfig = self.model.config
