@@ -125,9 +125,8 @@ def attend_blocked(
         if model.sliding_window is not None:
             window_start = plan.positions[:n, :, None] - model.sliding_window
             keep &= key_pos[None, None, :] > window_start
-        keep = keep[:, None, :, None, :].expand(n, hkv, QUERY_TILE, group, KEY_BLOCK)
-        s = torch.bmm(qt[:a], k) * scale
-        s = torch.where(keep.reshape(a, rows, KEY_BLOCK), s, float("-inf"))
+        s = (torch.bmm(qt[:a], k) * scale).view(n, hkv, QUERY_TILE, group, KEY_BLOCK)
+        s = torch.where(keep[:, None, :, None, :], s, float("-inf")).view(a, rows, KEY_BLOCK)
         m_new = torch.maximum(m[:a], s.amax(dim=-1))
         m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)
         p = invariant_pointwise(torch.exp, s - m_safe[..., None])
