@@ -123,3 +123,13 @@ def test_preempted_request_recomputes_the_same_output(
     outs = llm.generate(prompts, [GREEDY, GREEDY, SEEDED], use_tqdm=False)
     assert llm.engine.scheduler.stats.num_preemptions > 0
     _same([out.outputs[0] for out in outs[1:]], reference)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_mixture_of_experts_output_is_the_same_in_a_batch(family: str, checkpoints) -> None:
+    """Experts (and Qwen2-MoE's gated shared expert) under batching and chunking."""
+    path = checkpoints[family]
+    alone = _run(_engine(path, enable_prefix_caching=False), [])
+    rng = random.Random(2)
+    others = [_prompt(rng, rng.randrange(1, 120)) for _ in range(24)]
+    _same(_run(_engine(path, budget=48, enable_prefix_caching=False), others), alone)
