@@ -481,6 +481,8 @@ class RunnerConfig:
     gpu_memory_utilization: float = 0.9
     tuning_cache_dir: str = ""  # where start-up tuning decisions are kept ("": nowhere)
     encoder_cache_tokens: int = 16384  # image tokens of vision-encoder outputs kept
+    # Batch-invariant kernels: a request's logits do not depend on the rest of its batch.
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.encoder_cache_tokens < 0:
@@ -500,6 +502,11 @@ class RunnerConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.deterministic and self.attention_backend == "flashinfer":
+            raise ValueError(
+                "deterministic needs attention_backend torch or triton (flashinfer's kernels "
+                "split the KV by batch size), got 'flashinfer'"
             )
 
 
@@ -693,6 +700,13 @@ class EngineArgs:
         "image content, so that a repeated image (or a later chunk of one) is not encoded "
         "again; least recently used first out.",
     )
+    deterministic: bool = option(
+        False,
+        "Batch-invariant mode: every reduction (matmuls, attention, norms, sampling) runs in "
+        "one fixed order, so a greedy or seeded request gets the same tokens and logprobs "
+        "whatever else is in its batch, however its prompt was chunked and whether its prefix "
+        "was cached; slower (no split-K GEMV, no split-KV decode attention).",
+    )
     tuning_cache_dir: str | None = option(
         None,
         "Folder where start-up tuning decisions (the GEMV kernel per weight shape) are kept, "
@@ -716,6 +730,7 @@ class EngineArgs:
             cuda_graph_max_prefill_tokens=self.cuda_graph_max_prefill_tokens,
             overlap_scheduling=self.overlap_scheduling,
             gpu_memory_utilization=self.gpu_memory_utilization,
+            deterministic=self.deterministic,
             tuning_cache_dir=default_tuning_cache_dir()
             if self.tuning_cache_dir is None
             else self.tuning_cache_dir,
@@ -791,6 +806,9 @@ class EngineArgs:
         unsupported = {
             "speculative_config": speculative,
             "host_kv_cache_bytes": bool(self.host_kv_cache_bytes),
+            # An all-reduce's summation order depends on the message size (NCCL's algorithm
+            # and protocol choice, gloo's chunking), so on the batch.
+            "deterministic": self.deterministic,
         }
         for name, used in unsupported.items():
             if used:

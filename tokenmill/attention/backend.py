@@ -47,12 +47,20 @@ class AttentionBackend(ABC):
 
     Per step, `plan` once; per layer, `store_qkv` (q/k norm, rotary, K/V into the cache — one
     fused kernel where the backend has one), then `attend`.
+
+    `deterministic` (batch-invariant mode): a query token's output must not depend on the rest
+    of the batch, on how its sequence's prompt was chunked, or on whether its prefix came from
+    the cache: every token reduces over its keys in the same fixed-size blocks, in order, by
+    the same code, decode or prefill.
     """
 
-    def __init__(self, model: ModelConfig, kv_cache: KVCache, max_num_seqs: int) -> None:
+    def __init__(
+        self, model: ModelConfig, kv_cache: KVCache, max_num_seqs: int, deterministic: bool = False
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.scale = model.head_dim**-0.5
+        self.deterministic = deterministic
 
     @abstractmethod
     def plan(self, inputs: AttentionInputs) -> None:
@@ -98,9 +106,10 @@ _BACKENDS = {
 
 
 def create_backend(
-    name: str, model: ModelConfig, kv_cache: KVCache, max_num_seqs: int
+    name: str, model: ModelConfig, kv_cache: KVCache, max_num_seqs: int, deterministic: bool = False
 ) -> AttentionBackend:
-    """Instantiate the backend registered under `name` (its package must be installed)."""
+    """Instantiate the backend registered under `name` (its package must be installed);
+    `deterministic`: its batch-invariant form (torch and triton have one)."""
     if name not in _BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(_BACKENDS)}, got {name!r}")
     module, cls, package = _BACKENDS[name]
@@ -109,4 +118,4 @@ def create_backend(
             f"attention_backend {name!r} needs the {package!r} package, which is not installed"
         )
     backend: type[AttentionBackend] = getattr(importlib.import_module(module), cls)
-    return backend(model, kv_cache, max_num_seqs)
+    return backend(model, kv_cache, max_num_seqs, deterministic)

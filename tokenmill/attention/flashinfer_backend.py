@@ -27,7 +27,11 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)  # FlashInfer's query / KV-ca
 class FlashInferAttentionBackend(FusedStoreBackend):
     """Decode batches use FlashInfer's batch decode; others its paged (append) prefill."""
 
-    def __init__(self, model: ModelConfig, kv_cache: KVCache, max_num_seqs: int) -> None:
+    def __init__(
+        self, model: ModelConfig, kv_cache: KVCache, max_num_seqs: int, deterministic: bool = False
+    ) -> None:
+        if deterministic:  # RunnerConfig refuses the pair; a direct caller gets told here
+            raise ValueError("attention_backend 'flashinfer' has no deterministic form")
         if model.dtype not in SUPPORTED_DTYPES:
             raise ValueError(
                 f"attention_backend 'flashinfer' needs dtype float16 or bfloat16, got {model.dtype}"

@@ -8,6 +8,7 @@ import torch
 from torch.nn import functional as F
 
 from tokenmill.attention.backend import AttentionBackend, AttentionInputs, QKNorm
+from tokenmill.attention.blocked import attend_blocked, plan_blocked
 from tokenmill.layers.rotary import RotaryEmbedding
 
 
@@ -31,11 +32,15 @@ class _PrefillSeq:
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Correctness oracle: plain tensor ops, no custom kernels."""
+    """Correctness oracle: plain tensor ops, no custom kernels. Deterministic mode attends
+    every token through `attention.blocked` instead of SDPA."""
 
     def plan(self, inputs: AttentionInputs) -> None:
         self._slot_mapping = inputs.slot_mapping
         page_size = self.kv_cache.page_size
+        if self.deterministic:
+            self._blocked = plan_blocked(inputs, page_size)
+            return
         device = inputs.slot_mapping.device
         cu = [0]
         for q in inputs.query_lens_cpu:
@@ -106,6 +111,8 @@ class TorchAttentionBackend(AttentionBackend):
         cfg = self.model
         k_cache = self.kv_cache.k[layer].view(-1, cfg.num_kv_heads, cfg.head_dim)
         v_cache = self.kv_cache.v[layer].view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if self.deterministic:
+            return attend_blocked(q, k_cache, v_cache, self._blocked, cfg, self.scale)
         out = torch.empty_like(q)
         group = cfg.num_heads // cfg.num_kv_heads
         if self._decode is not None:

@@ -7,7 +7,7 @@ import torch
 from tokenmill.attention.backend import AttentionBackend, AttentionInputs, QKNorm
 from tokenmill.cache.kv_cache import KVCache
 from tokenmill.config import ModelConfig
-from tokenmill.kernels.attention import decode_attention, prefill_attention
+from tokenmill.kernels.attention import decode_attention, invariant_attention, prefill_attention
 from tokenmill.kernels.rope_store import rope_and_store
 from tokenmill.layers.rotary import RotaryEmbedding
 
@@ -55,10 +55,13 @@ class FusedStoreBackend(AttentionBackend):
 
 
 class TritonAttentionBackend(FusedStoreBackend):
-    """Decode batches use split-KV decode; any batch with a multi-token query uses prefill."""
+    """Decode batches use split-KV decode; any batch with a multi-token query uses prefill.
+    Deterministic mode runs every batch through `invariant_attention`."""
 
-    def __init__(self, model: ModelConfig, kv_cache: KVCache, max_num_seqs: int) -> None:
-        super().__init__(model, kv_cache, max_num_seqs)
+    def __init__(
+        self, model: ModelConfig, kv_cache: KVCache, max_num_seqs: int, deterministic: bool = False
+    ) -> None:
+        super().__init__(model, kv_cache, max_num_seqs, deterministic)
         device = kv_cache.k[0].device
         shape = (max_num_seqs, model.num_heads, decode_splits(device))
         self._mid_o = torch.empty((*shape, model.head_dim), dtype=torch.float32, device=device)
@@ -78,6 +81,11 @@ class TritonAttentionBackend(FusedStoreBackend):
     def attend(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         k_cache, v_cache = self._cache(layer)
         inputs, ps, window = self._inputs, self.kv_cache.page_size, self.model.sliding_window
+        if self.deterministic:
+            return invariant_attention(
+                q, k_cache, v_cache, inputs.cu_query_lens, inputs.kv_lens, inputs.page_table,
+                self._max_q_len, ps, self.scale, window,
+            )  # fmt: skip
         if self._decode:
             return decode_attention(
                 q, k_cache, v_cache, inputs.kv_lens, inputs.page_table, ps, self.scale, window,

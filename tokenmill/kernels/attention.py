@@ -44,6 +44,29 @@ def _attend_block(q, k, v, keep, m_i, l_i, acc, qk_scale):
 
 
 @triton.jit
+def _attend_causal(
+    q, q_pos, lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh, offs_d, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HKV: tl.constexpr,
+    D: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):  # fmt: skip
+    """Output rows of queries `q` (at positions `q_pos`) over key/value head `kvh`'s keys
+    `lo .. hi`, causal (and windowed), folded in blocks of BLOCK_N."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        valid = offs_n < kv_len
+        k = _kv_block(k_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
+        v = _kv_block(v_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
+        keep = (offs_n[None, :] <= q_pos[:, None]) & valid[None, :]
+        if HAS_WINDOW:
+            keep &= offs_n[None, :] > q_pos[:, None] - window
+        m_i, l_i, acc = _attend_block(q, k, v, keep, m_i, l_i, acc, qk_scale)
+    return acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, kv_lens_ptr, page_table_ptr,
     stride_pt, qk_scale, window,
@@ -68,24 +91,14 @@ def _prefill_kernel(
     q = tl.load(q_ptr + rows[:, None] * (HQ * D) + h * D + offs_d[None, :], mask=m_mask[:, None])
     q_pos = prefix + offs_m
     page_row = page_table_ptr + seq.to(tl.int64) * stride_pt
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
     hi = tl.minimum(kv_len, prefix + (mblk + 1) * BLOCK_M)
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(prefix + mblk * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        valid = offs_n < kv_len
-        k = _kv_block(k_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
-        v = _kv_block(v_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
-        keep = (offs_n[None, :] <= q_pos[:, None]) & valid[None, :]
-        if HAS_WINDOW:
-            keep &= offs_n[None, :] > q_pos[:, None] - window
-        m_i, l_i, acc = _attend_block(q, k, v, keep, m_i, l_i, acc, qk_scale)
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = _attend_causal(
+        q, q_pos, lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh, offs_d,
+        qk_scale, BLOCK_M, BLOCK_N, PAGE, HKV, D, HAS_WINDOW,
+    )  # fmt: skip
     tl.store(
         out_ptr + rows[:, None] * (HQ * D) + h * D + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -120,6 +133,86 @@ def prefill_attention(
         q, k_cache, v_cache, out, cu_q, kv_lens, page_table, page_table.stride(0),
         scale * _LOG2E, window or 0,
         HQ=hq, HKV=hkv, D=d, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=64,
+        HAS_WINDOW=window is not None, num_warps=4, num_stages=2, **pdl_options(q.device),
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _invariant_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, kv_lens_ptr, page_table_ptr,
+    stride_pt, qk_scale, window,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    # One program: BLOCK_M (query token, head) rows of one key/value head, tokens major, so a
+    # decode row's whole query-head group shares one read of its K/V (like split decode).
+    pdl_wait(USE_PDL)
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    mblk = tl.program_id(2)
+    group: tl.constexpr = HQ // HKV
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    if mblk * BLOCK_M >= q_len * group:
+        return
+    kv_len = tl.load(kv_lens_ptr + seq)
+    prefix = kv_len - q_len
+    r = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = r // group
+    heads = kvh * group + r % group
+    offs_d = tl.arange(0, D)
+    m_mask = tok < q_len
+    q_offs = (q_start + tok).to(tl.int64)[:, None] * (HQ * D) + heads[:, None] * D + offs_d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=m_mask[:, None], other=0.0)
+    q_pos = prefix + tok
+    page_row = page_table_ptr + seq.to(tl.int64) * stride_pt
+    last_tok = tl.minimum((mblk * BLOCK_M + BLOCK_M - 1) // group, q_len - 1)
+    hi = tl.minimum(kv_len, prefix + last_tok + 1)
+    lo = 0
+    if HAS_WINDOW:  # blocks before the tile's first query's window: masked for every row
+        lo = tl.maximum(prefix + (mblk * BLOCK_M) // group - window + 1, 0) // BLOCK_N * BLOCK_N
+    out = _attend_causal(
+        q, q_pos, lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh, offs_d,
+        qk_scale, BLOCK_M, BLOCK_N, PAGE, HKV, D, HAS_WINDOW,
+    )  # fmt: skip
+    tl.store(out_ptr + q_offs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+
+
+# Rows of (query token, head) per program of `invariant_attention`: one size for every batch,
+# so every row takes the same tensor-core instructions (16: below the 64 rows of Hopper's
+# warp-group MMA, whatever the batch).
+INVARIANT_BLOCK_M = 16
+
+
+def invariant_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_q: torch.Tensor,
+    kv_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    max_q_len: int,
+    page_size: int,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """Causal attention over paged K/V, as `prefill_attention` (decode rows are sequences of one
+    query), computed so that a query's output depends only on its own query, keys and values:
+    every (token, head) row folds in its keys in blocks of 64 from position 0 (blocks past it,
+    there for other rows, are masked and change nothing) in programs of one fixed shape. So a
+    token gets bitwise the same output decoded alone, in any batch, or in any prefill chunk,
+    and its K/V (and with them later tokens) are the same whichever way they were computed.
+    """
+    _tokens, hq, d = q.shape
+    hkv = k_cache.shape[-2]
+    out = torch.empty_like(q)
+    rows = max_q_len * (hq // hkv)
+    grid = (kv_lens.shape[0], hkv, triton.cdiv(rows, INVARIANT_BLOCK_M))
+    _invariant_kernel[grid](
+        q, k_cache, v_cache, out, cu_q, kv_lens, page_table, page_table.stride(0),
+        scale * _LOG2E, window or 0,
+        HQ=hq, HKV=hkv, D=d, PAGE=page_size, BLOCK_M=INVARIANT_BLOCK_M, BLOCK_N=64,
         HAS_WINDOW=window is not None, num_warps=4, num_stages=2, **pdl_options(q.device),
     )  # fmt: skip
     return out

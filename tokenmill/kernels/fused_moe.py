@@ -38,6 +38,8 @@ GEMV_MAX_TOKENS = 4
 # short prefills); larger ones use torch's multi-block sort.
 ROUTE_ALIGN_MAX_TOKENS = 512
 _ROUTE_ROWS = 16  # tokens per step of the routing loop
+# Batch-invariant mode takes this batch size's tiles for every batch (see `fused_moe`).
+INVARIANT_TILES_TOKENS = 128
 _SORT_PAIRS = 64  # pairs per step of the sorting loop
 
 
@@ -360,11 +362,13 @@ def fused_experts(
     topk_weights: torch.Tensor,
     sorted_pairs: SortedPairs,
     config: MoeKernelConfig,
+    sum_top_k: bool = True,
 ) -> torch.Tensor:
     """`sum_j topk_weights[t, j] * down[e_j] @ (silu(gate[e_j] @ x[t]) * up[e_j] @ x[t])` for
     each token `t` of `x` `[T, H]`, over the pairs in `sorted_pairs` (from the same routing as
     `topk_weights` `[T, top_k]`); `gate_up` `[E, 2I, H]` (gate rows, then up), `down`
-    `[E, H, I]`."""
+    `[E, H, I]`. `sum_top_k=False` returns the weighted products per pair, `[T * top_k, H]`,
+    unsummed."""
     num_tokens, hidden = x.shape
     top_k = topk_weights.shape[1]
     inter = down.shape[2]
@@ -393,7 +397,20 @@ def fused_experts(
         num_pairs, hidden, inter, h.stride(0), down.stride(0), down.stride(1), out.stride(0),
         BLOCK_N=config.block_n, **meta,
     )  # fmt: skip
-    return out.view(num_tokens, top_k, hidden).sum(dim=1) if top_k > 1 else out
+    if not sum_top_k or top_k == 1:
+        return out
+    return out.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+def _sum_top_k_in_order(per_pair: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Each token's `top_k` rows of `per_pair` `[T * top_k, H]` added one after the other in
+    float32: the same order for any T (torch's reduction may split a short sum across threads
+    differently as T changes)."""
+    slots = per_pair.view(-1, top_k, per_pair.shape[-1])
+    total = slots[:, 0].float()
+    for j in range(1, top_k):
+        total += slots[:, j]
+    return total.to(per_pair.dtype)
 
 
 def fused_moe(
@@ -404,12 +421,23 @@ def fused_moe(
     top_k: int,
     renormalize: bool,
     config: MoeKernelConfig | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """The MoE feed-forward of `x` `[T, H]`: route by `router_logits` `[T, E]` (softmax top-k,
     renormalised when `renormalize`), then the experts: `experts_gemv` for up to
     `GEMV_MAX_TOKENS` tokens (unless a grouped-GEMM `config` is given), else `fused_experts`
-    with `config` or the table entry for T tokens (`moe_routing.moe_config_for`)."""
+    with `config` or the table entry for T tokens (`moe_routing.moe_config_for`).
+
+    `batch_invariant`: a token's output does not depend on T: one routing (torch's), one tile
+    configuration and the grouped GEMMs for every T (a row of a GEMM tile is reduced over K
+    in the same order whatever the other rows), and the top-k sum in a fixed order."""
     num_tokens, num_experts = router_logits.shape
+    if batch_invariant:
+        config = moe_config_for(INVARIANT_TILES_TOKENS, x.dtype)
+        weights, ids = select_experts(router_logits, top_k, renormalize)
+        pairs = align_block_size(ids, num_experts, config.block_m)
+        per_pair = fused_experts(x, gate_up, down, weights, pairs, config, sum_top_k=False)
+        return _sum_top_k_in_order(per_pair, top_k)
     if config is None and num_tokens <= GEMV_MAX_TOKENS:
         weights, ids = route(router_logits, top_k, renormalize)
         return experts_gemv(x, gate_up, down, weights, ids, MOE_GEMV_CONFIG)

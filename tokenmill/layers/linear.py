@@ -25,6 +25,7 @@ from tokenmill.kernels.gemv_tuning import (
     gemv_bucket,
 )
 from tokenmill.layers.activation import silu_and_mul
+from tokenmill.layers.invariant import invariant_linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.sharding import TensorSource, copy_shard, set_tp_dim
 from tokenmill.tuning_cache import TuningCache
@@ -66,8 +67,13 @@ class Linear(nn.Module):
         self._bias_after_sum = bias and tp_dim == 1
         # Row bucket -> GEMV kernel, filled by `choose_gemv_kernels` (empty: always cuBLAS).
         self.gemv_choices: dict[int, GemvChoice] = {}
+        # Deterministic mode (`layers.invariant.make_batch_invariant`): one product for any
+        # number of rows, never a GEMV chosen by row count.
+        self.batch_invariant = False
 
     def _gemv_choice(self, x: torch.Tensor) -> GemvChoice | None:
+        if self.batch_invariant:
+            return None
         bucket = gemv_bucket(x.shape[0]) if self.gemv_choices and x.dim() == 2 else None
         return self.gemv_choices.get(bucket) if bucket is not None else None
 
@@ -76,7 +82,7 @@ class Linear(nn.Module):
         choice = self._gemv_choice(x) if self.input_kind != "normed" else None
         if choice is not None and choice.fused:
             return gemv(x, self.weight, choice.config, gated)
-        return self._product(silu_and_mul(x) if gated else x, choice)
+        return self._product(silu_and_mul(x, self.batch_invariant) if gated else x, choice)
 
     def forward_normed(
         self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
@@ -93,9 +99,13 @@ class Linear(nn.Module):
         return self._product(h, choice), residual
 
     def _product(self, h: torch.Tensor, choice: GemvChoice | None) -> torch.Tensor:
-        """`h W^T (+ b)` of an already transformed input: the chosen GEMV, else cuBLAS."""
+        """`h W^T (+ b)` of an already transformed input: the chosen GEMV, else cuBLAS (or,
+        batch-invariant, `invariant_linear`)."""
         if choice is None:
-            return F.linear(h, self.weight, None if self._bias_after_sum else self.bias)
+            bias = None if self._bias_after_sum else self.bias
+            if self.batch_invariant:
+                return invariant_linear(h, self.weight, bias)
+            return F.linear(h, self.weight, bias)
         return gemv(h, self.weight, choice.config)
 
     def add_bias(self, summed: torch.Tensor) -> torch.Tensor:

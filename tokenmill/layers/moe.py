@@ -10,6 +10,8 @@ stacked weights through `weight_loader`, with shards named `"<gate|up|down>:<N>"
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -17,6 +19,7 @@ from torch.nn import functional as F
 from tokenmill.distributed.group import TPGroup
 from tokenmill.kernels import fused_moe
 from tokenmill.kernels.moe_routing import select_experts
+from tokenmill.layers.invariant import invariant_linear
 from tokenmill.layers.sharding import SourceRange, TensorSource, TransposedSource, copy_shard
 
 EXPERT_PROJECTIONS = ("gate", "up", "down")
@@ -43,15 +46,18 @@ class FusedMoE(nn.Module):
         e, h, i = num_experts, hidden_size, intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
+        self.batch_invariant = False  # deterministic mode: see `fused_moe`, `invariant_linear`
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """The experts' weighted output `[T, H]` for `x` `[T, H]` and `router_logits` `[T, E]`."""
         if x.is_cuda:
             return fused_moe(
-                x, self.gate_up_proj, self.down_proj, router_logits, self.top_k, self.renormalize
-            )
+                x, self.gate_up_proj, self.down_proj, router_logits, self.top_k, self.renormalize,
+                batch_invariant=self.batch_invariant,
+            )  # fmt: skip
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
-        return experts_reference(x, self.gate_up_proj, self.down_proj, weights, ids)
+        linear = invariant_linear if self.batch_invariant else F.linear
+        return experts_reference(x, self.gate_up_proj, self.down_proj, weights, ids, linear)
 
     def checkpoint_shards(self, param_name: str) -> list[str]:
         """The shards a checkpoint provides for one of the stacked weights, one per expert
@@ -97,9 +103,12 @@ def experts_reference(
     down: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
 ) -> torch.Tensor:
     """The experts' weighted sum in torch, one matmul pair per expert that has tokens (the CPU
-    path; like transformers', each product is rounded to `x`'s dtype)."""
+    path; like transformers', each product is rounded to `x`'s dtype); `linear` computes the
+    products (`invariant_linear` in deterministic mode). A token's experts are added in
+    expert order, whatever the batch."""
     out = torch.zeros_like(x)
     flat_ids = topk_ids.reshape(-1).long()
     order = torch.argsort(flat_ids, stable=True)
@@ -112,7 +121,7 @@ def experts_reference(
         pairs = order[start : start + count]
         start += count
         tokens = pairs // topk_ids.shape[1]
-        gate, up = F.linear(x[tokens], gate_up[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, down[expert]) * weights[pairs, None]
+        gate, up = linear(x[tokens], gate_up[expert]).chunk(2, dim=-1)
+        y = linear(F.silu(gate) * up, down[expert]) * weights[pairs, None]
         out.index_add_(0, tokens, y)
     return out

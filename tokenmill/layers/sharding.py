@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from tokenmill.distributed.group import TPGroup
+from tokenmill.layers.invariant import invariant_linear
 
 
 class TensorSource(Protocol):
@@ -131,6 +132,7 @@ class VocabParallelEmbedding(nn.Module):
         self.tp, self.shard = tp, tp.split(vocab_size)
         weight = nn.Parameter(torch.empty(self.shard.size, hidden_size), requires_grad=False)
         self.weight = set_tp_dim(weight, 0)
+        self.batch_invariant = False  # `logits` through `invariant_linear`
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Embeddings `[T, hidden]` of token ids `[T]`."""
@@ -143,7 +145,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits `[S, V]` of hidden states `[S, hidden]` (every rank gets them all)."""
-        local = F.linear(hidden, self.weight)
+        if self.batch_invariant:
+            local = invariant_linear(hidden, self.weight)
+        else:
+            local = F.linear(hidden, self.weight)
         if self.tp.size == 1:
             return local
         return self.tp.all_gather(local)[..., : self.shard.full]

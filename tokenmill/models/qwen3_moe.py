@@ -10,6 +10,7 @@ from torch import nn
 
 from tokenmill.config import ModelConfig, MoeConfig
 from tokenmill.distributed.group import TPGroup
+from tokenmill.layers.invariant import invariant_pointwise
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.moe import FusedMoE
 from tokenmill.layers.norm import RMSNorm
@@ -36,6 +37,7 @@ class SparseMoeBlock(nn.Module):
             size = moe.shared_expert_intermediate_size
             self.shared_expert = LlamaMLP(cfg, tp, size, input_kind="plain")
             self.shared_expert_gate = Linear(cfg.hidden_size, 1)
+        self.batch_invariant = False  # deterministic mode: the gate's sigmoid at any size
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
@@ -49,7 +51,12 @@ class SparseMoeBlock(nn.Module):
         out = self.experts(h, self.gate(h))
         if self.shared_expert is not None:
             shared = self.shared_expert.product(h)
-            out = out + torch.sigmoid(self.shared_expert_gate(h)) * shared
+            logit = self.shared_expert_gate(h)
+            if self.batch_invariant:
+                scale = invariant_pointwise(torch.sigmoid, logit)
+            else:
+                scale = torch.sigmoid(logit)
+            out = out + scale * shared
         return self.tp.all_reduce(out), residual
 
 

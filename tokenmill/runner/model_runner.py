@@ -17,6 +17,7 @@ from tokenmill.batch import StepPlan
 from tokenmill.cache.kv_cache import KVCache
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.distributed.group import TPGroup
+from tokenmill.layers.invariant import configure_invariant_cublas, make_batch_invariant
 from tokenmill.layers.linear import choose_gemv_kernels
 from tokenmill.models.loader import load_model
 from tokenmill.observability.startup import StartupTimer
@@ -157,10 +158,16 @@ class ModelRunner:
         self.tp = tp or TPGroup.single()
         if self.device.type == "cpu" and self.tp.size > 1:
             logger.info("rank %d computes on %d threads", self.tp.rank, share_cpu_threads(size))
+        deterministic = config.runner.deterministic
+        if deterministic and self.device.type == "cuda":
+            configure_invariant_cublas()  # before this process's first cuBLAS product
         with self.startup.phase("load_weights"):
             self.model = load_model(
                 config.model, self.device, config.load_format, config.seed, self.tp
             )
+        if deterministic:
+            switched = make_batch_invariant(self.model)
+            logger.info("deterministic mode: %d layers on batch-invariant paths", switched)
         # This rank's share of the model (`ModelConfig.shard`, as loaded): its heads size the
         # KV cache and the attention.
         self.model_config: ModelConfig = self.model.config
@@ -173,8 +180,9 @@ class ModelRunner:
             )
         max_seqs = config.scheduler.max_num_seqs
         self.attention = create_backend(
-            config.runner.attention_backend, self.model_config, self.kv_cache, max_seqs
-        )
+            config.runner.attention_backend, self.model_config, self.kv_cache, max_seqs,
+            deterministic,
+        )  # fmt: skip
         self.sampler = Sampler(self.device, config.seed)
         # Every host→device copy of a step goes through here: one pinned, non-blocking copy.
         self.staging = HostStaging(self.device)
@@ -213,10 +221,13 @@ class ModelRunner:
                     f"attention_backend {config.runner.attention_backend!r} cannot run in CUDA "
                     "graphs; use enforce_eager=True"
                 )
-            with self.startup.phase("gemv_tuning"):
-                cache = open_tuning_cache(config.runner.tuning_cache_dir, self.device)
-                chosen = choose_gemv_kernels(self.model, cache)
-            logger.info("GEMV kernel chosen over cuBLAS for %d (layer, row bucket) pairs", chosen)
+            if not deterministic:  # a GEMV is chosen per row count: not batch-invariant
+                with self.startup.phase("gemv_tuning"):
+                    cache = open_tuning_cache(config.runner.tuning_cache_dir, self.device)
+                    chosen = choose_gemv_kernels(self.model, cache)
+                logger.info(
+                    "GEMV kernel chosen over cuBLAS for %d (layer, row bucket) pairs", chosen
+                )
             max_pages = -(-config.max_model_len // self.page_size)
             max_bs = min(config.runner.cuda_graph_max_bs, max_seqs)
             max_prefill = min(

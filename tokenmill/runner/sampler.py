@@ -365,7 +365,9 @@ def _greedy(logits: torch.Tensor) -> torch.Tensor:
 
 def _top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     assert batch.top_k is not None and batch.top_p is not None
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    # Stable: tied logits (common in bfloat16) keep their vocabulary order, so which of them
+    # top-p cuts does not depend on the sort's batch-dependent internals.
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
     drop = rank >= batch.top_k[:, None]
     if batch.use_top_p:
