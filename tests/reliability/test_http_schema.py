@@ -26,6 +26,13 @@ from tests.reliability.routes import schema_operations
 
 TOKEN_ID_FIELDS = {"prompt", "stop_token_ids", "tokens"}
 WHOLE_FLOAT = re.compile(r"valid integer, got -?\d+\.0$")
+# Rules tying two fields the schema describes one by one (JSON Schema could only say them with
+# conditionals that request generators ignore): a refusal under one is correct, and not a sign
+# that the schema misdescribes a field.
+CROSS_FIELD_RULE = re.compile(
+    r"^(top_logprobs requires logprobs|tool_choice requires tools|stream_options is only allowed"
+    r"|min_tokens must be <= max_tokens|structured_outputs must set exactly one)"
+)
 REFUSALS: dict[str, Counter[str]] = {}  # operation → its 4xx messages, to explain a failure
 EXAMPLES = int(os.environ.get("TOKENMILL_FUZZ_EXAMPLES", "50"))
 GENERATION_ROUTES = {"/v1/completions", "/v1/chat/completions"}
@@ -99,9 +106,12 @@ def _fuzz(
         assert set(error) == {"message", "type", "param", "code"}
         # JSON Schema counts 4.0 as an integer, so fuzzers send it; token ids refuse it.
         whole_float_id = error["param"] in TOKEN_ID_FIELDS and WHOLE_FLOAT.search(error["message"])
-        statuses["whole-float token id" if whole_float_id else response.status_code] += 1
-        if not whole_float_id:
-            reasons[error["message"][:50]] += 1
+        if whole_float_id:
+            statuses["whole-float token id"] += 1
+            return
+        cross_field = CROSS_FIELD_RULE.match(error["message"])
+        statuses["cross-field rule" if cross_field else response.status_code] += 1
+        reasons[error["message"][:50]] += 1
 
     call()
     return statuses
@@ -121,8 +131,11 @@ def test_fuzzed_requests_never_get_a_server_error(
     assert valid.total() >= (EXAMPLES if operation.body else 1), (valid, invalid)
     if path in GENERATION_ROUTES:
         # The schema describes the limits, so many schema-valid requests reach the engine (not
-        # all: a prompt plus max_tokens over the context, or min_tokens over max_tokens, are
-        # refused, and JSON Schema cannot say so; long token-id prompts make that common).
-        valid_for_us = valid.total() - valid["whole-float token id"]
+        # all: a prompt plus max_tokens over the context is refused, and JSON Schema cannot say
+        # so; long token-id prompts make that common). Requests refused by a rule between two
+        # fields (`CROSS_FIELD_RULE`) do not count: with tools, structured outputs and
+        # logprobs in the chat schema they were up to a third of the examples (seed 2: 16 of
+        # 50 reached the engine, 16 broke such a rule).
+        valid_for_us = valid.total() - valid["whole-float token id"] - valid["cross-field rule"]
         refusals = REFUSALS[operation.label].most_common(5)
         assert valid[200] >= REACH_ENGINE[path] * valid_for_us, (valid, invalid, refusals)
