@@ -52,6 +52,14 @@ SLOW_FILES_FIRST = (
 )
 
 
+def long_test(why: str) -> pytest.MarkDecorator:
+    """Skip unless `TOKENMILL_LONG_TESTS=1`: a test of a minute or more, kept out of the CI
+    suite (which must stay under 15 minutes on 2 cores) and run before a release."""
+    return pytest.mark.skipif(
+        not os.environ.get("TOKENMILL_LONG_TESTS"), reason=f"{why}: TOKENMILL_LONG_TESTS=1 runs it"
+    )
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Put `SLOW_FILES_FIRST` first (stable: the rest keep their order)."""
     rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.conftest import long_test
 from tests.replicas.conftest import MODEL_NAME, server_args
 
 pytest.importorskip("ray", reason="replicas need Ray Serve: pip install 'tokenmill[ray]'")
@@ -144,6 +145,7 @@ def test_the_dashboard_shows_every_replica(url: str, tmp_path: Path) -> None:
     assert re.search(r'<table id="replicas" data-rows="2"', dom), dom[-2000:]
 
 
+@long_test("a new replica starts in about a minute on 2 cores")
 def test_scale_down_drains_and_scale_up_joins_without_losing_requests(
     url: str, llama_dir: Path
 ) -> None:

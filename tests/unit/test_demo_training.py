@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoTokenizer
 
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy, long_test
 from tokenmill import LLM, SamplingParams
 from tokenmill.testing.checkpoints import build_tokenizer
 
@@ -75,6 +75,7 @@ def _corpus(root: Path) -> Path:
     return root
 
 
+@long_test("trains and evaluates both demo models for two steps: about 70 s")
 def test_short_training_run_writes_checkpoints_that_load_everywhere(demo, tmp_path) -> None:
     out = tmp_path / "assets"
     run = demo.RunSettings(big_steps=2, draft_steps=2, batch_size=1, eval_windows=2)
