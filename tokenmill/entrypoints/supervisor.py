@@ -117,10 +117,11 @@ class Supervisor:
         self._starting = threading.Lock()
         # Tokenizer and detokenizer workers fork from a server process that imported their
         # modules once, so a restart takes a fraction of a second, not the seconds of importing
-        # transformers again; the model-specific modules this process loaded with the tokenizer
-        # are imported there too (loading a tokenizer imports its model's configuration). The
-        # engine core is spawned, so that CUDA starts in a process that never forked.
-        # (`tokenmill serve` started the fork server already, `fork_server`.)
+        # transformers again. `tokenmill serve` started that fork server before its own imports
+        # (`fork_server`); where nothing did, it starts here, with the model-specific modules
+        # this process loaded with the tokenizer imported there too (loading a tokenizer
+        # imports its model's configuration). The engine core is spawned, so that CUDA starts
+        # in a process that never forked.
         self._forked = multiprocessing.get_context("forkserver")
         self._spawned = multiprocessing.get_context("spawn")
         modules = {spec.target.__module__ for spec in specs if spec.kind is not WorkerKind.ENGINE}
