@@ -27,6 +27,7 @@ checks the bookkeeping, not numerics).
 
 from __future__ import annotations
 
+import functools
 import gc
 import inspect
 import itertools
@@ -34,16 +35,16 @@ import json
 import logging
 import textwrap
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from tokenmill.batch import Logprob, Request, SchedulerOutput
 from tokenmill.bench.options import OfflineBenchArgs
-from tokenmill.config import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
+from tokenmill.config import DEMO_DRAFT_DIR, DEMO_MODEL_DIR, ModelConfig
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.sampling_params import SamplingParams
@@ -51,6 +52,8 @@ from tokenmill.spec.proposer import Drafts, HostProposer
 from tokenmill.spec.rejection import PLACEHOLDER
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -211,7 +214,10 @@ def _demo_part(args: SpecBenchArgs) -> dict[str, Any]:
                 "same_tokens_as_plain": out == plain_tokens[label],
             }
         results[name] = rows
-        _drop(llm)
+        device = llm.engine.runner.device
+        llm.close()
+        del llm
+        _free(device)
     for name in methods:
         for label, row in results[name].items():
             row["speedup"] = row["output_tok_s"] / results["plain"][label]["output_tok_s"]
@@ -225,43 +231,55 @@ def _spec_counts(llm: LLM) -> tuple[int, int]:
 
 def _oracle_part(args: SpecBenchArgs) -> dict[str, Any]:
     assert args.config is not None
-    k = args.num_speculative_tokens
     rng = np.random.default_rng(args.seed)
+    vocab = ModelConfig.from_pretrained(args.config).vocab_size
     results: dict[str, Any] = {}
     for batch in args.batch_sizes:
-        prompts = [rng.integers(10, 1000, args.input_len).tolist() for _ in range(batch)]
-        plain = _engine(args, None)
-        vocab = plain.config.model.vocab_size
-        prompts = [[t % vocab for t in p] for p in prompts]
-        plain_rate, outputs = _decode_rate(plain, prompts, args.output_len)
-        _drop(plain)
-        continuations = {tuple(p): o for p, o in zip(prompts, outputs, strict=True)}
-        rows: dict[str, Any] = {"plain_decode_tok_s": plain_rate}
-        # Fixed k measures verification against its ideal; adaptive, what a user gets.
-        modes = [False, True] if batch in args.adaptive_batch_sizes else [False]
-        for rate, adaptive in itertools.product(args.acceptance_rates, modes):
-            spec = {"method": "ngram", "num_speculative_tokens": k, "adaptive": adaptive}
-            llm = _engine(args, spec)
-            oracle = OracleProposer(k, continuations, rate, vocab, args.seed)
-            llm.engine.scheduler.host_proposer = oracle
-            oracle.teacher_force(llm.engine.scheduler)
-            spec_rate, spec_outputs = _decode_rate(llm, prompts, args.output_len)
-            stats = llm.engine.scheduler.spec_stats
-            ideal = ideal_tokens_per_step(rate, k)
-            speedup = spec_rate / plain_rate
-            chosen = stats.chosen_drafts
-            rows[f"a={rate}" + (" adaptive" if adaptive else "")] = {
-                "decode_tok_s": spec_rate,
-                "speedup": speedup,
-                "tokens_per_verify": stats.mean_acceptance_length,
-                "ideal_tokens_per_verify": ideal,
-                "pct_of_ideal_speedup": 100 * speedup / ideal,
-                "mean_drafts_chosen": chosen.total / max(chosen.count, 1),
-                "same_tokens_as_plain": spec_outputs == outputs,
-            }
-            _drop(llm)
-        results[f"batch_{batch}"] = rows
+        prompts = [(rng.integers(10, 1000, args.input_len) % vocab).tolist() for _ in range(batch)]
+        results[f"batch_{batch}"] = _oracle_batch(args, prompts, vocab)
     return results
+
+
+def _oracle_batch(args: SpecBenchArgs, prompts: list[list[int]], vocab: int) -> dict[str, Any]:
+    """Plain decoding of `prompts`, then the oracle at each acceptance rate (and adaptive)."""
+    plain_rate, outputs = _with_engine(
+        args, None, functools.partial(_decode_rate, prompts=prompts, output_len=args.output_len)
+    )
+    continuations = {tuple(p): o for p, o in zip(prompts, outputs, strict=True)}
+    rows: dict[str, Any] = {"plain_decode_tok_s": plain_rate}
+    # Fixed k measures verification against its ideal; adaptive, what a user gets.
+    modes = [False, True] if len(prompts) in args.adaptive_batch_sizes else [False]
+    for rate, adaptive in itertools.product(args.acceptance_rates, modes):
+        spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+                "adaptive": adaptive}  # fmt: skip
+        oracle = OracleProposer(args.num_speculative_tokens, continuations, rate, vocab, args.seed)
+        spec_rate, spec_outputs, stats = _with_engine(
+            args, spec, functools.partial(_oracle_rate, oracle=oracle, prompts=prompts,
+                                          output_len=args.output_len),
+        )  # fmt: skip
+        ideal = ideal_tokens_per_step(rate, args.num_speculative_tokens)
+        speedup = spec_rate / plain_rate
+        chosen = stats.chosen_drafts
+        rows[f"a={rate}" + (" adaptive" if adaptive else "")] = {
+            "decode_tok_s": spec_rate,
+            "speedup": speedup,
+            "tokens_per_verify": stats.mean_acceptance_length,
+            "ideal_tokens_per_verify": ideal,
+            "pct_of_ideal_speedup": 100 * speedup / ideal,
+            "mean_drafts_chosen": chosen.total / max(chosen.count, 1),
+            "same_tokens_as_plain": spec_outputs == outputs,
+        }
+    return rows
+
+
+def _oracle_rate(
+    llm: LLM, oracle: OracleProposer, prompts: list[list[int]], output_len: int
+) -> tuple[float, list, Any]:
+    """Decode rate and outputs with `oracle` proposing, and the engine's speculation stats."""
+    llm.engine.scheduler.host_proposer = oracle
+    oracle.teacher_force(llm.engine.scheduler)
+    rate, outputs = _decode_rate(llm, prompts, output_len)
+    return rate, outputs, llm.engine.scheduler.spec_stats
 
 
 def _engine(args: SpecBenchArgs, spec: dict[str, Any] | None) -> LLM:
@@ -271,24 +289,43 @@ def _engine(args: SpecBenchArgs, spec: dict[str, Any] | None) -> LLM:
                **args.engine_kwargs)  # fmt: skip
 
 
+def _with_engine(args: SpecBenchArgs, spec: dict[str, Any] | None, use: Callable[[LLM], T]) -> T:
+    """`use(engine)` on a fresh engine that is freed before this returns: a benchmark's
+    engines each hold most of the GPU's memory (weights and a KV pool sized by
+    `kv_cache_memory_bytes`), so two may not be alive at once."""
+    llm = _engine(args, spec)
+    device = llm.engine.runner.device
+    try:
+        return use(llm)
+    finally:
+        llm.close()
+        del llm
+        _free(device)
+
+
 def _decode_rate(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float, list]:
-    """Decode tokens/s of greedy generation (prefill time taken out), and the outputs."""
+    """Decode tokens/s of greedy generation (prefill time taken out), and the outputs.
+
+    The prefill of the whole batch is timed alone (one token each) and taken out of the full
+    run's time; both are warmed up first with the same batch, so neither pays a first use of
+    a shape (graph capture, kernel tuning) that the other does not."""
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     full = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                 use_tqdm=False)  # fmt: skip
     start = time.perf_counter()
     llm.generate(prompts, first, use_tqdm=False)
     prefill = time.perf_counter() - start
     start = time.perf_counter()
     outputs = llm.generate(prompts, full, use_tqdm=False)
     total = time.perf_counter() - start
+    if total <= prefill:
+        raise RuntimeError(f"decode took no time: prefill alone {prefill:.3f} s, all {total:.3f} s")
     decoded = len(prompts) * (output_len - 1)
-    return decoded / max(total - prefill, 1e-9), [o.outputs[0].token_ids for o in outputs]
+    return decoded / (total - prefill), [o.outputs[0].token_ids for o in outputs]
 
 
-def _drop(llm: LLM) -> None:
-    device = llm.engine.runner.device
-    del llm
+def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
