@@ -97,11 +97,30 @@ def tokenmill_side(args: argparse.Namespace) -> dict[str, Any]:
         "encoder_share_of_wall": encoder_s / batch["wall_s"],
         "images_encoded": cache.stats.images_encoded,
     }
+    if args.profile:
+        result["encoder_profile"] = _profile_encoder(llm, prompts[0][1][0])
     del llm, engine, cache
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the peer loads its own copy of the weights next
     return result
+
+
+def _profile_encoder(llm: LLM, image: ImageInput) -> str:
+    """torch.profiler's table of one image's encoder pass, kernels by device time."""
+    model, device = llm.engine.runner.model, llm.engine.runner.device
+    patches = torch.from_numpy(image.pixel_values).to(device)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.inference_mode():
+        model.encode_images(patches, [image.grid_thw])  # warm-up
+        with torch.profiler.profile(activities=activities) as prof:
+            model.encode_images(patches, [image.grid_thw])
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60)
 
 
 def transformers_side(args: argparse.Namespace) -> dict[str, Any]:
@@ -160,6 +179,9 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--kv-cache-bytes", type=int, default=20_000_000_000)
     parser.add_argument("--no-peer", action="store_true", help="skip transformers")
+    parser.add_argument(
+        "--profile", action="store_true", help="print a profile of one image's encoder pass"
+    )
     parser.add_argument("--output", default=None, help="JSON report")
     args = parser.parse_args()
     report: dict[str, Any] = {"config": args.config, "image": [args.width, args.height],
@@ -172,6 +194,8 @@ def main() -> None:
         f"out), vision encoder {ours['encoder_share_of_wall']:.0%} of the batch's time, "
         f"preprocessing {prep_ms:.1f} ms/image (host)"
     )
+    if args.profile:
+        print(ours["encoder_profile"])
     if not args.no_peer:
         peer = report["transformers"] = transformers_side(args)
         print(
