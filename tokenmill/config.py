@@ -567,6 +567,10 @@ class EngineConfig:
         )
 
 
+def _default(value: int | None, default: int) -> int:
+    return default if value is None else value
+
+
 def option(default: Any, help: str, **extra: Any) -> Any:
     """A dataclass field that is also a command-line option: `help` is its flag's help text,
     `extra` (e.g. `choices`) goes to `argparse` (see `entrypoints.cli.add_options`); a
@@ -603,9 +607,13 @@ class EngineArgs:
     max_model_len: int | None = option(
         None, "Longest prompt + output in tokens (default: max_position_embeddings)."
     )
-    max_num_seqs: int = option(64, "Most sequences in one batch.")
-    max_num_batched_tokens: int = option(
-        2048, "Token budget of one step; long prompts are prefilled in chunks of at most this."
+    max_num_seqs: int | None = option(
+        None, "Most sequences in one batch.", default_help="256 on a GPU, 64 on the CPU"
+    )
+    max_num_batched_tokens: int | None = option(
+        None,
+        "Token budget of one step; long prompts are prefilled in chunks of at most this.",
+        default_help="8192 on a GPU, 2048 on the CPU",
     )
     page_size: int = option(16, "Tokens per KV-cache page.")
     num_pages: int | None = option(
@@ -722,6 +730,9 @@ class EngineArgs:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        # A GPU's step is cheap next to its host time only when it is large: the batch and
+        # chunk sizes vLLM and SGLang default to on data-centre GPUs; a CPU's steps are slow.
+        gpu = device.startswith("cuda")
         runner = RunnerConfig(
             attention_backend=self.attention_backend
             or ("triton" if device.startswith("cuda") else "torch"),
@@ -767,8 +778,8 @@ class EngineArgs:
                 host_kv_cache_bytes=self.host_kv_cache_bytes,
             ),
             scheduler=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_num_seqs=_default(self.max_num_seqs, 256 if gpu else 64),
+                max_num_batched_tokens=_default(self.max_num_batched_tokens, 8192 if gpu else 2048),
                 max_model_len=self.max_model_len,
                 policy=self.scheduling_policy,
                 cache_aware_max_wait=self.cache_aware_max_wait,
