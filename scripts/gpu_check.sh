@@ -228,7 +228,7 @@ fi
 if [[ "$what" == vl ]]; then
   python3 -m pytest -q -p no:cacheprovider tests/gpu/test_vl_gpu.py 2>&1 | tee "$out/pytest-vl.log" | tail -5
   echo "vl tests: $(tail -1 "$out/pytest-vl.log")" >> "$table"
-  python3 benchmarks/vl_images.py --config benchmarks/models/qwen3-vl-30b-a3b --batch 64 \
+  python3 benchmarks/vl_images.py --config benchmarks/models/qwen3-vl-30b-a3b --batch 64 --profile \
     --output "$out/vl-qwen3-vl-30b-a3b.json" 2>&1 | tee "$out/vl.log" | tail -3
   grep -E "^(tokenmill|transformers):" "$out/vl.log" >> "$table"
 fi

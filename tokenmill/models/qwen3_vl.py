@@ -87,11 +87,33 @@ class VisionAttention(nn.Module):
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         out = torch.empty_like(q)
         start = 0
-        for n in lengths:  # one image (frame) at a time: no mask over the whole batch
-            qs, ks, vs = (t[start : start + n].transpose(0, 1) for t in (q, k, v))
-            out[start : start + n] = F.scaled_dot_product_attention(qs, ks, vs).transpose(0, 1)
-            start += n
+        for n, count in _runs(lengths):
+            # `count` images (frames) of `n` patches in one call, each its own batch entry (no
+            # mask over the whole batch). Inputs are 4-D: SDPA's flash and memory-efficient
+            # kernels take no other rank; a 3-D call runs the math path, which materialises
+            # every score (the encoder took ~80 ms per 1024x768 image on the H200 that way).
+            end = start + n * count
+            qs, ks, vs = (_images(t[start:end], count) for t in (q, k, v))
+            attended = F.scaled_dot_product_attention(qs, ks, vs)
+            out[start:end] = attended.transpose(1, 2).flatten(0, 1)
+            start = end
         return self.proj(out.reshape(len(x), -1))
+
+
+def _images(x: torch.Tensor, count: int) -> torch.Tensor:
+    """`[count * n, heads, d]` patches of `count` equal images as `[count, heads, n, d]`."""
+    return x.view(count, -1, *x.shape[1:]).transpose(1, 2)
+
+
+def _runs(lengths: list[int]) -> list[tuple[int, int]]:
+    """(length, count) of each run of equal consecutive lengths."""
+    runs: list[tuple[int, int]] = []
+    for n in lengths:
+        if runs and runs[-1][0] == n:
+            runs[-1] = (n, runs[-1][1] + 1)
+        else:
+            runs.append((n, 1))
+    return runs
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
