@@ -144,18 +144,19 @@ class ImagePreprocessor:
         if not sources:
             return token_ids, ()
         images = [self.open(source, n) for n, source in enumerate(sources)]
+        rgb = [np.asarray(image) for image in images]
         out = self.processor(images=images, return_tensors="np")
         pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
         grids = [tuple(int(x) for x in g) for g in out["image_grid_thw"]]
         expanded: list[int] = []
         inputs: list[ImageInput] = []
         cursor = start = 0
-        for position, grid in zip(placeholders, grids, strict=True):
+        for position, grid, decoded in zip(placeholders, grids, rgb, strict=True):
             patches = pixels[start : start + grid[0] * grid[1] * grid[2]]
             start += len(patches)
             n = num_image_tokens(grid, vision.spatial_merge_size)  # type: ignore[arg-type]
             expanded += token_ids[cursor:position]
-            key = image_key(patches, grid)  # type: ignore[arg-type]
+            key = image_key(decoded, grid)  # type: ignore[arg-type]
             inputs.append(ImageInput(key, patches, grid, len(expanded), n))  # type: ignore[arg-type]
             expanded += [vision.image_token_id] * n
             cursor = position + 1

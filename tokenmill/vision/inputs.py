@@ -33,9 +33,13 @@ class ImageInput:
         return self.offset + self.num_tokens
 
 
-def image_key(pixel_values: np.ndarray, grid_thw: tuple[int, int, int]) -> int:
-    """The content hash of an image's patches (62 bits: it folds into negative cache keys)."""
-    digest = hashlib.blake2b(np.ascontiguousarray(pixel_values).data, digest_size=8)
+def image_key(pixels: np.ndarray, grid_thw: tuple[int, int, int]) -> int:
+    """The content hash of an image (62 bits: it folds into negative cache keys): of its
+    decoded RGB pixels, which with the model's one image processor determine its patches,
+    and are an eighth of their bytes (the float32 patches repeat each frame
+    `temporal_patch_size` times: hashing them was 87 of the 210 ms a 1024x768 image's
+    preprocessing took on a 2-core development machine, the RGB pixels take 10)."""
+    digest = hashlib.blake2b(np.ascontiguousarray(pixels).data, digest_size=8)
     digest.update(np.asarray(grid_thw, dtype=np.int64).tobytes())
     return int.from_bytes(digest.digest(), "little") >> 2
 
