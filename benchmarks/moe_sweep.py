@@ -4,7 +4,9 @@ For each batch size T: routing + sort (`route_and_align`, one program) against t
 (`select_experts` + `align_block_size`), and the two expert GEMMs under each candidate tile
 config (the table's and its neighbours), over distinct weight copies per layer (so weights
 stream from HBM as in a decode step). Prints µs per layer and the GB/s of the experts actually
-touched, and for small batches the GEMV kernels (`experts_gemv`) too. Use it to revise
+touched, and for small batches the GEMV kernels (`experts_gemv`) too, whose time includes the
+routing (each program routes its token) and the RMSNorm of the input: compare them with the
+grouped GEMMs' time plus the route+sort kernel's. Use it to revise
 `moe_routing.MOE_CONFIGS`, `MOE_GEMV_CONFIG`, `fused_moe.GEMV_MAX_TOKENS` and
 `ROUTE_ALIGN_MAX_TOKENS`.
 
@@ -23,9 +25,9 @@ from tokenmill.kernels.fused_moe import (
     GEMV_MAX_TOKENS,
     experts_gemv,
     fused_experts,
-    route,
     route_and_align,
 )
+from tokenmill.kernels.gemv_config import InputNorm
 from tokenmill.kernels.moe_routing import (
     MOE_CONFIGS,
     MOE_GEMV_CONFIG,
@@ -68,10 +70,6 @@ def _time_route(logits: list[torch.Tensor], top_k: int, renorm: bool, bm: int) -
         for lg in logits:
             route_and_align(lg, top_k, renorm, bm)
 
-    def route_only() -> None:
-        for lg in logits:
-            route(lg, top_k, renorm)
-
     def ops() -> None:
         for lg in logits:
             _, ids = select_experts(lg, top_k, renorm)
@@ -81,16 +79,16 @@ def _time_route(logits: list[torch.Tensor], top_k: int, renorm: bool, bm: int) -
     return {
         "route_kernel_us": 1e6 * median_graph_seconds(kernel) / n,
         "route_torch_us": 1e6 * median_graph_seconds(ops) / n,
-        "route_only_kernel_us": 1e6 * median_graph_seconds(route_only) / n,
     }
 
 
 def _time_experts(
     x: torch.Tensor, gate_up: list[torch.Tensor], down: list[torch.Tensor],
-    weights: torch.Tensor, ids: torch.Tensor, table: MoeKernelConfig,
+    logits: torch.Tensor, top_k: int, renorm: bool, table: MoeKernelConfig,
 ) -> list[dict]:  # fmt: skip
     """Each candidate config's µs per layer and GB/s of the touched experts (correct ones
-    only), fastest first."""
+    only), fastest first; the GEMV configs route and norm their input too."""
+    weights, ids = select_experts(logits, top_k, renorm)
     e, i, h = down[0].shape[0], down[0].shape[2], x.shape[1]
     touched_bytes = int(torch.unique(ids).numel()) * 3 * h * i * x.element_size()
     reference = fused_experts(x, gate_up[0], down[0], weights, align_block_size(ids, e, 16),
@@ -116,15 +114,17 @@ def _time_experts(
         timings.append({"config": str(c), "us": us, "in_use": in_use,
                         "GBps": touched_bytes / us / 1e3})  # fmt: skip
     gemv = GEMV_CANDIDATES if x.shape[0] <= GEMV_SWEEP_MAX_TOKENS else ()
+    # x has unit RMS (`main`): a norm of weight 1 and eps 0 leaves it as the reference has it.
+    norm = InputNorm(torch.ones(h, device=x.device, dtype=x.dtype), 0.0, None)
     for g in gemv:
-        got = experts_gemv(x, gate_up[0], down[0], weights, ids, g).float()
+        got = experts_gemv(x, gate_up[0], down[0], logits, top_k, renorm, g, norm).float()
         if not torch.allclose(got, reference, rtol=0.05, atol=0.05 * reference.abs().max()):
             print(f"T={x.shape[0]} {g}: wrong result")
             continue
 
         def run_gemv(g: MoeGemvConfig = g) -> None:
             for gu, dn in zip(gate_up, down, strict=True):
-                experts_gemv(x, gu, dn, weights, ids, g)
+                experts_gemv(x, gu, dn, logits, top_k, renorm, g, norm)
 
         us = 1e6 * median_graph_seconds(run_gemv) / len(gate_up)
         in_use = x.shape[0] <= GEMV_MAX_TOKENS and g == MOE_GEMV_CONFIG
@@ -149,20 +149,22 @@ def main() -> None:
     down = [torch.randn(e, h, i, device=dev, dtype=dt) * i**-0.5 for _ in range(args.layers)]
     results = []
     for t in args.batches:
-        x = torch.randn(t, h, device=dev, dtype=dt)
+        x = torch.randn(t, h, device=dev)
+        x = (x / x.pow(2).mean(dim=-1, keepdim=True).sqrt()).to(dt)  # unit RMS
         logits = [torch.randn(t, e, device=dev, dtype=dt) for _ in range(args.layers)]
         table = moe_config_for(t)
         row = {"tokens": t, "table": str(table)}
         row |= _time_route(logits, k, moe.norm_topk_prob, table.block_m)
-        weights, ids = select_experts(logits[0], k, moe.norm_topk_prob)
+        _, ids = select_experts(logits[0], k, moe.norm_topk_prob)
         row["experts_touched"] = int(torch.unique(ids).numel())
-        row["experts"] = timings = _time_experts(x, gate_up, down, weights, ids, table)
+        row["experts"] = timings = _time_experts(
+            x, gate_up, down, logits[0], k, moe.norm_topk_prob, table
+        )
         results.append(row)
         best, mine = timings[0], next((r for r in timings if r["in_use"]), None)
         print(
             f"T={t}: route+sort kernel {row['route_kernel_us']:.1f} us, torch "
-            f"{row['route_torch_us']:.1f} us, route only {row['route_only_kernel_us']:.1f} us "
-            f"| experts ({row['experts_touched']} touched) best "
+            f"{row['route_torch_us']:.1f} us | experts ({row['experts_touched']} touched) best "
             f"{best['us']:.1f} us {best['GBps']:.0f} GB/s {best['config']}; in use "
             + (f"{mine['us']:.1f} us {mine['GBps']:.0f} GB/s" if mine else "failed")
         )

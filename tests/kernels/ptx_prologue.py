@@ -17,12 +17,14 @@ from triton.compiler import ASTSource
 from tokenmill.kernels.activation import _silu_and_mul_kernel
 from tokenmill.kernels.argmax import _argmax_kernel
 from tokenmill.kernels.attention import _decode_reduce_kernel, _decode_split_kernel, _prefill_kernel
+from tokenmill.kernels.fused_moe import _down_gemv_kernel, _gate_up_gemv_kernel
 from tokenmill.kernels.gemv import _gemv_kernel
 from tokenmill.kernels.graph_inputs import _decode_inputs_kernel
 from tokenmill.kernels.norm import _add_rms_norm_kernel
 from tokenmill.kernels.rope_store import _rope_store_kernel
 
-FP32_PTRS = {"mid_o_ptr", "mid_lse_ptr", "part_ptr", "ss_ptr", "cos_ptr", "sin_ptr", "part_val_ptr"}
+FP32_PTRS = {"mid_o_ptr", "mid_lse_ptr", "part_ptr", "ss_ptr", "cos_ptr", "sin_ptr", "part_val_ptr",
+             "logits_ptr"}  # fmt: skip
 INT_PTRS = {"cu_q_ptr", "kv_lens_ptr", "page_table_ptr", "positions_ptr", "slots_ptr",
             "ticket_ptr", "part_idx_ptr"}  # fmt: skip
 INT64_PTRS = {"tokens_ptr", "host_ptr"}
@@ -47,6 +49,10 @@ KERNELS = {
     "silu_and_mul": (_silu_and_mul_kernel, dict(BLOCK=1024)),
     "decode_inputs": (_decode_inputs_kernel, dict(BLOCK_W=128)),
     "argmax": (_argmax_kernel, dict(CHUNKS=75, BLOCK=2048, BLOCK_C=128, TO_HOST=True)),
+    "moe_gate_up_gemv": (_gate_up_gemv_kernel, dict(
+        TOP_K=8, EXPERTS=128, SLOTS=8, NORM=True, BLOCK_N=4, BLOCK_K=1024)),
+    "moe_down_gemv": (_down_gemv_kernel, dict(
+        TOP_K=8, RENORMALIZE=True, EXPERTS=128, SLOTS=8, BLOCK_N=4, BLOCK_K=128)),
 }  # fmt: skip
 MEMORY_OP = re.compile(r"^\s*(?:@%\w+\s+)?((?:ld|st|atom|red)\.global\S*)")
 

@@ -1,5 +1,6 @@
 """The fused mixture-of-experts kernels against float64 references: routing + sort (one
-program), the grouped gate/up and down GEMMs, and the whole `fused_moe`.
+program), the grouped gate/up and down GEMMs, the small-batch GEMVs that route each token
+themselves (and apply the layer's RMSNorm), and the whole `fused_moe`.
 
 Without CUDA they run in Triton's interpreter in float32 (its bfloat16 `tl.dot` is wrong), with
 small shapes; the GPU adds bfloat16 and a batch of 8,192 tokens.
@@ -18,9 +19,9 @@ from tokenmill.kernels.fused_moe import (  # noqa: E402
     experts_gemv,
     fused_experts,
     fused_moe,
-    route,
     route_and_align,
 )
+from tokenmill.kernels.gemv_config import InputNorm  # noqa: E402
 from tokenmill.kernels.moe_routing import (  # noqa: E402
     MoeGemvConfig,
     MoeKernelConfig,
@@ -139,34 +140,73 @@ def test_fused_experts_match_float64(dtype, tokens: int, num_experts: int, top_k
     _close(out, _experts_f64(x, gate_up, down, weights, ids), dtype)
 
 
+def _rms_norm_f64(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.double().cpu()
+    return weight.double().cpu() * x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+
+
+# Tiles that leave a partial step of both reductions (80 = 2 x 32 + 16, 40 = 2 x 16 + 8).
+SMALL_GEMV = MoeGemvConfig(8, 32, down_block_k=16)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens", list(range(1, GEMV_MAX_TOKENS + 1)))
-@pytest.mark.parametrize(("num_experts", "top_k"), [(8, 1), (8, 2), (12, 3), (16, 8)])
-def test_small_batch_gemv_experts_match_float64(dtype, tokens, num_experts, top_k) -> None:
-    hidden, inter = 80, 40  # not multiples of the tiles
+@pytest.mark.parametrize(
+    ("tokens", "num_experts", "top_k"),
+    [(1, 8, 1), (GEMV_MAX_TOKENS, 8, 2), (2, 12, 3), (3, 16, 8), (1, 128, 8), (4, 3, 3)],
+)
+def test_small_batch_gemv_experts_route_and_match_float64(
+    dtype, tokens, num_experts, top_k
+) -> None:
+    """Routing inside the kernels (softmax, top-k, renormalisation) and the experts, against
+    torch's routing and float64 products; 128 experts as qwen3-30b-a3b, 3 of 3 (every expert
+    chosen; the expert and slot vectors padded to 4)."""
+    hidden, inter = 80, 40
     x, gate_up, down, logits = _problem(tokens, num_experts, hidden, inter, dtype, seed=top_k)
-    weights, ids = route(logits, top_k, renormalize=top_k > 1)
-    ref_weights, ref_ids = select_experts(logits.double(), top_k, renormalize=top_k > 1)
-    # Experts whose (bfloat16) router logits tie may come in either order: compare by expert.
-    order, ref_order = ids.cpu().argsort(dim=1), ref_ids.cpu().argsort(dim=1)
-    assert torch.equal(ids.cpu().gather(1, order), ref_ids.cpu().gather(1, ref_order))
-    torch.testing.assert_close(
-        weights.cpu().gather(1, order), ref_weights.float().cpu().gather(1, ref_order),
-        rtol=1e-5, atol=1e-7,
-    )  # fmt: skip
-    # Tiles that leave a partial step of both reductions (80 = 2 x 32 + 16, 40 = 2 x 16 + 8).
-    out = experts_gemv(x, gate_up, down, weights, ids, MoeGemvConfig(8, 32, down_block_k=16))
+    renormalize = top_k > 1
+    out = experts_gemv(x, gate_up, down, logits, top_k, renormalize, SMALL_GEMV)
     assert out.shape == (tokens, hidden) and out.dtype == dtype
+    weights, ids = select_experts(logits.double(), top_k, renormalize)
     _close(out, _experts_f64(x, gate_up, down, weights, ids), dtype)
 
 
-def test_route_kernel_spreads_over_programs() -> None:
-    """More tokens than one program routes (16 per program)."""
-    *_, logits = _problem(37, 12, 8, 8, torch.float32, seed=9)
-    weights, ids = route(logits, 3, renormalize=False)
-    ref_weights, ref_ids = select_experts(logits, 3, renormalize=False)
-    assert torch.equal(ids, ref_ids)
-    torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-7)
+@pytest.mark.parametrize(("tokens", "top_k"), [(1, 1), (3, 2), (1, 8)])
+def test_small_batch_gemv_experts_apply_the_rms_norm(tokens: int, top_k: int) -> None:
+    """With `norm`, x is the RMSNorm's input: the gate/up kernel norms it as it loads it."""
+    hidden, inter = 80, 40
+    x, gate_up, down, logits = _problem(tokens, 16, hidden, inter, torch.float32, seed=tokens)
+    gen = torch.Generator().manual_seed(top_k)
+    norm_w = (1 + 0.3 * torch.randn(hidden, generator=gen)).to(DEVICE)
+    x = 3.0 * x + 0.5  # a scale far from 1: a missing norm shows
+    norm = InputNorm(norm_w, 1e-6, None)
+    out = experts_gemv(x, gate_up, down, logits, top_k, True, SMALL_GEMV, norm)
+    weights, ids = select_experts(logits.double(), top_k, True)
+    normed = _rms_norm_f64(x, norm_w, 1e-6)
+    _close(out, _experts_f64(normed, gate_up, down, weights, ids), torch.float32)
+    with pytest.raises(ValueError, match="residual"):
+        experts_gemv(x, gate_up, down, logits, top_k, True, SMALL_GEMV, InputNorm(norm_w, 1e-6, x))
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+def test_small_batch_gemv_ties_pick_the_lowest_expert_ids(top_k: int) -> None:
+    """Equal router logits: the lowest expert ids win (as `select_experts`' topk), with equal
+    weights; every other expert's weights are NaN, so reading one would show."""
+    experts, hidden, inter = 16, 32, 24
+    x, gate_up, down, _ = _problem(2, experts, hidden, inter, torch.float32, seed=4)
+    logits = torch.zeros(2, experts, device=DEVICE)
+    logits[1, 8:] = 1.0  # the second token: experts 8.. tie above the rest
+    for start in (top_k, 8 + top_k):
+        gate_up[start : start + 8 - top_k] = float("nan")
+        down[start : start + 8 - top_k] = float("nan")
+    out = experts_gemv(x, gate_up, down, logits, top_k, False, SMALL_GEMV)
+    first = torch.arange(top_k)
+    ids = torch.stack([first, first + 8]).to(torch.int32)
+    weights = torch.softmax(logits.double().cpu(), dim=-1).gather(1, ids.long())
+    _close(out, _experts_f64(x, gate_up, down, weights, ids), torch.float32)
+
+
+def test_small_batch_gemv_experts_of_no_tokens() -> None:
+    x, gate_up, down, logits = _problem(0, 8, 16, 16, torch.float32, seed=0)
+    assert experts_gemv(x, gate_up, down, logits, 2, True, SMALL_GEMV).shape == (0, 16)
 
 
 def test_experts_without_tokens_are_skipped() -> None:
@@ -198,15 +238,19 @@ def test_fused_experts_rejects_pairs_sorted_for_other_blocks() -> None:
         fused_experts(x, gate_up, down, weights, align_block_size(ids, 4, 32), SMALL)
 
 
-@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize(("renormalize", "with_norm"), [(False, False), (True, True)])
 @pytest.mark.parametrize("tokens", [GEMV_MAX_TOKENS, 11])
-def test_fused_moe_routes_and_runs_experts(renormalize: bool, tokens: int) -> None:
-    """A decode-sized batch takes the GEMV kernels, a larger one the grouped GEMMs."""
+def test_fused_moe_routes_and_runs_experts(renormalize: bool, with_norm: bool, tokens: int):
+    """A decode-sized batch takes the GEMV kernels, a larger one the grouped GEMMs; either
+    applies an RMSNorm to x first when given one."""
     x, gate_up, down, logits = _problem(tokens, 8, 32, 16, torch.float32, seed=5)
     config = None if tokens <= GEMV_MAX_TOKENS else SMALL
-    out = fused_moe(x, gate_up, down, logits, 2, renormalize, config)
+    norm_w = torch.linspace(0.5, 1.5, 32, device=DEVICE)
+    norm = InputNorm(norm_w, 1e-5, None) if with_norm else None
+    out = fused_moe(x, gate_up, down, logits, 2, renormalize, config, norm=norm)
     weights, ids = select_experts(logits.double(), 2, renormalize)
-    _close(out, _experts_f64(x, gate_up, down, weights, ids), torch.float32)
+    h = _rms_norm_f64(x, norm_w, 1e-5) if with_norm else x
+    _close(out, _experts_f64(h, gate_up, down, weights, ids), torch.float32)
 
 
 def test_large_batch_routes_with_torch_sort() -> None:

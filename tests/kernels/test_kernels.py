@@ -372,17 +372,19 @@ def test_gemv_candidate_check_rejects_wrong_or_failing_kernels(caplog) -> None:
 def test_pdl_kernels_wait_before_touching_memory() -> None:
     """Launched with PDL, a kernel may start before the previous one has finished: compiled for
     sm_90, no kernel may write global memory before its `griddepcontrol.wait`; only the GEMV
-    (constant weights), rotary + store (the step's positions and slots, the rotary tables) and
-    split decode (KV lengths, page table, K/V of earlier steps) read before it."""
+    (constant weights), rotary + store (the step's positions and slots, the rotary tables),
+    split decode (KV lengths, page table, K/V of earlier steps) and the MoE down GEMV (router
+    logits of the kernel before the previous one, expert weights) read before it."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(
         [sys.executable, "-m", "tests.kernels.ptx_prologue"],
         env=env, capture_output=True, text=True, check=True, cwd=Path(__file__).parents[2],
     )  # fmt: skip
     before_wait = json.loads(run.stdout)
-    assert set(before_wait) >= {"decode_split", "decode_reduce", "gemv", "rope_store"}
+    assert set(before_wait) >= {"decode_split", "decode_reduce", "gemv", "rope_store",
+                                "moe_gate_up_gemv", "moe_down_gemv"}  # fmt: skip
     for name, ops in before_wait.items():
-        if name in {"gemv", "rope_store", "decode_split", "decode_split_late"}:
+        if name in {"gemv", "rope_store", "decode_split", "decode_split_late", "moe_down_gemv"}:
             assert ops and all(op.startswith("ld.global") for op in ops), (name, ops)
         else:
             assert ops == [], (name, ops)

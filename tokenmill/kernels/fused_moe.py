@@ -1,17 +1,18 @@
 """Fused mixture-of-experts: routing + token→expert sort in one kernel, then two grouped GEMMs.
 
-`fused_moe` runs an MoE feed-forward in three launches for a batch of up to `GEMV_MAX_TOKENS`
-tokens (`_route_kernel`, then a GEMV per (token, expert) pair for gate/up and one per token for
-down, which also sums the token's top k), and in four for a batch of up to
-`ROUTE_ALIGN_MAX_TOKENS` tokens: `_route_align_kernel` (softmax, top-k, renormalisation and the
-padded sort of `moe_routing.SortedPairs`, in one program), `_gate_up_kernel` (each row block is
-one expert's pairs: x @ W_gate^T and x @ W_up^T, then SiLU(gate) * up), `_down_kernel` (the
-product with W_down, scaled by the pair's routing weight) and the sum over the top-k slots.
-Each program of a GEMM reads only its block's expert, so a decode step reads the weights of the
-experts its tokens chose and nothing else. Larger batches route and sort with torch ops
-(`moe_routing`), which spread over the GPU. Every shape depends on the token count alone (no
-host syncs), so the whole of it runs inside CUDA graphs.
-"""
+`fused_moe` runs an MoE feed-forward in two launches for a batch of up to `GEMV_MAX_TOKENS`
+tokens (`experts_gemv`: a GEMV per (token, expert) pair for gate/up and one per token for down,
+which also sums the token's top k; each program routes its token itself, from the router
+logits, and the gate/up kernel may apply the RMSNorm in front of the layer), and in four for a
+batch of up to `ROUTE_ALIGN_MAX_TOKENS` tokens: `_route_align_kernel` (softmax, top-k,
+renormalisation and the padded sort of `moe_routing.SortedPairs`, in one program),
+`_gate_up_kernel` (each row block is one expert's pairs: x @ W_gate^T and x @ W_up^T, then
+SiLU(gate) * up), `_down_kernel` (the product with W_down, scaled by the pair's routing
+weight) and the sum over the top-k slots. Each program of a GEMM reads only its block's
+expert, so a decode step reads the weights of the experts its tokens chose and nothing else.
+Larger batches route and sort with torch ops (`moe_routing`), which spread over the GPU. Every
+shape depends on the token count alone (no host syncs), so the whole of it runs inside CUDA
+graphs."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.gemv_config import InputNorm
 from tokenmill.kernels.moe_routing import (
+    GEMV_MAX_TOKENS,
     MOE_GEMV_CONFIG,
     MoeGemvConfig,
     MoeKernelConfig,
@@ -29,11 +32,9 @@ from tokenmill.kernels.moe_routing import (
     moe_config_for,
     select_experts,
 )
+from tokenmill.kernels.norm import rms_norm
 from tokenmill.kernels.pdl import pdl_options, pdl_wait
 
-# Batches up to this many tokens skip the sort: GEMV kernels per (token, expert) pair, as the
-# dense layers' GEMV for decode batches of 1-4 rows (`benchmarks/moe_sweep.py` compares).
-GEMV_MAX_TOKENS = 4
 # Batches up to this many tokens route and sort in one single-program kernel (decode steps and
 # short prefills); larger ones use torch's multi-block sort.
 ROUTE_ALIGN_MAX_TOKENS = 512
@@ -78,19 +79,6 @@ def _route_rows(
     tl.store(weights_ptr + out, picked, mask=chosen)
     tl.store(ids_ptr + out, tl.zeros((ROWS, EXPERTS), tl.int32) + experts[None, :], mask=chosen)
     return chosen
-
-
-@triton.jit
-def _route_kernel(
-    logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_logits,
-    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, EXPERTS: tl.constexpr, ROWS: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):  # fmt: skip
-    pdl_wait(USE_PDL)
-    _route_rows(
-        logits_ptr, weights_ptr, ids_ptr, tl.program_id(0) * ROWS, num_tokens, num_experts,
-        stride_logits, TOP_K, RENORMALIZE, EXPERTS, ROWS,
-    )  # fmt: skip
 
 
 @triton.jit
@@ -212,114 +200,171 @@ def _down_kernel(
 
 
 @triton.jit
-def _gate_up_gemv_kernel(
-    x_ptr, w_ptr, out_ptr, ids_ptr, hidden, inter, stride_x, stride_we, stride_wn, stride_out,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+def _top_experts(
+    logits_ptr, token, num_experts, stride_logits,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, EXPERTS: tl.constexpr, SLOTS: tl.constexpr,
 ):  # fmt: skip
-    """Small batches, one pair per program row: out[pair, cols] = silu(W_gate[e] x) * W_up[e] x
-    for `BLOCK_N` columns, as products summed over K slabs (no tensor-core tiles to fill)."""
-    pdl_wait(USE_PDL)
+    """One token's routing: the softmax of its router logits, then its top k as (expert ids,
+    weights) `[SLOTS]` in `select_experts`' order (most probable first; equal probabilities
+    by expert id, as `_route_rows` picks them), the weights renormalised when RENORMALIZE;
+    slots from TOP_K on hold expert 0 with weight 0.
+
+    Each expert's probability and id are packed into one int64 key (a non-negative float's
+    bits order as its value; below them the id's complement, so the lowest id wins a tie):
+    one max per pick instead of a max and an argmin, and a vector of one key per expert (a
+    rank count over all pairs of experts held 128 x 128 values, ~250 registers a thread)."""
+    experts = tl.arange(0, EXPERTS)
+    row = logits_ptr + token.to(tl.int64) * stride_logits
+    x = tl.load(row + experts, mask=experts < num_experts, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = p / tl.sum(p, axis=0)  # padding experts: 0, below every real one (higher ids)
+    bits = p.to(tl.int32, bitcast=True).to(tl.int64)
+    key = bits * 65536 + (EXPERTS - 1 - experts)
+    slots = tl.arange(0, SLOTS)
+    ids = tl.zeros((SLOTS,), dtype=tl.int32)
+    weights = tl.zeros((SLOTS,), dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):
+        best = tl.max(key, axis=0)
+        pick = (EXPERTS - 1 - best % 65536).to(tl.int32)
+        weight = (best // 65536).to(tl.int32).to(tl.float32, bitcast=True)
+        ids = tl.where(slots == slot, pick, ids)
+        weights = tl.where(slots == slot, weight, weights)
+        key = tl.where(key == best, -1, key)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, axis=0)
+    return ids, weights
+
+
+@triton.jit
+def _gate_up_gemv_kernel(
+    x_ptr, w_ptr, out_ptr, logits_ptr, norm_w_ptr, eps, hidden, inter, num_experts,
+    stride_x, stride_we, stride_wn, stride_out, stride_logits,
+    TOP_K: tl.constexpr, EXPERTS: tl.constexpr, SLOTS: tl.constexpr, NORM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Small batches, one pair per program row: routes its token (`_top_experts`), then
+    out[pair, cols] = silu(W_gate[e] x) * W_up[e] x for `BLOCK_N` columns of the pair's expert
+    e, as products summed over K slabs (no tensor-core tiles to fill). NORM: `x` is an
+    RMSNorm's input; the norm weight is applied as x is loaded and the row's RMS scale to the
+    finished sums (the normed input is never written out)."""
+    pdl_wait(USE_PDL)  # the router logits and x come from the kernels just before
     pair = tl.program_id(0)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    token = pair // TOP_K
+    ids, _ = _top_experts(
+        logits_ptr, token, num_experts, stride_logits, TOP_K, False, EXPERTS, SLOTS
+    )
+    expert = tl.sum(tl.where(tl.arange(0, SLOTS) == pair % TOP_K, ids, 0), axis=0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     ks = tl.arange(0, BLOCK_K)
-    x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_x
+    x_row = x_ptr + token.to(tl.int64) * stride_x
     g_ptrs = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
     u_ptrs = g_ptrs + inter * stride_wn
     gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
     up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    sumsq = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         k_ok = ks < hidden - k0
-        x = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        x = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+        if NORM:
+            sumsq += x * x
+            x = x * tl.load(norm_w_ptr + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
         w_mask = col_ok[:, None] & k_ok[None, :]
-        gate += tl.sum(tl.load(g_ptrs + k0, mask=w_mask, other=0.0).to(tl.float32) * x, axis=1)
-        up += tl.sum(tl.load(u_ptrs + k0, mask=w_mask, other=0.0).to(tl.float32) * x, axis=1)
+        g = tl.load(g_ptrs + k0, mask=w_mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptrs + k0, mask=w_mask, other=0.0).to(tl.float32)
+        gate += tl.sum(g * x[None, :], axis=1)
+        up += tl.sum(u * x[None, :], axis=1)
+    if NORM:
+        scale = tl.rsqrt(tl.sum(sumsq, axis=0) / hidden + eps)
+        gate *= scale
+        up *= scale
     h = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(out_ptr + pair * stride_out + cols, h.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
 def _down_gemv_kernel(
-    h_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, hidden, inter, stride_h, stride_we,
-    stride_wn, stride_out,
-    TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    h_ptr, w_ptr, out_ptr, logits_ptr, hidden, inter, num_experts,
+    stride_h, stride_we, stride_wn, stride_out, stride_logits,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, EXPERTS: tl.constexpr,
+    SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Small batches, one token per program row: out[token, cols] = sum over its k pairs of
     weight * W_down[e] h[pair], the top-k sum included (no separate reduction). Each step loads
     the `BLOCK_N` rows of all k experts at once (`SLOTS` = k rounded up to a power of 2): k
-    times the bytes in flight of one expert at a time, which left the loads latency-bound."""
-    pdl_wait(USE_PDL)
+    times the bytes in flight of one expert at a time, which left the loads latency-bound.
+
+    The token's routing is computed again here, before the wait: the router logits come from
+    the kernel before the gate/up kernel, so (`pdl.py`) they may be read before it, and so may
+    the chosen experts' weights: the first slab streams while the gate/up kernel ends."""
     token = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden
+    ids, weights = _top_experts(
+        logits_ptr, token, num_experts, stride_logits, TOP_K, RENORMALIZE, EXPERTS, SLOTS
+    )
+    experts = ids.to(tl.int64)
     slots = tl.arange(0, SLOTS)
     slot_ok = slots < TOP_K
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
     pairs = token * TOP_K + slots
-    experts = tl.load(ids_ptr + pairs, mask=slot_ok, other=0).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
     w_ptrs = (w_ptr + experts[:, None, None] * stride_we
               + cols[None, :, None].to(tl.int64) * stride_wn + ks[None, None, :])  # fmt: skip
     h_ptrs = h_ptr + pairs[:, None].to(tl.int64) * stride_h + ks[None, :]
     rows_ok = slot_ok[:, None, None] & col_ok[None, :, None]
+    w_next = tl.load(w_ptrs, mask=rows_ok & (ks < inter)[None, None, :], other=0.0)
+    pdl_wait(USE_PDL)
     acc = tl.zeros((SLOTS, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
-        k_ok = ks < inter - k0
-        h = tl.load(h_ptrs + k0, mask=slot_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs + k0, mask=rows_ok & k_ok[None, None, :], other=0.0)
+        w = w_next  # the next slab's loads are issued before this one is summed
+        k_next = k0 + BLOCK_K
+        w_next = tl.load(
+            w_ptrs + k_next, mask=rows_ok & (ks < inter - k_next)[None, None, :], other=0.0
+        )
+        h = tl.load(h_ptrs + k0, mask=slot_ok[:, None] & (ks < inter - k0)[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * h.to(tl.float32)[:, None, :], axis=2)
-    weights = tl.load(weights_ptr + pairs, mask=slot_ok, other=0.0)
     total = tl.sum(acc * weights[:, None], axis=0)
     out = out_ptr + token.to(tl.int64) * stride_out + cols
     tl.store(out, total.to(out_ptr.dtype.element_ty), mask=col_ok)
-
-
-def route(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`moe_routing.select_experts` as one kernel: (weights `[T, top_k]` float32, expert ids
-    `[T, top_k]` int32)."""
-    num_tokens, num_experts = router_logits.shape
-    device = router_logits.device
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
-    if num_tokens:
-        _route_kernel[(triton.cdiv(num_tokens, _ROUTE_ROWS),)](
-            router_logits, weights, ids, num_tokens, num_experts, router_logits.stride(0),
-            TOP_K=top_k, RENORMALIZE=renormalize, EXPERTS=triton.next_power_of_2(num_experts),
-            ROWS=_ROUTE_ROWS, **pdl_options(device),
-        )  # fmt: skip
-    return weights, ids
 
 
 def experts_gemv(
     x: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
     config: MoeGemvConfig,
+    norm: InputNorm | None = None,
 ) -> torch.Tensor:
-    """`fused_experts` for a few tokens, without sorting: each (token, expert) pair reads its
-    expert's rows, and the down kernel sums each token's top k."""
+    """The MoE feed-forward of a few tokens in two launches, routing included and no sort:
+    each program of the gate/up kernel routes its token by `router_logits` `[T, E]` (softmax,
+    top-k, renormalised when `renormalize`) and reads its (token, expert) pair's rows; the
+    down kernel routes again and sums each token's top k. With `norm` (an RMSNorm's weight
+    and eps, no residual), `x` is the norm's input and the gate/up kernel applies it."""
     num_tokens, hidden = x.shape
-    top_k = topk_ids.shape[1]
+    num_experts = router_logits.shape[1]
     inter = down.shape[2]
     _check_rows_contiguous(x, gate_up, down)
+    if norm is not None and norm.residual is not None:
+        raise ValueError("experts_gemv norms x itself: add the residual to x before")
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
     h = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
-    meta = {"TOP_K": top_k, "BLOCK_N": config.block_n, "num_warps": config.num_warps,
-            **pdl_options(x.device)}  # fmt: skip
+    meta = {"TOP_K": top_k, "EXPERTS": triton.next_power_of_2(num_experts),
+            "SLOTS": triton.next_power_of_2(top_k), "BLOCK_N": config.block_n,
+            "num_warps": config.num_warps, **pdl_options(x.device)}  # fmt: skip
     _gate_up_gemv_kernel[(num_tokens * top_k, triton.cdiv(inter, config.block_n))](
-        x, gate_up, h, topk_ids, hidden, inter, x.stride(0), gate_up.stride(0),
-        gate_up.stride(1), h.stride(0), BLOCK_K=config.block_k, **meta,
+        x, gate_up, h, router_logits, norm.weight if norm is not None else x,
+        norm.eps if norm is not None else 0.0, hidden, inter, num_experts, x.stride(0),
+        gate_up.stride(0), gate_up.stride(1), h.stride(0), router_logits.stride(0),
+        NORM=norm is not None, BLOCK_K=config.block_k, **meta,
     )  # fmt: skip
     _down_gemv_kernel[(num_tokens, triton.cdiv(hidden, config.block_n))](
-        h, down, out, topk_weights, topk_ids, hidden, inter, h.stride(0), down.stride(0),
-        down.stride(1), out.stride(0), SLOTS=triton.next_power_of_2(top_k),
+        h, down, out, router_logits, hidden, inter, num_experts, h.stride(0), down.stride(0),
+        down.stride(1), out.stride(0), router_logits.stride(0), RENORMALIZE=renormalize,
         BLOCK_K=config.down_block_k, **meta,
     )  # fmt: skip
     return out
@@ -422,25 +467,33 @@ def fused_moe(
     renormalize: bool,
     config: MoeKernelConfig | None = None,
     batch_invariant: bool = False,
+    norm: InputNorm | None = None,
 ) -> torch.Tensor:
     """The MoE feed-forward of `x` `[T, H]`: route by `router_logits` `[T, E]` (softmax top-k,
     renormalised when `renormalize`), then the experts: `experts_gemv` for up to
     `GEMV_MAX_TOKENS` tokens (unless a grouped-GEMM `config` is given), else `fused_experts`
-    with `config` or the table entry for T tokens (`moe_routing.moe_config_for`).
+    with `config` or the table entry for T tokens (`moe_routing.moe_config_for`). With `norm`
+    (weight and eps of an RMSNorm, no residual) `x` is the norm's input: `experts_gemv`
+    applies it as it loads x, the other paths run the norm kernel first.
 
     `batch_invariant`: a token's output does not depend on T: one routing (torch's), one tile
     configuration and the grouped GEMMs for every T (a row of a GEMM tile is reduced over K
     in the same order whatever the other rows), and the top-k sum in a fixed order."""
     num_tokens, num_experts = router_logits.shape
+    gemv_path = not batch_invariant and config is None and num_tokens <= GEMV_MAX_TOKENS
+    if gemv_path:
+        return experts_gemv(x, gate_up, down, router_logits, top_k, renormalize,
+                            MOE_GEMV_CONFIG, norm)  # fmt: skip
+    if norm is not None:
+        if norm.residual is not None:
+            raise ValueError("fused_moe norms x itself: add the residual to x before")
+        x = rms_norm(x, norm.weight, norm.eps)
     if batch_invariant:
         config = moe_config_for(INVARIANT_TILES_TOKENS, x.dtype)
         weights, ids = select_experts(router_logits, top_k, renormalize)
         pairs = align_block_size(ids, num_experts, config.block_m)
         per_pair = fused_experts(x, gate_up, down, weights, pairs, config, sum_top_k=False)
         return _sum_top_k_in_order(per_pair, top_k)
-    if config is None and num_tokens <= GEMV_MAX_TOKENS:
-        weights, ids = route(router_logits, top_k, renormalize)
-        return experts_gemv(x, gate_up, down, weights, ids, MOE_GEMV_CONFIG)
     config = config or moe_config_for(num_tokens, x.dtype)
     if num_tokens <= ROUTE_ALIGN_MAX_TOKENS:
         weights, _, pairs = route_and_align(router_logits, top_k, renormalize, config.block_m)

@@ -17,6 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
+# Batches up to this many tokens skip the sort: GEMV kernels per (token, expert) pair
+# (`fused_moe.experts_gemv`), as the dense layers' GEMV for decode batches of 1-4 rows
+# (`benchmarks/moe_sweep.py` compares). Here, without triton, for the layer to ask.
+GEMV_MAX_TOKENS = 4
+
 
 def select_experts(
     router_logits: torch.Tensor, top_k: int, renormalize: bool

@@ -1,9 +1,10 @@
 """Mixture-of-experts feed-forward: E SwiGLU experts held as two stacked weights.
 
 `FusedMoE` takes the router's logits and returns the weighted sum of each token's top-k
-experts. On CUDA Triton kernels do it (`kernels/fused_moe.py`: a routing kernel, then GEMVs per
-(token, expert) pair for decode batches of a few tokens, or a sort by expert and two grouped
-GEMMs); elsewhere a torch reference loops over the experts that have tokens. Checkpoints store each
+experts. On CUDA Triton kernels do it (`kernels/fused_moe.py`: for decode batches of a few
+tokens two GEMV kernels that route each token themselves and apply the RMSNorm in front of the
+layer as they load its input, else a sort by expert and two grouped GEMMs); elsewhere a torch
+reference loops over the experts that have tokens. Checkpoints store each
 expert's projections separately (`experts.N.gate_proj`, ...); the loader copies them into the
 stacked weights through `weight_loader`, with shards named `"<gate|up|down>:<N>"`.
 """
@@ -17,9 +18,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from tokenmill.distributed.group import TPGroup
-from tokenmill.kernels import fused_moe
-from tokenmill.kernels.moe_routing import select_experts
+from tokenmill.kernels import InputNorm, fused_moe
+from tokenmill.kernels.moe_routing import GEMV_MAX_TOKENS, select_experts
 from tokenmill.layers.invariant import invariant_linear
+from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.sharding import SourceRange, TensorSource, TransposedSource, copy_shard
 
 EXPERT_PROJECTIONS = ("gate", "up", "down")
@@ -48,16 +50,26 @@ class FusedMoE(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
         self.batch_invariant = False  # deterministic mode: see `fused_moe`, `invariant_linear`
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """The experts' weighted output `[T, H]` for `x` `[T, H]` and `router_logits` `[T, E]`."""
+    def forward(
+        self, x: torch.Tensor, router_logits: torch.Tensor, norm: RMSNorm | None = None
+    ) -> torch.Tensor:
+        """The experts' weighted output `[T, H]` for `x` `[T, H]` and `router_logits` `[T, E]`;
+        with `norm`, of `norm(x)` (applied inside the expert kernels where `norms_input`)."""
         if x.is_cuda:
+            inputs = InputNorm(norm.weight, norm.eps, None) if norm is not None else None
             return fused_moe(
                 x, self.gate_up_proj, self.down_proj, router_logits, self.top_k, self.renormalize,
-                batch_invariant=self.batch_invariant,
+                batch_invariant=self.batch_invariant, norm=inputs,
             )  # fmt: skip
+        h = norm(x) if norm is not None else x
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
         linear = invariant_linear if self.batch_invariant else F.linear
-        return experts_reference(x, self.gate_up_proj, self.down_proj, weights, ids, linear)
+        return experts_reference(h, self.gate_up_proj, self.down_proj, weights, ids, linear)
+
+    def norms_input(self, x: torch.Tensor) -> bool:
+        """Whether `forward(x, logits, norm)` applies the norm inside its expert kernels (CUDA
+        batches of the GEMV path), so that the normed input need not be written out."""
+        return x.is_cuda and not self.batch_invariant and x.shape[0] <= GEMV_MAX_TOKENS
 
     def checkpoint_shards(self, param_name: str) -> list[str]:
         """The shards a checkpoint provides for one of the stacked weights, one per expert

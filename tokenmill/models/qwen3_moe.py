@@ -27,7 +27,10 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, moe: MoeConfig, tp: TPGroup) -> None:
         super().__init__()
         self.tp = tp
-        self.gate = Linear(cfg.hidden_size, moe.num_experts)
+        # Without a shared expert (which needs the normed input) small batches run the router
+        # behind the layer's norm (`forward`): its GEMV may add the residual and norm.
+        router_input = "plain" if moe.shared_expert_intermediate_size else "normed"
+        self.gate = Linear(cfg.hidden_size, moe.num_experts, input_kind=router_input)
         self.experts = FusedMoE(
             moe.num_experts, cfg.hidden_size, moe.intermediate_size, moe.top_k,
             moe.norm_topk_prob, tp,
@@ -42,8 +45,14 @@ class SparseMoeBlock(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(moe(norm(x + residual)), x + residual)`, as `LlamaMLP` (the router and the experts
-        both read the normed input, so the add + norm runs once, on its own)."""
+        """`(moe(norm(x + residual)), x + residual)`, as `LlamaMLP`. Decode batches on the GPU
+        never write the normed input out: the router's GEMV adds the residual and norms as it
+        reads (`Linear.forward_normed`), the experts' gate/up kernel norms the sum again as it
+        loads it. Otherwise (and with a shared expert) the add + norm runs once, on its own,
+        and the router and the experts read its output."""
+        if self.gate.input_kind == "normed" and self.experts.norms_input(x):
+            logits, residual = self.gate.forward_normed(x, residual, norm)
+            return self.tp.all_reduce(self.experts(residual, logits, norm)), residual
         if residual is None:
             h, residual = norm(x), x
         else:
