@@ -152,7 +152,7 @@ SMALL_GEMV = MoeGemvConfig(8, 32, down_block_k=16)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("tokens", "num_experts", "top_k"),
-    [(1, 8, 1), (GEMV_MAX_TOKENS, 8, 2), (2, 12, 3), (3, 16, 8), (1, 128, 8), (4, 3, 3)],
+    [(1, 8, 1), (GEMV_MAX_TOKENS, 8, 2), (3, 12, 3), (1, 16, 8), (1, 128, 8), (2, 3, 3)],
 )
 def test_small_batch_gemv_experts_route_and_match_float64(
     dtype, tokens, num_experts, top_k
@@ -169,19 +169,20 @@ def test_small_batch_gemv_experts_route_and_match_float64(
     _close(out, _experts_f64(x, gate_up, down, weights, ids), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("tokens", "top_k"), [(1, 1), (3, 2), (1, 8)])
-def test_small_batch_gemv_experts_apply_the_rms_norm(tokens: int, top_k: int) -> None:
+def test_small_batch_gemv_experts_apply_the_rms_norm(dtype, tokens: int, top_k: int) -> None:
     """With `norm`, x is the RMSNorm's input: the gate/up kernel norms it as it loads it."""
     hidden, inter = 80, 40
-    x, gate_up, down, logits = _problem(tokens, 16, hidden, inter, torch.float32, seed=tokens)
+    x, gate_up, down, logits = _problem(tokens, 16, hidden, inter, dtype, seed=tokens)
     gen = torch.Generator().manual_seed(top_k)
-    norm_w = (1 + 0.3 * torch.randn(hidden, generator=gen)).to(DEVICE)
+    norm_w = (1 + 0.3 * torch.randn(hidden, generator=gen)).to(DEVICE, dtype)
     x = 3.0 * x + 0.5  # a scale far from 1: a missing norm shows
     norm = InputNorm(norm_w, 1e-6, None)
     out = experts_gemv(x, gate_up, down, logits, top_k, True, SMALL_GEMV, norm)
     weights, ids = select_experts(logits.double(), top_k, True)
     normed = _rms_norm_f64(x, norm_w, 1e-6)
-    _close(out, _experts_f64(normed, gate_up, down, weights, ids), torch.float32)
+    _close(out, _experts_f64(normed, gate_up, down, weights, ids), dtype)
     with pytest.raises(ValueError, match="residual"):
         experts_gemv(x, gate_up, down, logits, top_k, True, SMALL_GEMV, InputNorm(norm_w, 1e-6, x))
 
