@@ -39,13 +39,17 @@ def _rotate(
 def _rope_store_kernel(
     qkv_ptr, positions_ptr, slots_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr,
     q_out_ptr, k_cache_ptr, v_cache_ptr, stride_qkv, eps,
-    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, QK_NORM: tl.constexpr, USE_PDL: tl.constexpr,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
+    QK_NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    # One program per (token, KV head): the head's K and V and the HQ / HKV query heads that
+    # attend to it. (One program per token did a decode step's whole rotation on one SM: for
+    # one token it was a chain of loads and arithmetic as long as a GEMV.)
     # The step's positions and slots were written before the previous kernel (the q/k/v
     # projection) started, and the rotary tables are constant: read before the wait (see
     # `tokenmill.kernels.pdl`). After it, every load of the token's q, k and v goes out at once.
     t = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
     pos = tl.load(positions_ptr + t)
     slot = tl.load(slots_ptr + t)
     offs_d = tl.arange(0, D)
@@ -55,11 +59,12 @@ def _rope_store_kernel(
     sin = tl.load(sin_ptr + pos * D + offs_d)
     pdl_wait(USE_PDL)
 
+    group: tl.constexpr = HQ // HKV
     row = qkv_ptr + t * stride_qkv
-    hq = tl.arange(0, BLOCK_HQ)
-    hk = tl.arange(0, BLOCK_HKV)
-    q_mask = (hq < HQ)[:, None]
-    kv_mask = (hk < HKV)[:, None] & (slot >= 0)  # padded rows of a CUDA-graph batch store nothing
+    hq = kvh * group + tl.arange(0, BLOCK_G)
+    hk = kvh + tl.arange(0, 1)
+    q_mask = (tl.arange(0, BLOCK_G) < group)[:, None]
+    kv_mask = (slot >= 0) & (offs_d < D)[None, :]  # padded rows of a graph batch store nothing
     q, q_rot = _load_heads(row, hq, offs_d, rot_d, D, q_mask)
     k, k_rot = _load_heads(row + HQ * D, hk, offs_d, rot_d, D, kv_mask)
     v = tl.load(row + (HQ + HKV) * D + hk[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -95,10 +100,13 @@ def rope_and_store(
     if tokens == 0:
         return q
     q_w, k_w, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)
-    _rope_store_kernel[(tokens,)](
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
+    group = num_heads // num_kv_heads
+    _rope_store_kernel[(tokens, num_kv_heads)](
         qkv, positions, slots, cos, sin, q_w, k_w, q, k_cache, v_cache, qkv.stride(0), eps,
-        HQ=num_heads, HKV=num_kv_heads, D=head_dim,
-        BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
-        QK_NORM=qk_norm is not None, **pdl_options(qkv.device),
+        HQ=num_heads, HKV=num_kv_heads, D=head_dim, BLOCK_G=triton.next_power_of_2(group),
+        QK_NORM=qk_norm is not None, num_warps=4 if group * head_dim >= 1024 else 2,
+        **pdl_options(qkv.device),
     )  # fmt: skip
     return q
