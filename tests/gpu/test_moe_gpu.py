@@ -10,7 +10,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.config import ModelConfig
 from tokenmill.kernels.fused_moe import ROUTE_ALIGN_MAX_TOKENS
+from tokenmill.models.loader import load_model
+from tokenmill.models.qwen3_moe import SparseMoeBlock
 from tokenmill.testing.checkpoints import build_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -125,3 +128,22 @@ def test_bfloat16_moe_tracks_float32_transformers(tmp_path_factory) -> None:
     # (measured on the H200: 364/384 = 94.8% overall while clear positions agreed >= 99%).
     assert agree / total >= 0.93, f"top-1 agreement {agree}/{total}"
     assert sorted(errors)[len(errors) // 2] < 0.05, "median log-probability error"
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_decode_block_norms_inside_the_expert_kernels(moe_dirs, tokens: int) -> None:
+    """A decode batch's MoE block (the router's GEMV adds the residual and norms, the experts'
+    gate/up GEMV norms again) equals the CPU reference block: output and new residual."""
+    path = moe_dirs["top_8_of_16"]
+    cfg = ModelConfig.from_pretrained(path, "float32")
+    models = {d: load_model(cfg, torch.device(d), "auto", 0) for d in ("cpu", "cuda")}
+    blocks = {d: next(layer for layer in m.model.layers if isinstance(layer.mlp, SparseMoeBlock))
+              for d, m in models.items()}  # fmt: skip
+    assert blocks["cuda"].mlp.experts.norms_input(torch.zeros(tokens, 1, device="cuda"))
+    gen = torch.Generator().manual_seed(tokens)
+    x, residual = (torch.randn(tokens, cfg.hidden_size, generator=gen) for _ in range(2))
+    cpu, cuda = blocks["cpu"], blocks["cuda"]
+    ref_out, ref_res = cpu.mlp(x, residual.clone(), cpu.post_attention_layernorm)
+    out, res = cuda.mlp(x.cuda(), residual.cuda(), cuda.post_attention_layernorm)
+    torch.testing.assert_close(res.cpu(), ref_res, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out.cpu(), ref_out, rtol=1e-4, atol=1e-5)
