@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call (see ../shared/device/README.md).
 # Usage on the device:
-#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|structured|b4|b4adaptive|tp|conformance|hostkv|startup|vl|det|all]
+#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|moeprofile|structured|b4|b4adaptive|tp|conformance|hostkv|startup|vl|det|all]
 # (gputests = the GPU engine tests and the GEMV, decode and rotary kernel tests + profile + B1;
 #  moe = the mixture-of-experts GPU and kernel tests (moetests), B1/B2 qwen3-30b-a3b with the
 #  transformers peer (moebench);
 #  moesweep = the expert kernels' routing and tile timings per batch size, qwen3-30b-a3b shapes;
+#  moeprofile = benchmarks/profile_decode.py on qwen3-30b-a3b at batch 1 and 8: graph replay
+#  time per step and the kernels of a batch-1 step (routing now inside the expert GEMVs);
 #  structured = structured-output GPU tests and benchmarks/structured_outputs.py
 #  b4 = speculative decoding vs plain decoding, qwen3-0.6b and llama-3.1-8b (batch 64 also
 #  with adaptive speculation, next to fixed k and plain decoding in the same run);
@@ -136,6 +138,14 @@ fi
 if [[ "$what" == moesweep ]]; then
   python3 benchmarks/moe_sweep.py --config "$models/qwen3-30b-a3b" --out "$out/moe-sweep.json" \
     2>&1 | tee "$out/moe-sweep.log" | grep -E "^T=" >> "$table"
+fi
+if [[ "$what" == moeprofile ]]; then
+  log="$out/profile-qwen3-30b-a3b.log"
+  python3 benchmarks/profile_decode.py --config "$models/qwen3-30b-a3b" --batch 1 8 2>&1 | tee "$log" \
+    | grep -E "^bs=" >> "$table"
+  grep -m15 -E "_kernel|gemm|Memcpy" "$log" | cut -c1-160 >> "$table"
+  grep -E "^timeline" "$log" >> "$table"
+  grep -m3 -E "^  idle" "$log" >> "$table"
 fi
 if [[ "$what" == structured || "$what" == all ]]; then
   # B2-like with a JSON schema on every request vs none; TTFT of a new vs cached schema; step
