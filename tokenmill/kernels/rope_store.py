@@ -44,7 +44,8 @@ def _rope_store_kernel(
 ):  # fmt: skip
     # One program per (token, KV head): the head's K and V and the HQ / HKV query heads that
     # attend to it. (One program per token did a decode step's whole rotation on one SM: for
-    # one token it was a chain of loads and arithmetic as long as a GEMV.)
+    # one token it was a chain of loads and arithmetic as long as a GEMV.) The same programs
+    # for any batch size, so a token's result never depends on its batch (deterministic mode).
     # The step's positions and slots were written before the previous kernel (the q/k/v
     # projection) started, and the rotary tables are constant: read before the wait (see
     # `tokenmill.kernels.pdl`). After it, every load of the token's q, k and v goes out at once.
