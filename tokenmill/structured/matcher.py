@@ -18,6 +18,7 @@ class RequestGrammar:
 
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
         self.matcher = xgr.GrammarMatcher(compiled)
+        self._vocab_size: int = compiled.tokenizer_info.vocab_size
 
     def accept_token(self, token_id: int) -> bool:
         """Advance by one sampled token; False if the grammar does not allow it."""
@@ -40,6 +41,11 @@ class RequestGrammar:
         return accepted
 
     @property
+    def vocab_size(self) -> int:
+        """The token ids the grammar covers (its bitmask's width is this / 32, rounded up)."""
+        return self._vocab_size
+
+    @property
     def is_terminated(self) -> bool:
         """True once the grammar is complete and a stop token was accepted."""
         return self.matcher.is_terminated()
@@ -49,8 +55,10 @@ class BitmaskFiller:
     """Fills the next-token bitmask of a batch's sampling rows on the host.
 
     Row i allows token t iff bit t % 32 of word t // 32 is set; rows without a grammar allow
-    everything. Two (pinned, for a GPU) buffers are used in turn, so filling one never
-    overwrites a copy to the device that is still queued; they grow to the largest batch.
+    everything. The mask covers the grammars' vocabulary (`vocab_size`: the tokenizer's, which
+    may be smaller than the model's); the sampler forbids the ids past it on constrained rows.
+    Two (pinned, for a GPU) buffers are used in turn, so filling one never overwrites a copy
+    to the device that is still queued; they grow to the largest batch.
     """
 
     def __init__(self, vocab_size: int, pin: bool) -> None:
@@ -79,16 +87,18 @@ class BitmaskFiller:
         clears those tokens from a constrained row, unless nothing else would be left: the
         grammar decides then.
         """
-        if not any(g is not None and not g.is_terminated for g in grammars):
+        # One call per grammar (a verify row's grammar serves several rows): host time per row.
+        live = {id(g): not g.is_terminated for g in grammars if g is not None}
+        if not any(live.values()):
             return None
         self._turn ^= 1
         if len(self._buffers[self._turn]) < len(grammars):
             self._buffers[self._turn] = self._allocate(max(len(grammars), 64))
         bitmask = self._buffers[self._turn][: len(grammars)]
-        bitmask[:] = -1  # unconstrained and unreachable rows allow every token
         depth = [len(ahead[i]) if ahead else 0 for i in range(len(grammars))]
         accepted: dict[int, int] = {}  # id(grammar) → drafts it has accepted for this fill
         refused: set[int] = set()  # grammars that refused a draft: deeper rows are unreachable
+        filled: list[int] = []
         for level in sorted(set(depth)):
             rows = []
             for i, grammar in enumerate(grammars):
@@ -101,15 +111,27 @@ class BitmaskFiller:
                         break
                     done += 1
                 accepted[id(grammar)] = done
-                if id(grammar) not in refused and not grammar.is_terminated:
-                    rows.append(i)
+                if id(grammar) in refused:
+                    continue
+                if grammar.is_terminated if done else not live[id(grammar)]:
+                    continue
+                rows.append(i)
             if rows:
                 matchers = [grammars[i].matcher for i in rows]  # type: ignore[union-attr]
                 self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+                filled += rows
+        if len(filled) < len(grammars):
+            # Unconstrained and unreachable rows allow every token; filled rows were written
+            # whole, so only the others are set (no memset of the batch's mask).
+            others = np.ones(len(grammars), dtype=bool)
+            others[filled] = False
+            bitmask[torch.from_numpy(others)] = -1
         for grammar in {id(g): g for g in grammars if g is not None}.values():
             grammar.rollback(accepted.get(id(grammar), 0))
         for row, ids in (banned or {}).items():
-            _clear_unless_empty(bitmask.numpy()[row], ids)
+            ids = [t for t in ids if t < self.vocab_size]  # the others are past the mask: banned
+            if ids:
+                _clear_unless_empty(bitmask.numpy()[row], ids)
         return bitmask
 
 
