@@ -13,28 +13,37 @@ class RequestGrammar:
     """Where one request stands in its grammar: it has accepted every output token so far.
 
     A preempted request keeps its tokens, so its matcher stays valid across the recompute.
-    Speculative decoding rolls back the tokens of rejected drafts with `rollback`.
+    Speculative decoding rolls back the tokens of rejected drafts with `rollback`. Every
+    change of the matcher's state goes through this class, which keeps whether the grammar
+    has terminated (only a stop token ends it) so the engine's step asks xgrammar once per
+    row, not three times.
     """
 
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
         self.matcher = xgr.GrammarMatcher(compiled)
+        self._stop_ids = frozenset(self.matcher.stop_token_ids)
         self._vocab_size: int = compiled.tokenizer_info.vocab_size
+        self._terminated = False
 
     def accept_token(self, token_id: int) -> bool:
         """Advance by one sampled token; False if the grammar does not allow it."""
-        return self.matcher.accept_token(token_id)
+        accepted = self.matcher.accept_token(token_id)
+        if accepted and token_id in self._stop_ids:
+            self._terminated = self.matcher.is_terminated()
+        return accepted
 
     def rollback(self, num_tokens: int) -> None:
         """Forget the last `num_tokens` accepted tokens."""
         if num_tokens:
             self.matcher.rollback(num_tokens)
+            self._terminated = self.matcher.is_terminated()
 
     def valid_prefix(self, token_ids: Sequence[int]) -> int:
         """How many of `token_ids` (drafts) the grammar accepts in a row from here; the state
         is left as it was."""
         accepted = 0
         for token in token_ids:
-            if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+            if self._terminated or not self.accept_token(token):
                 break
             accepted += 1
         self.rollback(accepted)
@@ -48,7 +57,7 @@ class RequestGrammar:
     @property
     def is_terminated(self) -> bool:
         """True once the grammar is complete and a stop token was accepted."""
-        return self.matcher.is_terminated()
+        return self._terminated
 
 
 class BitmaskFiller:
@@ -87,9 +96,7 @@ class BitmaskFiller:
         clears those tokens from a constrained row, unless nothing else would be left: the
         grammar decides then.
         """
-        # One call per grammar (a verify row's grammar serves several rows): host time per row.
-        live = {id(g): not g.is_terminated for g in grammars if g is not None}
-        if not any(live.values()):
+        if not any(g is not None and not g.is_terminated for g in grammars):
             return None
         self._turn ^= 1
         if len(self._buffers[self._turn]) < len(grammars):
@@ -111,11 +118,8 @@ class BitmaskFiller:
                         break
                     done += 1
                 accepted[id(grammar)] = done
-                if id(grammar) in refused:
-                    continue
-                if grammar.is_terminated if done else not live[id(grammar)]:
-                    continue
-                rows.append(i)
+                if id(grammar) not in refused and not grammar.is_terminated:
+                    rows.append(i)
             if rows:
                 matchers = [grammars[i].matcher for i in rows]  # type: ignore[union-attr]
                 self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
