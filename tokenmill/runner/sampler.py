@@ -61,7 +61,7 @@ class SamplingBatch:
 
         def tensor(values: list) -> torch.Tensor | None:
             # Greedy batches need no per-row settings: no host→device copies for them.
-            return None if all_greedy else torch.tensor(values, device=device)
+            return None if all_greedy else _to_device(values, device)
 
         suppressed = [(i, list(ids)) for i, ids in rows.suppressed.items()]
         bitmask = grammar_rows = None
@@ -69,7 +69,7 @@ class SamplingBatch:
             bitmask = mask.bitmask.to(device, non_blocking=True)
             suppressed = [(i, ids) for i, ids in suppressed if i not in mask.rows]
             if mask.bitmask.shape[-1] * 32 < vocab_size:
-                grammar_rows = torch.tensor(sorted(mask.rows), dtype=torch.int64, device=device)
+                grammar_rows = _to_device(sorted(mask.rows), device)
         return SamplingBatch(
             temperature=tensor(
                 [0.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
@@ -90,6 +90,13 @@ class SamplingBatch:
             bitmask=bitmask,
             grammar_rows=grammar_rows,
         )
+
+
+def _to_device(values: list, device: torch.device) -> torch.Tensor:
+    """`values` as a tensor on `device`, without waiting for the GPU: this runs after the
+    step's forward pass is queued, and `torch.tensor(values, device=...)` synchronises the
+    stream after its copy (a blocking copy), so the host would wait for the forward pass."""
+    return torch.tensor(values).to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
