@@ -252,9 +252,14 @@ def test_a_model_vocabulary_padded_past_its_tokenizer(tmp_path: Path, llama_dir:
     config = json.loads((tmp_path / "config.json").read_text())
     config["vocab_size"] += 301
     (tmp_path / "config.json").write_text(json.dumps(config))
-    llm = LLM(str(tmp_path), device="cpu", max_model_len=512, load_format="dummy")
     schema = SCHEMAS["nested_object"]
-    for out in _sample(llm, StructuredOutputsParams(json=schema)):
-        assert out.finish_reason == "stop", out.text
-        jsonschema.validate(json.loads(out.text), schema)
-        assert max(out.token_ids) < config["vocab_size"] - 301
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+             "prompt_lookup_max": 3, "adaptive": False}  # fmt: skip
+    for spec in (None, json.dumps(ngram)):  # verify steps mask every position of a row
+        llm = LLM(str(tmp_path), device="cpu", max_model_len=512, load_format="dummy",
+                  speculative_config=spec)  # fmt: skip
+        for out in _sample(llm, StructuredOutputsParams(json=schema)):
+            assert out.finish_reason == "stop", out.text
+            jsonschema.validate(json.loads(out.text), schema)
+            assert max(out.token_ids) < config["vocab_size"] - 301
+    assert llm.engine.scheduler.spec_stats.num_drafts > 0
