@@ -6,14 +6,17 @@ Dummy weights (`load_format=dummy`) of a config-only model directory; the gramma
 tokenizer, so one of the model's vocabulary size is built (`tokenmill.testing.large_tokenizer`:
 the demo model's byte-level BPE extended with word pieces, the model's EOS ids as special
 tokens), unless `--tokenizer` names one. The mask work per token grows with the vocabulary and
-with the ids a grammar forbids, so a small tokenizer under a large model measures neither.
+with the ids a grammar forbids; a small tokenizer under a large model's ids and EOS (session
+11's demo tokenizer under qwen3-0.6b) measures xgrammar's cost of the padding instead.
 
 First, without the engine, the grammar's host cost per row at the benchmark's batch size:
 `GrammarMatcher.accept_token` and the mask fill, for rows inside a JSON number and inside a
-JSON string, on 1, 2 and 4 threads (they scale only where xgrammar releases the GIL).
+JSON string, on 1, 2 and 4 Python threads (xgrammar's calls release the GIL: tvm-ffi does
+by default). The summary line gives host ms per engine step free vs constrained.
 
     python benchmarks/structured_outputs.py --config ../shared/models/qwen3-0.6b
     python benchmarks/structured_outputs.py --config ../shared/models/tiny-llama-cpu --small
+    python benchmarks/structured_outputs.py --config ../shared/models/qwen3-0.6b --host-only
 """
 
 from __future__ import annotations
