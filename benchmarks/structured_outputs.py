@@ -3,13 +3,20 @@ time to first token a new schema's compile adds (and a cached one's), and the en
 while schemas compile.
 
 Dummy weights (`load_format=dummy`) of a config-only model directory; the grammar needs a
-tokenizer, so `--tokenizer` (default: the embedded demo model's byte-level BPE, 8,192 tokens)
-stands in for the model's own. Token ids past the tokenizer's vocabulary are never allowed by a
-grammar. Note: the mask work per token grows with the tokenizer's vocabulary (a real Qwen
-tokenizer has 151k tokens), so the host cost measured with the demo tokenizer is a lower bound.
+tokenizer, so one of the model's vocabulary size is built (`tokenmill.testing.large_tokenizer`:
+the demo model's byte-level BPE extended with word pieces, the model's EOS ids as special
+tokens), unless `--tokenizer` names one. The mask work per token grows with the vocabulary and
+with the ids a grammar forbids; a small tokenizer under a large model's ids and EOS (session
+11's demo tokenizer under qwen3-0.6b) measures xgrammar's cost of the padding instead.
+
+First, without the engine, the grammar's host cost per row at the benchmark's batch size:
+`GrammarMatcher.accept_token` and the mask fill, for rows inside a JSON number and inside a
+JSON string, on 1, 2 and 4 Python threads (xgrammar's calls release the GIL: tvm-ffi does
+by default). The summary line gives host ms per engine step free vs constrained.
 
     python benchmarks/structured_outputs.py --config ../shared/models/qwen3-0.6b
     python benchmarks/structured_outputs.py --config ../shared/models/tiny-llama-cpu --small
+    python benchmarks/structured_outputs.py --config ../shared/models/qwen3-0.6b --host-only
 """
 
 from __future__ import annotations
@@ -17,15 +24,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from tokenmill import LLM, SamplingParams, StructuredOutputsParams
+from tokenmill.config import ModelConfig
+from tokenmill.testing.large_tokenizer import build_large_tokenizer
 
-DEMO_TOKENIZER = Path(__file__).resolve().parent.parent / "tokenmill" / "assets" / "demo-llama-16m"
 # Long free-text fields: a random model fills the string until max_tokens, so constrained and
 # free requests generate about as many tokens each.
 RECORD = {
@@ -53,6 +64,75 @@ def big_schema(salt: int, num_fields: int = 60) -> dict[str, Any]:
         else:
             props[f"f{salt}_{i}"] = {"type": "array", "items": {"type": "boolean"}, "maxItems": 4}
     return {"type": "object", "properties": props, "required": list(props)[: num_fields // 2]}
+
+
+def grammar_host_costs(
+    tokenizer: str, model: ModelConfig, rows: int, threads: tuple[int, ...] = (1, 2, 4)
+) -> dict[str, Any]:
+    """Microseconds per row of the grammar work of one engine step for `rows` requests of the
+    RECORD schema, as the engine does it: accept the sampled token, fill the next mask (all
+    rows at once, on xgrammar's threads); rows inside a number (`{"id": 12`) and inside a
+    string (`..."title": "hello`). Then the same work split over Python threads, in wall time
+    per row: it scales only where xgrammar releases the GIL."""
+    from tokenmill.structured.compiler import GrammarCompiler
+    from tokenmill.structured.matcher import BitmaskFiller, RequestGrammar
+    from tokenmill.tokenization.tokenizer import load_tokenizer
+
+    compiler = GrammarCompiler(tokenizer, model.vocab_size, model.eos_token_ids)
+    compiled = compiler.submit(StructuredOutputsParams(json=RECORD)).result()
+    compiler.shutdown()
+    tok = load_tokenizer(tokenizer)
+    assert tok is not None
+    report: dict[str, Any] = {"grammar_vocab_size": compiled.tokenizer_info.vocab_size}
+    # The schema's keys are sorted (StructuredOutputsParams): "tags" comes before "title".
+    string = '{"id": 12, "tags": [], "title": "hello'
+    states = (("number", '{"id": 12', "3"), ("string", string, " world"))
+    for state, prefix, text in states:
+        token = tok.encode(text, add_special_tokens=False)[0]
+
+        def fresh(prefix: str = prefix) -> list[RequestGrammar]:
+            grammars = [RequestGrammar(compiled) for _ in range(rows)]
+            assert all(g.matcher.accept_string(prefix) for g in grammars)
+            return grammars
+
+        grammars = fresh()
+        filler = BitmaskFiller(grammars[0].vocab_size, pin=False)
+        mask = filler.fill(grammars)
+        assert mask is not None
+
+        def accept(part: list[RequestGrammar], token: int = token) -> None:
+            for g in part:
+                assert g.accept_token(token)
+
+        def fill(part: list[int], mask=mask, grammars=grammars) -> None:
+            for i in part:
+                grammars[i].matcher.fill_next_token_bitmask(mask, i)
+
+        def per_row(run: Callable[[list[RequestGrammar]], object], setup=fresh) -> float:
+            best = float("inf")
+            for _ in range(5):
+                arg = setup()
+                start = time.perf_counter()
+                run(arg)
+                best = min(best, time.perf_counter() - start)
+            return 1e6 * best / rows
+
+        result: dict[str, float] = {
+            "accept_us": per_row(accept),
+            "fill_us": per_row(filler.fill, setup=lambda grammars=grammars: grammars),
+            "allowed_tokens": float(np.unpackbits(mask[0].numpy().view(np.uint8)).sum()),
+        }
+        for n in threads:
+            with ThreadPoolExecutor(n) as pool:
+                result[f"accept_{n}_threads_us"] = per_row(
+                    lambda gs, n=n, pool=pool: list(pool.map(accept, [gs[i::n] for i in range(n)]))
+                )
+                result[f"fill_{n}_threads_us"] = per_row(
+                    lambda parts, pool=pool: list(pool.map(fill, parts)),
+                    setup=lambda n=n: [list(range(rows))[i::n] for i in range(n)],
+                )
+        report[state] = result
+    return report
 
 
 def throughput(llm: LLM, prompts: list[list[int]], outputs: list[int], schema: Any) -> dict:
@@ -163,23 +243,52 @@ def steps_while_compiling(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="directory holding config.json")
-    parser.add_argument("--tokenizer", default=str(DEMO_TOKENIZER))
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer directory (default: one of the model's vocabulary size, built in a "
+        "temporary directory)",
+    )
     parser.add_argument("--device", default=None)
     parser.add_argument("--small", action="store_true", help="CPU-sized workload")
+    parser.add_argument(
+        "--host-only",
+        action="store_true",
+        help="only the grammar's host cost per row (no model, no engine)",
+    )
     parser.add_argument("--output", default=None, help="write the JSON report here")
     args = parser.parse_args()
     small = args.small
     num, lo, hi = (16, 16, 64) if small else (256, 100, 1024)
+    model = ModelConfig.from_pretrained(args.config)
+    with tempfile.TemporaryDirectory(prefix="tokenmill-tokenizer-") as scratch:
+        tokenizer = args.tokenizer or str(
+            build_large_tokenizer(scratch, model.vocab_size, model.eos_token_ids)
+        )
+        report: dict[str, Any] = {"config": args.config, "tokenizer": args.tokenizer or "built"}
+        report["grammar_host"] = grammar_host_costs(tokenizer, model, rows=num)
+        if not args.host_only:
+            report |= engine_report(args, tokenizer, num, lo, hi)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.output:
+        Path(args.output).write_text(text)
+    print(summary(report))
+
+
+def engine_report(args: argparse.Namespace, tokenizer: str, num: int, lo: int, hi: int) -> dict:
+    """Throughput free vs constrained, TTFT of new and cached schemas, steps while compiling."""
+    small = args.small
     engine_args: dict[str, Any] = {"max_num_seqs": 16 if small else 256, "max_model_len": 2048}
     if not small:
         engine_args |= {"max_num_batched_tokens": 8192, "kv_cache_memory_bytes": 64_000_000_000}
-    llm = LLM(args.config, tokenizer=args.tokenizer, load_format="dummy", device=args.device,
+    llm = LLM(args.config, tokenizer=tokenizer, load_format="dummy", device=args.device,
               enable_prefix_caching=False, **engine_args)  # fmt: skip
     vocab = llm.config.model.vocab_size
     rng = np.random.default_rng(0)
     prompts = [rng.integers(10, vocab, n).tolist() for n in rng.integers(lo, hi + 1, num)]
     outputs = rng.integers(lo, hi + 1, num).tolist()
-    report: dict[str, Any] = {"config": args.config, "tokenizer": args.tokenizer}
+    report: dict[str, Any] = {}
     report["free"] = throughput(llm, prompts, outputs, None)
     report["json_schema"] = throughput(llm, prompts, outputs, RECORD)
     report["json_vs_free"] = report["json_schema"]["output_tok_s"] / report["free"]["output_tok_s"]
@@ -188,19 +297,30 @@ def main() -> None:
     # run's first call showed one 330 ms step), then measured, with new schemas each time.
     steps_while_compiling(llm, prompts[: 8 if small else 64], 4, salt=4000)
     report["step_time"] = steps_while_compiling(llm, prompts[: 8 if small else 64], 4)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.output:
-        Path(args.output).write_text(text)
+    return report
+
+
+def summary(report: dict[str, Any]) -> str:
+    """One line: throughput, host time per step, the grammar's host cost per row, TTFT."""
+    host = report["grammar_host"]
+    text, number = host["string"], host["number"]
+    line = (
+        f"grammar host per row: accept {text['accept_us']:.1f} us, fill {text['fill_us']:.1f} us "
+        f"in a string ({number['accept_us']:.1f} / {number['fill_us']:.1f} in a number)"
+    )
+    if "free" not in report:
+        return "structured: " + line
     free, constrained = report["free"], report["json_schema"]
-    print(
+    compiling = report["step_time"]["while_compiling"] or {}
+    return (
         f"structured: free {free['output_tok_s']:,.0f} tok/s, json schema "
         f"{constrained['output_tok_s']:,.0f} tok/s ({100 * report['json_vs_free']:.1f}%); "
+        f"host ms/step {free['host_ms_per_step']:.2f} free vs "
+        f"{constrained['host_ms_per_step']:.2f} constrained; {line}; "
         f"TTFT +{1e3 * report['ttft']['added_by_compile_s']:.1f} ms new schema, "
         f"+{1e3 * report['ttft']['added_when_cached_s']:.1f} ms cached; step median "
         f"{report['step_time']['without_compiles']['median_ms']:.2f} ms quiet vs "
-        f"{(report['step_time']['while_compiling'] or {}).get('median_ms', float('nan')):.2f} ms "
-        "while compiling"
+        f"{compiling.get('median_ms', float('nan')):.2f} ms while compiling"
     )
 
 

@@ -148,12 +148,17 @@ if [[ "$what" == moeprofile ]]; then
   grep -m3 -E "^  idle" "$log" >> "$table"
 fi
 if [[ "$what" == structured || "$what" == all ]]; then
-  # B2-like with a JSON schema on every request vs none; TTFT of a new vs cached schema; step
-  # time while schemas compile (benchmarks/structured_outputs.py).
+  # B2-like with a JSON schema on every request vs none (host ms per step of each); the
+  # grammar's host cost per row; TTFT of a new vs cached schema; step time while schemas compile
+  # (benchmarks/structured_outputs.py, with a tokenizer of the model's vocabulary size). Then
+  # the host cost per row with session 11's tokenizer (the demo's 8,192 tokens under qwen3's
+  # 151,936 ids and EOS: xgrammar's padding cost).
   python3 -m pytest -q -p no:cacheprovider tests/gpu/test_structured_gpu.py 2>&1 | tail -3 >> "$table"
   for m in qwen3-0.6b; do
     python3 benchmarks/structured_outputs.py --config "$models/$m" --output "$out/structured-$m.json" \
       2>&1 | tee "$out/structured-$m.log" | tail -1 >> "$table"
+    python3 benchmarks/structured_outputs.py --config "$models/$m" --host-only \
+      --tokenizer tokenmill/assets/demo-llama-16m 2>&1 | tail -1 | sed 's/^/demo tokenizer: /' >> "$table"
   done
 fi
 if [[ "$what" == b4 || "$what" == all ]]; then  # speculative decoding vs plain, same run

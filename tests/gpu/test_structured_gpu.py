@@ -41,3 +41,24 @@ def test_greedy_constrained_tokens_equal_the_cpu_engine(llama_dir: Path) -> None
         prompts, params, use_tqdm=False
     )
     assert [o.outputs[0].token_ids for o in gpu] == [o.outputs[0].token_ids for o in cpu]
+
+
+def test_a_vocabulary_padded_past_the_tokenizer_on_the_gpu(tmp_path: Path, llama_dir: Path) -> None:
+    """The mask covers the tokenizer; the padding ids are forbidden by the sampler on the
+    device (inside CUDA-graph decode steps), so outputs validate and never use them."""
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((llama_dir / name).read_bytes())
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["vocab_size"] += 301
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(tmp_path), device="cuda", max_model_len=512, load_format="dummy")
+    schema = SCHEMAS["nested_object"]
+    constraint = StructuredOutputsParams(json=schema)
+    params = [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=300, structured_outputs=constraint)
+        for s in range(32)
+    ]
+    for out in llm.generate(["Hello"] * 32, params, use_tqdm=False):
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+        assert max(out.outputs[0].token_ids) < config["vocab_size"] - 301

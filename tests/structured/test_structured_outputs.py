@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import time
 from pathlib import Path
 
 import jsonschema
 import pytest
+import torch
 
 from tests.structured.schemas import SCHEMAS
 from tokenmill import LLM, SamplingParams, StructuredOutputsParams
+from tokenmill.batch import SamplingRows
+from tokenmill.runner.sampler import GrammarMask, Sampler, SamplingBatch
+from tokenmill.structured.compiler import grammar_vocab_size
 
 SEEDS = range(8)
 PROMPTS = ["Hello", "The cat", [5, 6, 7, 8, 9, 10]]
@@ -215,3 +220,46 @@ def test_constrained_requests_beside_speculating_ones(llama_dir: Path) -> None:
     expected = reference.generate(plain_prompts, greedy, use_tqdm=False)
     got = [o.outputs[0].token_ids for o in outputs[len(SEEDS) :]]
     assert got == [o.outputs[0].token_ids for o in expected]
+
+
+def test_grammars_cover_the_tokenizer_and_stop_tokens_not_the_embedding_padding() -> None:
+    # xgrammar scans every id past the tokenizer on each accept and mask: they stay out.
+    assert grammar_vocab_size(8192, 151936, [2]) == 8192
+    assert grammar_vocab_size(151669, 151936, [151645]) == 151669
+    assert grammar_vocab_size(8192, 151936, [151645]) == 151646  # a stop token past it
+    assert grammar_vocab_size(160000, 151936, [2]) == 151936  # never past the model's
+
+
+def test_the_mask_forbids_the_ids_past_the_grammar_vocabulary_on_grammar_rows_only() -> None:
+    logits = torch.zeros(3, 70)
+    bitmask = torch.full((3, 1), -1, dtype=torch.int32)  # 32 ids covered, all allowed
+    bitmask[0, 0] = 0b100  # row 0's grammar allows token 2 only
+    mask = GrammarMask(bitmask, frozenset({0, 2}))
+    batch = SamplingBatch.from_rows(
+        SamplingRows([SamplingParams(temperature=0)] * 3, [0] * 3), 70, torch.device("cpu"), mask
+    )
+    assert Sampler(torch.device("cpu"), 0)(logits, batch).token_ids.tolist() == [2, 0, 0]
+    assert torch.isinf(logits[0, [0, 1, 3, 40, 69]]).all() and logits[0, 2] == 0
+    assert torch.isinf(logits[2, 32:]).all() and not torch.isinf(logits[2, :32]).any()
+    assert not torch.isinf(logits[1]).any()  # unconstrained: the whole vocabulary
+
+
+def test_a_model_vocabulary_padded_past_its_tokenizer(tmp_path: Path, llama_dir: Path) -> None:
+    """The grammars cover the tokenizer; the padding ids (a third of this vocabulary, not a
+    multiple of 32) are forbidden by the sampler, so outputs still validate."""
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(llama_dir / name, tmp_path / name)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["vocab_size"] += 301
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    schema = SCHEMAS["nested_object"]
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+             "prompt_lookup_max": 3, "adaptive": False}  # fmt: skip
+    for spec in (None, json.dumps(ngram)):  # verify steps mask every position of a row
+        llm = LLM(str(tmp_path), device="cpu", max_model_len=512, load_format="dummy",
+                  speculative_config=spec)  # fmt: skip
+        for out in _sample(llm, StructuredOutputsParams(json=schema)):
+            assert out.finish_reason == "stop", out.text
+            jsonschema.validate(json.loads(out.text), schema)
+            assert max(out.token_ids) < config["vocab_size"] - 301
+    assert llm.engine.scheduler.spec_stats.num_drafts > 0

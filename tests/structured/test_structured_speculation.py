@@ -91,3 +91,37 @@ def test_masks_past_drafts_are_the_grammars_after_them(llama_dir: Path) -> None:
     assert (masks[-2] == -1).all() and (masks[-1] == -1).all()
     # The grammar is where it was: nothing accepted yet.
     assert grammar.valid_prefix(drafts) == len(drafts) and grammar.valid_prefix([bad]) == 0
+
+
+def test_the_grammar_knows_a_stop_token_ended_it_and_a_rollback_reopened_it(
+    llama_dir: Path,
+) -> None:
+    tokenizer = load_tokenizer(str(llama_dir))
+    info = xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=len(tokenizer), stop_token_ids=[tokenizer.eos_token_id]
+    )
+    compiled = xgr.GrammarCompiler(info).compile_grammar('root ::= "ok"')
+    grammar = RequestGrammar(compiled)
+    ok = tokenizer.encode("ok", add_special_tokens=False)
+    assert all(grammar.accept_token(t) for t in ok) and not grammar.is_terminated
+    assert grammar.valid_prefix([tokenizer.eos_token_id, 5]) == 1 and not grammar.is_terminated
+    assert grammar.accept_token(tokenizer.eos_token_id) and grammar.is_terminated
+    assert grammar.matcher.is_terminated()
+    grammar.rollback(1)
+    assert not grammar.is_terminated and not grammar.matcher.is_terminated()
+
+
+def test_a_reused_mask_buffer_frees_rows_that_lost_their_grammar(llama_dir: Path) -> None:
+    """Filled rows are written whole, the others set to all-ones: a row constrained in an
+    earlier step of the same buffer (they alternate) is free again."""
+    tokenizer = load_tokenizer(str(llama_dir))
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA))
+    grammar = RequestGrammar(compiled)
+    filler = BitmaskFiller(len(tokenizer), pin=False)
+    first = filler.fill([grammar, None])
+    assert first is not None and not (first[0] == -1).all() and (first[1] == -1).all()
+    filler.fill([grammar, None])
+    third = filler.fill([None, grammar])
+    assert third is not None and third.data_ptr() == first.data_ptr()
+    assert (third[0] == -1).all() and not (third[1] == -1).all()

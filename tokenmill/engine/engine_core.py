@@ -407,7 +407,9 @@ class EngineCore:
             from tokenmill.structured.matcher import BitmaskFiller
 
             pin = self.runner.device.type == "cuda"
-            self._bitmasks = BitmaskFiller(self.config.model.vocab_size, pin=pin)
+            # Every grammar comes from one compiler, so they share its vocabulary.
+            vocab_size = next(g for g in grammars if g is not None).vocab_size
+            self._bitmasks = BitmaskFiller(vocab_size, pin=pin)
         assert batch.plan is not None
         suppressed = batch.plan.sampling.suppressed
         banned = {i: list(ids) for i, ids in suppressed.items() if grammars[i] is not None}

@@ -16,9 +16,11 @@ class GrammarMask:
     """The tokens each sampled position may take under its request's grammar (structured
     outputs), filled on the host once the previous step's tokens are read.
 
-    `bitmask` [S, ceil(V / 32)] int32: position s allows token t iff bit t % 32 of word t // 32
-    is set (all bits: no grammar). `rows`: the positions with a grammar; their mask already bans
-    their min_tokens stop tokens where anything else is left, so the sampler does not.
+    `bitmask` [S, ceil(G / 32)] int32: position s allows token t iff bit t % 32 of word t // 32
+    is set (all bits: no grammar). G, the grammars' vocabulary (the tokenizer's), may be
+    smaller than the model's: the ids past the mask are forbidden on grammar positions.
+    `rows`: the positions with a grammar; their mask already bans their min_tokens stop tokens
+    where anything else is left, so the sampler does not.
     """
 
     bitmask: torch.Tensor
@@ -40,7 +42,9 @@ class SamplingBatch:
     penalties: _Penalties | None
     suppressed: list[tuple[int, list[int]]]  # (row, token ids) banned by min_tokens
     num_logprobs: list[int | None]
-    bitmask: torch.Tensor | None = None  # [S, ceil(V / 32)] int32 on the device: GrammarMask
+    bitmask: torch.Tensor | None = None  # [S, ceil(G / 32)] int32 on the device: GrammarMask
+    # The grammar positions, on the device, when the mask covers fewer ids than the logits.
+    grammar_rows: torch.Tensor | None = None
 
     @staticmethod
     def from_rows(
@@ -57,13 +61,15 @@ class SamplingBatch:
 
         def tensor(values: list) -> torch.Tensor | None:
             # Greedy batches need no per-row settings: no host→device copies for them.
-            return None if all_greedy else torch.tensor(values, device=device)
+            return None if all_greedy else _to_device(values, device)
 
         suppressed = [(i, list(ids)) for i, ids in rows.suppressed.items()]
-        bitmask = None
+        bitmask = grammar_rows = None
         if mask is not None:
             bitmask = mask.bitmask.to(device, non_blocking=True)
             suppressed = [(i, ids) for i, ids in suppressed if i not in mask.rows]
+            if mask.bitmask.shape[-1] * 32 < vocab_size:
+                grammar_rows = _to_device(sorted(mask.rows), device)
         return SamplingBatch(
             temperature=tensor(
                 [0.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
@@ -82,7 +88,15 @@ class SamplingBatch:
             suppressed=suppressed,
             num_logprobs=[p.logprobs for p in params],
             bitmask=bitmask,
+            grammar_rows=grammar_rows,
         )
+
+
+def _to_device(values: list, device: torch.device) -> torch.Tensor:
+    """`values` as a tensor on `device`, without waiting for the GPU: this runs after the
+    step's forward pass is queued, and `torch.tensor(values, device=...)` synchronises the
+    stream after its copy (a blocking copy), so the host would wait for the forward pass."""
+    return torch.tensor(values).to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -242,7 +256,7 @@ class Sampler:
         plain = batch.temperature is None and batch.penalties is None and not batch.suppressed
         if plain and not wants_logprobs:  # greedy only: argmax is exact in the logits' dtype
             if batch.bitmask is not None:
-                _apply_bitmask(logits, batch.bitmask)
+                _apply_bitmask(logits, batch)
             if not logits.is_cuda:
                 return SampledTokens(_into(logits.argmax(dim=-1), out), batch.num_logprobs)
             host = torch.empty(logits.shape[0], dtype=torch.int64, pin_memory=True)
@@ -329,15 +343,20 @@ def _penalized(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     for row, ids in batch.suppressed:
         logits[row, ids] = float("-inf")
     if batch.bitmask is not None:
-        _apply_bitmask(logits, batch.bitmask)
+        _apply_bitmask(logits, batch)
     return logits
 
 
-def _apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Set the logits of tokens a row's grammar forbids to -inf, in place (one kernel)."""
+def _apply_bitmask(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """Set the logits of tokens a row's grammar forbids to -inf, in place: one kernel, and one
+    more for the ids past the mask on grammar rows when the model's vocabulary is larger."""
     import xgrammar as xgr  # here: only constrained batches need it
 
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1])
+    assert batch.bitmask is not None
+    covered = min(logits.shape[-1], batch.bitmask.shape[-1] * 32)
+    xgr.apply_token_bitmask_inplace(logits, batch.bitmask, vocab_size=covered)
+    if batch.grammar_rows is not None:
+        logits[:, covered:].index_fill_(0, batch.grammar_rows, float("-inf"))
 
 
 def _weights(logits: torch.Tensor, batch: SamplingBatch, temperature: torch.Tensor) -> torch.Tensor:

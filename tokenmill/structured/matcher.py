@@ -13,44 +13,61 @@ class RequestGrammar:
     """Where one request stands in its grammar: it has accepted every output token so far.
 
     A preempted request keeps its tokens, so its matcher stays valid across the recompute.
-    Speculative decoding rolls back the tokens of rejected drafts with `rollback`.
+    Speculative decoding rolls back the tokens of rejected drafts with `rollback`. Every
+    change of the matcher's state goes through this class, which keeps whether the grammar
+    has terminated (only a stop token ends it) so the engine's step asks xgrammar once per
+    row, not three times.
     """
 
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
         self.matcher = xgr.GrammarMatcher(compiled)
+        self._stop_ids = frozenset(self.matcher.stop_token_ids)
+        self._vocab_size: int = compiled.tokenizer_info.vocab_size
+        self._terminated = False
 
     def accept_token(self, token_id: int) -> bool:
         """Advance by one sampled token; False if the grammar does not allow it."""
-        return self.matcher.accept_token(token_id)
+        accepted = self.matcher.accept_token(token_id)
+        if accepted and token_id in self._stop_ids:
+            self._terminated = self.matcher.is_terminated()
+        return accepted
 
     def rollback(self, num_tokens: int) -> None:
         """Forget the last `num_tokens` accepted tokens."""
         if num_tokens:
             self.matcher.rollback(num_tokens)
+            self._terminated = self.matcher.is_terminated()
 
     def valid_prefix(self, token_ids: Sequence[int]) -> int:
         """How many of `token_ids` (drafts) the grammar accepts in a row from here; the state
         is left as it was."""
         accepted = 0
         for token in token_ids:
-            if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+            if self._terminated or not self.accept_token(token):
                 break
             accepted += 1
         self.rollback(accepted)
         return accepted
 
     @property
+    def vocab_size(self) -> int:
+        """The token ids the grammar covers (its bitmask's width is this / 32, rounded up)."""
+        return self._vocab_size
+
+    @property
     def is_terminated(self) -> bool:
         """True once the grammar is complete and a stop token was accepted."""
-        return self.matcher.is_terminated()
+        return self._terminated
 
 
 class BitmaskFiller:
     """Fills the next-token bitmask of a batch's sampling rows on the host.
 
     Row i allows token t iff bit t % 32 of word t // 32 is set; rows without a grammar allow
-    everything. Two (pinned, for a GPU) buffers are used in turn, so filling one never
-    overwrites a copy to the device that is still queued; they grow to the largest batch.
+    everything. The mask covers the grammars' vocabulary (`vocab_size`: the tokenizer's, which
+    may be smaller than the model's); the sampler forbids the ids past it on constrained rows.
+    Two (pinned, for a GPU) buffers are used in turn, so filling one never overwrites a copy
+    to the device that is still queued; they grow to the largest batch.
     """
 
     def __init__(self, vocab_size: int, pin: bool) -> None:
@@ -85,10 +102,10 @@ class BitmaskFiller:
         if len(self._buffers[self._turn]) < len(grammars):
             self._buffers[self._turn] = self._allocate(max(len(grammars), 64))
         bitmask = self._buffers[self._turn][: len(grammars)]
-        bitmask[:] = -1  # unconstrained and unreachable rows allow every token
         depth = [len(ahead[i]) if ahead else 0 for i in range(len(grammars))]
         accepted: dict[int, int] = {}  # id(grammar) → drafts it has accepted for this fill
         refused: set[int] = set()  # grammars that refused a draft: deeper rows are unreachable
+        filled: list[int] = []
         for level in sorted(set(depth)):
             rows = []
             for i, grammar in enumerate(grammars):
@@ -106,10 +123,19 @@ class BitmaskFiller:
             if rows:
                 matchers = [grammars[i].matcher for i in rows]  # type: ignore[union-attr]
                 self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+                filled += rows
+        if len(filled) < len(grammars):
+            # Unconstrained and unreachable rows allow every token; filled rows were written
+            # whole, so only the others are set (no memset of the batch's mask).
+            others = np.ones(len(grammars), dtype=bool)
+            others[filled] = False
+            bitmask[torch.from_numpy(others)] = -1
         for grammar in {id(g): g for g in grammars if g is not None}.values():
             grammar.rollback(accepted.get(id(grammar), 0))
         for row, ids in (banned or {}).items():
-            _clear_unless_empty(bitmask.numpy()[row], ids)
+            ids = [t for t in ids if t < self.vocab_size]  # the others are past the mask: banned
+            if ids:
+                _clear_unless_empty(bitmask.numpy()[row], ids)
         return bitmask
 
 
