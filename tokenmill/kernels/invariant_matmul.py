@@ -38,45 +38,47 @@ from tokenmill.kernels.tickets import ticket_buffer
 
 @dataclass(frozen=True)
 class InvariantMatmulConfig:
-    """The fixed schedule of one weight shape. `max_split_tiles`: up to this many output tiles,
-    the K slices run in parallel programs (either way the result is the same)."""
+    """The fixed schedule of one weight shape: tile shape, K slices, slices per group."""
 
     split_k: int
+    groups: int = 4
     block_m: int = 64
-    block_n: int = 128
+    block_n: int = 64
     block_k: int = 64
     num_warps: int = 4
-    num_stages: int = 3
-    max_split_tiles: int = 132
+    num_stages: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("split_k", "block_m", "block_n", "block_k", "num_warps", "num_stages"):
+        for name in ("split_k", "groups", "block_m", "block_n", "block_k", "num_warps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
-    def k_per_split(self, k: int) -> int:
-        """Columns of K per slice: whole BLOCK_K blocks."""
-        blocks = triton.cdiv(k, self.block_k)
-        return triton.cdiv(blocks, self.split_k) * self.block_k
+    def blocks_per_slice(self, k: int) -> int:
+        return triton.cdiv(triton.cdiv(k, self.block_k), self.split_k)
 
-    def splits(self, k: int) -> int:
-        """Slices K is actually cut into (the last ones may be empty otherwise)."""
-        return triton.cdiv(k, self.k_per_split(k))
+    def slices(self, k: int) -> int:
+        """Slices K is cut into (fewer than `split_k` where whole blocks do not spread)."""
+        return triton.cdiv(triton.cdiv(k, self.block_k), self.blocks_per_slice(k))
+
+    def slices_per_group(self, k: int) -> int:
+        return triton.cdiv(self.slices(k), self.groups)
 
 
 # Programs a decode product (one row tile) aims for: two per SM, so each SM has several slabs
 # of W in flight. More slices than MAX_SPLIT_K cost more in partial sums than they add.
 PROGRAMS_PER_SM = 2
 MAX_SPLIT_K = 32
+# The order of reduction levels a program's result stands for (see `invariant_matmul`).
+SLICE, GROUP, TOTAL = 0, 1, 2
 
 
 def invariant_config(n: int, k: int, sms: int) -> InvariantMatmulConfig:
     """The schedule of a `[N, K]` weight on a GPU of `sms` SMs: a function of these alone."""
-    base = InvariantMatmulConfig(split_k=1, max_split_tiles=sms)
+    base = InvariantMatmulConfig(split_k=1)
     column_tiles = triton.cdiv(n, base.block_n)
     wanted = triton.cdiv(PROGRAMS_PER_SM * sms, column_tiles)
     split = max(1, min(wanted, MAX_SPLIT_K, triton.cdiv(k, base.block_k)))
-    return InvariantMatmulConfig(split_k=split, max_split_tiles=sms)
+    return InvariantMatmulConfig(split_k=split)
 
 
 @functools.cache
@@ -86,80 +88,87 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-@triton.jit
-def _slice_sum(
-    x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, k_lo, k_per_split, K, stride_xm, stride_wn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """Sum over the K slice from `k_lo` (whole BLOCK_K blocks, cut at K) of x's rows times W's
-    rows, block by block from zero: `[BLOCK_M, BLOCK_N]` fp32."""
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    offs_k = tl.arange(0, BLOCK_K)
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
-    w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
-    for k in range(k_lo, k_lo + k_per_split, BLOCK_K):
-        ks = k + offs_k
-        k_mask = ks < K
-        x = tl.load(x_rows + ks[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_cols + ks[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(x, w, acc, input_precision="ieee")
-    return acc
-
-
 @triton.jit(do_not_specialize=["M"])
 def _invariant_matmul_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, k_per_split,
-    stride_xm, stride_wn, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    SERIAL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, blocks_per_slice,
+    slices_per_group, num_slices, num_groups, stride_xm, stride_wn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LEVEL: tl.constexpr,
+    PROGRAMS_K: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    # M is not specialised (an M of 1 would otherwise compile a kernel of its own).
+    # M is not specialised: an M of 1 would otherwise compile (and could round) on its own.
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
+    num_blocks = tl.cdiv(K, BLOCK_K)
+    group_blocks = blocks_per_slice * slices_per_group
+    # This program's blocks of K: one slice (LEVEL 0), one group of slices (1) or all (2).
+    span = num_blocks
+    if LEVEL == 0:
+        span = blocks_per_slice
+    elif LEVEL == 1:
+        span = group_blocks
+    b_lo = pid_k * span
+    b_hi = tl.minimum(b_lo + span, num_blocks)
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
     pdl_wait(USE_PDL)
-    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if SERIAL:  # every slice here, added as it finishes
-        for s in range(SPLIT_K):
-            total += _slice_sum(
-                x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, s * k_per_split, k_per_split, K,
-                stride_xm, stride_wn,
-                BLOCK_M, BLOCK_N, BLOCK_K,
-            )  # fmt: skip
-    else:  # this program's slice; the tile's last program to finish adds them all, in order
-        acc = _slice_sum(
-            x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, pid_k * k_per_split, k_per_split, K,
-            stride_xm, stride_wn,
-            BLOCK_M, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
-        if SPLIT_K == 1:
-            total += acc
-        else:
-            tile_mask = m_mask[:, None] & n_mask[None, :]
-            part_offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-            tl.store(part_ptr + pid_k * M * N + part_offs, acc, mask=tile_mask)
-            tl.debug_barrier()  # every thread's partial is written before the ticket is taken
-            tile = pid_m * tl.num_programs(0) + pid_n
-            ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel")
-            if ticket != SPLIT_K - 1:
-                return
-            for s in range(SPLIT_K):
-                total += tl.load(
-                    part_ptr + s * M * N + part_offs, mask=tile_mask, other=0.0,
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # the running slice's sum
+    grp = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # the running group's sum
+    tot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for b in range(b_lo, b_hi):
+        ks = b * BLOCK_K + offs_k
+        k_mask = ks < K
+        x = tl.load(x_rows + ks[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_cols + ks[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(x, w, acc, input_precision="ieee")
+        if LEVEL > 0:  # a slice ends: into its group (the where keeps one loop to pipeline)
+            slice_end = ((b + 1) % blocks_per_slice == 0) | (b + 1 == num_blocks)
+            grp = tl.where(slice_end, grp + acc, grp)
+            acc = tl.where(slice_end, 0.0, acc)
+            if LEVEL == 2:
+                group_end = ((b + 1) % group_blocks == 0) | (b + 1 == num_blocks)
+                tot = tl.where(group_end, tot + grp, tot)
+                grp = tl.where(group_end, 0.0, grp)
+    tile_mask = m_mask[:, None] & n_mask[None, :]
+    if LEVEL < 2 and PROGRAMS_K > 1:  # partial sums; the tile's last program adds them
+        part_offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        mine = acc if LEVEL == 0 else grp
+        tl.store(part_ptr + pid_k * M * N + part_offs, mine, mask=tile_mask)
+        tl.debug_barrier()  # every thread's partial is written before the ticket is taken
+        tile = pid_m * tl.num_programs(0) + pid_n
+        ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel")
+        if ticket != PROGRAMS_K - 1:
+            return
+        for g in range(0, num_groups):
+            grp = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            if LEVEL == 0:  # the group's slices, in order
+                s_hi = tl.minimum((g + 1) * slices_per_group, num_slices)
+                for s in range(g * slices_per_group, s_hi):
+                    grp += tl.load(
+                        part_ptr + s * M * N + part_offs, mask=tile_mask, other=0.0,
+                        cache_modifier=".cg",
+                    )  # fmt: skip
+            else:
+                grp += tl.load(
+                    part_ptr + g * M * N + part_offs, mask=tile_mask, other=0.0,
                     cache_modifier=".cg",
                 )  # fmt: skip
-            tl.atomic_xchg(ticket_ptr + tile, 0)
+            tot += grp
+        tl.atomic_xchg(ticket_ptr + tile, 0)
+    elif LEVEL == 0:  # one slice: the whole sum
+        grp += acc
+        tot += grp
+    elif LEVEL == 1:  # one group
+        tot += grp
     if HAS_BIAS:
-        total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tot += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out_offs = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(
-        out_ptr + out_offs, total.to(out_ptr.dtype.element_ty),
-        mask=m_mask[:, None] & n_mask[None, :],
-    )  # fmt: skip
+    tl.store(out_ptr + out_offs, tot.to(out_ptr.dtype.element_ty), mask=tile_mask)
 
 
 def invariant_matmul(
@@ -167,10 +176,18 @@ def invariant_matmul(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: InvariantMatmulConfig | None = None,
+    level: int | None = None,
 ) -> torch.Tensor:
     """`x @ weight.T (+ bias)` for `x` `[..., K]`, `weight` `[N, K]`, each row's result bitwise
-    independent of the other rows and of how many there are. `config`: the schedule (default:
-    `invariant_config` of the weight's shape on its device)."""
+    independent of the other rows and of how many there are.
+
+    Every output element is `((0 + g_0) + g_1) + ...` over groups of K slices, each group
+    `((0 + s_0) + s_1) + ...` over its slices, each slice the tensor-core sum of its K blocks
+    from zero, in order. `config` (default: `invariant_config` of the weight's shape on its
+    device) fixes that tree. `level` (default: by M) picks what a program computes: one slice
+    (decode: the most programs; partials in fp32 scratch), one group (fewer partials), or the
+    whole sum (enough output tiles to fill the GPU: no scratch). The bits do not depend on it.
+    """
     n, k = weight.shape
     if x.shape[-1] != k:
         raise ValueError(f"invariant_matmul: x {tuple(x.shape)} does not match W {(n, k)}")
@@ -185,19 +202,36 @@ def invariant_matmul(
     if m == 0:
         return out.view(*lead, n)
     cfg = config or invariant_config(n, k, _sm_count(x.device))
-    k_per_split = cfg.k_per_split(k)
-    split_k = cfg.splits(k)
+    slices, per_group = cfg.slices(k), cfg.slices_per_group(k)
+    groups = triton.cdiv(slices, per_group)
     grid_n, grid_m = triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m)
-    serial = split_k > 1 and grid_n * grid_m > cfg.max_split_tiles
+    if level is None:
+        small = m * slices * 4 <= k * weight.element_size()  # partials no larger than W
+        level = _level(grid_n * grid_m, slices, groups, small, x.device)
+    programs_k = (slices, groups, 1)[level]
     part = tickets = out
-    if split_k > 1 and not serial:
-        part = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    if programs_k > 1:
+        part = torch.empty((programs_k, m, n), dtype=torch.float32, device=x.device)
         tickets = ticket_buffer(x.device, grid_n * grid_m)
-    _invariant_matmul_kernel[(grid_n, grid_m, 1 if serial else split_k)](
+    _invariant_matmul_kernel[(grid_n, grid_m, programs_k)](
         flat, weight, bias if bias is not None else weight, out, part, tickets, m, n, k,
-        k_per_split, flat.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
-        SERIAL=serial, HAS_BIAS=bias is not None, num_warps=cfg.num_warps,
+        cfg.blocks_per_slice(k), per_group, slices, groups,
+        flat.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, LEVEL=level,
+        PROGRAMS_K=programs_k, HAS_BIAS=bias is not None, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl_options(x.device),
     )  # fmt: skip
     return out.view(*lead, n)
+
+
+def _level(tiles: int, slices: int, groups: int, small_partials: bool, device: torch.device) -> int:
+    """What one program computes for a product of `tiles` output tiles: the whole sum when the
+    tiles fill the GPU (or K is one slice); else a slice when the fp32 partials of all slices
+    (`small_partials`) cost less than reading W, or a group when that saves partials."""
+    if slices == 1:
+        return SLICE  # the plain loop, nothing to add
+    if tiles >= _sm_count(device):
+        return TOTAL
+    if small_partials or groups == slices:
+        return SLICE
+    return GROUP if groups > 1 else TOTAL
