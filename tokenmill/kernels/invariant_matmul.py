@@ -93,7 +93,7 @@ def _invariant_matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, blocks_per_slice,
     slices_per_group, num_slices, num_groups, stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LEVEL: tl.constexpr,
-    PROGRAMS_K: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
+    PARTIALS: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # M is not specialised: an M of 1 would otherwise compile (and could round) on its own.
     pid_n = tl.program_id(0)
@@ -135,14 +135,14 @@ def _invariant_matmul_kernel(
                 tot = tl.where(group_end, tot + grp, tot)
                 grp = tl.where(group_end, 0.0, grp)
     tile_mask = m_mask[:, None] & n_mask[None, :]
-    if LEVEL < 2 and PROGRAMS_K > 1:  # partial sums; the tile's last program adds them
+    if PARTIALS:  # several programs per tile (LEVEL 0 or 1): the tile's last one adds them
         part_offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
         mine = acc if LEVEL == 0 else grp
         tl.store(part_ptr + pid_k * M * N + part_offs, mine, mask=tile_mask)
         tl.debug_barrier()  # every thread's partial is written before the ticket is taken
         tile = pid_m * tl.num_programs(0) + pid_n
         ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel")
-        if ticket != PROGRAMS_K - 1:
+        if ticket != tl.num_programs(2) - 1:
             return
         for g in range(0, num_groups):
             grp = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -218,7 +218,7 @@ def invariant_matmul(
         cfg.blocks_per_slice(k), per_group, slices, groups,
         flat.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, LEVEL=level,
-        PROGRAMS_K=programs_k, HAS_BIAS=bias is not None, num_warps=cfg.num_warps,
+        PARTIALS=programs_k > 1, HAS_BIAS=bias is not None, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl_options(x.device),
     )  # fmt: skip
     return out.view(*lead, n)
