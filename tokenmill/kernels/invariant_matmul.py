@@ -9,15 +9,17 @@ device alone:
   so every row goes through the same tensor-core instruction (a BLOCK_M of 64 on Hopper is one
   warp-group MMA; a smaller one would be `mma.sync`: BLOCK_M never changes with M). Rows past M
   are zeros in the tile and change nothing in the others.
-- K is cut into `split_k` slices of whole BLOCK_K blocks, chosen from (N, K) and the SM count:
-  enough programs for a decode step (M = 1..8, memory-bound) to cover the GPU. Each slice is
-  summed block by block from zero; the slices' sums are then added in slice order, from zero.
-- Two schedules, both giving that order bit for bit: while the output tiles alone do not fill
-  the GPU, the slices run in parallel programs writing fp32 partials, and the last program of
-  each tile to arrive (an integer ticket: it decides who adds, not the order) adds them up;
-  with more output tiles (prefill), one program runs a tile's slices one after another and adds
-  each slice's sum as it finishes — no workspace. Which schedule runs depends on M; the bits do
-  not (`tests/kernels/test_invariant_matmul.py` checks both against each other).
+- K is cut into slices of whole BLOCK_K blocks and the slices into groups, by (N, K) and the
+  SM count alone (`invariant_config`: enough programs for a decode step, M = 1..8 and
+  memory-bound, to cover the GPU). Every element is `((0 + g_0) + g_1) + ...` over its groups,
+  each group `((0 + s_0) + s_1) + ...` over its slices, each slice the MMA chain of its blocks
+  from zero: fp32 additions only between programs, so no multiply-add contraction can differ.
+- Three schedules give that tree bit for bit, picked by M: a program per slice (decode: the
+  most programs; fp32 partials, added by the tile's last program to arrive — an integer ticket
+  decides who adds, not the order), a program per group (fewer partials when all slices' would
+  outgrow W), or a program per output tile running the whole tree in one loop (enough tiles to
+  fill the GPU, prefill: no scratch). `tests/kernels/test_invariant_matmul.py` checks them
+  against each other and rows alone against rows in batches.
 
 One launch, no host synchronisation, scratch from the caching allocator (the graph pool under
 CUDA graphs): safe to capture.
@@ -26,7 +28,7 @@ CUDA graphs): safe to capture.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import triton
@@ -49,9 +51,9 @@ class InvariantMatmulConfig:
     num_stages: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("split_k", "groups", "block_m", "block_n", "block_k", "num_warps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for field in fields(self):
+            if getattr(self, field.name) < 1:
+                raise ValueError(f"{field.name} must be >= 1, got {getattr(self, field.name)}")
 
     def blocks_per_slice(self, k: int) -> int:
         return triton.cdiv(triton.cdiv(k, self.block_k), self.split_k)
