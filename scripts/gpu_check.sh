@@ -27,7 +27,8 @@
 #  llama-3.1-8b (engine args of b1/b2, no transformers peer) without and with
 #  `--engine-arg deterministic=true`, same run;
 #  detquick = the deterministic-mode GPU tests and the batch-invariant matmul's kernel tests,
-#  then B1 of qwen3-0.6b without and with deterministic mode (~3 minutes);
+#  the matmul's time per shape and M next to cuBLAS (benchmarks/gemv_sweep.py --invariant),
+#  then B1 of qwen3-0.6b without and with deterministic mode (a few minutes);
 #  conformance = `tokenmill eval conformance` of a bf16 server on llama-3.1-8b shapes with random
 #  weights against the float32 transformers reference: the weights are written once as a
 #  checkpoint (`tokenmill eval dummy-checkpoint`, /tmp, 16 GB) that both sides load;
@@ -257,6 +258,8 @@ if [[ "$what" == det || "$what" == detquick ]]; then
     tests/determinism/test_invariant_attention.py tests/kernels/test_invariant_matmul.py 2>&1 \
     | tee "$out/pytest-det.log" | tail -8
   echo "det tests: $(tail -1 "$out/pytest-det.log")" >> "$table"
+  python3 benchmarks/gemv_sweep.py --invariant --m 1 8 64 256 4096 --out "$out/invariant-mm.json" \
+    2>&1 | tee "$out/invariant-mm.log" | grep "M=" >> "$table"
   b1=(--engine-arg max_num_seqs=8 "${kv[@]}")
   b2=(--engine-arg max_num_seqs=256 --engine-arg max_num_batched_tokens=8192
     --engine-arg max_model_len=4096 "${kv2[@]}")
