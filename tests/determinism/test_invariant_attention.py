@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from tokenmill.kernels.attention import invariant_attention
+from tokenmill.kernels.attention import invariant_attention, invariant_scratch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
@@ -37,15 +37,20 @@ class PagedKV:
         self.v = torch.randn(shape, generator=gen).to(DEVICE, dtype)
         self.table = self.table.to(DEVICE)
 
-    def run(self, q: torch.Tensor, rows: list[tuple[int, int, int]], window: int | None):
-        """Attention of `q` laid out as `rows` (sequence, query length, KV length), in order."""
+    def run(
+        self, q: torch.Tensor, rows: list[tuple[int, int, int]], window: int | None,
+        split: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        """Attention of `q` laid out as `rows` (sequence, query length, KV length), in order;
+        `split`: a decode batch, each part of the context in a program of its own."""
         q_lens = [ql for _, ql, _ in rows]
         cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device=DEVICE)
         kv = torch.tensor([kl for _, _, kl in rows], device=DEVICE)
         table = self.table[[seq for seq, _, _ in rows]]
         scale = q.shape[-1] ** -0.5
+        scratch = invariant_scratch(len(rows), q.shape[1], q.shape[2], q.device)
         return invariant_attention(
-            q, self.k, self.v, cu, kv, table, max(q_lens), PAGE, scale, window
+            q, self.k, self.v, cu, kv, table, max(q_lens), PAGE, scale, window, scratch, split
         )
 
 
@@ -86,11 +91,14 @@ def test_a_token_gets_the_same_output_however_it_is_batched(dtype, hq, hkv, d, w
         out = kv.run(q, [(1, 20, 20), (0, end - start, end), (2, 3, 3)], window)
         got.append(out[20 : 20 + end - start])
     _same(torch.cat(got), whole, reference, dtype)
-    # As decode rows (one query each) in batches of several sequences.
+    # As decode rows (one query each) in batches of several sequences, the context's parts in
+    # one program or each in its own (merged after): bitwise the same in the interpreter too.
     for pos in (0, 64, 99):
         q = torch.cat([queries[2][2:3], queries[0][pos : pos + 1], queries[1][69:70]])
-        out = kv.run(q, [(2, 1, 3), (0, 1, pos + 1), (1, 1, 70)], window)
+        decode = [(2, 1, 3), (0, 1, pos + 1), (1, 1, 70)]
+        out = kv.run(q, decode, window)
         _same(out[1:2], whole[pos : pos + 1], reference[pos : pos + 1], dtype)
+        assert torch.equal(kv.run(q, decode, window, split=True), out)
 
 
 def _close(out: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype) -> None:
