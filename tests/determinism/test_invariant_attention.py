@@ -91,14 +91,27 @@ def test_a_token_gets_the_same_output_however_it_is_batched(dtype, hq, hkv, d, w
         out = kv.run(q, [(1, 20, 20), (0, end - start, end), (2, 3, 3)], window)
         got.append(out[20 : 20 + end - start])
     _same(torch.cat(got), whole, reference, dtype)
-    # As decode rows (one query each) in batches of several sequences, the context's parts in
-    # one program or each in its own (merged after): bitwise the same in the interpreter too.
+    # As decode rows (one query each) in batches of several sequences.
     for pos in (0, 64, 99):
         q = torch.cat([queries[2][2:3], queries[0][pos : pos + 1], queries[1][69:70]])
         decode = [(2, 1, 3), (0, 1, pos + 1), (1, 1, 70)]
         out = kv.run(q, decode, window)
         _same(out[1:2], whole[pos : pos + 1], reference[pos : pos + 1], dtype)
-        assert torch.equal(kv.run(q, decode, window, split=True), out)
+
+
+@pytest.mark.parametrize("window", [None, 200])
+def test_decode_rows_split_over_programs_equal_one_program(window: int | None) -> None:
+    """Decode rows with every part of their context (18 key blocks: parts of one and two
+    blocks) in a program of its own, merged after, are bitwise the rows in one program each,
+    and float64's attention."""
+    lengths = [1100, 300, 5]
+    kv = PagedKV(lengths, 2, 32, torch.float32, seed=3)
+    q = torch.randn(3, 8, 32, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    rows = [(0, 1, 1100), (1, 1, 300), (2, 1, 5)]
+    one = kv.run(q, rows, window)
+    assert torch.equal(kv.run(q, rows, window, split=True), one)
+    for i, (seq, _, kv_len) in enumerate(rows):
+        _close(one[i : i + 1], _reference(kv, q[i : i + 1], seq, kv_len, window), torch.float32)
 
 
 def _close(out: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype) -> None:

@@ -139,6 +139,17 @@ def prefill_attention(
 
 
 @triton.jit
+def _block_state(q, k, v, keep, qk_scale):
+    """The softmax state of one block of keys `k` / values `v` (where `keep`): its max, its
+    normaliser and its unnormalised output (base-2 exponentials)."""
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    s = tl.where(keep, s, float("-inf"))
+    m = tl.max(s, axis=1)
+    p = tl.math.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None])
+    return m, tl.sum(p, axis=1), tl.dot(p.to(v.dtype), v, input_precision="ieee")
+
+
+@triton.jit
 def _merge(m, den, acc, m_c, l_c, acc_c):
     """Fold a softmax state `(m_c, l_c, acc_c)` (max, normaliser, unnormalised output) into
     `(m, den, acc)`. Products and sums are explicit FMAs, so every kernel that merges computes
@@ -212,10 +223,7 @@ def _invariant_kernel(
             keep = (offs_n[None, :] <= q_pos[:, None]) & valid[None, :]
             if HAS_WINDOW:
                 keep &= offs_n[None, :] > q_pos[:, None] - window
-            m_c = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l_c = tl.zeros([BLOCK_M], tl.float32)
-            acc_c = tl.zeros([BLOCK_M, D], tl.float32)
-            m_c, l_c, acc_c = _attend_block(q, k, v, keep, m_c, l_c, acc_c, qk_scale)
+            m_c, l_c, acc_c = _block_state(q, k, v, keep, qk_scale)
             m_p, l_p, acc_p = _merge(m_p, l_p, acc_p, m_c, l_c, acc_c)
         if split != 0:  # decode: one row per head of the group
             row = (seq.to(tl.int64) * HQ + heads) * SPLITS + part
