@@ -275,7 +275,10 @@ INVARIANT_SPLITS = 16
 
 def invariant_split_rows(device: torch.device, hkv: int) -> int:
     """Decode batches of up to this many sequences give each part a program of its own in
-    `invariant_attention`: below two programs per SM otherwise (on the CPU: any batch)."""
+    `invariant_attention`: below two programs per SM otherwise. None on the CPU (Triton's
+    interpreter runs programs one after another: more would only add a merge)."""
+    if device.type != "cuda":
+        return 0
     return max(1, 2 * _one_wave(device) // hkv)
 
 
