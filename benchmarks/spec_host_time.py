@@ -1,0 +1,230 @@
+"""Where the host time of a speculative (verify) step goes, against a plain decode step.
+
+Runs the demo model (or `--config` with dummy weights) greedily at batch `--batch`, plain and
+with B4's teacher-forced oracle proposer (`--rate`, k = `--k`, adaptive off), and times every
+phase of an engine step by wrapping the methods that run it (exclusive times: a phase nested
+in another is not counted twice). The model's forward pass is its own phase, so on the CPU,
+where it runs inside the launch, the other phases are the host time a GPU step would carry.
+`torch ops` counts the ATen operators the phases dispatch per step (on the GPU each is at
+least one kernel launch); the forward pass is left out of the count (CUDA graphs replay it).
+
+python benchmarks/spec_host_time.py [--batch 1] [--steps 200] [--config DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tokenmill.runner.model_runner as model_runner
+from tokenmill import LLM, SamplingParams
+from tokenmill.batch import StepPlan
+from tokenmill.bench.speculative import OracleProposer
+from tokenmill.config import DEMO_MODEL_DIR
+from tokenmill.runner.model_runner import LaunchedStep
+from tokenmill.runner.sampler import Sampler, SamplingBatch
+from tokenmill.runner.spec_decode import SpecDecoder
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the ATen operators dispatched while it is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+class PhaseTimer:
+    """Exclusive seconds (or, counting, ATen operators) per phase, from wrapped callables.
+
+    Counting runs every operator through Python, so a timer counts or times, not both."""
+
+    def __init__(self, count_ops: bool = False) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.ops: dict[str, int] = defaultdict(int)
+        self._stack: list[list[Any]] = []  # [phase, start, child seconds, child ops]
+        self._counter = _OpCounter() if count_ops else None
+        self._restore: list[Callable[[], None]] = []
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        counter = self._counter
+        ops = counter.count if counter is not None else 0
+        outermost = not self._stack
+        self._stack.append([name, time.perf_counter(), 0.0, 0])
+        try:
+            if counter is not None and outermost:
+                with counter:
+                    yield
+            else:
+                yield
+        finally:
+            _, start, child_seconds, child_ops = self._stack.pop()
+            elapsed = time.perf_counter() - start
+            ops = counter.count - ops if counter is not None else 0
+            self.seconds[name] += elapsed - child_seconds
+            self.ops[name] += ops - child_ops
+            if self._stack:
+                self._stack[-1][2] += elapsed
+                self._stack[-1][3] += ops
+
+    def wrap(self, owner: Any, attr: str, name: str) -> None:
+        """Time `owner.attr` (a class's or an instance's callable) as phase `name`."""
+        original = owner.__dict__[attr] if attr in owner.__dict__ else getattr(owner, attr)
+        is_static = isinstance(original, staticmethod)
+        function = original.__func__ if is_static else original
+        timer = self
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            with timer.phase(name):
+                return function(*args, **kwargs)
+
+        setattr(owner, attr, staticmethod(timed) if is_static else timed)
+        self._restore.append(lambda: setattr(owner, attr, original))
+
+    def restore(self) -> None:
+        for undo in reversed(self._restore):
+            undo()
+        self._restore.clear()
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.ops.clear()
+
+
+def instrument(llm: LLM, timer: PhaseTimer) -> None:
+    """Wrap the phases of one engine step of `llm`."""
+    engine, runner = llm.engine, llm.engine.runner
+    scheduler = engine.scheduler
+    timer.wrap(llm, "_step", "llm output")  # the offline API's detokenization, per step
+    timer.wrap(engine, "step", "engine other")
+    timer.wrap(scheduler, "schedule", "schedule")
+    timer.wrap(scheduler, "may_draft", "schedule")
+    timer.wrap(StepPlan, "build", "plan")
+    if scheduler.host_proposer is not None:
+        timer.wrap(scheduler.host_proposer, "propose", "propose")
+    timer.wrap(model_runner, "lay_out", "inputs")
+    timer.wrap(runner, "_device_inputs", "inputs")
+    timer.wrap(runner.attention, "plan", "inputs")
+    timer.wrap(runner, "launch", "launch other")
+    timer.wrap(runner.model, "forward", "forward")
+    timer.wrap(runner.model, "compute_logits", "forward")
+    timer.wrap(SamplingBatch, "from_rows", "sample")
+    timer.wrap(Sampler, "__call__", "sample")
+    timer.wrap(SpecDecoder, "sample", "verify")
+    timer.wrap(LaunchedStep, "read", "read")
+    timer.wrap(scheduler, "update", "update")
+    timer.wrap(engine, "_finish", "engine other")
+
+
+def _llm(config: str | None, spec: dict[str, Any] | None, batch: int) -> LLM:
+    kwargs: dict[str, Any] = {"device": "cpu", "enable_prefix_caching": False, "seed": 0}
+    if config is not None:
+        kwargs["load_format"] = "dummy"
+    return LLM(config or str(DEMO_MODEL_DIR), speculative_config=spec, max_num_seqs=batch,
+               **kwargs)  # fmt: skip
+
+
+def measure(
+    config: str | None, batch: int, steps: int, k: int, rate: float | None
+) -> dict[str, Any]:
+    """Per-step milliseconds and operators of each phase, plain (`rate` None) or oracle."""
+    prompts = [list(range(10 + i, 74 + i)) for i in range(batch)]
+    greedy = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+    spec = None
+    if rate is not None:
+        spec = {"method": "ngram", "num_speculative_tokens": k, "adaptive": False}
+    llm = _llm(config, spec, batch)
+    if rate is not None:  # the plain run's tokens, replayed at acceptance rate `rate`
+        plain = _llm(config, None, batch).generate(prompts, greedy, use_tqdm=False)
+        continuations = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain,
+                                                                          strict=True)}  # fmt: skip
+        oracle = OracleProposer(k, continuations, rate, llm.config.model.vocab_size, 0)
+        llm.engine.scheduler.host_proposer = oracle
+        oracle.teacher_force(llm.engine.scheduler)
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    timed, wall, num_steps, tokens = _run(llm, prompts, greedy, PhaseTimer())
+    counted, *_ = _run(llm, prompts, greedy, PhaseTimer(count_ops=True))
+    per_step = {name: 1e3 * s / num_steps for name, s in sorted(timed.seconds.items())}
+    host = sum(v for name, v in per_step.items() if name != "forward")
+    return {
+        "steps": num_steps,
+        "tokens_per_step": tokens / num_steps / batch,
+        "wall_ms_per_step": 1e3 * wall / num_steps,
+        "host_ms_per_step": host,
+        "ms_per_step": per_step,
+        # The forward pass is left out: CUDA graphs replay it in one launch.
+        "torch_ops_per_step": {
+            n: c / num_steps for n, c in sorted(counted.ops.items()) if c and n != "forward"
+        },
+    }
+
+
+def _run(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams, timer: PhaseTimer
+) -> tuple[PhaseTimer, float, int, int]:
+    """One generation under `timer`: the timer, wall seconds, engine steps, tokens."""
+    engine = llm.engine
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    num_steps = 0
+    step = engine.step
+
+    def counted() -> Any:
+        nonlocal num_steps
+        num_steps += 1
+        return step()
+
+    engine.step = counted  # type: ignore[method-assign]
+    instrument(llm, timer)
+    start = time.perf_counter()
+    out = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    timer.restore()
+    del engine.step
+    tokens = sum(len(o.outputs[0].token_ids) for o in out)
+    return timer, wall, num_steps, tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=None, help="a checkpoint (dummy weights)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=200, help="tokens per request")
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--rate", type=float, default=0.8)
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    np.random.seed(0)
+    report = {
+        "plain": measure(args.config, args.batch, args.steps, args.k, None),
+        "verify": measure(args.config, args.batch, args.steps, args.k, args.rate),
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    phases = sorted(set(report["plain"]["ms_per_step"]) | set(report["verify"]["ms_per_step"]))
+    print(f"{'phase (ms per step)':22s} {'plain':>8s} {'verify':>8s}   torch ops plain / verify")
+    for name in phases:
+        row = [report[m]["ms_per_step"].get(name, 0.0) for m in ("plain", "verify")]
+        ops = [report[m]["torch_ops_per_step"].get(name, 0) for m in ("plain", "verify")]
+        print(f"{name:22s} {row[0]:8.3f} {row[1]:8.3f}   {ops[0]:5.1f} / {ops[1]:5.1f}")
+    for label in ("host_ms_per_step", "wall_ms_per_step", "tokens_per_step", "steps"):
+        print(f"{label:22s} {report['plain'][label]:8.3f} {report['verify'][label]:8.3f}")
+
+
+if __name__ == "__main__":
+    main()
