@@ -3,10 +3,12 @@
 Runs the demo model (or `--config` with dummy weights) greedily at batch `--batch`, plain and
 with B4's teacher-forced oracle proposer (`--rate`, k = `--k`, adaptive off), and times every
 phase of an engine step by wrapping the methods that run it (exclusive times: a phase nested
-in another is not counted twice). The model's forward pass is its own phase, so on the CPU,
-where it runs inside the launch, the other phases are the host time a GPU step would carry.
-`torch ops` counts the ATen operators the phases dispatch per step (on the GPU each is at
-least one kernel launch); the forward pass is left out of the count (CUDA graphs replay it).
+in another is not counted twice). Times are CPU seconds of the engine's thread, torch on one
+thread, so that other processes on a shared machine do not count. The model's forward pass is
+its own phase, so on the CPU, where it runs inside the launch, the other phases are the host
+time a GPU step would carry. `torch ops` counts the ATen operators the phases dispatch per
+step (on the GPU each is at least one kernel launch); the forward pass is left out of the
+count (CUDA graphs replay it).
 
 python benchmarks/spec_host_time.py [--batch 1] [--steps 200] [--config DIR]
 """
@@ -33,6 +35,12 @@ from tokenmill.config import DEMO_MODEL_DIR
 from tokenmill.runner.model_runner import LaunchedStep
 from tokenmill.runner.sampler import Sampler, SamplingBatch
 from tokenmill.runner.spec_decode import SpecDecoder
+
+
+def _clock() -> float:
+    """This thread's CPU seconds: on a shared machine, what the step costs, not how long other
+    processes kept it waiting (torch runs on this thread alone: `torch.set_num_threads(1)`)."""
+    return time.thread_time()
 
 
 class _OpCounter(TorchDispatchMode):
@@ -64,7 +72,7 @@ class PhaseTimer:
         counter = self._counter
         ops = counter.count if counter is not None else 0
         outermost = not self._stack
-        self._stack.append([name, time.perf_counter(), 0.0, 0])
+        self._stack.append([name, _clock(), 0.0, 0])
         try:
             if counter is not None and outermost:
                 with counter:
@@ -73,7 +81,7 @@ class PhaseTimer:
                 yield
         finally:
             _, start, child_seconds, child_ops = self._stack.pop()
-            elapsed = time.perf_counter() - start
+            elapsed = _clock() - start
             ops = counter.count - ops if counter is not None else 0
             self.seconds[name] += elapsed - child_seconds
             self.ops[name] += ops - child_ops
@@ -163,7 +171,7 @@ def measure(
     return {
         "steps": num_steps,
         "tokens_per_step": tokens / num_steps / batch,
-        "wall_ms_per_step": 1e3 * wall / num_steps,
+        "cpu_ms_per_step": 1e3 * wall / num_steps,
         "host_ms_per_step": host,
         "ms_per_step": per_step,
         # The forward pass is left out: CUDA graphs replay it in one launch.
@@ -176,7 +184,7 @@ def measure(
 def _run(
     llm: LLM, prompts: list[list[int]], params: SamplingParams, timer: PhaseTimer
 ) -> tuple[PhaseTimer, float, int, int]:
-    """One generation under `timer`: the timer, wall seconds, engine steps, tokens."""
+    """One generation under `timer`: the timer, CPU seconds, engine steps, tokens."""
     engine = llm.engine
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     num_steps = 0
@@ -189,9 +197,9 @@ def _run(
 
     engine.step = counted  # type: ignore[method-assign]
     instrument(llm, timer)
-    start = time.perf_counter()
+    start = _clock()
     out = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - start
+    wall = _clock() - start
     timer.restore()
     del engine.step
     tokens = sum(len(o.outputs[0].token_ids) for o in out)
@@ -207,6 +215,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=0.8)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args()
+    torch.set_num_threads(1)
     torch.manual_seed(0)
     np.random.seed(0)
     report = {
@@ -222,7 +231,7 @@ def main() -> None:
         row = [report[m]["ms_per_step"].get(name, 0.0) for m in ("plain", "verify")]
         ops = [report[m]["torch_ops_per_step"].get(name, 0) for m in ("plain", "verify")]
         print(f"{name:22s} {row[0]:8.3f} {row[1]:8.3f}   {ops[0]:5.1f} / {ops[1]:5.1f}")
-    for label in ("host_ms_per_step", "wall_ms_per_step", "tokens_per_step", "steps"):
+    for label in ("host_ms_per_step", "cpu_ms_per_step", "tokens_per_step", "steps"):
         print(f"{label:22s} {report['plain'][label]:8.3f} {report['verify'][label]:8.3f}")
 
 

@@ -176,7 +176,7 @@ class Scheduler:
         k = self._max_drafts()
         if self.host_proposer is not None:
             drafts = self.host_proposer.propose(
-                [np.asarray(r.all_token_ids) for r in ready],
+                [r.token_array() for r in ready],
                 np.array([r.max_drafts(k) for r in ready]),
             )
             for row, req in enumerate(ready):
