@@ -19,6 +19,7 @@ python benchmarks/spec_host_time.py [--batch 1] [--steps 200] [--config DIR --de
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 from collections import defaultdict
@@ -166,17 +167,21 @@ def measure(
     rng = np.random.default_rng(0)  # B4's prompts: random tokens
     prompts = [rng.integers(10, 1000, input_len).tolist() for _ in range(batch)]
     greedy = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
-    spec = None
-    if rate is not None:
-        spec = {"method": "ngram", "num_speculative_tokens": k, "adaptive": False}
-    llm = _llm(config, spec, batch, device)
-    vocab = llm.config.model.vocab_size
+    plain = _llm(config, None, batch, device)
+    vocab = plain.config.model.vocab_size
     prompts = [[t % vocab for t in p] for p in prompts]
+    llm = plain
     if rate is not None:  # the plain run's tokens, replayed at acceptance rate `rate`
-        plain = _llm(config, None, batch, device).generate(prompts, greedy, use_tqdm=False)
-        continuations = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain,
+        outputs = plain.generate(prompts, greedy, use_tqdm=False)
+        continuations = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, outputs,
                                                                           strict=True)}  # fmt: skip
-        oracle = OracleProposer(k, continuations, rate, llm.config.model.vocab_size, 0)
+        del plain, llm  # one engine's KV cache at a time on the GPU
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        spec = {"method": "ngram", "num_speculative_tokens": k, "adaptive": False}
+        llm = _llm(config, spec, batch, device)
+        oracle = OracleProposer(k, continuations, rate, vocab, 0)
         llm.engine.scheduler.host_proposer = oracle
         oracle.teacher_force(llm.engine.scheduler)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
