@@ -377,3 +377,29 @@ def test_greedy_settings_with_speculation_equal_plain(llama_dir: Path) -> None:
         for token, want in want_step.items():
             assert got_step[token].rank == want.rank
             assert got_step[token].logprob == pytest.approx(want.logprob, abs=1e-4)
+
+
+def test_a_synchronous_step_returns_its_tokens_after_launching_the_next(llama_dir: Path) -> None:
+    """A verify step is read, applied and followed by the next step's launch before `step()`
+    returns its tokens: the caller's work on them (detokenizing, sending) overlaps the GPU."""
+    llm = LLM(str(llama_dir), device="cpu", speculative_config=_spec("ngram", 3))
+    engine = llm.engine
+    engine.add_request("r", PROMPTS[1], GREEDY)
+    req = engine._requests["r"]
+    launch = engine.runner.launch
+    applied_at_launch: list[int] = []
+
+    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+        applied_at_launch.append(len(req.output_token_ids))
+        return launch(*args, **kwargs)
+
+    engine.runner.launch = recording  # type: ignore[method-assign]
+    checked = 0
+    while engine.has_unfinished():
+        applied_at_launch.clear()
+        for out in engine.step():
+            if out.finished or len(req.output_token_ids) == len(out.new_token_ids):
+                continue  # the last step launches nothing; the first follows the prefill
+            assert applied_at_launch == [len(req.output_token_ids)]
+            checked += 1
+    assert checked > 3 and engine.scheduler.spec_stats.num_accepted_tokens > 0
