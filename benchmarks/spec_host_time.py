@@ -1,13 +1,14 @@
 """Where the host time of a speculative (verify) step goes, against a plain decode step.
 
 Runs the demo model (or `--config` with dummy weights) greedily at batch `--batch`, plain and
-with B4's teacher-forced oracle proposer (`--rate`, k = `--k`, adaptive off), and times every
-phase of an engine step by wrapping the methods that run it (exclusive times: a phase nested
-in another is not counted twice). On the CPU the times are CPU seconds of the engine's
-thread, torch on one thread, so that other processes on a shared machine do not count; with
-`--device cuda`, wall seconds, and `read` includes waiting for the GPU. The model's forward
-pass (a graph replay on the GPU) is its own phase, so on the CPU, where it runs inside the
-launch, the other phases are the host time a GPU step would carry. `device_ms_per_step` is
+with B4's teacher-forced oracle proposer (`--rate`, k = `--k`, adaptive off unless
+`--adaptive`), and times every phase of an engine step by wrapping the methods that run it
+(exclusive times: a phase nested in another is not counted twice). On the CPU the times are
+CPU seconds of the engine's thread, torch on one thread, so that other processes on a shared
+machine do not count; with `--device cuda`, wall seconds, and `read` includes waiting for the
+GPU. The model's forward pass (a graph replay on the GPU) is its own phase, so on the CPU,
+where it runs inside the launch, the other phases are the host time a GPU step would carry.
+`device_ms_per_step` is
 the launched steps' own time (CUDA events from launch to sampled tokens; on the CPU, the
 forward and sampling, wall time). `torch ops` counts the ATen operators the phases dispatch
 per step (on the GPU each is at least one kernel launch); the forward pass is left out of the
@@ -162,6 +163,7 @@ def measure(
     k: int,
     rate: float | None,
     device: str = "cpu",
+    adaptive: bool = False,
 ) -> dict[str, Any]:
     """Per-step milliseconds and operators of each phase, plain (`rate` None) or oracle."""
     rng = np.random.default_rng(0)  # B4's prompts: random tokens
@@ -179,7 +181,7 @@ def measure(
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
-        spec = {"method": "ngram", "num_speculative_tokens": k, "adaptive": False}
+        spec = {"method": "ngram", "num_speculative_tokens": k, "adaptive": adaptive}
         llm = _llm(config, spec, batch, device)
         oracle = OracleProposer(k, continuations, rate, vocab, 0)
         llm.engine.scheduler.host_proposer = oracle
@@ -239,6 +241,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="tokens per request")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--rate", type=float, default=0.8)
+    parser.add_argument("--adaptive", action="store_true", help="adaptive speculation (B4's "
+                        "oracle rows run without it)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args()
     if args.device == "cpu":
@@ -247,7 +251,14 @@ def main() -> None:
     np.random.seed(0)
     report = {
         mode: measure(
-            args.config, args.batch, args.input_len, args.steps, args.k, rate, args.device
+            args.config,
+            args.batch,
+            args.input_len,
+            args.steps,
+            args.k,
+            rate,
+            args.device,
+            args.adaptive,
         )
         for mode, rate in (("plain", None), ("verify", args.rate))
     }
