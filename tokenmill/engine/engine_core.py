@@ -309,7 +309,9 @@ class EngineCore:
 
         With overlap scheduling the host schedules and prepares step N+1 while the GPU runs
         step N, and reads step N's tokens only after N+1 is queued, so the GPU never waits for
-        Python (the protocol: this module's docstring).
+        Python (the protocol: this module's docstring). A step N+1 needs N's tokens for
+        (blocking, or one that may draft) reads N first; either way the outputs are returned
+        after N+1 is launched.
         """
         start = time.perf_counter()
         self._waited = 0.0
