@@ -360,7 +360,7 @@ class Scheduler:
             if self.cache.has_uncached_pages(req.pages, req.num_computed_tokens):
                 self.cache.cache_computed(req.pages, req.prefix_keys(req.num_computed_tokens))
         if verified:
-            drafted, accepted = np.array(verified).T
+            drafted, accepted = zip(*verified, strict=True)
             self.spec_stats.observe(drafted, accepted)
         return touched
 
