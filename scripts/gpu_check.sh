@@ -15,7 +15,8 @@
 #  at batch 1 and 64, oracle a = 0.8 and 0.6 (fixed k ran x1.02 / x0.68 at batch 1 in session
 #  11: a verify step's host time), llama-3.1-8b at batch 64 and 256, a = 0.6 (fixed k x0.97 at
 #  batch 64; at 256 adaptive speculation must turn itself off);
-#  spechost = issue 19: the speculative GPU tests (tests/spec/test_spec_graphs.py), then
+#  spechost = issue 19: the speculative GPU tests (tests/gpu/test_spec_gpu.py,
+#  tests/spec/test_spec_graphs.py), then
 #  benchmarks/spec_host_time.py on qwen3-0.6b and llama-3.1-8b shapes at batch 1: a plain and
 #  a verify step (oracle a = 0.8, k = 4) by phase, host ms vs the steps' device ms;
 #  hostkv = the host KV tier (issue 28): its GPU tests, then benchmarks/host_kv_agent.py on
@@ -175,7 +176,7 @@ if [[ "$what" == b4adaptive ]]; then  # adaptive speculation at high load vs pla
     --batch-sizes 64,256 --adaptive-batch-sizes 64,256
 fi
 if [[ "$what" == spechost ]]; then  # where a verify step's time goes: host phases vs device
-  python3 -m pytest -q -p no:cacheprovider tests/spec/test_spec_graphs.py 2>&1 \
+  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_spec_gpu.py tests/spec/test_spec_graphs.py 2>&1 \
     | tee "$out/pytest-spec.log" | tail -3 >> "$table"
   for m in qwen3-0.6b llama-3.1-8b; do
     echo "spec_host_time $m batch 1:" >> "$table"
