@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call (see ../shared/device/README.md).
 # Usage on the device:
-#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|moeprofile|structured|b4|b4adaptive|tp|conformance|hostkv|startup|vl|det|detquick|all]
+#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|moeprofile|structured|b4|b4adaptive|spechost|tp|conformance|hostkv|startup|vl|det|detquick|all]
 # (gputests = the GPU engine tests and the GEMV, decode and rotary kernel tests + profile + B1;
 #  moe = the mixture-of-experts GPU and kernel tests (moetests), B1/B2 qwen3-30b-a3b with the
 #  transformers peer (moebench);
@@ -15,6 +15,10 @@
 #  at batch 1 and 64, oracle a = 0.8 and 0.6 (fixed k ran x1.02 / x0.68 at batch 1 in session
 #  11: a verify step's host time), llama-3.1-8b at batch 64 and 256, a = 0.6 (fixed k x0.97 at
 #  batch 64; at 256 adaptive speculation must turn itself off);
+#  spechost = issue 19: the speculative GPU tests (tests/gpu/test_spec_gpu.py,
+#  tests/spec/test_spec_graphs.py), then
+#  benchmarks/spec_host_time.py on qwen3-0.6b and llama-3.1-8b shapes at batch 1: a plain and
+#  a verify step (oracle a = 0.8, k = 4) by phase, host ms vs the steps' device ms;
 #  hostkv = the host KV tier (issue 28): its GPU tests, then benchmarks/host_kv_agent.py on
 #  llama-3.1-8b shapes: reload vs recompute of a 16,000-token prefix, and the agent workload with
 #  a 32k-token device KV pool, without and with a 32 GB pinned host tier, same run;
@@ -173,6 +177,15 @@ if [[ "$what" == b4adaptive ]]; then  # adaptive speculation at high load vs pla
     --batch-sizes 1,64 --adaptive-batch-sizes 1,64
   bench llama-3.1-8b b4 "${kv2[@]}" --engine-arg max_num_seqs=256 --acceptance-rates 0.6 \
     --batch-sizes 64,256 --adaptive-batch-sizes 64,256
+fi
+if [[ "$what" == spechost ]]; then  # where a verify step's time goes: host phases vs device
+  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_spec_gpu.py tests/spec/test_spec_graphs.py 2>&1 \
+    | tee "$out/pytest-spec.log" | tail -3 >> "$table"
+  for m in qwen3-0.6b llama-3.1-8b; do
+    echo "spec_host_time $m batch 1:" >> "$table"
+    python3 benchmarks/spec_host_time.py --config "$models/$m" --device cuda --steps 256 \
+      2>&1 | tee "$out/spechost-$m.log" | tail -17 >> "$table"
+  done
 fi
 if [[ "$what" == tp ]]; then
   python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py 2>&1 | tee "$out/pytest-tp.log" | tail -5

@@ -126,6 +126,24 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     mm: MultimodalPrompt | None = None  # the prompt's images and their rotary positions
+    # `token_array`'s buffer: tokens [0, its filled length) copied so far (prompt + output).
+    _token_buffer: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64),
+                                      repr=False)  # fmt: skip
+    _token_buffer_len: int = field(default=0, repr=False)
+
+    def token_array(self) -> np.ndarray:
+        """Prompt + output as an int64 array (a view, valid until the next call): a host
+        proposer reads every request's tokens every step, so they are copied once each, as
+        they come, not per step."""
+        num, done = self.num_tokens, self._token_buffer_len
+        if num > len(self._token_buffer):
+            grown = np.zeros(max(num, 2 * len(self._token_buffer)), dtype=np.int64)
+            grown[:done] = self._token_buffer[:done]
+            self._token_buffer = grown
+        if done < num:
+            self._token_buffer[done:num] = self.token_slice(done, num)
+            self._token_buffer_len = num
+        return self._token_buffer[:num]
 
     def prefix_keys(self, end: int) -> list[int]:
         """The prefix cache's keys of tokens `[0, end)`: the token ids, with an image's

@@ -6,6 +6,8 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tokenmill.batch import Request
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec.ngram import NgramProposer, longest_ngram_continuation
 
 
@@ -62,3 +64,16 @@ def test_proposer_pads_rows_and_respects_each_rows_limit() -> None:
     assert drafts.num_drafts.tolist() == [3, 0, 1]
     assert drafts.token_ids.tolist() == [[3, 1, 2], [0, 0, 0], [7, 0, 0]]
     assert drafts.probs is None
+
+
+def test_a_requests_token_array_follows_its_tokens_as_they_come() -> None:
+    """Prompt lookup reads `Request.token_array` every step: it must always be prompt + output
+    so far, whatever number of tokens arrived since the last call (a verify appends several)."""
+    req = Request("r", [3, 1, 4], SamplingParams(max_tokens=100), (), 1000)
+    assert req.token_array().tolist() == [3, 1, 4]
+    expected = [3, 1, 4]
+    for step, new in enumerate([[1], [5, 9, 2], [], list(range(20, 60))]):
+        for token in new:
+            req.append_token(token, None)
+        expected += new
+        assert req.token_array().tolist() == expected, step

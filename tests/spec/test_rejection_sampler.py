@@ -10,7 +10,7 @@ from scipy.stats import chisquare
 
 from tokenmill.spec.rejection import (
     PLACEHOLDER,
-    greedy_verify,
+    accept_greedy,
     random_draws,
     rejection_sample,
 )
@@ -120,32 +120,50 @@ def test_rows_with_fewer_drafts_take_the_bonus_at_their_last_draft() -> None:
     _assert_follows(out.token_ids[num_drafts == 0, 0], p[0])
 
 
+def _accept_greedy_rows(
+    argmax: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor
+) -> torch.Tensor:
+    """`accept_greedy` over rows laid out as a step samples them (row b: `num_drafts[b] + 1`
+    positions, one after another), padded back to `[B, k + 1]`."""
+    targets, following, row_start = [], [], []
+    for row, n in enumerate(num_drafts.tolist()):
+        row_start += [len(targets)] * (n + 1)
+        targets += argmax[row, : n + 1].tolist()
+        following += [*drafts[row, :n].tolist(), PLACEHOLDER]
+    flat = accept_greedy(np.array(targets), np.array(following), np.array(row_start)).tolist()
+    out = torch.full(argmax.shape, PLACEHOLDER)
+    for row, n in enumerate(num_drafts.tolist()):
+        out[row, : n + 1] = torch.tensor(flat[: n + 1])
+        flat = flat[n + 1 :]
+    return out
+
+
 def test_greedy_accepts_exact_matches_then_emits_the_argmax() -> None:
-    argmax = torch.tensor([[5, 1, 2, 3], [5, 1, 2, 3], [5, 1, 2, 3], [4, 4, 4, 4]])
-    drafts = torch.tensor([[5, 1, 2], [5, 0, 2], [0, 1, 2], [4, 4, 4]])
-    num_drafts = torch.tensor([3, 3, 3, 2])
-    out = greedy_verify(argmax, drafts, num_drafts)
-    assert out.num_accepted.tolist() == [3, 1, 0, 2]
-    assert out.token_ids.tolist() == [
+    argmax = torch.tensor([[5, 1, 2, 3], [5, 1, 2, 3], [5, 1, 2, 3], [4, 4, 4, 4], [2, 0, 1, 1]])
+    drafts = torch.tensor([[5, 1, 2], [5, 0, 2], [0, 1, 2], [4, 4, 4], [2, 0, 1]])
+    num_drafts = torch.tensor([3, 3, 3, 2, 0])
+    assert _accept_greedy_rows(argmax, drafts, num_drafts).tolist() == [
         [5, 1, 2, 3],  # all accepted: bonus = argmax after the last draft
         [5, 1, -1, -1],  # mismatch at 1: the argmax there replaces the draft
         [5, -1, -1, -1],
         [4, 4, 4, -1],  # two drafts: bonus at position 2
+        [2, -1, -1, -1],  # no drafts: a plain decode row
     ]
 
 
 def test_greedy_rows_in_a_sampled_batch_are_exact() -> None:
+    """`rejection_sample`'s greedy rows (of a batch with sampled rows) decide as the host's
+    greedy verification does."""
     p = _random_dists(15, (K + 1,)).expand(8, K + 1, VOCAB).contiguous()
     argmax = p.argmax(-1)
     drafts = argmax[:, :K].clone()
     drafts[4:, 1] = (drafts[4:, 1] + 1) % VOCAB  # rows 4..7: second draft wrong
     greedy = torch.ones(8, dtype=torch.bool)
+    num_drafts = torch.full((8,), K)
     out = rejection_sample(
-        p, drafts, torch.full((8,), K), None, *_randoms(8, 0), greedy=greedy,
-        target_argmax=argmax,
+        p, drafts, num_drafts, None, *_randoms(8, 0), greedy=greedy, target_argmax=argmax,
     )  # fmt: skip
-    expected = greedy_verify(argmax, drafts, torch.full((8,), K))
-    assert torch.equal(out.token_ids, expected.token_ids)
+    assert torch.equal(out.token_ids, _accept_greedy_rows(argmax, drafts, num_drafts))
     assert out.num_accepted.tolist() == [K] * 4 + [1] * 4
 
 

@@ -52,3 +52,15 @@ def test_teacher_forced_oracle_applies_its_own_verdicts(llama_dir: Path) -> None
     assert llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids == recorded
     stats = llm.engine.scheduler.spec_stats
     assert stats.num_drafts == 12 and stats.mean_acceptance_length == pytest.approx(59 / 12)
+
+
+def test_host_time_benchmark_splits_a_verify_step_into_phases(llama_dir: Path) -> None:
+    """benchmarks/spec_host_time.py: a verify step's phases are timed, it emits more than one
+    token, and its greedy verification dispatches no torch operator of its own."""
+    from benchmarks.spec_host_time import measure
+
+    verify = measure(str(llama_dir), batch=1, input_len=16, steps=24, k=3, rate=0.8)
+    assert verify["tokens_per_step"] > 1.5
+    assert {"propose", "verify", "read", "update", "schedule"} <= set(verify["phase_ms_per_step"])
+    assert verify["host_ms_per_step"] > 0
+    assert verify["torch_ops_per_step"].get("verify", 0) == 0

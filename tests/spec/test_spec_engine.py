@@ -312,3 +312,94 @@ def test_random_traffic_covers_preemption_and_mixed_drafting(adaptive_llm: LLM) 
     assert scheduler.stats.num_preemptions > 0
     chosen = scheduler.spec_stats.chosen_drafts
     assert chosen.counts[0] > 0 and sum(chosen.counts[1:]) > 0
+
+
+def test_a_greedy_verify_step_samples_as_a_decode_step_and_verifies_on_the_host(
+    llama_dir: Path, references: list[list[int]]
+) -> None:
+    """Greedy verification costs no kernels of its own: the step takes one argmax per sampled
+    position (as a decode step) and the host decides, once it reads them, which it emits."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tokenmill.runner.spec_decode import SpecDecoder
+
+    class CountOps(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            CountOps.count += 1
+            return func(*args, **(kwargs or {}))
+
+    calls = 0
+    sample = SpecDecoder.sample
+
+    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        with CountOps():
+            return sample(self, *args, **kwargs)
+
+    llm = LLM(str(llama_dir), device="cpu", speculative_config=_spec("ngram", 3))
+    SpecDecoder.sample = counted  # type: ignore[method-assign]
+    try:
+        assert _greedy_tokens(llm) == references
+    finally:
+        SpecDecoder.sample = sample  # type: ignore[method-assign]
+    assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
+    assert calls > 0 and CountOps.count <= calls  # the argmax, nothing else
+
+
+def test_greedy_settings_with_speculation_equal_plain(llama_dir: Path) -> None:
+    """Greedy rows with logprobs, penalties or min_tokens verify from the same argmax the plain
+    sampler takes (a verify position counts the drafts before it as generated). B4's oracle
+    drafts the plain run's tokens (penalties keep prompt lookup from finding any)."""
+    from tokenmill.bench.speculative import OracleProposer
+
+    prompts = [list(range(3, 10)), [11, 12, 13, 14, 11, 12, 13], [7] * 6 + [9]]  # one length
+    settings = [{"logprobs": 2}, {"repetition_penalty": 1.3, "presence_penalty": 0.5},
+                {"min_tokens": 12}]  # fmt: skip
+    params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, **s)
+              for s in settings]  # fmt: skip
+    plain = LLM(str(llama_dir), device="cpu").generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(llama_dir), device="cpu", speculative_config=_spec("ngram", 3))
+    continuations = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain,
+                                                                      strict=True)}  # fmt: skip
+    vocab = llm.config.model.vocab_size
+    llm.engine.scheduler.host_proposer = OracleProposer(3, continuations, 0.7, vocab, seed=0)
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.engine.scheduler.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    for want, got in zip(plain, spec, strict=True):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    logprobs = zip(plain[0].outputs[0].logprobs, spec[0].outputs[0].logprobs, strict=True)
+    for want_step, got_step in logprobs:
+        assert want_step.keys() == got_step.keys()
+        for token, want in want_step.items():
+            assert got_step[token].rank == want.rank
+            assert got_step[token].logprob == pytest.approx(want.logprob, abs=1e-4)
+
+
+def test_a_synchronous_step_returns_its_tokens_after_launching_the_next(llama_dir: Path) -> None:
+    """A verify step is read, applied and followed by the next step's launch before `step()`
+    returns its tokens: the caller's work on them (detokenizing, sending) overlaps the GPU."""
+    llm = LLM(str(llama_dir), device="cpu", speculative_config=_spec("ngram", 3))
+    engine = llm.engine
+    engine.add_request("r", PROMPTS[1], GREEDY)
+    req = engine._requests["r"]
+    launch = engine.runner.launch
+    applied_at_launch: list[int] = []
+
+    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+        applied_at_launch.append(len(req.output_token_ids))
+        return launch(*args, **kwargs)
+
+    engine.runner.launch = recording  # type: ignore[method-assign]
+    checked = 0
+    while engine.has_unfinished():
+        applied_at_launch.clear()
+        for out in engine.step():
+            if out.finished or len(req.output_token_ids) == len(out.new_token_ids):
+                continue  # the last step launches nothing; the first follows the prefill
+            assert applied_at_launch == [len(req.output_token_ids)]
+            checked += 1
+    assert checked > 3 and engine.scheduler.spec_stats.num_accepted_tokens > 0

@@ -25,10 +25,13 @@ N's tokens, advance the grammars and fill the masks (while the GPU runs the forw
 only then queues the sampling.
 
 So at most two steps are launched and one is unread when the scheduler runs. A plan marked
-`blocking` (a penalty counts every generated token) is read before the next step is scheduled,
-and without overlap every step is read right after its launch; so is, with speculative
-decoding, every step that may draft (`Scheduler.may_draft`: drafts continue the newest token;
-adaptive speculation lets the steps it keeps plain overlap). A request preempted while its
+`blocking` (a penalty counts every generated token; a verify decides how many tokens it
+emits) is read before the next step is scheduled, and so, with speculative decoding, is the
+step before one that may draft (`Scheduler.may_draft`: drafts continue the newest token;
+adaptive speculation lets the steps it keeps plain overlap). Such a step is still read at the
+start of the next `step()`, not at the end of its own: what the caller does with a step's
+outputs (detokenize, send) runs while the GPU computes the next step. Without overlap every
+step is read right after its launch. A request preempted while its
 token is unread waits until the token lands. Scheduling counts a row's tokens as computed
 (its KV is being written); a speculative row whose drafts are rejected gives back the rejected
 positions after reading (its KV slots stay allocated and are overwritten).
@@ -306,19 +309,28 @@ class EngineCore:
 
         With overlap scheduling the host schedules and prepares step N+1 while the GPU runs
         step N, and reads step N's tokens only after N+1 is queued, so the GPU never waits for
-        Python (the protocol: this module's docstring).
+        Python (the protocol: this module's docstring). A step N+1 needs N's tokens for
+        (blocking, or one that may draft) reads N first; either way the outputs are returned
+        after N+1 is launched.
         """
         start = time.perf_counter()
         self._waited = 0.0
         self._read = None
         outputs: list[EngineOutput] = self._admit_compiled()
         previous, self._in_flight = self._in_flight, None
+        read_first = previous is not None and previous.plan.blocking
+        if read_first:
+            assert previous is not None
+            outputs, previous = outputs + self._finish(previous), None
         # Drafts continue the newest token: a step that may draft is scheduled after every
         # generated token is read (adaptive speculation lets plain steps overlap).
-        sync = not self.config.runner.overlap_scheduling or self.scheduler.may_draft()
-        if previous is not None and (sync or previous.plan.blocking):
+        overlap = self.config.runner.overlap_scheduling
+        sync = not overlap or self.scheduler.may_draft()
+        if previous is not None and sync:
             outputs, previous = outputs + self._finish(previous), None
+            read_first = True
         batch = self.scheduler.schedule(previous.unread if previous is not None else None)
+        launched: LaunchedStep | None = None
         if batch.plan is not None:
             grammars, ahead = _grammars(batch)
             grammar_mask = None
@@ -343,29 +355,37 @@ class EngineCore:
             wait([f for _, f in self._compiling], COMPILE_WAIT_S, FIRST_COMPLETED)
         if previous is not None:
             outputs += self._finish(previous)
-        if self._in_flight is not None and sync:
+        if self._in_flight is not None and not overlap:
             outputs += self._finish(self._in_flight)
             self._in_flight = None
+            read_first = True
         # Host time of the step: everything but waiting for the GPU.
         host_seconds = time.perf_counter() - start - self._waited
         self.stats.step_seconds.observe(host_seconds)
         if self._read is not None:
-            self._measure(self._read, sync, host_seconds)
+            self._measure(self._read, read_first, host_seconds, launched)
         return outputs
 
-    def _measure(self, step: InFlight, sync: bool, host_seconds: float) -> None:
+    def _measure(
+        self, step: InFlight, sync: bool, host_seconds: float, launched: LaunchedStep | None
+    ) -> None:
         """Tell adaptive speculation what a decode or verify step of its size (the query tokens
         its forward computed, padding included) cost: its device time, plus the host's when the
-        step was synchronous (the GPU waited for the host); overlapped, the slower of the two.
-        On the CPU the host time includes the forward."""
+        step was synchronous (read before the next step, `launched`, was launched: the GPU
+        waited while the host applied it and prepared the next); overlapped, the slower of the
+        two. On the CPU the host time includes the forward pass launched by this call, which is
+        device work: taken out where the step was synchronous."""
         spec, plan = self.config.speculative, step.plan
         if spec is None or not spec.adaptive:
             return
         if not np.array_equal(plan.num_samples, plan.query_lens):
             return  # a prefill chunk's cost says nothing about decoding
         device_seconds = step.launched.forward_seconds()
-        if sync and self.runner.device.type == "cuda":
-            seconds = device_seconds + host_seconds
+        if sync:
+            cpu = self.runner.device.type != "cuda"
+            if cpu and launched is not None:  # the forward this call ran (device work)
+                host_seconds -= launched.forward_seconds()
+            seconds = device_seconds + max(host_seconds, 0.0)
         else:
             seconds = max(device_seconds, host_seconds)
         self.scheduler.step_cost.observe(step.launched.num_computed_tokens, seconds)

@@ -176,7 +176,7 @@ class Scheduler:
         k = self._max_drafts()
         if self.host_proposer is not None:
             drafts = self.host_proposer.propose(
-                [np.asarray(r.all_token_ids) for r in ready],
+                [r.token_array() for r in ready],
                 np.array([r.max_drafts(k) for r in ready]),
             )
             for row, req in enumerate(ready):
@@ -360,7 +360,7 @@ class Scheduler:
             if self.cache.has_uncached_pages(req.pages, req.num_computed_tokens):
                 self.cache.cache_computed(req.pages, req.prefix_keys(req.num_computed_tokens))
         if verified:
-            drafted, accepted = np.array(verified).T
+            drafted, accepted = zip(*verified, strict=True)
             self.spec_stats.observe(drafted, accepted)
         return touched
 

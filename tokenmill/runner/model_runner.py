@@ -28,7 +28,11 @@ from tokenmill.runner.sampler import (
     SamplerOutput,
     SamplingBatch,
 )
-from tokenmill.runner.spec_decode import SpecDecoder, device_draft_entries
+from tokenmill.runner.spec_decode import (
+    SpecDecoder,
+    device_draft_entries,
+    device_draft_positions,
+)
 from tokenmill.runner.staging import HostStaging
 from tokenmill.runner.tp_workers import TPWorkers, rank_device, share_cpu_threads
 from tokenmill.tuning_cache import open_tuning_cache
@@ -63,16 +67,6 @@ class HostBatch:
     def multimodal(self) -> bool:
         """Some token's rotary positions differ by axis (an image's): eager only."""
         return self.positions.ndim == 2
-
-
-def _device_draft_positions(plan: StepPlan) -> np.ndarray:
-    """Query token indices the draft model fills: each drafting row's last tokens, in order."""
-    assert plan.num_device_drafts is not None
-    ends = np.cumsum(plan.query_lens)
-    return np.concatenate(
-        [np.arange(e - n, e) for e, n in zip(ends, plan.num_device_drafts, strict=True) if n]
-        or [np.zeros(0, dtype=np.int64)]
-    )
 
 
 def lay_out(plan: StepPlan, page_size: int) -> HostBatch:
@@ -429,7 +423,7 @@ class ModelRunner:
         draft_src = np.full(len(host.input_ids), -1, dtype=np.int64)
         if plan.num_device_drafts is not None:
             assert self.spec is not None
-            draft_src[_device_draft_positions(plan)] = device_draft_entries(
+            draft_src[device_draft_positions(plan)] = device_draft_entries(
                 plan.num_device_drafts, self.spec.k
             )
         block = self.graphs.pack_verify(
@@ -475,7 +469,7 @@ class ModelRunner:
         draft_dst, draft_src = dst[:0], dst[:0]
         if plan.num_device_drafts is not None:
             assert self.spec is not None
-            draft_dst = _device_draft_positions(plan)
+            draft_dst = device_draft_positions(plan)
             draft_src = device_draft_entries(plan.num_device_drafts, self.spec.k)
         ids, positions, slots, q_lens, kv_lens, table, logits_index, dst_d, src_d, *drafts_d = (
             self.staging.to_device(

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tokenmill.batch import Logprob, SamplingRows
@@ -185,6 +186,8 @@ class SampledTokens:
     `start_copy` queues the device→host copy right behind the sampling kernels and records an
     event; `to_host` waits for that event only, not for steps launched after this one. Greedy
     tokens need no copy: the argmax kernel writes them to pinned host memory itself.
+    `host_verify`, where set, turns the tokens read into the step's (a greedy verify step
+    samples every position's argmax; the host decides which of them it emits).
     """
 
     token_ids: torch.Tensor  # [S]
@@ -194,6 +197,7 @@ class SampledTokens:
     top_logprobs: torch.Tensor | None = None  # [S, n]
     top_ids: torch.Tensor | None = None  # [S, n]
     host_token_ids: torch.Tensor | None = None  # [S] pinned, written by the sampling kernel
+    host_verify: Callable[[np.ndarray], np.ndarray] | None = None  # [S] read -> [S] emitted
     _host: list[torch.Tensor | None] | None = None
     _ready: torch.cuda.Event | None = None
 
@@ -232,6 +236,8 @@ class SampledTokens:
                 for rank, (token, value) in enumerate(pairs, 1):
                     entry.setdefault(token, Logprob(value, rank))
                 logprobs[row] = entry
+        if self.host_verify is not None:
+            token_list = self.host_verify(tokens.numpy()).tolist()
         return SamplerOutput(token_ids=token_list, logprobs=logprobs)
 
 

@@ -11,6 +11,7 @@ target's step (same packed inputs).
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -23,7 +24,12 @@ from tokenmill.runner.sampler import SampledTokens, Sampler, SamplingBatch, seed
 from tokenmill.runner.staging import HostStaging
 from tokenmill.spec.draft_model import DraftModelProposer
 from tokenmill.spec.proposer import Drafts
-from tokenmill.spec.rejection import greedy_verify, random_draws, rejection_sample
+from tokenmill.spec.rejection import (
+    PLACEHOLDER,
+    accept_greedy,
+    random_draws,
+    rejection_sample,
+)
 
 if TYPE_CHECKING:
     from tokenmill.runner.cuda_graphs import CudaGraphRunner, DraftLoopGraphs
@@ -38,6 +44,16 @@ def device_draft_entries(num_device_drafts: np.ndarray, k: int) -> np.ndarray:
     num = num_device_drafts[num_device_drafts > 0]
     within = np.arange(int(num.sum())) - np.repeat(np.cumsum(num) - num, num)
     return np.repeat(np.arange(len(num)) * k, num) + within
+
+
+def device_draft_positions(plan: StepPlan) -> np.ndarray:
+    """Query token indices the draft model fills: each drafting row's last tokens, in order."""
+    assert plan.num_device_drafts is not None
+    ends = np.cumsum(plan.query_lens)
+    return np.concatenate(
+        [np.arange(e - n, e) for e, n in zip(ends, plan.num_device_drafts, strict=True) if n]
+        or [np.zeros(0, dtype=np.int64)]
+    )
 
 
 class SpecDecoder:
@@ -184,7 +200,15 @@ class SpecDecoder:
         Every sampling row is verified, rows without drafts with none (a plain draw, from the
         same seeded stream the plain sampler uses). `input_ids` `[T]`: the step's query tokens
         on the device, drafts included; `batch`: the settings (and grammar masks) of the plan's
-        sampled positions."""
+        sampled positions.
+
+        When every row is greedy the step samples as a decode step does (one argmax per
+        position, penalties, masks and logprobs as the plain sampler has them), and the host
+        verifies the drafts once it reads the tokens (`GreedyVerdict`)."""
+        if batch.temperature is None:
+            sampled = self.sampler(logits, batch)
+            sampled.host_verify = self._greedy_verdict(plan)
+            return sampled
         rows = np.flatnonzero(plan.num_samples)
         counts = plan.num_samples[rows]
         num_drafts = counts - 1
@@ -208,23 +232,43 @@ class SpecDecoder:
         )  # fmt: skip
         draft_ids = input_ids[draft_pos_t]
         probs, greedy = self.sampler.distribution(logits, batch)
-        greedy = greedy[index_t]
-        if probs is None:
-            verified = greedy_verify(greedy, draft_ids, num_t)
-        else:
-            uniform, noise = random_draws(
-                len(rows), k, self.vocab_size, self.device, self.sampler.generator,
-                _generators(plan.sampling, index, counts, ACCEPT_STREAM, self.device, k),
-                _generators(plan.sampling, index, counts, 0, self.device, width),
-            )  # fmt: skip
-            verified = rejection_sample(
-                probs[index_t], draft_ids, num_t, self._draft_probs(len(rows), rows,
-                device_drafts), uniform, noise, greedy_t.bool(), greedy,
-            )  # fmt: skip
+        assert probs is not None  # some row samples (greedy steps returned above)
+        uniform, noise = random_draws(
+            len(rows), k, self.vocab_size, self.device, self.sampler.generator,
+            _generators(plan.sampling, index, counts, ACCEPT_STREAM, self.device, k),
+            _generators(plan.sampling, index, counts, 0, self.device, width),
+        )  # fmt: skip
+        verified = rejection_sample(
+            probs[index_t], draft_ids, num_t, self._draft_probs(len(rows), rows, device_drafts),
+            uniform, noise, greedy_t.bool(), greedy[index_t],
+        )  # fmt: skip
         flat = verified.token_ids[row_of_sample_t, position_t]
         if any(n is not None for n in batch.num_logprobs):
             return Sampler.with_logprobs(logits, flat.clamp(min=0), batch.num_logprobs)
         return SampledTokens(flat, batch.num_logprobs)
+
+    def _greedy_verdict(self, plan: StepPlan) -> GreedyVerdict:
+        """How the host verifies a greedy step from its argmax tokens: each sampled position
+        compares its argmax with the query token after it (a draft), except a row's last. The
+        draft model's drafts are copied to the host behind the step (read with its tokens)."""
+        counts = plan.num_samples
+        row_of_sample = np.repeat(np.arange(plan.num_rows), counts)
+        offsets = plan.sample_offsets[row_of_sample]
+        j = np.arange(plan.num_sampled) - offsets
+        # Row r samples its last counts[r] query tokens.
+        query = (np.cumsum(plan.query_lens) - counts)[row_of_sample] + j
+        compare = np.where(j < counts[row_of_sample] - 1, query + 1, -1)
+        device_drafts = None
+        if plan.num_device_drafts is not None:
+            entries = device_draft_entries(plan.num_device_drafts, self.k)
+            drafts = self.draft_tokens[: int(entries.max(initial=-1)) + 1]
+            if drafts.is_cuda:
+                host = torch.empty(drafts.shape, dtype=drafts.dtype, pin_memory=True)
+                host.copy_(drafts, non_blocking=True)
+            else:
+                host = drafts.clone()
+            device_drafts = (host, device_draft_positions(plan), entries)
+        return GreedyVerdict(plan.input_ids, compare, offsets, device_drafts)
 
     def _draft_probs(
         self, num_rows: int, rows: np.ndarray, device_drafts: tuple[np.ndarray, Drafts] | None
@@ -239,6 +283,32 @@ class SpecDecoder:
         (where,) = self.staging.to_device(np.searchsorted(rows, drafted_rows))
         q[where] = drafts.probs
         return q
+
+
+@dataclass(frozen=True)
+class GreedyVerdict:
+    """A greedy verify step's tokens from its argmax tokens, on the host (`accept_greedy`).
+
+    `input_ids` `[T]`: the step's query tokens known on the host; `compare` `[S]`: the query
+    token each sampled position's argmax is compared with (-1: none, a row's last position);
+    `row_start` `[S]`: the first position of its row; `device_drafts`: the draft model's
+    drafts (a host copy of `SpecDecoder.draft_tokens`, complete once the step's tokens are),
+    the query tokens they are and their entries in the copy.
+    """
+
+    input_ids: np.ndarray
+    compare: np.ndarray
+    row_start: np.ndarray
+    device_drafts: tuple[torch.Tensor, np.ndarray, np.ndarray] | None = None
+
+    def __call__(self, targets: np.ndarray) -> np.ndarray:
+        ids = self.input_ids
+        if self.device_drafts is not None:
+            host, at, entries = self.device_drafts
+            ids = ids.copy()
+            ids[at] = host.numpy()[entries]
+        drafts = np.where(self.compare >= 0, ids[self.compare], PLACEHOLDER)
+        return accept_greedy(targets, drafts, self.row_start)
 
 
 def _generators(

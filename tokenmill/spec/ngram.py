@@ -13,28 +13,32 @@ def longest_ngram_continuation(
     tokens: np.ndarray, min_n: int, max_n: int, max_tokens: int
 ) -> np.ndarray:
     """The tokens that followed the most recent earlier occurrence of the longest suffix of
-    `tokens` that is between `min_n` and `max_n` tokens long; empty if none occurs.
+    `tokens` that is between `min_n` (>= 1) and `max_n` tokens long; empty if none occurs.
 
-    One vectorised pass per suffix length: `run[e]` counts how many tokens ending at `e` equal
-    the suffix's last tokens, read backwards. At most `max_tokens` tokens are returned (fewer
-    when the occurrence ends near the end of `tokens`).
+    Only earlier positions holding the last token can end an occurrence, so those are the
+    candidates (a few in a long context, not every position: this runs for every row every
+    step); one vectorised pass per further suffix token: `run[c]` counts how many tokens
+    ending at candidate `c` equal the suffix's last tokens, read backwards. At most
+    `max_tokens` tokens are returned (fewer when the occurrence ends near the end of `tokens`).
     """
     length = len(tokens)
     if length < 2 or max_tokens < 1:
         return tokens[:0]
-    ends = np.arange(length - 1)  # an occurrence must end before the suffix's own last token
-    run = np.zeros(length - 1, dtype=np.int64)
-    alive = np.ones(length - 1, dtype=bool)
-    for j in range(min(max_n, length - 1)):
-        starts_ok = ends >= j
-        alive &= starts_ok & (tokens[np.maximum(ends - j, 0)] == tokens[length - 1 - j])
+    # An occurrence must end before the suffix's own last token.
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+    if len(ends) == 0:
+        return tokens[:0]
+    run = np.ones(len(ends), dtype=np.int64)
+    alive = np.ones(len(ends), dtype=bool)
+    for j in range(1, min(max_n, length - 1)):
+        alive &= (ends >= j) & (tokens[np.maximum(ends - j, 0)] == tokens[length - 1 - j])
         run += alive
         if not alive.any():
             break
     best = int(run.max())
     if best < min_n:
         return tokens[:0]
-    end = int(np.flatnonzero(run == best)[-1])  # the most recent occurrence
+    end = int(ends[np.flatnonzero(run == best)[-1]])  # the most recent occurrence
     return tokens[end + 1 : end + 1 + max_tokens]
 
 

@@ -11,6 +11,11 @@ Greedy rows accept a draft iff it equals the target's argmax, and emit the argma
 
 Shapes are fixed (`[B, k]` drafts, `[B, k + 1]` outputs, padded with `PLACEHOLDER`), rows may
 draft fewer than `k` tokens (`num_drafts`), and nothing here reads a value back to the host.
+
+Greedy steps need none of it on the device: a greedy row's whole verdict follows from the
+target's argmax at each of its positions, which the host reads anyway; `accept_greedy` decides
+it there, in numpy, once the step's tokens are read (one argmax kernel per step, as a decode
+step, instead of a dozen verification kernels between the forward pass and the read).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # Output slots after a row's last emitted token.
@@ -118,14 +124,19 @@ def random_draws(
     return uniform, noise
 
 
-def greedy_verify(
-    target_argmax: torch.Tensor, draft_token_ids: torch.Tensor, num_drafts: torch.Tensor
-) -> VerifiedTokens:
-    """Verify drafts of greedy rows only: accept while a draft equals the target's argmax
-    (`[B, k + 1]`), then emit the argmax. No probabilities, no random numbers."""
-    k = draft_token_ids.shape[1]
-    accepted = (draft_token_ids == target_argmax[:, :k]) & _drafted(num_drafts, k)
-    return _emit(accepted, draft_token_ids, target_argmax, num_drafts)
+def accept_greedy(targets: np.ndarray, drafts: np.ndarray, row_start: np.ndarray) -> np.ndarray:
+    """Greedy verification on the host, over a step's sampled positions (rows in order).
+
+    `targets` `[S]`: the target's argmax at each position; `drafts` `[S]`: the draft that
+    follows the position (the query token after it), `PLACEHOLDER` at a row's last position;
+    `row_start` `[S]`: the first position of the position's row. A row keeps its drafts while
+    each equals the argmax before it; so a position emits its argmax iff every draft before it
+    in its row was accepted, and `PLACEHOLDER` after the row's first rejection (what
+    `rejection_sample` makes of greedy rows, one token per position instead of `[B, k + 1]`).
+    """
+    rejected = drafts != targets
+    before = np.cumsum(rejected) - rejected  # rejections at earlier positions, any row
+    return np.where(before == before[row_start], targets, PLACEHOLDER)
 
 
 def _drafted(num_drafts: torch.Tensor, k: int) -> torch.Tensor:
