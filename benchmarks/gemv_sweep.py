@@ -1,12 +1,10 @@
-"""Time decode-sized GEMMs (M = 1..8 rows) as they run in a decode CUDA graph: cuBLAS vs. gemv
-(with --invariant: cuBLAS vs. deterministic mode's batch-invariant matmul instead, at any M).
+"""Time decode-sized GEMMs (M = 1..8 rows) as they run in a decode CUDA graph: cuBLAS vs. gemv.
 
 Each shape is timed as a graph of one product per layer over distinct weight copies (so the
 weights stream from HBM, not L2, as in a real decode step); the graph is replayed many times and
 the median replay divided by the number of products. Prints µs and GB/s per shape, M and kernel.
 
     python benchmarks/gemv_sweep.py --out gemv.json
-    python benchmarks/gemv_sweep.py --invariant --m 1 8 64 256 4096
 """
 
 from __future__ import annotations
@@ -18,8 +16,7 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as F
 
-from tokenmill.kernels.gemv import MAX_M, GemvConfig, gemv
-from tokenmill.kernels.invariant_matmul import invariant_matmul
+from tokenmill.kernels.gemv import GemvConfig, gemv
 from tokenmill.observability.cuda_timing import median_graph_seconds
 
 # (name, N, K) of the decode GEMMs of qwen3-0.6b and llama-3.1-8b.
@@ -66,9 +63,8 @@ def graph_seconds_per_call(fn: Callable[[int], object], layers: int) -> float:
     return median_graph_seconds(lambda: [fn(i) for i in range(layers)], replays=30) / layers
 
 
-def sweep(ms: list[int], invariant: bool = False) -> list[dict[str, object]]:
-    """Every shape x M x (cuBLAS + each gemv config, for M <= 8; with `invariant`, cuBLAS +
-    the batch-invariant matmul); returns one row per shape and M."""
+def sweep(ms: list[int]) -> list[dict[str, object]]:
+    """Every shape x M x (cuBLAS + each gemv config); returns one row per shape and M."""
     rows = []
     for name, n, k in SHAPES:
         layers = max(4, min(32, (512 << 20) // (n * k * 2)))
@@ -78,41 +74,27 @@ def sweep(ms: list[int], invariant: bool = False) -> list[dict[str, object]]:
             ref = F.linear(x.float(), weights[0].float())
             base = graph_seconds_per_call(lambda i, x=x, w=weights: F.linear(x, w[i]), layers)
             results = {}
-            for cfg in configs_for(m) if m <= MAX_M and not invariant else []:
+            for cfg in configs_for(m):
                 out = gemv(x, weights[0], cfg).float()
                 if not torch.allclose(out, ref, atol=0.05 * ref.abs().max().item(), rtol=0.02):
                     raise AssertionError(f"{name} M={m} {cfg}: wrong result")
                 results[cfg] = graph_seconds_per_call(
                     lambda i, x=x, w=weights, cfg=cfg: gemv(x, w[i], cfg), layers
                 )
+            best = min(results, key=results.__getitem__)
             gb = n * k * 2 / 1e9
-            row: dict[str, object] = {
+            rows.append({
                 "shape": name, "n": n, "k": k, "m": m, "cublas_us": base * 1e6,
-                "cublas_gbs": gb / base,
-            }  # fmt: skip
-            line = f"{name:22s} M={m}: cuBLAS {base * 1e6:7.1f} us ({gb / base:5.0f} GB/s)"
-            if results:
-                best = min(results, key=results.__getitem__)
-                row.update({
-                    "best_us": results[best] * 1e6, "best_gbs": gb / results[best],
-                    "best": vars(best),
-                    "all_us": {str(vars(c)): t * 1e6 for c, t in results.items()},
-                })  # fmt: skip
-                line += (
-                    f"  gemv {results[best] * 1e6:7.1f} us ({gb / results[best]:5.0f} GB/s) {best}"
-                )
-            if invariant:
-                out = invariant_matmul(x, weights[0]).float()
-                if not torch.allclose(out, ref, atol=0.05 * ref.abs().max().item(), rtol=0.02):
-                    raise AssertionError(f"{name} M={m} invariant_matmul: wrong result")
-                t = graph_seconds_per_call(
-                    lambda i, x=x, w=weights: invariant_matmul(x, w[i]), layers
-                )
-                row.update({"invariant_us": t * 1e6, "invariant_gbs": gb / t})
-                line += f"  invariant {t * 1e6:7.1f} us ({gb / t:5.0f} GB/s, x{t / base:.2f})"
-            rows.append(row)
-            print(line, flush=True)
-            for prefetch, defer in VARIANTS if results else ():  # each kernel variant's best
+                "cublas_gbs": gb / base, "best_us": results[best] * 1e6,
+                "best_gbs": gb / results[best], "best": vars(best),
+                "all_us": {str(vars(c)): t * 1e6 for c, t in results.items()},
+            })  # fmt: skip
+            print(
+                f"{name:22s} M={m}: cuBLAS {base * 1e6:7.1f} us ({gb / base:5.0f} GB/s)  "
+                f"gemv {results[best] * 1e6:7.1f} us ({gb / results[best]:5.0f} GB/s) {best}",
+                flush=True,
+            )
+            for prefetch, defer in VARIANTS:  # the best of each kernel variant
                 mine = {
                     c: t for c, t in results.items() if (c.prefetch, c.defer) == (prefetch, defer)
                 }
@@ -130,11 +112,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--out", default=None)
-    parser.add_argument(
-        "--invariant", action="store_true", help="time the batch-invariant matmul, not the GEMVs"
-    )
     ns = parser.parse_args()
-    rows = sweep(ns.m, ns.invariant)
+    rows = sweep(ns.m)
     if ns.out:
         with open(ns.out, "w") as f:
             json.dump(rows, f, indent=2)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call (see ../shared/device/README.md).
 # Usage on the device:
-#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|moeprofile|structured|b4|b4adaptive|spechost|tp|conformance|hostkv|startup|vl|det|detquick|all]
+#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|moeprofile|structured|b4|b4adaptive|spechost|tp|conformance|hostkv|startup|vl|det|all]
 # (gputests = the GPU engine tests and the GEMV, decode and rotary kernel tests + profile + B1;
 #  moe = the mixture-of-experts GPU and kernel tests (moetests), B1/B2 qwen3-30b-a3b with the
 #  transformers peer (moebench);
@@ -30,9 +30,6 @@
 #  det = deterministic mode (issue 30): its GPU tests, then B1 and B2 of qwen3-0.6b and
 #  llama-3.1-8b (engine args of b1/b2, no transformers peer) without and with
 #  `--engine-arg deterministic=true`, same run;
-#  detquick = the deterministic-mode GPU tests and the batch-invariant matmul's kernel tests,
-#  the matmul's time per shape and M next to cuBLAS (benchmarks/gemv_sweep.py --invariant),
-#  then B1 of qwen3-0.6b without and with deterministic mode (a few minutes);
 #  conformance = `tokenmill eval conformance` of a bf16 server on llama-3.1-8b shapes with random
 #  weights against the float32 transformers reference: the weights are written once as a
 #  checkpoint (`tokenmill eval dummy-checkpoint`, /tmp, 16 GB) that both sides load;
@@ -263,23 +260,17 @@ if [[ "$what" == vl ]]; then
     --output "$out/vl-qwen3-vl-30b-a3b.json" 2>&1 | tee "$out/vl.log" | tail -3
   grep -E "^(tokenmill|transformers):" "$out/vl.log" >> "$table"
 fi
-if [[ "$what" == det || "$what" == detquick ]]; then
+if [[ "$what" == det ]]; then
   # Deterministic mode (issue 30): its GPU tests (each check in a fresh process: cuBLAS reads
-  # its split-K setting once), then B1 and B2 without and with it, same engine args, same call
-  # (detquick: B1 of qwen3-0.6b only).
+  # its split-K setting once), then B1 and B2 without and with it, same engine args, same call.
   python3 -m pytest -q -p no:cacheprovider tests/gpu/test_determinism_gpu.py \
-    tests/determinism/test_invariant_attention.py tests/kernels/test_invariant_matmul.py 2>&1 \
-    | tee "$out/pytest-det.log" | tail -8
+    tests/determinism/test_invariant_attention.py 2>&1 | tee "$out/pytest-det.log" | tail -8
   echo "det tests: $(tail -1 "$out/pytest-det.log")" >> "$table"
-  python3 benchmarks/gemv_sweep.py --invariant --m 1 8 64 256 4096 --out "$out/invariant-mm.json" \
-    2>&1 | tee "$out/invariant-mm.log" | grep "M=" >> "$table"
   b1=(--engine-arg max_num_seqs=8 "${kv[@]}")
   b2=(--engine-arg max_num_seqs=256 --engine-arg max_num_batched_tokens=8192
     --engine-arg max_model_len=4096 "${kv2[@]}")
-  det_models=(qwen3-0.6b llama-3.1-8b) det_workloads=(b1 b2)
-  [[ "$what" == detquick ]] && det_models=(qwen3-0.6b) det_workloads=(b1)
-  for m in "${det_models[@]}"; do
-    for workload in "${det_workloads[@]}"; do
+  for m in qwen3-0.6b llama-3.1-8b; do
+    for workload in b1 b2; do
       args=("${b1[@]}"); [[ $workload == b2 ]] && args=("${b2[@]}")
       for mode in default deterministic; do
         extra=() cublas=()
@@ -292,7 +283,7 @@ if [[ "$what" == det || "$what" == detquick ]]; then
         env "${cublas[@]}" python3 -m tokenmill.entrypoints.cli --log-level WARNING bench offline \
           --config "$models/$m" --workload "$workload" --no-peer \
           --output "$out/$workload-$m-$mode.json" "${args[@]}" "${extra[@]}" > "$log" 2>&1
-        echo "$workload $m $mode: $(tail -1 "$log")" | tee -a "$table"
+        echo "$mode: $(tail -1 "$log")" | tee -a "$table"
       done
     done
   done

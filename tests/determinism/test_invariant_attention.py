@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from tokenmill.kernels.attention import invariant_attention, invariant_scratch
+from tokenmill.kernels.attention import invariant_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
@@ -37,20 +37,15 @@ class PagedKV:
         self.v = torch.randn(shape, generator=gen).to(DEVICE, dtype)
         self.table = self.table.to(DEVICE)
 
-    def run(
-        self, q: torch.Tensor, rows: list[tuple[int, int, int]], window: int | None,
-        split: bool = False,
-    ) -> torch.Tensor:  # fmt: skip
-        """Attention of `q` laid out as `rows` (sequence, query length, KV length), in order;
-        `split`: a decode batch, each part of the context in a program of its own."""
+    def run(self, q: torch.Tensor, rows: list[tuple[int, int, int]], window: int | None):
+        """Attention of `q` laid out as `rows` (sequence, query length, KV length), in order."""
         q_lens = [ql for _, ql, _ in rows]
         cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device=DEVICE)
         kv = torch.tensor([kl for _, _, kl in rows], device=DEVICE)
         table = self.table[[seq for seq, _, _ in rows]]
         scale = q.shape[-1] ** -0.5
-        scratch = invariant_scratch(len(rows), q.shape[1], q.shape[2], q.device)
         return invariant_attention(
-            q, self.k, self.v, cu, kv, table, max(q_lens), PAGE, scale, window, scratch, split
+            q, self.k, self.v, cu, kv, table, max(q_lens), PAGE, scale, window
         )
 
 
@@ -94,24 +89,8 @@ def test_a_token_gets_the_same_output_however_it_is_batched(dtype, hq, hkv, d, w
     # As decode rows (one query each) in batches of several sequences.
     for pos in (0, 64, 99):
         q = torch.cat([queries[2][2:3], queries[0][pos : pos + 1], queries[1][69:70]])
-        decode = [(2, 1, 3), (0, 1, pos + 1), (1, 1, 70)]
-        out = kv.run(q, decode, window)
+        out = kv.run(q, [(2, 1, 3), (0, 1, pos + 1), (1, 1, 70)], window)
         _same(out[1:2], whole[pos : pos + 1], reference[pos : pos + 1], dtype)
-
-
-@pytest.mark.parametrize("window", [None, 200])
-def test_decode_rows_split_over_programs_equal_one_program(window: int | None) -> None:
-    """Decode rows with every part of their context (18 key blocks: parts of one and two
-    blocks) in a program of its own, merged after, are bitwise the rows in one program each,
-    and float64's attention."""
-    lengths = [1100, 300, 5]
-    kv = PagedKV(lengths, 2, 32, torch.float32, seed=3)
-    q = torch.randn(3, 8, 32, generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    rows = [(0, 1, 1100), (1, 1, 300), (2, 1, 5)]
-    one = kv.run(q, rows, window)
-    assert torch.equal(kv.run(q, rows, window, split=True), one)
-    for i, (seq, _, kv_len) in enumerate(rows):
-        _close(one[i : i + 1], _reference(kv, q[i : i + 1], seq, kv_len, window), torch.float32)
 
 
 def _close(out: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype) -> None:

@@ -3,12 +3,11 @@ tests.gpu.determinism_cases CASE DIR`): cuBLAS reads its workspace settings once
 product, so each case starts before anything has used it. Prints one JSON object: the failures
 found (empty: none) and what was compared.
 
-Cases: `linear` (rows of `invariant_linear`, so of `kernels.invariant_matmul`, at 1..4096 rows
-against each row alone, and under each of the kernel's schedules forced, on the shapes of
-Qwen3-0.6B and Llama-3.1-8B, LM heads included; its error against float64); `engine-<family>`
-(a bfloat16 checkpoint built in DIR, CUDA graphs on: the greedy and the seeded target alone, in
-batches of 1..64 other requests, under prefill budgets 16/512/8192, after a prefix hit,
-decode-written KV reused)."""
+Cases: `linear` (rows of `invariant_linear` at 1..512 rows against each row alone, on the
+shapes of Qwen3-0.6B and Llama-3.1-8B, LM heads included); `engine-<family>` (a bfloat16
+checkpoint built in DIR, CUDA graphs on: the greedy and the seeded target alone, in batches of
+1..64 other requests, under prefill budgets 16/512/8192, after a prefix hit, decode-written KV
+reused)."""
 
 from __future__ import annotations
 
@@ -19,37 +18,27 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.kernels.invariant_matmul import GROUP, SLICE, TOTAL, invariant_matmul
 from tokenmill.layers.invariant import configure_invariant_cublas, invariant_linear
 
 # (N, K) of the products of Qwen3-0.6B and Llama-3.1-8B: q/k/v, o, gate/up, down, LM head.
 SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024),
           (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]  # fmt: skip
-ROWS = [1, 2, 3, 4, 5, 8, 9, 16, 17, 31, 64, 100, 128, 255, 256, 257, 512, 1024, 4096]
-ALONE = 512  # rows computed one at a time, compared in every product
+ROWS = [1, 2, 3, 4, 5, 8, 9, 16, 17, 31, 64, 100, 128, 255, 256, 257, 512]
 
 
 def check_linear() -> dict:
     configure_invariant_cublas()
-    failures, worst = [], 0.0
+    failures = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     for n, k in SHAPES:
         w = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
         x = torch.randn(max(ROWS), k, device="cuda", generator=gen, dtype=torch.bfloat16)
-        alone = torch.cat([invariant_linear(x[i : i + 1], w) for i in range(ALONE)])
-        ref = x[:ALONE].double() @ w.double().T
-        worst = max(worst, ((alone.double() - ref).norm() / ref.norm()).item())
+        alone = torch.cat([invariant_linear(x[i : i + 1], w) for i in range(max(ROWS))])
         for m in ROWS:
-            rows = (invariant_linear(x[:m], w)[:ALONE] != alone[: min(m, ALONE)]).any(dim=1)
+            rows = (invariant_linear(x[:m], w) != alone[:m]).any(dim=1)
             if rows.any():
                 failures.append({"shape": [n, k], "m": m, "rows_differing": int(rows.sum())})
-        for m in (8, 256):  # every schedule of the kernel, forced: the same bits
-            for level in (SLICE, GROUP, TOTAL):
-                if not torch.equal(invariant_matmul(x[:m], w, level=level), alone[:m]):
-                    failures.append({"shape": [n, k], "m": m, "level": level})
-    if worst > 1e-2:  # bfloat16 outputs: ~4e-3 relative
-        failures.append({"relative_error_vs_float64": worst})
-    return {"failures": failures, "shapes": len(SHAPES), "row_counts": ROWS, "error": worst}
+    return {"failures": failures, "shapes": len(SHAPES), "row_counts": ROWS}
 
 
 GREEDY_ARGS = {"temperature": 0, "max_tokens": 24, "ignore_eos": True, "logprobs": 3}

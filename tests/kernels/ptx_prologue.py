@@ -16,28 +16,21 @@ from triton.compiler import ASTSource
 
 from tokenmill.kernels.activation import _silu_and_mul_kernel
 from tokenmill.kernels.argmax import _argmax_kernel
-from tokenmill.kernels.attention import (
-    _decode_reduce_kernel,
-    _decode_split_kernel,
-    _invariant_kernel,
-    _invariant_merge_kernel,
-    _prefill_kernel,
-)
+from tokenmill.kernels.attention import _decode_reduce_kernel, _decode_split_kernel, _prefill_kernel
 from tokenmill.kernels.fused_moe import _down_gemv_kernel, _gate_up_gemv_kernel
 from tokenmill.kernels.gemv import _gemv_kernel
 from tokenmill.kernels.graph_inputs import _decode_inputs_kernel
-from tokenmill.kernels.invariant_matmul import _invariant_matmul_kernel
 from tokenmill.kernels.norm import _add_rms_norm_kernel
 from tokenmill.kernels.rope_store import _rope_store_kernel
 
-FP32_PTRS = {"mid_o_ptr", "mid_lse_ptr", "mid_ml_ptr", "part_ptr", "ss_ptr", "cos_ptr", "sin_ptr",
-             "part_val_ptr", "logits_ptr"}  # fmt: skip
+FP32_PTRS = {"mid_o_ptr", "mid_lse_ptr", "part_ptr", "ss_ptr", "cos_ptr", "sin_ptr", "part_val_ptr",
+             "logits_ptr"}  # fmt: skip
 INT_PTRS = {"cu_q_ptr", "kv_lens_ptr", "page_table_ptr", "positions_ptr", "slots_ptr",
             "ticket_ptr", "part_idx_ptr"}  # fmt: skip
 INT64_PTRS = {"tokens_ptr", "host_ptr"}
 INT64_KERNELS = {"decode_inputs"}  # every pointer of these is int64
 FLOAT_SCALARS = {"eps", "qk_scale"}
-UNALIGNED = FLOAT_SCALARS | {"M", "window", "split"}
+UNALIGNED = FLOAT_SCALARS | {"M", "window"}
 # Constexprs of each kernel (USE_PDL is set for all), as the decode path of a
 # qwen3-like layer uses them.
 KERNELS = {
@@ -47,14 +40,9 @@ KERNELS = {
         HQ=16, HKV=8, D=128, PAGE=16, SPLITS=16, BLOCK_G=16, BLOCK_N=64, HAS_WINDOW=False,
         EARLY_KV=early)) for name, early in (("decode_split", True), ("decode_split_late", False))},
     "decode_reduce": (_decode_reduce_kernel, dict(HQ=16, D=128, SPLITS=16, BLOCK_S=16)),
-    "invariant_attention": (_invariant_kernel, dict(
-        HQ=16, HKV=8, D=128, PAGE=16, BLOCK_M=16, BLOCK_N=64, SPLITS=16, HAS_WINDOW=True)),
-    "invariant_merge": (_invariant_merge_kernel, dict(HQ=16, D=128, SPLITS=16, BLOCK_H=16)),
     "gemv": (_gemv_kernel, dict(
         BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, SPLIT_K=4, GATED=False, NORM=True, HAS_RES=True,
         PREFETCH=2, DEFER=True)),
-    "invariant_matmul": (_invariant_matmul_kernel, dict(
-        BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, LEVEL=0, PARTIALS=True, HAS_BIAS=True)),
     "add_rms_norm": (_add_rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=1024)),
     "rope_store": (_rope_store_kernel, dict(HQ=16, HKV=8, D=128, BLOCK_G=2, QK_NORM=True)),
     "silu_and_mul": (_silu_and_mul_kernel, dict(BLOCK=1024)),

@@ -7,13 +7,7 @@ import torch
 from tokenmill.attention.backend import AttentionBackend, AttentionInputs, QKNorm
 from tokenmill.cache.kv_cache import KVCache
 from tokenmill.config import ModelConfig
-from tokenmill.kernels.attention import (
-    decode_attention,
-    invariant_attention,
-    invariant_scratch,
-    invariant_split_rows,
-    prefill_attention,
-)
+from tokenmill.kernels.attention import decode_attention, invariant_attention, prefill_attention
 from tokenmill.kernels.rope_store import rope_and_store
 from tokenmill.layers.rotary import RotaryEmbedding
 
@@ -62,23 +56,16 @@ class FusedStoreBackend(AttentionBackend):
 
 class TritonAttentionBackend(FusedStoreBackend):
     """Decode batches use split-KV decode; any batch with a multi-token query uses prefill.
-    Deterministic mode runs every batch through `invariant_attention` (decode batches of few
-    sequences with each part of the context in a program of its own)."""
+    Deterministic mode runs every batch through `invariant_attention`."""
 
     def __init__(
         self, model: ModelConfig, kv_cache: KVCache, max_num_seqs: int, deterministic: bool = False
     ) -> None:
         super().__init__(model, kv_cache, max_num_seqs, deterministic)
         device = kv_cache.k[0].device
-        if deterministic:  # decode batches up to `_split_rows` sequences split the context
-            self._split_rows = min(max_num_seqs, invariant_split_rows(device, model.num_kv_heads))
-            self._scratch = invariant_scratch(
-                self._split_rows, model.num_heads, model.head_dim, device
-            )
-        else:
-            shape = (max_num_seqs, model.num_heads, decode_splits(device))
-            self._mid_o = torch.empty((*shape, model.head_dim), dtype=torch.float32, device=device)
-            self._mid_lse = torch.empty(shape, dtype=torch.float32, device=device)
+        shape = (max_num_seqs, model.num_heads, decode_splits(device))
+        self._mid_o = torch.empty((*shape, model.head_dim), dtype=torch.float32, device=device)
+        self._mid_lse = torch.empty(shape, dtype=torch.float32, device=device)
 
     def plan(self, inputs: AttentionInputs) -> None:
         self._inputs = inputs
@@ -95,10 +82,9 @@ class TritonAttentionBackend(FusedStoreBackend):
         k_cache, v_cache = self._cache(layer)
         inputs, ps, window = self._inputs, self.kv_cache.page_size, self.model.sliding_window
         if self.deterministic:
-            split = self._decode and inputs.kv_lens.shape[0] <= self._split_rows
             return invariant_attention(
                 q, k_cache, v_cache, inputs.cu_query_lens, inputs.kv_lens, inputs.page_table,
-                self._max_q_len, ps, self.scale, window, self._scratch, split,
+                self._max_q_len, ps, self.scale, window,
             )  # fmt: skip
         if self._decode:
             return decode_attention(

@@ -16,7 +16,6 @@ try:
     from tokenmill.kernels.argmax import argmax_rows
     from tokenmill.kernels.fused_moe import fused_moe
     from tokenmill.kernels.gemv import gemv, norm_gemv
-    from tokenmill.kernels.invariant_matmul import invariant_matmul
     from tokenmill.kernels.norm import rms_norm
 except ImportError:  # triton is not installed
 
@@ -28,7 +27,6 @@ except ImportError:  # triton is not installed
     fused_moe: Callable[..., Any] = _missing  # type: ignore[no-redef]
     rms_norm: Callable[..., Any] = _missing  # type: ignore[no-redef]
     gemv: Callable[..., Any] = _missing  # type: ignore[no-redef]
-    invariant_matmul: Callable[..., Any] = _missing  # type: ignore[no-redef]
     norm_gemv: Callable[..., Any] = _missing  # type: ignore[no-redef]
 
 
@@ -39,7 +37,6 @@ __all__ = [
     "fused_moe",
     "fused_silu_and_mul",
     "gemv",
-    "invariant_matmul",
     "norm_gemv",
     "rms_norm",
 ]

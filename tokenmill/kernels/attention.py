@@ -139,50 +139,19 @@ def prefill_attention(
 
 
 @triton.jit
-def _block_state(q, k, v, keep, qk_scale):
-    """The softmax state of one block of keys `k` / values `v` (where `keep`): its max, its
-    normaliser and its unnormalised output (base-2 exponentials)."""
-    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-    s = tl.where(keep, s, float("-inf"))
-    m = tl.max(s, axis=1)
-    p = tl.math.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None])
-    return m, tl.sum(p, axis=1), tl.dot(p.to(v.dtype), v, input_precision="ieee")
-
-
-@triton.jit
-def _merge(m, den, acc, m_c, l_c, acc_c):
-    """Fold a softmax state `(m_c, l_c, acc_c)` (max, normaliser, unnormalised output) into
-    `(m, den, acc)`. Products and sums are explicit FMAs, so every kernel that merges computes
-    the same bits; an empty state (`m_c` -inf, zeros) changes nothing."""
-    m_new = tl.maximum(m, m_c)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    a = tl.math.exp2(m - m_safe)
-    b = tl.math.exp2(m_c - m_safe)
-    den = tl.fma(den, a, l_c * b)
-    acc = tl.fma(acc, a[:, None], acc_c * b[:, None])
-    return m_new, den, acc
-
-
-@triton.jit(do_not_specialize=["split"])  # a split of 1 must not compile a kernel of its own
 def _invariant_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_ml_ptr, cu_q_ptr, kv_lens_ptr,
-    page_table_ptr, stride_pt, qk_scale, window, split,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, kv_lens_ptr, page_table_ptr,
+    stride_pt, qk_scale, window,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # One program: BLOCK_M (query token, head) rows of one key/value head, tokens major, so a
     # decode row's whole query-head group shares one read of its K/V (like split decode).
-    # Each block of BLOCK_N keys is a softmax of its own, folded into part p = block % SPLITS;
-    # the parts are then merged in order p = 0 .. SPLITS - 1. `split` (decode batches: one
-    # query per sequence) gives each part its own program (grid axis 2), which stores the
-    # part's state for `_invariant_merge_kernel`; else one program runs every part and merges.
-    # One binary either way, so a part's state has the same bits in both.
     pdl_wait(USE_PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
+    mblk = tl.program_id(2)
     group: tl.constexpr = HQ // HKV
-    mblk = tl.where(split != 0, 0, tl.program_id(2))
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
     if mblk * BLOCK_M >= q_len * group:
@@ -203,95 +172,17 @@ def _invariant_kernel(
     lo = 0
     if HAS_WINDOW:  # blocks before the tile's first query's window: masked for every row
         lo = tl.maximum(prefix + (mblk * BLOCK_M) // group - window + 1, 0) // BLOCK_N * BLOCK_N
-    first_part = tl.where(split != 0, tl.program_id(2), 0)
-    # Parts past the tile's last block are empty (no-ops) unless a program must store them.
-    last_part = tl.where(split != 0, first_part + 1, tl.minimum(SPLITS, tl.cdiv(hi, BLOCK_N)))
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    den = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for part in range(first_part, last_part):
-        m_p = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_p = tl.zeros([BLOCK_M], tl.float32)
-        acc_p = tl.zeros([BLOCK_M, D], tl.float32)
-        # The part's blocks from the window's start (earlier ones: empty states, no-ops).
-        first = (lo // BLOCK_N + SPLITS - 1 - part) // SPLITS * SPLITS + part
-        for start in range(first * BLOCK_N, hi, SPLITS * BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            valid = offs_n < kv_len
-            k = _kv_block(k_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
-            v = _kv_block(v_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
-            keep = (offs_n[None, :] <= q_pos[:, None]) & valid[None, :]
-            if HAS_WINDOW:
-                keep &= offs_n[None, :] > q_pos[:, None] - window
-            m_c, l_c, acc_c = _block_state(q, k, v, keep, qk_scale)
-            m_p, l_p, acc_p = _merge(m_p, l_p, acc_p, m_c, l_c, acc_c)
-        if split != 0:  # decode: one row per head of the group
-            row = (seq.to(tl.int64) * HQ + heads) * SPLITS + part
-            g_mask = r < group
-            tl.store(mid_o_ptr + row[:, None] * D + offs_d[None, :], acc_p, mask=g_mask[:, None])
-            tl.store(mid_ml_ptr + row * 2, m_p, mask=g_mask)
-            tl.store(mid_ml_ptr + row * 2 + 1, l_p, mask=g_mask)
-        else:
-            m, den, acc = _merge(m, den, acc, m_p, l_p, acc_p)
-    if split == 0:
-        out = acc / tl.where(den == 0.0, 1.0, den)[:, None]
-        tl.store(out_ptr + q_offs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
-
-
-@triton.jit
-def _invariant_merge_kernel(
-    mid_o_ptr, mid_ml_ptr, out_ptr, HQ: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-    BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
-    # The parts of each of a decode row's heads, merged in order as `_invariant_kernel` does.
-    pdl_wait(USE_PDL)
-    seq = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_mask = heads < HQ
-    offs_d = tl.arange(0, D)
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    den = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D], tl.float32)
-    for part in range(0, SPLITS):
-        row = (seq * HQ + heads) * SPLITS + part
-        m_p = tl.load(mid_ml_ptr + row * 2, mask=h_mask, other=float("-inf"))
-        l_p = tl.load(mid_ml_ptr + row * 2 + 1, mask=h_mask, other=0.0)
-        acc_p = tl.load(mid_o_ptr + row[:, None] * D + offs_d[None, :], mask=h_mask[:, None],
-                        other=0.0)  # fmt: skip
-        m, den, acc = _merge(m, den, acc, m_p, l_p, acc_p)
-    out = acc / tl.where(den == 0.0, 1.0, den)[:, None]
-    offs = (seq * HQ + heads)[:, None] * D + offs_d[None, :]
-    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+    out = _attend_causal(
+        q, q_pos, lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh, offs_d,
+        qk_scale, BLOCK_M, BLOCK_N, PAGE, HKV, D, HAS_WINDOW,
+    )  # fmt: skip
+    tl.store(out_ptr + q_offs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 
 
 # Rows of (query token, head) per program of `invariant_attention`: one size for every batch,
 # so every row takes the same tensor-core instructions (16: below the 64 rows of Hopper's
 # warp-group MMA, whatever the batch).
 INVARIANT_BLOCK_M = 16
-# Parts a context's key blocks are dealt into (block i to part i % 16), merged in order: a
-# decode batch may give each part a program of its own; any other batch merges them in one.
-INVARIANT_SPLITS = 16
-
-
-def invariant_split_rows(device: torch.device, hkv: int) -> int:
-    """Decode batches of up to this many sequences give each part a program of its own in
-    `invariant_attention`: below two programs per SM otherwise. None on the CPU (Triton's
-    interpreter runs programs one after another: more would only add a merge)."""
-    if device.type != "cuda":
-        return 0
-    return max(1, 2 * _one_wave(device) // hkv)
-
-
-def invariant_scratch(
-    rows: int, hq: int, d: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 scratch of `invariant_attention` for decode batches of up to `rows` sequences:
-    each part's output `[rows, Hq, INVARIANT_SPLITS, D]`, max and normaliser `[.., 2]`."""
-    shape = (rows, hq, INVARIANT_SPLITS)
-    return (
-        torch.empty((*shape, d), dtype=torch.float32, device=device),
-        torch.empty((*shape, 2), dtype=torch.float32, device=device),
-    )
 
 
 def invariant_attention(
@@ -305,47 +196,25 @@ def invariant_attention(
     page_size: int,
     scale: float,
     window: int | None,
-    scratch: tuple[torch.Tensor, torch.Tensor],
-    split: bool = False,
 ) -> torch.Tensor:
     """Causal attention over paged K/V, as `prefill_attention` (decode rows are sequences of one
-    query), computed so that a query's output depends only on its own query, keys and values.
-
-    Every (token, head) row takes each block of 64 keys as a softmax of its own (blocks past
-    the row, there for other rows, are masked whole: empty states), folds block i into part
-    i % INVARIANT_SPLITS in order, and merges the parts in order; programs have one fixed
-    shape. So a token gets bitwise the same output decoded alone, in any batch, or in any
-    prefill chunk, and its K/V (and with them later tokens) are the same whichever way they
-    were computed. `split`, for a decode batch (one query per sequence, at most as many as
-    `scratch` (`invariant_scratch`) holds): each part in a program of its own, then a merge —
-    more programs for few sequences, the same bits. The scratch is passed either way, so both
-    run one compiled kernel.
+    query), computed so that a query's output depends only on its own query, keys and values:
+    every (token, head) row folds in its keys in blocks of 64 from position 0 (blocks past it,
+    there for other rows, are masked and change nothing) in programs of one fixed shape. So a
+    token gets bitwise the same output decoded alone, in any batch, or in any prefill chunk,
+    and its K/V (and with them later tokens) are the same whichever way they were computed.
     """
     _tokens, hq, d = q.shape
     hkv = k_cache.shape[-2]
     out = torch.empty_like(q)
-    group = hq // hkv
-    batch = kv_lens.shape[0]
-    mid_o, mid_ml = scratch
-    if split and (max_q_len != 1 or group > INVARIANT_BLOCK_M or batch > mid_o.shape[0]):
-        raise ValueError(
-            f"invariant_attention splits decode batches of up to {mid_o.shape[0]} sequences "
-            f"with at most {INVARIANT_BLOCK_M} heads per KV head; got {batch} sequences, "
-            f"queries of up to {max_q_len}, {group} heads per KV head"
-        )
-    blocks = INVARIANT_SPLITS if split else triton.cdiv(max_q_len * group, INVARIANT_BLOCK_M)
-    pdl = pdl_options(q.device)
-    _invariant_kernel[(batch, hkv, blocks)](
-        q, k_cache, v_cache, out, mid_o, mid_ml, cu_q, kv_lens, page_table, page_table.stride(0),
-        scale * _LOG2E, window or 0, int(split),
+    rows = max_q_len * (hq // hkv)
+    grid = (kv_lens.shape[0], hkv, triton.cdiv(rows, INVARIANT_BLOCK_M))
+    _invariant_kernel[grid](
+        q, k_cache, v_cache, out, cu_q, kv_lens, page_table, page_table.stride(0),
+        scale * _LOG2E, window or 0,
         HQ=hq, HKV=hkv, D=d, PAGE=page_size, BLOCK_M=INVARIANT_BLOCK_M, BLOCK_N=64,
-        SPLITS=INVARIANT_SPLITS, HAS_WINDOW=window is not None, num_warps=4, num_stages=2, **pdl,
+        HAS_WINDOW=window is not None, num_warps=4, num_stages=2, **pdl_options(q.device),
     )  # fmt: skip
-    if split:
-        block_h = min(16, triton.next_power_of_2(hq))
-        _invariant_merge_kernel[(batch, triton.cdiv(hq, block_h))](
-            mid_o, mid_ml, out, HQ=hq, D=d, SPLITS=INVARIANT_SPLITS, BLOCK_H=block_h, **pdl,
-        )  # fmt: skip
     return out
 
 

@@ -2,18 +2,17 @@
 
 A BLAS picks its kernel, blocking and K split by the matrix shape, so one row of `x @ W^T` can
 round differently in a batch of 1, of 7 and of 300 (measured on the CPU: MKL's float32 GEMM
-differs for every M tried, `tests/determinism/test_invariant_ops.py`; on an H200, cuBLAS even
-with split-K off: it picks other kernels and tiles by M). Deterministic mode
+differs for every M tried, `tests/determinism/test_invariant_ops.py`). Deterministic mode
 (`--deterministic`) sends every product of the model through `invariant_linear`:
 
 - **CPU**: `x` is cut into tiles of `TILE_ROWS` rows (the last padded with zeros) and
   multiplied as one batched product of identical `[TILE_ROWS, K] x [K, N]` shapes, so every
   row goes through the same kernel with the same blocking, wherever it sits in its tile.
-- **CUDA**: `kernels.invariant_matmul`, a Triton matmul whose tile shape (so tensor-core
-  instruction) and K split are fixed by the weight's shape, and whose partial sums are added
-  in a fixed order: split-K programs for decode, the same sums in one program for prefill.
-  `configure_invariant_cublas` still makes cuBLAS split-K-free for any product outside the
-  model's layers (it is not batch-invariant even so: the model's layers do not use it).
+- **CUDA**: cuBLAS with split-K off (`configure_invariant_cublas` gives it no workspace) and
+  reduced-precision reductions off. The settings are read when a process first uses cuBLAS, so
+  they must be made before that. Not enough: on an H200 cuBLAS still picks its kernel by the
+  row count at real model shapes, so rows can round differently in different batches (see
+  docs/architecture.md, "Deterministic mode", known gap).
 """
 
 from __future__ import annotations
@@ -24,8 +23,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-
-from tokenmill.kernels import invariant_matmul
+from torch.nn import functional as F
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +39,7 @@ HALF_TILE_ROWS = 4
 # runs each piece, all of it through the vectorised loop.
 POINTWISE_PIECE = 16384
 
-# cuBLAS without a workspace cannot split K (vLLM's batch-invariant settings for Hopper); it
-# still picks its kernel by M, so the model's products do not go through it.
+# cuBLAS without a workspace cannot split K (vLLM's batch-invariant settings for Hopper).
 _CUBLAS_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1"}
 
 
@@ -51,7 +48,7 @@ def invariant_linear(
 ) -> torch.Tensor:
     """`x @ weight.T (+ bias)` with each row's result independent of the other rows of `x`."""
     if x.is_cuda:
-        return invariant_matmul(x, weight, bias)
+        return F.linear(x, weight, bias)
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     rows, k = flat.shape
@@ -93,10 +90,9 @@ def invariant_pointwise(
 
 
 def configure_invariant_cublas() -> None:
-    """Make this process's cuBLAS products closer to batch-invariant: no split-K (no workspace),
-    no reduced-precision reductions (the model's own products use `invariant_matmul`). Warns
-    when CUDA was in use before and the variables were not set by the caller: cuBLAS may have
-    read the old ones already."""
+    """Make this process's cuBLAS products batch-invariant: no split-K (no workspace), no
+    reduced-precision reductions. Warns when CUDA was in use before and the variables were not
+    set by the caller: cuBLAS may have read the old ones already."""
     missing = {k: v for k, v in _CUBLAS_ENV.items() if os.environ.get(k) != v}
     if missing and torch.cuda.is_initialized():
         logger.warning(
