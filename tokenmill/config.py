@@ -9,14 +9,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from tokenmill.intake import ContextLimits
 from tokenmill.models.registry import MODEL_REGISTRY
 from tokenmill.sampling_params import SamplingDefaults
 from tokenmill.tuning_cache import default_tuning_cache_dir
 
 if TYPE_CHECKING:
+    import torch
+
     from tokenmill.spec.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
@@ -36,12 +36,14 @@ _QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *_VISION_AR
 # bias comes without one, Mistral has none).
 _O_PROJ_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
+# Names of torch dtypes (`torch.<name>`); torch itself is imported where a dtype is made, so that
+# `tokenmill serve` parses its command line and starts the engine core before importing it.
 _DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
 }
 
 # The embedded default model (README: "The embedded demo model") and its draft model.
@@ -62,13 +64,15 @@ def cpu_has_bf16_instructions() -> bool:
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     """Map a dtype name ("float32", "bfloat16", "float16") to a torch dtype."""
+    import torch
+
     if isinstance(name, torch.dtype):
-        if name not in _DTYPES.values():
+        if str(name).removeprefix("torch.") not in _DTYPES.values():
             raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {name}")
         return name
     if name not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}, got {name!r}")
-    return _DTYPES[name]
+    return getattr(torch, _DTYPES[name])
 
 
 @dataclass(frozen=True)
@@ -729,6 +733,8 @@ class EngineArgs:
             raise ValueError("model must be a checkpoint directory, got ''")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        import torch
+
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         # A GPU's step is cheap next to its host time only when it is large: the batch and
         # chunk sizes vLLM and SGLang default to on data-centre GPUs; a CPU's steps are slow.
@@ -807,6 +813,8 @@ class EngineArgs:
             return
         check_tensor_parallel(model, tp)
         if device.startswith("cuda"):
+            import torch
+
             first = int(device.partition(":")[2] or 0)
             count = torch.cuda.device_count()
             if first + tp > count:

@@ -20,13 +20,13 @@ import multiprocessing
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.core_process import run_engine_core
+from tokenmill.entrypoints.early_engine import ENGINE_PROCESS_NAME, engine_core_main
 from tokenmill.entrypoints.engine_client import EngineClient
 from tokenmill.entrypoints.fork_server import start_fork_server
 from tokenmill.ipc.sockets import Addresses
@@ -72,9 +72,9 @@ def server_workers(
     server = os.getpid()
     specs = [
         WorkerSpec(
-            "engine-core",
+            ENGINE_PROCESS_NAME,
             WorkerKind.ENGINE,
-            run_engine_core,
+            engine_core_main,
             (config, addresses, log_level, server),
         ),
         WorkerSpec(
@@ -105,12 +105,14 @@ class Supervisor:
         client: EngineClient,
         restart_engine: bool,
         on_fatal: Callable[[str], None],
+        started: Mapping[str, BaseProcess] | None = None,
     ) -> None:
+        """`started`: workers already running, by name (`early_engine`), adopted, not started."""
         self.specs = specs
         self.client = client
         self.restart_engine = restart_engine
         self.on_fatal = on_fatal
-        self.procs: dict[str, BaseProcess] = {}
+        self.procs: dict[str, BaseProcess] = dict(started or {})
         self.restarts = 0
         self.failed = False
         # `start` runs in a thread of its own (`run`): `stop` waits for it to finish.
@@ -140,12 +142,14 @@ class Supervisor:
         await self.watch()
 
     def start(self) -> None:
-        """Start every worker, the engine core first (it takes the longest to be ready)."""
+        """Start every worker not running already, the engine core first (it takes the longest
+        to be ready)."""
         with self._starting:
             for spec in self.specs:
                 if self.failed:  # stopping already: start no more
                     return
-                self._spawn(spec)
+                if spec.name not in self.procs:
+                    self._spawn(spec)
 
     def _spawn(self, spec: WorkerSpec) -> BaseProcess:
         ctx = self._spawned if spec.kind is WorkerKind.ENGINE else self._forked
@@ -214,7 +218,7 @@ class Supervisor:
         self.failed = True  # deaths from here on are expected
         with self._starting:
             self.client.shutdown_engine()
-            engine = self.procs.get("engine-core")
+            engine = self.procs.get(ENGINE_PROCESS_NAME)
             if engine is not None:
                 engine.join(timeout=STOP_TIMEOUT_S)
             for proc in self.procs.values():
