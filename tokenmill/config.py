@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -45,6 +46,9 @@ _DTYPES = {
     "float16": "float16",
     "half": "float16",
 }
+
+# Default of `--tuning-threads`: a cold start compiles ~45 GEMV candidates (~0.4 s each).
+TUNING_THREADS = 8
 
 # The embedded default model (README: "The embedded demo model") and its draft model.
 ASSETS_DIR = Path(__file__).parent / "assets"
@@ -484,6 +488,7 @@ class RunnerConfig:
     overlap_scheduling: bool = True
     gpu_memory_utilization: float = 0.9
     tuning_cache_dir: str = ""  # where start-up tuning decisions are kept ("": nowhere)
+    tuning_threads: int = 1  # threads compiling the tuning's candidate kernels side by side
     encoder_cache_tokens: int = 16384  # image tokens of vision-encoder outputs kept
     # Batch-invariant kernels: a request's logits do not depend on the rest of its batch.
     deterministic: bool = False
@@ -498,6 +503,8 @@ class RunnerConfig:
             )
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.tuning_threads < 1:
+            raise ValueError(f"tuning_threads must be >= 1, got {self.tuning_threads}")
         if self.cuda_graph_max_prefill_tokens < 0:
             raise ValueError(
                 "cuda_graph_max_prefill_tokens must be >= 0, got "
@@ -726,6 +733,13 @@ class EngineArgs:
         "reads them instead of measuring again; an empty string keeps none.",
         default_help="$XDG_CACHE_HOME/tokenmill/tuning, else ~/.cache/tokenmill/tuning",
     )
+    tuning_threads: int = option(
+        TUNING_THREADS,
+        "Threads that compile and check the start-up GEMV tuning's candidate kernels side by "
+        "side, when the tuning cache does not hold a shape (Triton's compiler leaves Python's "
+        "lock for most of its work); 1 compiles them one by one.",
+        default_help=f"{TUNING_THREADS}, or the CPUs if fewer",
+    )
 
     def create_engine_config(self) -> EngineConfig:
         """Validate the options and resolve defaults into an `EngineConfig`."""
@@ -751,6 +765,7 @@ class EngineArgs:
             tuning_cache_dir=default_tuning_cache_dir()
             if self.tuning_cache_dir is None
             else self.tuning_cache_dir,
+            tuning_threads=min(self.tuning_threads, os.cpu_count() or 1),
             encoder_cache_tokens=self.encoder_cache_tokens,
         )
         model = ModelConfig.from_pretrained(self.model, self.dtype)
