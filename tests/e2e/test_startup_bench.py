@@ -32,8 +32,9 @@ def test_start_is_timed_to_its_first_completion_and_the_engine_starts_beside_the
     # From the server process's start to ready, which the client sees a poll (50 ms) later.
     assert phases["total"] == pytest.approx(times.ready_s, abs=1.0)
     assert sum(phases[p] for p in server_phases) == pytest.approx(phases["total"], abs=0.01)
-    # The engine core started ahead of the server's imports: it ran beside them, so its
-    # start-up is longer than the server's wait for it, and fits in the total.
-    engine_s = sum(phases[p] for p in engine_phases)
-    assert phases["waiting_for_engine"] + 0.5 < engine_s <= phases["total"]
+    # The engine core started first, before the server's imports, and its start-up fits in
+    # the total (how much it overlaps depends on the machine's free cores).
+    assert sum(phases[p] for p in engine_phases) <= phases["total"]
+    log = (tmp_path / "log").read_text()
+    assert log.index("started engine-core") < log.index("Started server process")  # uvicorn's
     assert server.stop() == 0  # stopped on leaving, gracefully
