@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import triton
 from torch.nn import functional as F
 
 from tokenmill.kernels import GemvConfig, InputNorm, fused_silu_and_mul, gemv, norm_gemv, rms_norm
@@ -208,7 +209,11 @@ def fastest_gemv(
         with on_device:
             return matches_cublas(lambda: run(w0, choice, residual.clone()), expected, choice)
 
-    ticket_buffer(w0.device, 0)  # made once, before threads could race to make it
+    # Made once, here, before the threads could race to make them: the ticket buffer, and
+    # Triton's driver (built on its first use, with a C helper compiled on a first start).
+    ticket_buffer(w0.device, 0)
+    if w0.is_cuda:
+        triton.runtime.driver.active.get_current_device()
     with ThreadPoolExecutor(max(1, min(threads, len(candidates)))) as pool:
         checked = list(pool.map(correct, candidates))
     best, best_s = None, MARGIN * cublas_s
