@@ -1,6 +1,6 @@
 """The start-up benchmark's clock on a real `tokenmill serve` (benchmarks/startup.py times every
-start this way): it listens before it is ready, the api server's phases add up to its start-up,
-and the engine core's ran beside them."""
+start this way): it listens no later than it is ready, the api server's phases add up to its
+start-up, and the engine core's ran beside them."""
 
 from __future__ import annotations
 
@@ -24,8 +24,10 @@ def test_start_is_timed_to_its_first_completion_and_the_engine_starts_beside_the
     ):
         phases = server.startup_phases()
         assert httpx.get(server.base_url + "/health").status_code == 200
-    # The server answered /health (with 503: not ready) before the engine had loaded the model.
-    assert 0 < times.listening_s < times.ready_s <= times.first_completion_s
+    # The server answers /health from when it listens (503 until the engine is ready; the
+    # engine core, started first, may be ready by then: 503 before ready is
+    # tests/reliability/test_startup.py's).
+    assert 0 < times.listening_s <= times.ready_s <= times.first_completion_s
     server_phases = {"server_imports", "server_setup", "waiting_for_engine"}
     engine_phases = {"engine_imports", "engine_config", "load_weights", "kv_cache", "engine_setup"}
     assert server_phases | engine_phases | {"total"} == phases.keys()

@@ -39,7 +39,7 @@ from transformers import PreTrainedTokenizerBase
 import tokenmill
 from tokenmill.config import EngineArgs, EngineConfig
 from tokenmill.entrypoints import openai_responses as oai
-from tokenmill.entrypoints.early_engine import EarlyEngine
+from tokenmill.entrypoints.early_start import EarlyStart
 from tokenmill.entrypoints.engine_client import ChoiceOutput, EngineClient, RequestFailed
 from tokenmill.entrypoints.protocol import (
     ChatCompletionRequest,
@@ -798,7 +798,7 @@ async def _await_engine(state: ServerState) -> None:
         return  # a worker died: the supervisor has said so and is ending the server
     stats = state.client.stats
     engine_phases = stats.startup_seconds if stats is not None else {}
-    # The engine core starts beside the server (`early_engine`): after its own set-up, the
+    # The engine core starts beside the server (`early_start`): after its own set-up, the
     # server waits for it, and the engine's phases say where that time went.
     state.startup.rest("waiting_for_engine")
     total = state.startup.elapsed
@@ -843,14 +843,14 @@ class _Server(uvicorn.Server):
 
 def serve(
     engine: EngineArgs, options: ServerOptions, log_level: str = "INFO",
-    early: EarlyEngine | None = None,
+    early: EarlyStart | None = None,
 ) -> int:  # fmt: skip
     """Start the worker processes and serve HTTP until SIGTERM/SIGINT; returns an exit code.
 
     The port is bound first, so that a port in use fails in a second, not after the model loads;
     the server answers from before the model loads (503 until it is ready). `early`: the engine
-    core, started already from `engine` (with the addresses of the other processes), which the
-    server adopts instead of starting one.
+    core and the detokenizer, started already from `engine` (with the addresses of the other
+    processes), which the server adopts instead of starting them.
     """
     startup = StartupTimer(started_ago=process_age())
     startup.rest("server_imports")  # Python, torch, transformers, FastAPI
@@ -883,7 +883,7 @@ def serve(
         )
         server = _Server(_uvicorn_config(build_app(state), options), state)
         workers = server_workers(config, addresses, tokenizer_path, log_level, chat_template)
-        started = {early.process.name: early.process} if early else {}
+        started = early.processes if early else None
         state.supervisor = Supervisor(
             workers, state.client, options.restart_engine, server.fail, started
         )

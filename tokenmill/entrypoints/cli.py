@@ -460,20 +460,18 @@ def _serve(ns: argparse.Namespace) -> int:
     deploy = options_from(ns, DeployOptions)
     if deploy.enabled:
         return _serve_replicas(engine_args_from(ns), options, deploy)
-    from tokenmill.entrypoints.early_engine import start_engine_core
-    from tokenmill.entrypoints.fork_server import start_fork_server
+    from tokenmill.entrypoints.early_start import start_early
 
-    # The engine core and the fork server of the tokenizer workers start first: their imports
-    # and the model's loading run beside the api server's imports (seconds each).
+    # The engine core, the fork server of the tokenizer workers and the detokenizer start
+    # first: their imports and the model's loading run beside the api server's (seconds each).
     engine = engine_args_from(ns)
-    early = start_engine_core(engine, options.num_tokenizer_workers, ns.log_level)
+    early = start_early(engine, options.num_tokenizer_workers, ns.log_level)
     try:
-        start_fork_server()
         from tokenmill.entrypoints.api_server import serve
 
         code = serve(engine, options, ns.log_level, early)
     finally:
-        early.stop()  # the server stopped it, unless it failed before adopting it
+        early.stop()  # the server stopped them, unless it failed before adopting them
     # The interpreter's last garbage collections walk every object torch and transformers made,
     # seconds on a busy machine while an orchestrator waits for the exit code; exiting, nothing
     # needs collecting.

@@ -26,11 +26,15 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from tokenmill.config import EngineConfig
-from tokenmill.entrypoints.early_engine import ENGINE_PROCESS_NAME, engine_core_main
+from tokenmill.entrypoints.early_start import (
+    DETOKENIZER_PROCESS_NAME,
+    ENGINE_PROCESS_NAME,
+    detokenizer_main,
+    engine_core_main,
+)
 from tokenmill.entrypoints.engine_client import EngineClient
 from tokenmill.entrypoints.fork_server import start_fork_server
 from tokenmill.ipc.sockets import Addresses
-from tokenmill.tokenization.detokenizer_worker import run_detokenizer
 from tokenmill.tokenization.tokenizer_worker import run_tokenizer_worker
 from tokenmill.vision.images import image_setup
 
@@ -78,9 +82,9 @@ def server_workers(
             (config, addresses, log_level, server),
         ),
         WorkerSpec(
-            "detokenizer",
+            DETOKENIZER_PROCESS_NAME,
             WorkerKind.DETOKENIZER,
-            run_detokenizer,
+            detokenizer_main,
             (tokenizer_path, addresses, log_level, server),
         ),
     ]
@@ -105,14 +109,16 @@ class Supervisor:
         client: EngineClient,
         restart_engine: bool,
         on_fatal: Callable[[str], None],
-        started: Mapping[str, BaseProcess] | None = None,
+        started: Callable[[], Mapping[str, BaseProcess]] | None = None,
     ) -> None:
-        """`started`: workers already running, by name (`early_engine`), adopted, not started."""
+        """`started` gives the workers started already, by name (`early_start`), which `start`
+        adopts instead of starting them (it may wait for them to be started)."""
         self.specs = specs
+        self._started = started
         self.client = client
         self.restart_engine = restart_engine
         self.on_fatal = on_fatal
-        self.procs: dict[str, BaseProcess] = dict(started or {})
+        self.procs: dict[str, BaseProcess] = {}
         self.restarts = 0
         self.failed = False
         # `start` runs in a thread of its own (`run`): `stop` waits for it to finish.
@@ -145,6 +151,8 @@ class Supervisor:
         """Start every worker not running already, the engine core first (it takes the longest
         to be ready)."""
         with self._starting:
+            if self._started is not None:
+                self.procs.update(self._started())
             for spec in self.specs:
                 if self.failed:  # stopping already: start no more
                     return

@@ -4,7 +4,7 @@
 A process times its phases with a `StartupTimer`, from the moment the process started (its
 imports are a phase); phases it does not time itself (the rest of its own time, or another
 process's that ran before it) are added, so that its phases add up to its start-up. The api
-server and the engine core start side by side (`entrypoints/early_engine.py`): the server's
+server and the engine core start side by side (`entrypoints/early_start.py`): the server's
 ready line lists each one's phases, and the time from the server's start to ready.
 """
 
