@@ -59,7 +59,12 @@ from tokenmill.ipc.sockets import Addresses
 from tokenmill.observability.metrics import ServerMetrics
 from tokenmill.observability.startup import StartupTimer, process_age, startup_line
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.tokenization.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
+from tokenmill.tokenization.tokenizer import (
+    apply_chat_template,
+    encode_prompt,
+    load_tokenizer,
+    read_chat_template,
+)
 from tokenmill.vision.images import without_image_data
 
 logger = logging.getLogger("tokenmill.server")
@@ -915,16 +920,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
         raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
     sock.set_inheritable(True)
     return sock
-
-
-def read_chat_template(value: str | None) -> str | None:
-    """--chat-template: a file's text, or the value itself when it is a Jinja template."""
-    if value is None or ("{" in value and not os.path.isfile(value)):
-        return value
-    try:
-        return Path(value).read_text()
-    except OSError as exc:
-        raise ValueError(f"chat_template: cannot read {value!r}: {exc.strerror}") from None
 
 
 class _QuietRoutes(logging.Filter):

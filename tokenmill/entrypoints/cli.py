@@ -462,10 +462,10 @@ def _serve(ns: argparse.Namespace) -> int:
         return _serve_replicas(engine_args_from(ns), options, deploy)
     from tokenmill.entrypoints.early_start import start_early
 
-    # The engine core, the fork server of the tokenizer workers and the detokenizer start
-    # first: their imports and the model's loading run beside the api server's (seconds each).
+    # The engine core, the fork server, the detokenizer and the tokenizer workers start first:
+    # their imports and the model's loading run beside the api server's (seconds each).
     engine = engine_args_from(ns)
-    early = start_early(engine, options.num_tokenizer_workers, ns.log_level)
+    early = start_early(engine, options.num_tokenizer_workers, options.chat_template, ns.log_level)
     try:
         from tokenmill.entrypoints.api_server import serve
 

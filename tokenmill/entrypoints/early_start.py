@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
@@ -35,22 +36,22 @@ _STOP_TIMEOUT_S = 5.0
 
 @dataclass(frozen=True)
 class EarlyStart:
-    """The engine core and the detokenizer started ahead of the api server, and the socket
-    addresses of the server's processes they were given. The detokenizer starts in
-    `starter`, a thread: a fork server's first fork waits until it has imported its modules."""
+    """The engine core, the detokenizer and the tokenizer workers started ahead of the api
+    server, and the socket addresses of the server's processes they were given. The workers
+    (`forked`) start in `starter`, a thread: a fork server's first fork waits until it has
+    imported its modules."""
 
     engine: BaseProcess
-    detokenizer: BaseProcess
+    forked: tuple[BaseProcess, ...]
     starter: threading.Thread
     addresses: Addresses
 
     def processes(self) -> dict[str, BaseProcess]:
-        """The processes by name, once the detokenizer's start has returned (it waits for the
-        fork server); without the detokenizer if it could not start (the supervisor starts
-        one then)."""
+        """The processes by name, once the workers' start has returned (it waits for the fork
+        server); without a worker that could not start (the supervisor starts one then)."""
         self.starter.join()
-        started = {ENGINE_PROCESS_NAME: self.engine, DETOKENIZER_PROCESS_NAME: self.detokenizer}
-        return {name: process for name, process in started.items() if process.pid is not None}
+        started = (self.engine, *self.forked)
+        return {process.name: process for process in started if process.pid is not None}
 
     def stop(self) -> None:
         """End the processes that still run (the server failed before adopting them, or did
@@ -65,10 +66,13 @@ class EarlyStart:
         self.addresses.remove()
 
 
-def start_early(engine: EngineArgs, num_tokenizers: int, log_level: str) -> EarlyStart:
+def start_early(
+    engine: EngineArgs, num_tokenizers: int, chat_template: str | None, log_level: str
+) -> EarlyStart:
     """Spawn the engine core for `engine`, start the fork server (`fork_server`) and, in a
-    thread, the detokenizer from it, with fresh addresses for the server's processes
-    (`num_tokenizers` tokenizer workers). Returns at once."""
+    thread, the detokenizer and `num_tokenizers` tokenizer workers (with the server's
+    `--chat-template`) from it, with fresh addresses for the server's processes. Returns at
+    once."""
     addresses = Addresses.fresh(num_tokenizers)
     server_pid = os.getpid()
     # Spawned, as the supervisor spawns it: CUDA starts in a process that never forked.
@@ -80,18 +84,34 @@ def start_early(engine: EngineArgs, num_tokenizers: int, log_level: str) -> Earl
     logger.info("started %s (pid %d) ahead of the server", ENGINE_PROCESS_NAME, process.pid)
     start_fork_server()
     tokenizer_path = engine.tokenizer or engine.model
-    detokenizer = multiprocessing.get_context("forkserver").Process(
-        target=detokenizer_main, args=(tokenizer_path, addresses, log_level, server_pid),
-        name=DETOKENIZER_PROCESS_NAME, daemon=True,
-    )  # fmt: skip
-    starter = threading.Thread(target=_start_detokenizer, args=(detokenizer,), daemon=True)
+    forkserver = multiprocessing.get_context("forkserver")
+    forked = [
+        forkserver.Process(
+            target=detokenizer_main, args=(tokenizer_path, addresses, log_level, server_pid),
+            name=DETOKENIZER_PROCESS_NAME, daemon=True,
+        )
+    ]  # fmt: skip
+    for i in range(num_tokenizers):
+        args = (i, engine, addresses, log_level, server_pid, chat_template)
+        forked.append(
+            forkserver.Process(
+                target=tokenizer_main, args=args, name=tokenizer_name(i), daemon=True
+            )
+        )
+    starter = threading.Thread(target=_start_all, args=(forked,), daemon=True)
     starter.start()
-    return EarlyStart(process, detokenizer, starter, addresses)
+    return EarlyStart(process, tuple(forked), starter, addresses)
 
 
-def _start_detokenizer(process: BaseProcess) -> None:
-    process.start()
-    logger.info("started %s (pid %d) ahead of the server", process.name, process.pid)
+def tokenizer_name(index: int) -> str:
+    """The process name of tokenizer worker `index`."""
+    return f"tokenizer-{index}"
+
+
+def _start_all(processes: list[BaseProcess]) -> None:
+    for process in processes:
+        process.start()
+        logger.info("started %s (pid %d) ahead of the server", process.name, process.pid)
 
 
 def engine_core_main(
@@ -113,3 +133,31 @@ def detokenizer_main(
     from tokenmill.tokenization.detokenizer_worker import run_detokenizer
 
     run_detokenizer(tokenizer_path, addresses, log_level, server_pid)
+
+
+def tokenizer_main(
+    index: int,
+    engine: EngineArgs,
+    addresses: Addresses,
+    log_level: str,
+    server_pid: int,
+    chat_template: str | None,
+) -> None:
+    """A tokenizer worker's entry point when started ahead of the server: it resolves the
+    arguments into the context limits and the image set-up, and reads the chat template,
+    itself (the server does the same meanwhile; an error there ends the worker quietly, and the
+    server reports it)."""
+    from tokenmill.tokenization.tokenizer import read_chat_template
+    from tokenmill.tokenization.tokenizer_worker import run_tokenizer_worker
+    from tokenmill.vision.images import image_setup
+
+    try:
+        config = engine.create_engine_config()
+        template = read_chat_template(chat_template)
+    except ValueError:
+        sys.exit(1)
+    tokenizer_path = engine.tokenizer or engine.model
+    run_tokenizer_worker(
+        index, tokenizer_path, config.context_limits, addresses, log_level, server_pid, template,
+        image_setup(config),
+    )  # fmt: skip

@@ -31,6 +31,7 @@ from tokenmill.entrypoints.early_start import (
     ENGINE_PROCESS_NAME,
     detokenizer_main,
     engine_core_main,
+    tokenizer_name,
 )
 from tokenmill.entrypoints.engine_client import EngineClient
 from tokenmill.entrypoints.fork_server import start_fork_server
@@ -92,7 +93,7 @@ def server_workers(
     for i in range(len(addresses.tokenizers)):
         args = (i, tokenizer_path, limits, addresses, log_level, server, chat_template, images)
         specs.append(
-            WorkerSpec(f"tokenizer-{i}", WorkerKind.TOKENIZER, run_tokenizer_worker, args, i)
+            WorkerSpec(tokenizer_name(i), WorkerKind.TOKENIZER, run_tokenizer_worker, args, i)
         )
     return specs
 
