@@ -8,8 +8,11 @@ warm start is the second start, with the caches the first one filled. The checkp
 stay in the OS page cache unless `--drop-page-cache`. Each start is timed from launch until the
 server first answers HTTP (503 while the model loads), until /health says ready, and until a
 16-token completion succeeds; the phases are the server's `tokenmill:startup_seconds{phase}`
-(the same as its `start-up ...` log line). Prints a line per model and a line of phases per
-start; `--output` writes everything as JSON. Arguments after `--` go to `tokenmill serve`.
+and its `start-up ...` log line, which lists the api server's phases (server_imports,
+server_setup, waiting_for_engine) and the engine core's (engine_imports, engine_config,
+load_weights, kv_cache, gemv_tuning, cuda_graphs, engine_setup), which ran beside them.
+Prints a line per model and a line of phases per start; `--output` writes everything as JSON.
+Arguments after `--` go to `tokenmill serve`.
 
     PYTHONPATH=$PWD python benchmarks/startup.py DIR [DIR ...] --output startup.json \\
         [--cache-dir /tmp/tm-caches] [-- --max-model-len 8192]
@@ -84,7 +87,9 @@ def measure_model(
 
 def summary_lines(report: dict[str, Any]) -> list[str]:
     """`startup NAME: cold X s, warm Y s to the first completion (...)`, then each start's
-    phases on a line of its own."""
+    phases on a line of its own: the server log's line (the api server's phases, then the
+    engine core's, which ran beside them), else the phases from /metrics; and the seconds from
+    ready to the first completion (the tokenizer workers, the request itself)."""
     cold, warm = report["cold"], report["warm"]
     lines = [
         f"startup {report['model']}: cold {cold['first_completion_s']:.1f} s, warm "
@@ -93,8 +98,12 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         f"/ {warm['ready_s']:.1f} s)"
     ]
     for kind in ("cold", "warm"):
-        phases = report[kind]["phases"].items()
-        lines.append(f"  {kind}: " + ", ".join(f"{phase} {s:.1f}" for phase, s in phases))
+        start = report[kind]
+        phases = start["log_line"] or ", ".join(
+            f"{phase} {s:.1f}" for phase, s in start["phases"].items()
+        )
+        after = start["first_completion_s"] - start["ready_s"]
+        lines.append(f"  {kind}: {phases}; ready to first completion {after:.2f} s")
     return lines
 
 

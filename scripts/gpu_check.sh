@@ -35,7 +35,8 @@
 #  checkpoint (`tokenmill eval dummy-checkpoint`, /tmp, 16 GB) that both sides load;
 #  startup = issue 24, for qwen3-0.6b and llama-3.1-8b (STARTUP_MODELS): a dummy checkpoint each
 #  in /tmp, then benchmarks/startup.py (seconds to the first completion, cold: empty tuning,
-#  Triton and inductor caches; warm: the second start; each phase), then
+#  Triton and inductor caches; warm: the second start; each phase of the api server and of the
+#  engine core, which starts beside it; the engine's GEMV tuning and graph capture lines), then
 #  benchmarks/long_prompts.py starting warm from those caches: the data workload through HTTP
 #  (default options, 256 concurrent) vs LLM.generate, % of the matmul rate, and B6 with
 #  8,192-token prompts. Sized to fit one call: 512 data requests on qwen3-0.6b, 128 on
@@ -243,6 +244,17 @@ if [[ "$what" == startup ]]; then
     timeout -k 20 360 python3 benchmarks/startup.py "$ckpt" --cache-dir "$caches" --log-dir "$out" \
       --timeout 240 --output "$out/startup-$m.json" -- "${serve_args[@]}" 2>&1 \
       | tee "$out/startup-$m.log" | grep -E "^(startup |  cold|  warm|Traceback|\w*Error)" >> "$table"
+    for kind in cold warm; do  # the engine core's own lines: what the tuning and capture cost
+      grep -hE "GEMV kernel chosen|captured [0-9]+ CUDA graphs" "$out/startup-$m-$kind.log" \
+        | sed "s/^/  $m $kind: /" >> "$table" || true
+    done
+  done
+  # What each process's imports cost here (cumulative microseconds, the 12 largest): the api
+  # server's (beside which the engine core starts) and the engine core's.
+  for mod in tokenmill.entrypoints.api_server tokenmill.engine.core_process; do
+    python3 -X importtime -c "import $mod" 2> "$out/importtime-$mod.txt" >/dev/null
+    echo "imports of $mod (us, cumulative):" >> "$table"
+    sort -t'|' -k2 -n -r "$out/importtime-$mod.txt" | head -12 | cut -d'|' -f2- >> "$table"
   done
   for m in "${startup_models[@]}"; do
     requests=512 prompts=64

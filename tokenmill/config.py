@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-import torch
 
 from tokenmill.intake import ContextLimits
 from tokenmill.models.registry import MODEL_REGISTRY
@@ -17,6 +16,8 @@ from tokenmill.sampling_params import SamplingDefaults
 from tokenmill.tuning_cache import default_tuning_cache_dir
 
 if TYPE_CHECKING:
+    import torch
+
     from tokenmill.spec.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
@@ -36,13 +37,18 @@ _QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *_VISION_AR
 # bias comes without one, Mistral has none).
 _O_PROJ_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
+# Names of torch dtypes (`torch.<name>`); torch itself is imported where a dtype is made, so that
+# `tokenmill serve` parses its command line and starts the engine core before importing it.
 _DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
 }
+
+# Default of `--tuning-threads`: a cold start compiles ~45 GEMV candidates (~0.4 s each).
+TUNING_THREADS = 8
 
 # The embedded default model (README: "The embedded demo model") and its draft model.
 ASSETS_DIR = Path(__file__).parent / "assets"
@@ -62,13 +68,15 @@ def cpu_has_bf16_instructions() -> bool:
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     """Map a dtype name ("float32", "bfloat16", "float16") to a torch dtype."""
+    import torch
+
     if isinstance(name, torch.dtype):
-        if name not in _DTYPES.values():
+        if str(name).removeprefix("torch.") not in _DTYPES.values():
             raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {name}")
         return name
     if name not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}, got {name!r}")
-    return _DTYPES[name]
+    return getattr(torch, _DTYPES[name])
 
 
 @dataclass(frozen=True)
@@ -480,6 +488,7 @@ class RunnerConfig:
     overlap_scheduling: bool = True
     gpu_memory_utilization: float = 0.9
     tuning_cache_dir: str = ""  # where start-up tuning decisions are kept ("": nowhere)
+    tuning_threads: int = 1  # threads compiling the tuning's candidate kernels side by side
     encoder_cache_tokens: int = 16384  # image tokens of vision-encoder outputs kept
     # Batch-invariant kernels: a request's logits do not depend on the rest of its batch.
     deterministic: bool = False
@@ -494,6 +503,8 @@ class RunnerConfig:
             )
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.tuning_threads < 1:
+            raise ValueError(f"tuning_threads must be >= 1, got {self.tuning_threads}")
         if self.cuda_graph_max_prefill_tokens < 0:
             raise ValueError(
                 "cuda_graph_max_prefill_tokens must be >= 0, got "
@@ -722,6 +733,13 @@ class EngineArgs:
         "reads them instead of measuring again; an empty string keeps none.",
         default_help="$XDG_CACHE_HOME/tokenmill/tuning, else ~/.cache/tokenmill/tuning",
     )
+    tuning_threads: int = option(
+        TUNING_THREADS,
+        "Threads that compile and check the start-up GEMV tuning's candidate kernels side by "
+        "side, when the tuning cache does not hold a shape (Triton's compiler leaves Python's "
+        "lock for most of its work); 1 compiles them one by one.",
+        default_help=f"{TUNING_THREADS}, or the CPUs if fewer",
+    )
 
     def create_engine_config(self) -> EngineConfig:
         """Validate the options and resolve defaults into an `EngineConfig`."""
@@ -729,6 +747,8 @@ class EngineArgs:
             raise ValueError("model must be a checkpoint directory, got ''")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        import torch
+
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         # A GPU's step is cheap next to its host time only when it is large: the batch and
         # chunk sizes vLLM and SGLang default to on data-centre GPUs; a CPU's steps are slow.
@@ -745,6 +765,7 @@ class EngineArgs:
             tuning_cache_dir=default_tuning_cache_dir()
             if self.tuning_cache_dir is None
             else self.tuning_cache_dir,
+            tuning_threads=min(self.tuning_threads, os.cpu_count() or 1),
             encoder_cache_tokens=self.encoder_cache_tokens,
         )
         model = ModelConfig.from_pretrained(self.model, self.dtype)
@@ -807,6 +828,8 @@ class EngineArgs:
             return
         check_tensor_parallel(model, tp)
         if device.startswith("cuda"):
+            import torch
+
             first = int(device.partition(":")[2] or 0)
             count = torch.cuda.device_count()
             if first + tp > count:

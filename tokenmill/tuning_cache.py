@@ -22,11 +22,12 @@ import re
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import tokenmill
+
+if TYPE_CHECKING:  # imported where used: the configuration imports this module, and torch late
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ def default_tuning_cache_dir() -> str:
 def device_environment(device: torch.device) -> dict[str, str]:
     """What a measurement on `device` depends on besides its own inputs: the device (the GPU's
     name), the NVIDIA driver, CUDA, torch, triton and tokenmill versions."""
+    import torch
+
     environment = {
         "device": device.type,
         "torch": torch.__version__,

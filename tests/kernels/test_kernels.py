@@ -353,6 +353,40 @@ def test_gemv_choice_takes_the_fastest_correct_candidate(monkeypatch, kind: str)
     assert choices[pick].fused == (kind == "plain")
 
 
+def test_gemv_candidates_checked_on_threads_keep_their_order(monkeypatch) -> None:
+    """A cold start checks (and so compiles) the candidates on several threads; the timing
+    then runs the correct ones alone, in candidate order (device times faked, falling: the last
+    correct candidate wins), and a wrong one is never timed."""
+    import threading
+    import time
+
+    from tokenmill.kernels import gemv_tuning
+
+    threads: set[int] = set()
+
+    def fake_check(run, expected, choice) -> bool:
+        threads.add(threading.get_ident())
+        time.sleep(0.05)  # a compile's worth of waiting, so that the threads overlap
+        return choice.config.block_k == 512 and choice.fused
+
+    falling = [1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1]
+    times = iter(falling)
+    timed = []
+    monkeypatch.setattr(gemv_tuning, "matches_cublas", fake_check)
+    monkeypatch.setattr(
+        gemv_tuning, "median_graph_seconds", lambda fn: timed.append(fn) or next(times)
+    )
+    weights = [_randn(16, 64, gen=torch.Generator().manual_seed(0)) for _ in range(2)]
+    correct = [
+        gemv_tuning.GemvChoice(c, True) for c in gemv_tuning.GEMV_CANDIDATES
+        if c.serves(1) and c.block_k == 512
+    ]  # fmt: skip
+    choice, seconds, cublas = gemv_tuning.fastest_gemv(weights, 1, "gated", threads=4)
+    assert len(threads) > 1
+    assert len(timed) == 1 + len(correct)  # cuBLAS, then each correct candidate once
+    assert (choice, seconds, cublas) == (correct[-1], falling[len(correct)], 1.0)
+
+
 def test_gemv_candidate_check_rejects_wrong_or_failing_kernels(caplog) -> None:
     from tokenmill.kernels.gemv_tuning import GemvChoice
     from tokenmill.kernels.gemv_tuning import matches_cublas as _matches

@@ -116,9 +116,10 @@ def test_the_server_answers_503_until_the_engine_is_ready_then_reports_its_start
     metrics = asyncio.run(_starting_then_ready())
     for phase, seconds in {"engine_imports": 2.0, "load_weights": 1.5, "kv_cache": 0.25}.items():
         assert f'tokenmill:startup_seconds{{model_name="m",phase="{phase}"}} {seconds}' in metrics
-    assert 'phase="other"' in metrics
+    assert 'phase="waiting_for_engine"' in metrics and 'phase="total"' in metrics
     [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("start-up ")]
-    assert "engine_imports 2.00 s, load_weights 1.50 s, kv_cache 0.25 s, other " in line
+    assert "; engine core: engine_imports 2.00 s, load_weights 1.50 s, kv_cache 0.25 s)" in line
+    assert "(server: " in line and "waiting_for_engine " in line
     assert any("ready: serving 'm'" in r.getMessage() for r in caplog.records)
 
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tokenmill.observability.startup import StartupTimer, process_age
+from tokenmill.observability.startup import StartupTimer, process_age, startup_line
 
 
 def test_phases_are_timed_in_order_and_a_repeated_phase_adds_up() -> None:
@@ -68,3 +68,13 @@ def test_the_process_age_is_the_time_since_this_process_started() -> None:
     assert 0 < age < time.time() - 1e9  # started, and after 2001
     time.sleep(0.05)
     assert process_age() >= age
+
+
+def test_the_start_up_line_lists_each_process_phases_beside_the_total() -> None:
+    server = {"server_imports": 4.0, "waiting_for_engine": 5.5}
+    engine = {"engine_imports": 3.25, "load_weights": 6.0}
+    line = startup_line(9.75, {"server": server, "engine core": engine})
+    assert line == (
+        "start-up 9.75 s (server: server_imports 4.00 s, waiting_for_engine 5.50 s; "
+        "engine core: engine_imports 3.25 s, load_weights 6.00 s)"
+    )

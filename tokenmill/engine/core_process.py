@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from collections import OrderedDict
 
@@ -12,7 +13,7 @@ import torch
 import zmq
 
 from tokenmill.batch import FinishReason
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineArgs, EngineConfig
 from tokenmill.engine.engine_core import EngineCore, EngineOutput
 from tokenmill.intake import IntakeError
 from tokenmill.ipc.messages import (
@@ -44,11 +45,24 @@ _MAX_EARLY_ABORTS = 4096
 
 
 def run_engine_core(
-    config: EngineConfig, addresses: Addresses, log_level: str, server_pid: int
+    config: EngineConfig | EngineArgs, addresses: Addresses, log_level: str, server_pid: int
 ) -> None:
-    """Process entry point: load the model, then serve until a ShutdownRequest."""
+    """Process entry point: load the model, then serve until a ShutdownRequest.
+
+    Given `EngineArgs`, the process resolves them into its configuration itself (`tokenmill
+    serve` starts it before the server has imported torch and resolved them: the same
+    arguments on the same machine give the same configuration)."""
     init_child(log_level, "engine_core", server_pid)
-    loop = EngineCoreLoop(config, addresses)
+    startup = StartupTimer(started_ago=process_age())
+    startup.rest("engine_imports")  # the process's start: Python, torch, tokenmill
+    if isinstance(config, EngineArgs):
+        with startup.phase("engine_config"):  # CUDA's driver starts here (device detection)
+            try:
+                config = config.create_engine_config()
+            except ValueError as exc:  # the server, resolving the same arguments, says why
+                logger.error("engine core exits: %s", exc)
+                sys.exit(1)
+    loop = EngineCoreLoop(config, addresses, startup)
     loop.run()
 
 
@@ -63,9 +77,8 @@ def _exit_engine(reason: str) -> None:
 class EngineCoreLoop:
     """Drains the input socket, steps the engine while it has work, and publishes each step."""
 
-    def __init__(self, config: EngineConfig, addresses: Addresses) -> None:
-        startup = StartupTimer(started_ago=process_age())
-        startup.rest("engine_imports")  # the process's start: Python, torch, tokenmill
+    def __init__(self, config: EngineConfig, addresses: Addresses, startup: StartupTimer) -> None:
+        """`startup` times the process's start-up; the model's loading is added to it."""
         self.engine = EngineCore(config)
         if self.engine.runner.workers is not None:
             self.engine.runner.workers.on_lost = _exit_engine

@@ -39,6 +39,7 @@ from transformers import PreTrainedTokenizerBase
 import tokenmill
 from tokenmill.config import EngineArgs, EngineConfig
 from tokenmill.entrypoints import openai_responses as oai
+from tokenmill.entrypoints.early_start import EarlyStart
 from tokenmill.entrypoints.engine_client import ChoiceOutput, EngineClient, RequestFailed
 from tokenmill.entrypoints.protocol import (
     ChatCompletionRequest,
@@ -56,9 +57,14 @@ from tokenmill.entrypoints.tool_parsers import ToolParser, ToolStream
 from tokenmill.ipc import messages
 from tokenmill.ipc.sockets import Addresses
 from tokenmill.observability.metrics import ServerMetrics
-from tokenmill.observability.startup import StartupTimer, process_age
+from tokenmill.observability.startup import StartupTimer, process_age, startup_line
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.tokenization.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
+from tokenmill.tokenization.tokenizer import (
+    apply_chat_template,
+    encode_prompt,
+    load_tokenizer,
+    read_chat_template,
+)
 from tokenmill.vision.images import without_image_data
 
 logger = logging.getLogger("tokenmill.server")
@@ -796,9 +802,13 @@ async def _await_engine(state: ServerState) -> None:
     if state.client.failure is not None:
         return  # a worker died: the supervisor has said so and is ending the server
     stats = state.client.stats
-    state.startup.add(stats.startup_seconds if stats is not None else {})
-    state.startup.rest("other")  # spawning the workers, messages: what no phase covers
-    state.client.metrics.on_ready(state.startup.phases)
+    engine_phases = stats.startup_seconds if stats is not None else {}
+    # The engine core starts beside the server (`early_start`): after its own set-up, the
+    # server waits for it, and the engine's phases say where that time went.
+    state.startup.rest("waiting_for_engine")
+    total = state.startup.elapsed
+    phases = {**state.startup.phases, **engine_phases, "total": total}
+    state.client.metrics.on_ready(phases)
     logger.info(
         "tokenmill %s ready: serving %r on %s://%s:%d%s",
         tokenmill.__version__,
@@ -808,7 +818,8 @@ async def _await_engine(state: ServerState) -> None:
         state.options.port,
         state.options.root_path,
     )
-    logger.info("%s", state.startup.summary())
+    processes = {"server": state.startup.phases, "engine core": engine_phases}
+    logger.info("%s", startup_line(total, processes))
 
 
 class _Server(uvicorn.Server):
@@ -835,11 +846,16 @@ class _Server(uvicorn.Server):
         self._captured_signals.clear()
 
 
-def serve(engine: EngineArgs, options: ServerOptions, log_level: str = "INFO") -> int:
+def serve(
+    engine: EngineArgs, options: ServerOptions, log_level: str = "INFO",
+    early: EarlyStart | None = None,
+) -> int:  # fmt: skip
     """Start the worker processes and serve HTTP until SIGTERM/SIGINT; returns an exit code.
 
     The port is bound first, so that a port in use fails in a second, not after the model loads;
-    the server answers from before the model loads (503 until it is ready).
+    the server answers from before the model loads (503 until it is ready). `early`: the engine
+    core and the detokenizer, started already from `engine` (with the addresses of the other
+    processes), which the server adopts instead of starting them.
     """
     startup = StartupTimer(started_ago=process_age())
     startup.rest("server_imports")  # Python, torch, transformers, FastAPI
@@ -854,7 +870,7 @@ def serve(engine: EngineArgs, options: ServerOptions, log_level: str = "INFO") -
         listener.close()
         raise
     model_name = options.model_name(engine.model)
-    addresses = Addresses.fresh(options.num_tokenizer_workers)
+    addresses = early.addresses if early else Addresses.fresh(options.num_tokenizer_workers)
     try:
         metrics = ServerMetrics(
             model_name, options.trace_file, options.log_requests, options.max_recent_requests
@@ -872,7 +888,10 @@ def serve(engine: EngineArgs, options: ServerOptions, log_level: str = "INFO") -
         )
         server = _Server(_uvicorn_config(build_app(state), options), state)
         workers = server_workers(config, addresses, tokenizer_path, log_level, chat_template)
-        state.supervisor = Supervisor(workers, state.client, options.restart_engine, server.fail)
+        started = early.processes if early else None
+        state.supervisor = Supervisor(
+            workers, state.client, options.restart_engine, server.fail, started
+        )
         try:
             server.run(sockets=[listener])
         finally:
@@ -901,16 +920,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
         raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
     sock.set_inheritable(True)
     return sock
-
-
-def read_chat_template(value: str | None) -> str | None:
-    """--chat-template: a file's text, or the value itself when it is a Jinja template."""
-    if value is None or ("{" in value and not os.path.isfile(value)):
-        return value
-    try:
-        return Path(value).read_text()
-    except OSError as exc:
-        raise ValueError(f"chat_template: cannot read {value!r}: {exc.strerror}") from None
 
 
 class _QuietRoutes(logging.Filter):

@@ -460,12 +460,18 @@ def _serve(ns: argparse.Namespace) -> int:
     deploy = options_from(ns, DeployOptions)
     if deploy.enabled:
         return _serve_replicas(engine_args_from(ns), options, deploy)
-    from tokenmill.entrypoints.fork_server import start_fork_server
+    from tokenmill.entrypoints.early_start import start_early
 
-    start_fork_server()  # its imports run beside the api server's (seconds)
-    from tokenmill.entrypoints.api_server import serve
+    # The engine core, the fork server, the detokenizer and the tokenizer workers start first:
+    # their imports and the model's loading run beside the api server's (seconds each).
+    engine = engine_args_from(ns)
+    early = start_early(engine, options.num_tokenizer_workers, options.chat_template, ns.log_level)
+    try:
+        from tokenmill.entrypoints.api_server import serve
 
-    code = serve(engine_args_from(ns), options, ns.log_level)
+        code = serve(engine, options, ns.log_level, early)
+    finally:
+        early.stop()  # the server stopped them, unless it failed before adopting them
     # The interpreter's last garbage collections walk every object torch and transformers made,
     # seconds on a busy machine while an orchestrator waits for the exit code; exiting, nothing
     # needs collecting.

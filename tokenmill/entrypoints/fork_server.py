@@ -1,10 +1,11 @@
 """The fork server the api server starts its tokenizer and detokenizer workers from.
 
 Its first start imports the workers' modules (transformers, tokenizers: 7-11 s on the machines
-measured). `tokenmill serve` starts it first thing, so that those imports run beside the api
-server's own instead of after them: on the H200 they took 11 s after the server's, and ended
-6 s after the engine core was ready, in a 23 s warm start of qwen3-0.6b. This module imports
-nothing heavy, so that starting it costs nothing.
+measured). `tokenmill serve` starts it first thing (after the engine core, `early_start`), so
+that those imports run beside the api server's own instead of after them: on the H200 they took
+11 s after the server's, and ended 6 s after the engine core was ready, in a 23 s warm start of
+qwen3-0.6b (the engine's first stats reach the server through the detokenizer, forked from
+here). This module imports nothing heavy, so that starting it costs nothing.
 """
 
 from __future__ import annotations

@@ -20,17 +20,22 @@ import multiprocessing
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.core_process import run_engine_core
+from tokenmill.entrypoints.early_start import (
+    DETOKENIZER_PROCESS_NAME,
+    ENGINE_PROCESS_NAME,
+    detokenizer_main,
+    engine_core_main,
+    tokenizer_name,
+)
 from tokenmill.entrypoints.engine_client import EngineClient
 from tokenmill.entrypoints.fork_server import start_fork_server
 from tokenmill.ipc.sockets import Addresses
-from tokenmill.tokenization.detokenizer_worker import run_detokenizer
 from tokenmill.tokenization.tokenizer_worker import run_tokenizer_worker
 from tokenmill.vision.images import image_setup
 
@@ -72,15 +77,15 @@ def server_workers(
     server = os.getpid()
     specs = [
         WorkerSpec(
-            "engine-core",
+            ENGINE_PROCESS_NAME,
             WorkerKind.ENGINE,
-            run_engine_core,
+            engine_core_main,
             (config, addresses, log_level, server),
         ),
         WorkerSpec(
-            "detokenizer",
+            DETOKENIZER_PROCESS_NAME,
             WorkerKind.DETOKENIZER,
-            run_detokenizer,
+            detokenizer_main,
             (tokenizer_path, addresses, log_level, server),
         ),
     ]
@@ -88,7 +93,7 @@ def server_workers(
     for i in range(len(addresses.tokenizers)):
         args = (i, tokenizer_path, limits, addresses, log_level, server, chat_template, images)
         specs.append(
-            WorkerSpec(f"tokenizer-{i}", WorkerKind.TOKENIZER, run_tokenizer_worker, args, i)
+            WorkerSpec(tokenizer_name(i), WorkerKind.TOKENIZER, run_tokenizer_worker, args, i)
         )
     return specs
 
@@ -105,8 +110,12 @@ class Supervisor:
         client: EngineClient,
         restart_engine: bool,
         on_fatal: Callable[[str], None],
+        started: Callable[[], Mapping[str, BaseProcess]] | None = None,
     ) -> None:
+        """`started` gives the workers started already, by name (`early_start`), which `start`
+        adopts instead of starting them (it may wait for them to be started)."""
         self.specs = specs
+        self._started = started
         self.client = client
         self.restart_engine = restart_engine
         self.on_fatal = on_fatal
@@ -140,12 +149,16 @@ class Supervisor:
         await self.watch()
 
     def start(self) -> None:
-        """Start every worker, the engine core first (it takes the longest to be ready)."""
+        """Start every worker not running already, the engine core first (it takes the longest
+        to be ready)."""
         with self._starting:
+            if self._started is not None:
+                self.procs.update(self._started())
             for spec in self.specs:
                 if self.failed:  # stopping already: start no more
                     return
-                self._spawn(spec)
+                if spec.name not in self.procs:
+                    self._spawn(spec)
 
     def _spawn(self, spec: WorkerSpec) -> BaseProcess:
         ctx = self._spawned if spec.kind is WorkerKind.ENGINE else self._forked
@@ -214,7 +227,7 @@ class Supervisor:
         self.failed = True  # deaths from here on are expected
         with self._starting:
             self.client.shutdown_engine()
-            engine = self.procs.get("engine-core")
+            engine = self.procs.get(ENGINE_PROCESS_NAME)
             if engine is not None:
                 engine.join(timeout=STOP_TIMEOUT_S)
             for proc in self.procs.values():

@@ -12,17 +12,22 @@ measuring.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import hashlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import triton
 from torch.nn import functional as F
 
 from tokenmill.kernels import GemvConfig, InputNorm, fused_silu_and_mul, gemv, norm_gemv, rms_norm
+from tokenmill.kernels.tickets import ticket_buffer
 from tokenmill.observability.cuda_timing import median_graph_seconds
 from tokenmill.tuning_cache import TuningCache
 
@@ -89,14 +94,16 @@ def choose_gemv_configs(
     weights: Mapping[tuple[int, int, InputKind], Sequence[torch.Tensor]],
     cache: TuningCache | None = None,
     measure: Measure | None = None,
+    threads: int = 1,
 ) -> dict[tuple[int, int, InputKind], dict[int, GemvChoice]]:
     """For each group of same-shape weights (`(n, k, input kind)` -> weights), the GEMV choice
     per row bucket where one matches cuBLAS's result and beats its time (buckets left out run
     cuBLAS). A shape `cache` holds is read, the others are measured (`measure`, by default
-    `fastest_gemv`) and stored."""
+    `fastest_gemv` checking candidates on `threads` threads) and stored."""
+    measure = measure or functools.partial(fastest_gemv, threads=threads)
     chosen: dict[tuple[int, int, InputKind], dict[int, GemvChoice]] = {}
     for (n, k, kind), group in weights.items():
-        timings, cached = _shape_timings(n, k, kind, list(group), cache, measure or fastest_gemv)
+        timings, cached = _shape_timings(n, k, kind, list(group), cache, measure)
         for bucket, t in timings.items():
             logger.info(
                 "GEMM %dx%d (%s input), M<=%d: %s, %.1f us per layer (cuBLAS %.1f us)%s",
@@ -160,11 +167,14 @@ def _decode_timings(value: Any) -> dict[int, GemvTiming]:
 
 
 def fastest_gemv(
-    weights: list[torch.Tensor], rows: int, kind: InputKind
+    weights: list[torch.Tensor], rows: int, kind: InputKind, threads: int = 1
 ) -> tuple[GemvChoice | None, float, float]:
     """The candidate (None: cuBLAS) that runs `rows` x every weight fastest, with its seconds
     and cuBLAS's: one whose first product matches cuBLAS's and beats it by the margin. Each
-    layer runs its input kernel (SwiGLU, or add + RMSNorm) before cuBLAS or an unfused GEMV."""
+    layer runs its input kernel (SwiGLU, or add + RMSNorm) before cuBLAS or an unfused GEMV.
+
+    The candidates' first products, which compile their kernels (most of a cold start's
+    tuning: ~0.4 s each), run on `threads` threads side by side; the timing runs alone."""
     w0 = weights[0]
     width = w0.shape[1] * (2 if kind == "gated" else 1)
     x, residual = (torch.randn(rows, width, dtype=w0.dtype, device=w0.device) for _ in range(2))
@@ -188,13 +198,26 @@ def fastest_gemv(
 
     expected = run(w0, None, residual.clone()).float()
     cublas_s = seconds(None)
-    best, best_s = None, MARGIN * cublas_s
     fusions = (True,) if kind == "plain" else (True, False)
-    for choice in (
+    candidates = [
         GemvChoice(c, fused) for c in GEMV_CANDIDATES if c.serves(rows) for fused in fusions
-    ):
-        if not matches_cublas(lambda c=choice: run(w0, c, residual.clone()), expected, choice):
-            continue
+    ]
+
+    def correct(choice: GemvChoice) -> bool:
+        # A new thread's current device is the first GPU, whatever the weights' device.
+        on_device = torch.cuda.device(w0.device) if w0.is_cuda else contextlib.nullcontext()
+        with on_device:
+            return matches_cublas(lambda: run(w0, choice, residual.clone()), expected, choice)
+
+    # Made once, here, before the threads could race to make them: the ticket buffer, and
+    # Triton's driver (built on its first use, with a C helper compiled on a first start).
+    ticket_buffer(w0.device, 0)
+    if w0.is_cuda:
+        triton.runtime.driver.active.get_current_device()
+    with ThreadPoolExecutor(max(1, min(threads, len(candidates)))) as pool:
+        checked = list(pool.map(correct, candidates))
+    best, best_s = None, MARGIN * cublas_s
+    for choice in (c for c, ok in zip(candidates, checked, strict=True) if ok):
         if (s := seconds(choice)) < best_s:
             best, best_s = choice, s
     return best, (best_s if best else cublas_s), cublas_s

@@ -113,10 +113,13 @@ class Linear(nn.Module):
         return summed + self.bias if self._bias_after_sum else summed
 
 
-def choose_gemv_kernels(model: nn.Module, cache: TuningCache | None = None) -> int:
+def choose_gemv_kernels(
+    model: nn.Module, cache: TuningCache | None = None, threads: int = 1
+) -> int:
     """Give every half-precision CUDA `Linear` of `model` the GEMV kernels the start-up tuning
-    (`kernels.gemv_tuning`, reading and filling `cache`) chose for its weight shape and input
-    kind. Returns how many (layer, bucket) pairs took a GEMV kernel."""
+    (`kernels.gemv_tuning`, reading and filling `cache`, compiling candidates on `threads`
+    threads) chose for its weight shape and input kind. Returns how many (layer, bucket) pairs
+    took a GEMV kernel."""
     groups: dict[tuple[int, int, InputKind], list[Linear]] = defaultdict(list)
     for module in model.modules():
         if isinstance(module, Linear) and module.bias is None and _half_on_cuda(module.weight):
@@ -124,7 +127,7 @@ def choose_gemv_kernels(model: nn.Module, cache: TuningCache | None = None) -> i
             groups[(n, k, module.input_kind)].append(module)
     weights = {key: [layer.weight for layer in layers] for key, layers in groups.items()}
     chosen = 0
-    for key, choices in choose_gemv_configs(weights, cache).items():
+    for key, choices in choose_gemv_configs(weights, cache, threads=threads).items():
         for layer in groups[key]:
             layer.gemv_choices.update(choices)
         chosen += len(groups[key]) * len(choices)

@@ -7,6 +7,7 @@ import json
 import logging
 import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,10 @@ from tokenmill.models.registry import model_class
 
 logger = logging.getLogger(__name__)
 
+# Checkpoint tensors are read and copied into the parameters on this many threads: a read
+# (page faults on the mapped file, a copy) and a host-to-device copy leave the GIL, so several
+# run at once, and a checkpoint comes off the disk in parallel reads.
+LOAD_THREADS = 8
 # Checkpoint tensors that are derived at run time, not parameters.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # One expert's projection in a hub checkpoint, e.g. `model.layers.0.mlp.experts.7.up_proj.weight`.
@@ -110,23 +115,19 @@ class CheckpointTensor:
         return self._view[index]
 
 
-def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, TensorSource]]:
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, CheckpointTensor(f.get_slice(name))
-
-
 def _load_safetensors(model: nn.Module, root: Path, tied: bool, tp: TPGroup) -> None:
+    """Copy every checkpoint tensor into its parameter (or its slice of one), `LOAD_THREADS`
+    tensors at a time; a weight the model has and the checkpoint lacks is a ValueError."""
     params = dict(model.named_parameters(remove_duplicate=False))
     stacked: dict[str, tuple[str, str]] = model.stacked_params
     experts: dict[str, str] = getattr(model, "expert_params", {})
     prefixes: dict[str, str] = getattr(model, "checkpoint_prefixes", {})
-    loaded: set[str] = set()
-    for name, tensor in _iter_tensors(checkpoint_files(root)):
+
+    def load(name: str, tensor: TensorSource) -> set[str]:
+        """Copy one checkpoint tensor; the parameter entries it filled."""
         name = _renamed(name, prefixes)
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
-            continue
+            return set()
         target, shard = _expert_target(name, experts) or (name, None)
         if shard is None:
             for fragment, (ours, shard_id) in stacked.items():
@@ -135,15 +136,27 @@ def _load_safetensors(model: nn.Module, root: Path, tied: bool, tp: TPGroup) -> 
                     break
         if target not in params:
             logger.warning("ignoring checkpoint tensor %s (no such parameter)", name)
-            continue
+            return set()
         param = params[target]
         module = model.get_submodule(target.rsplit(".", 1)[0])
         if shard is not None:
             module.weight_loader(param, tensor, shard)
-            loaded.add(f"{target}:{shard}")
-        else:
-            _copy_param(module, param, tensor, tp, f"checkpoint tensor {name}")
-            loaded.update(_entries(module, target, shards=None))
+            return {f"{target}:{shard}"}
+        _copy_param(module, param, tensor, tp, f"checkpoint tensor {name}")
+        return _entries(module, target, shards=None)
+
+    loaded: set[str] = set()
+    with contextlib.ExitStack() as files:
+        tensors = [
+            (name, CheckpointTensor(f.get_slice(name)))
+            for path in checkpoint_files(root)
+            for f in [files.enter_context(safe_open(str(path), framework="pt"))]
+            for name in f.keys()  # noqa: SIM118 - safe_open is not a mapping
+        ]
+        # Each tensor goes to parameter entries of its own: the copies need no lock.
+        with ThreadPoolExecutor(LOAD_THREADS) as pool:
+            for entries in pool.map(lambda item: load(*item), tensors):
+                loaded |= entries
     expected = _expected_entries(model, params, stacked, tied)
     missing = sorted(expected - loaded)
     if missing:

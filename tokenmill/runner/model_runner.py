@@ -218,7 +218,8 @@ class ModelRunner:
             if not deterministic:  # a GEMV is chosen per row count: not batch-invariant
                 with self.startup.phase("gemv_tuning"):
                     cache = open_tuning_cache(config.runner.tuning_cache_dir, self.device)
-                    chosen = choose_gemv_kernels(self.model, cache)
+                    threads = config.runner.tuning_threads
+                    chosen = choose_gemv_kernels(self.model, cache, threads)
                 logger.info(
                     "GEMV kernel chosen over cuBLAS for %d (layer, row bucket) pairs", chosen
                 )

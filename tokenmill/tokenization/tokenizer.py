@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,17 @@ if TYPE_CHECKING:
     from tokenmill.vision.inputs import ImageInput
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the value itself when it is a Jinja template."""
+    if value is None or ("{" in value and not os.path.isfile(value)):
+        return value
+    try:
+        return Path(value).read_text()
+    except OSError as exc:
+        raise ValueError(f"chat_template: cannot read {value!r}: {exc.strerror}") from None
+
 
 Prompt = str | list[int]
 
