@@ -201,34 +201,38 @@ def _demo_part(args: SpecBenchArgs) -> dict[str, Any]:
     results: dict[str, Any] = {}
     plain_tokens: dict[str, list[int]] = {}
     for name, spec in methods.items():
-        llm = LLM(
-            str(DEMO_MODEL_DIR), device=args.device, seed=args.seed, enable_prefix_caching=False,
-            speculative_config=spec, **args.engine_kwargs,
+        build = functools.partial(
+            LLM, str(DEMO_MODEL_DIR), device=args.device, seed=args.seed,
+            enable_prefix_caching=False, speculative_config=spec, **args.engine_kwargs,
         )  # fmt: skip
-        llm.generate(["Warm up."], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-        rows = {}
-        for label, text in prompts.items():
-            before = _spec_counts(llm)
-            start = time.perf_counter()
-            out = llm.generate([text], greedy, use_tqdm=False)[0].outputs[0].token_ids
-            elapsed = time.perf_counter() - start
-            drafts, accepted = np.subtract(_spec_counts(llm), before)
-            if name == "plain":
-                plain_tokens[label] = out
-            rows[label] = {
-                "output_tok_s": len(out) / elapsed,
-                "acceptance_length": 1 + accepted / drafts if drafts else None,
-                "same_tokens_as_plain": out == plain_tokens[label],
-            }
-        results[name] = rows
-        device = llm.engine.runner.device
-        llm.close()
-        del llm
-        _free(device)
+        use = functools.partial(_demo_rows, prompts=prompts, params=greedy, plain=plain_tokens)
+        results[name] = _with_engine(build, use)
     for name in methods:
         for label, row in results[name].items():
             row["speedup"] = row["output_tok_s"] / results["plain"][label]["output_tok_s"]
     return results
+
+
+def _demo_rows(
+    llm: LLM, prompts: dict[str, str], params: SamplingParams, plain: dict[str, list[int]]
+) -> dict[str, dict[str, Any]]:
+    """Each prompt's tokens/s, acceptance length and whether its tokens are `plain`'s (the
+    first engine run, plain decoding, fills `plain`)."""
+    llm.generate(["Warm up."], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    rows = {}
+    for label, text in prompts.items():
+        before = _spec_counts(llm)
+        start = time.perf_counter()
+        out = llm.generate([text], params, use_tqdm=False)[0].outputs[0].token_ids
+        elapsed = time.perf_counter() - start
+        drafts, accepted = np.subtract(_spec_counts(llm), before)
+        plain.setdefault(label, out)
+        rows[label] = {
+            "output_tok_s": len(out) / elapsed,
+            "acceptance_length": 1 + accepted / drafts if drafts else None,
+            "same_tokens_as_plain": out == plain[label],
+        }
+    return rows
 
 
 def _spec_counts(llm: LLM) -> tuple[int, int]:
@@ -250,7 +254,8 @@ def _oracle_part(args: SpecBenchArgs) -> dict[str, Any]:
 def _oracle_batch(args: SpecBenchArgs, prompts: list[list[int]], vocab: int) -> dict[str, Any]:
     """Plain decoding of `prompts`, then the oracle at each acceptance rate (and adaptive)."""
     plain_rate, outputs = _with_engine(
-        args, None, functools.partial(_decode_rate, prompts=prompts, output_len=args.output_len)
+        functools.partial(_engine, args, None),
+        functools.partial(_decode_rate, prompts=prompts, output_len=args.output_len),
     )
     continuations = {tuple(p): o for p, o in zip(prompts, outputs, strict=True)}
     rows: dict[str, Any] = {"plain_decode_tok_s": plain_rate}
@@ -261,8 +266,9 @@ def _oracle_batch(args: SpecBenchArgs, prompts: list[list[int]], vocab: int) -> 
                 "adaptive": adaptive}  # fmt: skip
         oracle = OracleProposer(args.num_speculative_tokens, continuations, rate, vocab, args.seed)
         spec_rate, spec_outputs, stats = _with_engine(
-            args, spec, functools.partial(_oracle_rate, oracle=oracle, prompts=prompts,
-                                          output_len=args.output_len),
+            functools.partial(_engine, args, spec),
+            functools.partial(_oracle_rate, oracle=oracle, prompts=prompts,
+                              output_len=args.output_len),
         )  # fmt: skip
         ideal = ideal_tokens_per_step(rate, args.num_speculative_tokens)
         speedup = spec_rate / plain_rate
@@ -296,18 +302,20 @@ def _engine(args: SpecBenchArgs, spec: dict[str, Any] | None) -> LLM:
                **args.engine_kwargs)  # fmt: skip
 
 
-def _with_engine(args: SpecBenchArgs, spec: dict[str, Any] | None, use: Callable[[LLM], T]) -> T:
-    """`use(engine)` on a fresh engine that is freed before this returns: a benchmark's
-    engines each hold most of the GPU's memory (weights and a KV pool sized by
+def _with_engine(build: Callable[[], LLM], use: Callable[[LLM], T]) -> T:
+    """`use(engine)` on a fresh engine from `build` that is freed before this returns: a
+    benchmark's engines each hold most of the GPU's memory (weights and a KV pool sized by
     `kv_cache_memory_bytes`), so two may not be alive at once."""
-    llm = _engine(args, spec)
+    llm = build()
     device = llm.engine.runner.device
     try:
         return use(llm)
     finally:
         llm.close()
-        del llm
-        _free(device)
+        del llm  # the last reference: collected below
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def _decode_rate(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float, list]:
@@ -330,12 +338,6 @@ def _decode_rate(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[f
         raise RuntimeError(f"decode took no time: prefill alone {prefill:.3f} s, all {total:.3f} s")
     decoded = len(prompts) * (output_len - 1)
     return decoded / (total - prefill), [o.outputs[0].token_ids for o in outputs]
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def summary_rows(report: dict[str, Any]) -> list[str]:

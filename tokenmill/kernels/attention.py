@@ -123,16 +123,36 @@ def prefill_attention(
     Each sequence's queries are its last `q_len` positions; its first `kv_len - q_len`
     positions are a cached prefix every query sees.
     """
-    _tokens, hq, d = q.shape
-    hkv = k_cache.shape[-2]
-    out = torch.empty_like(q)
-    num_seqs = kv_lens.shape[0]
     block_m = 64 if max_q_len > 32 else 16
-    grid = (num_seqs, hq, triton.cdiv(max_q_len, block_m))
-    _prefill_kernel[grid](
+    grid = (kv_lens.shape[0], q.shape[1], triton.cdiv(max_q_len, block_m))
+    return _launch_causal(
+        _prefill_kernel, grid, block_m, q, k_cache, v_cache, cu_q, kv_lens, page_table,
+        page_size, scale, window,
+    )  # fmt: skip
+
+
+def _launch_causal(
+    kernel: triton.JITFunction,
+    grid: tuple[int, int, int],
+    block_m: int,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_q: torch.Tensor,
+    kv_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """Run one of the causal kernels (`_prefill_kernel`, `_invariant_kernel`: the same
+    arguments, their own tiling) on `grid`; their output."""
+    _tokens, hq, d = q.shape
+    out = torch.empty_like(q)
+    kernel[grid](
         q, k_cache, v_cache, out, cu_q, kv_lens, page_table, page_table.stride(0),
         scale * _LOG2E, window or 0,
-        HQ=hq, HKV=hkv, D=d, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=64,
+        HQ=hq, HKV=k_cache.shape[-2], D=d, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=64,
         HAS_WINDOW=window is not None, num_warps=4, num_stages=2, **pdl_options(q.device),
     )  # fmt: skip
     return out
@@ -204,18 +224,13 @@ def invariant_attention(
     token gets bitwise the same output decoded alone, in any batch, or in any prefill chunk,
     and its K/V (and with them later tokens) are the same whichever way they were computed.
     """
-    _tokens, hq, d = q.shape
     hkv = k_cache.shape[-2]
-    out = torch.empty_like(q)
-    rows = max_q_len * (hq // hkv)
+    rows = max_q_len * (q.shape[1] // hkv)
     grid = (kv_lens.shape[0], hkv, triton.cdiv(rows, INVARIANT_BLOCK_M))
-    _invariant_kernel[grid](
-        q, k_cache, v_cache, out, cu_q, kv_lens, page_table, page_table.stride(0),
-        scale * _LOG2E, window or 0,
-        HQ=hq, HKV=hkv, D=d, PAGE=page_size, BLOCK_M=INVARIANT_BLOCK_M, BLOCK_N=64,
-        HAS_WINDOW=window is not None, num_warps=4, num_stages=2, **pdl_options(q.device),
+    return _launch_causal(
+        _invariant_kernel, grid, INVARIANT_BLOCK_M, q, k_cache, v_cache, cu_q, kv_lens,
+        page_table, page_size, scale, window,
     )  # fmt: skip
-    return out
 
 
 @triton.jit
