@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from tokenmill import LLM, SamplingParams, StructuredOutputsParams
 from tokenmill.batch import SamplingRows
 from tokenmill.runner.sampler import GrammarMask, Sampler, SamplingBatch
 from tokenmill.structured.compiler import grammar_vocab_size
+from tokenmill.structured.matcher import BitmaskFiller
 
 SEEDS = range(8)
 PROMPTS = ["Hello", "The cat", [5, 6, 7, 8, 9, 10]]
@@ -112,6 +114,21 @@ def test_overlap_scheduling_gives_the_same_constrained_tokens(llm: LLM, llama_di
     assert llm.config.runner.overlap_scheduling
     outputs = llm.generate(["Hello"] * 3, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
+
+
+def test_masks_are_filled_off_the_scheduling_thread(llm: LLM, monkeypatch) -> None:
+    # Without speculation the masks fill on a background thread while the engine schedules the
+    # next step; the sampling that needs them is queued by the next launch (deferred).
+    threads = []
+    fill = BitmaskFiller.fill
+
+    def spy(self, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return fill(self, *args, **kwargs)
+
+    monkeypatch.setattr(BitmaskFiller, "fill", spy)
+    _sample(llm, StructuredOutputsParams(json=SCHEMAS["array_of_enums"]), max_tokens=20)
+    assert threads and all(name.startswith("grammar-masks") for name in threads)
 
 
 def test_preempted_constrained_requests_still_validate(llama_dir: Path) -> None:

@@ -21,8 +21,10 @@ This class is the one place where host and device meet. With overlap scheduling,
 
 A step that samples under a grammar (structured outputs) needs step N's tokens for its masks,
 so 3 moves into the launch: the runner queues N+1's forward pass, then calls back here to read
-N's tokens, advance the grammars and fill the masks (while the GPU runs the forward pass), and
-only then queues the sampling.
+N's tokens and advance the grammars, and a background thread fills N+1's masks while the GPU
+runs the forward pass and this thread schedules N+2 (xgrammar fills without the GIL). N+1's
+sampling, which waits for the masks, is queued by the runner when it launches N+2, before
+N+2's forward pass (which reads N+1's tokens on the device), or when N+1 is read.
 
 So at most two steps are launched and one is unread when the scheduler runs. A plan marked
 `blocking` (a penalty counts every generated token; a verify decides how many tokens it
@@ -42,7 +44,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -171,6 +173,7 @@ class EngineCore:
         self._compiling: list[tuple[Request, Future]] = []
         self._grammar_compiler: GrammarCompiler | None = None
         self._bitmasks: BitmaskFiller | None = None
+        self._mask_filler: ThreadPoolExecutor | None = None
 
     def add_request(
         self,
@@ -336,14 +339,15 @@ class EngineCore:
             grammar_mask = None
             if any(g is not None for g in grammars):
 
-                def grammar_mask() -> GrammarMask | None:
+                def grammar_mask() -> Future[GrammarMask | None]:
                     # The masks need the previous step's tokens: read them while the GPU runs
-                    # this step's forward pass, then fill the masks and sample.
+                    # this step's forward pass, then fill the masks (the runner samples once
+                    # they are done).
                     nonlocal previous
                     if previous is not None:
                         outputs.extend(self._finish(previous))
                         previous = None
-                    return self._fill_masks(batch, grammars, ahead)
+                    return self._start_masks(batch, grammars, ahead)
 
             launched = self.runner.launch(batch.plan, grammar_mask)
             self._in_flight = InFlight.of(batch, batch.plan, launched)
@@ -415,6 +419,30 @@ class EngineCore:
                 self.stats.finished[req.finish_reason.value] += 1
         return outputs
 
+    def _start_masks(
+        self,
+        batch: SchedulerOutput,
+        grammars: list[RequestGrammar | None],
+        ahead: list[tuple[int, ...]],
+    ) -> Future[GrammarMask | None]:
+        """Fill the batch's grammar masks on a background thread (xgrammar fills them without
+        the GIL, while this thread schedules the next step). With speculative decoding they are
+        filled here and now: scheduling checks drafts against the same grammars."""
+        if self._bitmasks is None:
+            from tokenmill.structured.matcher import BitmaskFiller
+
+            pin = self.runner.device.type == "cuda"
+            # Every grammar comes from one compiler, so they share its vocabulary.
+            vocab_size = next(g for g in grammars if g is not None).vocab_size
+            self._bitmasks = BitmaskFiller(vocab_size, pin=pin)
+            self._mask_filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        if self.config.speculative is None:
+            assert self._mask_filler is not None
+            return self._mask_filler.submit(self._fill_masks, batch, grammars, ahead)
+        done: Future[GrammarMask | None] = Future()
+        done.set_result(self._fill_masks(batch, grammars, ahead))
+        return done
+
     def _fill_masks(
         self,
         batch: SchedulerOutput,
@@ -423,14 +451,7 @@ class EngineCore:
     ) -> GrammarMask | None:
         """The grammar masks of the batch's sampled positions, from each grammar's state now
         (past the drafts a position comes after)."""
-        if self._bitmasks is None:
-            from tokenmill.structured.matcher import BitmaskFiller
-
-            pin = self.runner.device.type == "cuda"
-            # Every grammar comes from one compiler, so they share its vocabulary.
-            vocab_size = next(g for g in grammars if g is not None).vocab_size
-            self._bitmasks = BitmaskFiller(vocab_size, pin=pin)
-        assert batch.plan is not None
+        assert self._bitmasks is not None and batch.plan is not None
         suppressed = batch.plan.sampling.suppressed
         banned = {i: list(ids) for i, ids in suppressed.items() if grammars[i] is not None}
         bitmask = self._bitmasks.fill(grammars, banned, ahead)

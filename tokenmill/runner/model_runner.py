@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -40,10 +41,15 @@ from tokenmill.tuning_cache import open_tuning_cache
 if TYPE_CHECKING:
     from tokenmill.runner.cuda_graphs import CudaGraphRunner
     from tokenmill.runner.encoder_cache import EncoderCache
+    from tokenmill.spec.proposer import Drafts
 
 logger = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 2 << 30
+
+# Called once a step's forward pass is queued: reads the previous step's tokens and starts
+# filling this step's grammar masks (structured outputs), which its sampling waits for.
+GrammarMasks = Callable[[], "Future[GrammarMask | None]"]
 
 
 @dataclass(frozen=True)
@@ -94,10 +100,15 @@ def lay_out(plan: StepPlan, page_size: int) -> HostBatch:
 
 
 class LaunchedStep:
-    """A queued forward pass: its sampled tokens and its GPU time, readable once it is done."""
+    """A queued forward pass: its sampled tokens and its GPU time, readable once it is done.
+
+    A step sampling under grammars queues its sampling later (`defer`): when the next step is
+    launched, or when it is read, whichever comes first.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.sampled: SampledTokens | None = None
+        self._deferred: Callable[[], None] | None = None
         # Query tokens the forward computes, CUDA graphs' padding included (adaptive
         # speculation measures step costs by it).
         self.num_computed_tokens = 0
@@ -114,8 +125,20 @@ class LaunchedStep:
         else:
             self._elapsed = time.perf_counter() - self._t0
 
+    def defer(self, sample: Callable[[], None]) -> None:
+        """Queue `sample` (this step's sampling, which sets `sampled`) at `complete`."""
+        self._deferred = sample
+
+    def complete(self) -> None:
+        """Queue the deferred sampling, if any, and mark the step's device work done."""
+        if self._deferred is not None:
+            sample, self._deferred = self._deferred, None
+            sample()
+            self.forward_done()
+
     def read(self) -> SamplerOutput | None:
         """Wait for the step and return its sampled tokens (None if nothing was sampled)."""
+        self.complete()
         if self.sampled is not None:
             return self.sampled.to_host()
         if self._cuda:
@@ -123,7 +146,8 @@ class LaunchedStep:
         return None
 
     def forward_seconds(self) -> float:
-        """Device time of the forward pass and sampling (call after `read`)."""
+        """Device time of the forward pass and sampling (call after `read`); a deferred
+        sampling's includes the wait for its grammar masks."""
         return self._start.elapsed_time(self._end) / 1e3 if self._cuda else self._elapsed
 
 
@@ -198,6 +222,8 @@ class ModelRunner:
         # into them. With CUDA graphs the sampler writes them into one static buffer the graphs
         # read, long enough for one sample per token of a step.
         self._last_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
+        # The last launched step, while its sampling waits for grammar masks (LaunchedStep.defer).
+        self._deferred: LaunchedStep | None = None
         self._tokens: torch.Tensor | None = None
         logger.info(
             "model %s on %s (%s attention%s): KV cache of %d pages x %d tokens",
@@ -294,15 +320,15 @@ class ModelRunner:
         return pages
 
     @torch.inference_mode()
-    def launch(
-        self, plan: StepPlan, grammar_mask: Callable[[], GrammarMask | None] | None = None
-    ) -> LaunchedStep:
+    def launch(self, plan: StepPlan, grammar_mask: GrammarMasks | None = None) -> LaunchedStep:
         """Queue one forward pass over `plan` and the sampling of the positions it samples.
 
         Nothing waits for the GPU: an input token the previous launched step sampled (and the
         host may not have seen yet) is read on the device. `grammar_mask` is called once the
-        forward pass is queued, before sampling: structured outputs fill their masks from the
-        previous step's tokens, read while the GPU runs this forward pass.
+        forward pass is queued: structured outputs read the previous step's tokens and start
+        filling this step's masks, while the GPU runs this forward pass; the sampling, which
+        waits for the masks, is then queued by the next launch (or by reading this step), so
+        the host schedules the next step while the masks are filled.
 
         Rank 0 of a tensor-parallel group first hands `plan` to the other ranks; they run the
         same forward pass and take rank 0's sampled tokens instead of sampling. A lost rank
@@ -316,11 +342,12 @@ class ModelRunner:
         except RuntimeError as exc:  # a collective failed: say which rank is gone
             raise self.workers.failure(exc) from exc
 
-    def _launch(
-        self, plan: StepPlan, grammar_mask: Callable[[], GrammarMask | None] | None
-    ) -> LaunchedStep:
+    def _launch(self, plan: StepPlan, grammar_mask: GrammarMasks | None) -> LaunchedStep:
         launched = LaunchedStep(self.device)
         host = lay_out(plan, self.page_size)
+        if self._deferred is not None:  # its tokens are inputs of this step: sample them first
+            self._deferred.complete()
+            self._deferred = None
         self.num_forward_tokens += len(host.input_ids)
         drafts = None
         if plan.num_device_drafts is not None:
@@ -367,24 +394,45 @@ class ModelRunner:
         if plan.sampling and self.tp.rank > 0:
             self._last_tokens = self.tp.broadcast(self._token_buffer(plan.num_sampled))
         elif plan.sampling:
-            mask = grammar_mask() if grammar_mask is not None else None
-            sampling = SamplingBatch.from_rows(
-                plan.sampling, self.config.model.vocab_size, self.device, mask
-            )
-            if self.spec is not None and (plan.num_samples > 1).any():
-                assert ids is not None
-                sampled = self.spec.sample(logits, plan, sampling, ids, drafts)
-            else:
-                out = self._tokens[: plan.num_sampled] if self._tokens is not None else None
-                sampled = self.sampler(logits, sampling, out)
-            self.tp.broadcast(sampled.token_ids)
-            sampled.start_copy()
-            self._last_tokens = sampled.token_ids
-            launched.sampled = sampled
+            sample = partial(self._sample, launched, plan, logits, ids, drafts)
+            if grammar_mask is not None:
+                # The masks are filled while this forward pass runs and the next step is
+                # scheduled; the sampling is queued when the next step is launched (or read).
+                masks = grammar_mask()
+                launched.defer(lambda: sample(masks.result()))
+                self._deferred = launched
+                return launched
+            sample(None)
         elif grammar_mask is not None:
-            grammar_mask()  # nothing to sample, but the previous step's tokens are read
+            grammar_mask().result()  # nothing to sample, but the previous step's tokens are read
         launched.forward_done()
         return launched
+
+    @torch.inference_mode()
+    def _sample(
+        self,
+        launched: LaunchedStep,
+        plan: StepPlan,
+        logits: torch.Tensor,
+        ids: torch.Tensor | None,
+        drafts: tuple[np.ndarray, Drafts] | None,
+        mask: GrammarMask | None,
+    ) -> None:
+        """Queue the sampling of `plan`'s positions from `logits` (under the grammar `mask`)
+        into `launched`; its tokens become the next step's device inputs."""
+        sampling = SamplingBatch.from_rows(
+            plan.sampling, self.config.model.vocab_size, self.device, mask
+        )
+        if self.spec is not None and (plan.num_samples > 1).any():
+            assert ids is not None
+            sampled = self.spec.sample(logits, plan, sampling, ids, drafts)
+        else:
+            out = self._tokens[: plan.num_sampled] if self._tokens is not None else None
+            sampled = self.sampler(logits, sampling, out)
+        self.tp.broadcast(sampled.token_ids)
+        sampled.start_copy()
+        self._last_tokens = sampled.token_ids
+        launched.sampled = sampled
 
     def _token_buffer(self, num_sampled: int) -> torch.Tensor:
         """Where a worker rank receives a step's `num_sampled` tokens (the graphs' static
