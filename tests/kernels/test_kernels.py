@@ -259,7 +259,7 @@ def test_split_kv_decode(dtype, hq, hkv, d, page, window, early_kv) -> None:
     kv_lens = [1, 77, 300, 0, 16]  # 0: a padded CUDA-graph row
     k, v, table = _paged_setup(kv_lens, page, hkv, d, dtype, gen)
     q = _randn(len(kv_lens), hq, d, dtype=dtype, gen=gen)
-    splits = 4
+    splits = 4 if page == 1 else 1  # 1: what large batches use (decode_splits)
     mid_o = torch.empty(len(kv_lens), hq, splits, d, device=DEVICE)
     mid_lse = torch.empty(len(kv_lens), hq, splits, device=DEVICE)
     scale = d**-0.5
@@ -274,6 +274,16 @@ def test_split_kv_decode(dtype, hq, hkv, d, page, window, early_kv) -> None:
             torch.tensor([n - 1], device=DEVICE), scale, window,
         )  # fmt: skip
         _close(out[i : i + 1], ref, dtype)
+
+
+def test_decode_splits_fill_the_gpu_and_shrink_with_the_batch(monkeypatch) -> None:
+    from tokenmill.attention import triton_backend
+
+    monkeypatch.setattr(triton_backend, "sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    splits = [triton_backend.decode_splits(cuda, b, 8) for b in (1, 2, 8, 16, 64, 256)]
+    assert splits == [16, 16, 9, 5, 2, 1]  # programs: at least 4 per SM, at most 16 splits
+    assert triton_backend.decode_splits(torch.device("cpu"), 1, 8) == 1
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -337,10 +337,9 @@ def _decode_reduce_kernel(
 
 
 @functools.cache
-def _one_wave(device: torch.device) -> int:
-    """Programs of the split-decode kernel that run at once: one per SM (on the CPU, any)."""
-    if device.type != "cuda":
-        return 1 << 30
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of CUDA `device`: programs of the split-decode kernel that run
+    at once, one per SM."""
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -372,7 +371,7 @@ def decode_attention(
     pdl = pdl_options(q.device)
     grid = (batch, hkv, splits)
     if early_kv is None:
-        early_kv = batch * hkv * splits <= _one_wave(q.device)
+        early_kv = q.device.type != "cuda" or batch * hkv * splits <= sm_count(q.device)
     _decode_split_kernel[grid](
         q, k_cache, v_cache, mid_o, mid_lse, kv_lens, page_table, page_table.stride(0),
         scale * _LOG2E, window or 0,
