@@ -127,6 +127,27 @@ def test_the_grammar_knows_a_stop_token_ended_it_and_a_rollback_reopened_it(
     assert not grammar.is_terminated and not grammar.matcher.is_terminated()
 
 
+def test_accepting_a_batch_is_accepting_each_row(llama_dir: Path) -> None:
+    tokenizer = load_tokenizer(str(llama_dir))
+    eos = tokenizer.eos_token_id
+    info = xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=len(tokenizer), stop_token_ids=[eos]
+    )
+    compiled = xgr.GrammarCompiler(info).compile_grammar('root ::= "ok"')
+    ok = tokenizer.encode("ok", add_special_tokens=False)
+    # Rows: one about to stop, one refusing a token, one mid-way, one already ended.
+    prefixes, tokens = [ok, ok, ok[:-1], [*ok, eos]], [eos, ok[0], ok[-1], eos]
+    grammars = [RequestGrammar(compiled) for _ in prefixes]
+    singles = [RequestGrammar(compiled) for _ in prefixes]
+    for pair in zip(grammars, singles, prefixes, strict=True):
+        assert all(g.accept_token(t) for g in pair[:2] for t in pair[2])
+    accepted = RequestGrammar.accept_batch(grammars, tokens)
+    assert accepted == [g.accept_token(t) for g, t in zip(singles, tokens, strict=True)]
+    assert accepted[:2] == [True, False]
+    assert [g.is_terminated for g in grammars] == [g.is_terminated for g in singles]
+    assert grammars[0].is_terminated and not grammars[2].is_terminated
+
+
 def test_a_reused_mask_buffer_frees_rows_that_lost_their_grammar(llama_dir: Path) -> None:
     """Filled rows are written whole, the others set to all-ones: a row constrained in an
     earlier step of the same buffer (they alternate) is free again."""

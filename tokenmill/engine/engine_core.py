@@ -42,6 +42,7 @@ positions after reading (its KV slots stay allocated and are overwritten).
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -73,6 +74,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# The GIL switch interval once grammar masks are filled on a thread (see `_start_masks`).
+MASK_THREAD_SWITCH_INTERVAL_S = 2e-4
 # How long an idle engine blocks for a grammar compile before it looks at its inputs again.
 COMPILE_WAIT_S = 0.01
 
@@ -436,6 +439,10 @@ class EngineCore:
             vocab_size = next(g for g in grammars if g is not None).vocab_size
             self._bitmasks = BitmaskFiller(vocab_size, pin=pin)
             self._mask_filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+            # A thread waiting for the GIL gets it once the holder has run this long: at
+            # Python's default (5 ms) the filler started and returned up to a step late while
+            # this thread scheduled (1.5 ms per step of waiting for masks, H200, 256 rows).
+            sys.setswitchinterval(MASK_THREAD_SWITCH_INTERVAL_S)
         if self.config.speculative is None:
             assert self._mask_filler is not None
             return self._mask_filler.submit(self._fill_masks, batch, grammars, ahead)
@@ -462,15 +469,23 @@ class EngineCore:
     def _advance_grammars(self, touched: list[tuple[Request, int]]) -> None:
         """Feed each constrained request's new tokens to its grammar; end it when the grammar
         is complete (a stop token it accepted was not the request's end, e.g. ignore_eos)."""
-        for req, num_new in touched:
-            if req.grammar is None or req.is_finished:
-                continue
-            new = req.output_token_ids[-num_new:]
-            if not all(req.grammar.accept_token(token) for token in new):
+        rows = [(req, req.grammar, req.output_token_ids[-num_new:]) for req, num_new in touched
+                if req.grammar is not None and not req.is_finished]  # fmt: skip
+        if not rows:
+            return
+        accept_batch = rows[0][1].accept_batch
+        ok = [True] * len(rows)
+        for at in range(max(len(new) for _, _, new in rows)):  # each position, all rows at once
+            live = [i for i, (_, _, new) in enumerate(rows) if ok[i] and at < len(new)]
+            accepted = accept_batch([rows[i][1] for i in live], [rows[i][2][at] for i in live])
+            for i, accepted_one in zip(live, accepted, strict=True):
+                ok[i] = accepted_one
+        for (req, grammar, _), accepted_all in zip(rows, ok, strict=True):
+            if not accepted_all:
                 # Sampling applied the grammar's mask, so this is a bug, not bad input.
                 logger.error("grammar of %s rejected a sampled token", req.request_id)
                 self.scheduler.abort(req.request_id, FinishReason.ERROR)
-            elif req.grammar.is_terminated:
+            elif grammar.is_terminated:
                 self.scheduler.abort(req.request_id, FinishReason.STOP)
 
     def _output(

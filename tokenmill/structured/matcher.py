@@ -32,6 +32,17 @@ class RequestGrammar:
             self._terminated = self.matcher.is_terminated()
         return accepted
 
+    @staticmethod
+    def accept_batch(grammars: Sequence[RequestGrammar], token_ids: Sequence[int]) -> list[bool]:
+        """`accept_token` of one token per grammar, in one call into xgrammar (a decode step's
+        rows: the per-call overhead was a third of the host time of a 256-row step)."""
+        matchers = [g.matcher for g in grammars]
+        accepted = xgr.BatchGrammarMatcher.batch_accept_token(matchers, list(token_ids))
+        for grammar, token, ok in zip(grammars, token_ids, accepted, strict=True):
+            if ok and token in grammar._stop_ids:
+                grammar._terminated = grammar.matcher.is_terminated()
+        return accepted
+
     def rollback(self, num_tokens: int) -> None:
         """Forget the last `num_tokens` accepted tokens."""
         if num_tokens:
