@@ -44,7 +44,8 @@
 #  go to every server, LONG_ARGS to long_prompts.py (a CPU dry run: MODELS=<tiny configs>
 #  SERVE_ARGS="--device cpu" LONG_ARGS="--device cpu --length-scale 0.05 --b6-input-len 256"))
 #   or TREES="ab/before ab/after" bash scripts/gpu_check.sh [ab-b1|ab-b2]: B1 or B2 without the
-#   transformers peer, each source tree in turn, run from inside it (see docs/perf-notes.md)
+#   transformers peer, each source tree in turn, run from inside it (see docs/perf-notes.md);
+#   AB_MODELS picks the models (default: qwen3-0.6b llama-3.1-8b)
 # Full logs and JSON reports go to $OUT (or ./gpu-out); a short table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -121,8 +122,9 @@ if [[ "$what" == ab-b1 || "$what" == ab-b2 ]]; then
   [[ "$workload" == b2 ]] && args=(--engine-arg max_num_seqs=256 --engine-arg max_num_batched_tokens=8192
     --engine-arg max_model_len=4096 "${kv2[@]}")
   abs_models=$(realpath "$models")
+  read -ra ab_models <<< "${AB_MODELS:-qwen3-0.6b llama-3.1-8b}"
   for t in ${TREES:?set TREES to the source trees to compare}; do
-    for m in qwen3-0.6b llama-3.1-8b; do
+    for m in "${ab_models[@]}"; do
       log="$out/$workload-$m-$(basename "$t").log"
       (cd "$t" && python3 -m tokenmill.entrypoints.cli --log-level WARNING bench offline \
         --config "$abs_models/$m" --workload "$workload" --no-peer "${args[@]}") > "$log" 2>&1
