@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import threading
 import time
 from pathlib import Path
 
@@ -19,7 +18,6 @@ from tokenmill import LLM, SamplingParams, StructuredOutputsParams
 from tokenmill.batch import SamplingRows
 from tokenmill.runner.sampler import GrammarMask, Sampler, SamplingBatch
 from tokenmill.structured.compiler import grammar_vocab_size
-from tokenmill.structured.matcher import BitmaskFiller
 
 SEEDS = range(8)
 PROMPTS = ["Hello", "The cat", [5, 6, 7, 8, 9, 10]]
@@ -116,19 +114,11 @@ def test_overlap_scheduling_gives_the_same_constrained_tokens(llm: LLM, llama_di
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
 
 
-def test_masks_are_filled_off_the_scheduling_thread(llm: LLM, monkeypatch) -> None:
+def test_masks_are_filled_off_the_scheduling_thread(llm: LLM, fill_threads: list[str]) -> None:
     # Without speculation the masks fill on a background thread while the engine schedules the
     # next step; the sampling that needs them is queued by the next launch (deferred).
-    threads = []
-    fill = BitmaskFiller.fill
-
-    def spy(self, *args, **kwargs):
-        threads.append(threading.current_thread().name)
-        return fill(self, *args, **kwargs)
-
-    monkeypatch.setattr(BitmaskFiller, "fill", spy)
     _sample(llm, StructuredOutputsParams(json=SCHEMAS["array_of_enums"]), max_tokens=20)
-    assert threads and all(name.startswith("grammar-masks") for name in threads)
+    assert fill_threads and all(name.startswith("grammar-masks") for name in fill_threads)
 
 
 def test_preempted_constrained_requests_still_validate(llama_dir: Path) -> None:

@@ -45,19 +45,11 @@ def speculative(llama_dir: Path) -> LLM:
     return LLM(str(llama_dir), device="cpu", max_model_len=512, speculative_config=NGRAM)
 
 
-def test_masks_fill_on_the_scheduling_thread(speculative: LLM, monkeypatch) -> None:
+def test_masks_fill_on_the_scheduling_thread(speculative: LLM, fill_threads: list[str]) -> None:
     # Scheduling checks drafts against the grammars, so their masks are not filled beside it.
-    threads = []
-    fill = BitmaskFiller.fill
-
-    def spy(self, *args, **kwargs):
-        threads.append(threading.current_thread().name)
-        return fill(self, *args, **kwargs)
-
-    monkeypatch.setattr(BitmaskFiller, "fill", spy)
     params = SamplingParams(temperature=0, max_tokens=20, structured_outputs=CONSTRAINT)
     speculative.generate(["Hello"], params, use_tqdm=False)
-    assert threads and set(threads) == {threading.current_thread().name}
+    assert fill_threads and set(fill_threads) == {threading.current_thread().name}
 
 
 def test_sampled_constrained_outputs_validate_and_drafts_are_accepted(speculative: LLM) -> None:
