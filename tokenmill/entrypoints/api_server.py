@@ -24,7 +24,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import FastAPI, Query, Request
@@ -34,7 +34,6 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from transformers import PreTrainedTokenizerBase
 
 import tokenmill
 from tokenmill.config import EngineArgs, EngineConfig
@@ -66,6 +65,9 @@ from tokenmill.tokenization.tokenizer import (
     read_chat_template,
 )
 from tokenmill.vision.images import without_image_data
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -129,7 +131,7 @@ class ServerState:
     engine: EngineArgs
     config: EngineConfig
     client: EngineClient
-    tokenizer: PreTrainedTokenizerBase | None
+    tokenizer: "PreTrainedTokenizerBase | None"
     model_name: str
     limits: RequestLimits
     log_level: str = "INFO"
@@ -153,7 +155,7 @@ def request_limits(
     model_name: str,
     options: ServerOptions,
     config: EngineConfig,
-    tokenizer: PreTrainedTokenizerBase | None,
+    tokenizer: "PreTrainedTokenizerBase | None",
 ) -> RequestLimits:
     """The limits requests are validated against: the model's, then the options'."""
     max_prompt_bytes = options.max_prompt_bytes

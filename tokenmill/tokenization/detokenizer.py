@@ -8,10 +8,12 @@ the offline `LLM` and by the server's detokenizer worker alike).
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Tokens of the prompt decoded with the first output tokens, so that a leading space or a
 # character spanning the prompt/output boundary decodes as it would in the full text.

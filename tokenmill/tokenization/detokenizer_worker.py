@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
-from transformers import PreTrainedTokenizerBase
 
 from tokenmill.ipc.messages import (
     AbortRequest,
@@ -21,6 +21,9 @@ from tokenmill.ipc.process import init_child
 from tokenmill.ipc.sockets import Addresses, encode, pull, push
 from tokenmill.tokenization.detokenizer import ChoiceStream, ChoiceUpdate
 from tokenmill.tokenization.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 

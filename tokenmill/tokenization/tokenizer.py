@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from tokenmill.tokenization.tokenizer_class import CLASS_MODULES, auto_tokenizer_class
 from tokenmill.vision.images import split_images
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from tokenmill.vision.images import ImagePreprocessor
     from tokenmill.vision.inputs import ImageInput
 
@@ -38,11 +41,22 @@ def has_tokenizer(path: str) -> bool:
 
 def load_tokenizer(path: str, chat_template: str | None = None) -> PreTrainedTokenizerBase | None:
     """The tokenizer in directory `path` (with `chat_template` instead of its own, if given),
-    or None if it holds no tokenizer files."""
-    root = Path(path)
+    or None if it holds no tokenizer files.
+
+    It is the tokenizer `AutoTokenizer.from_pretrained` loads, through the class AutoTokenizer
+    would choose (`tokenizer_class`) where that is known without it: importing AutoTokenizer
+    imports torch, seconds of every tokenizer process's start-up."""
     if not has_tokenizer(path):
         return None
-    tokenizer = AutoTokenizer.from_pretrained(str(root))
+    name = str(Path(path))
+    class_name = auto_tokenizer_class(name)
+    if class_name is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    else:
+        module = importlib.import_module(CLASS_MODULES[class_name])
+        tokenizer = getattr(module, class_name).from_pretrained(name)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
-from transformers import PreTrainedTokenizerBase
 
 from tokenmill.intake import ContextLimits, IntakeError, prepare
 from tokenmill.ipc.messages import (
@@ -20,6 +20,9 @@ from tokenmill.ipc.process import init_child
 from tokenmill.ipc.sockets import Addresses, encode, pull, push, request_id_of
 from tokenmill.tokenization.tokenizer import encode_prompt, load_tokenizer, render_chat
 from tokenmill.vision.images import ImagePreprocessor, ImageSetup
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 

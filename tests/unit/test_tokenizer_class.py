@@ -1,0 +1,211 @@
+"""`load_tokenizer` loads the tokenizer AutoTokenizer loads, through the class AutoTokenizer
+would choose, without importing torch (`tokenization/tokenizer_class.py`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers.models.auto import tokenization_auto
+
+from tokenmill.config import DEMO_MODEL_DIR
+from tokenmill.testing.checkpoints import CHATML_TEMPLATE, SPECIAL_TOKENS, build_tokenizer
+from tokenmill.tokenization.tokenizer import apply_chat_template, load_tokenizer
+from tokenmill.tokenization.tokenizer_class import (
+    CLASS_MODULES,
+    INCORRECT_HUB_CLASS,
+    REGISTERED_CLASSES,
+    TOKENIZERS_BACKEND_IDS,
+    auto_tokenizer_class,
+)
+
+TEXTS = [
+    "Hello world! How are you today?",
+    "<s>a prompt with</s> special <|im_start|>tokens<|im_end|> inside",
+    "你好，世界。今日は良い天気です。 Emoji: 🎉🚀✨ café naïve",
+    "  leading spaces,\ttabs\r\nand newlines\n\n",
+    "",
+]
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Héllo 🎉, what is <s>?"},
+]
+
+
+def test_tables_are_transformers_own() -> None:
+    """The copied rules are AutoTokenizer's in the installed transformers (an upgrade that
+    changes them fails here, not silently in a server)."""
+    names = tokenization_auto.TOKENIZER_MAPPING_NAMES
+    assert {
+        model_type: names.get(model_type) for model_type in REGISTERED_CLASSES
+    } == REGISTERED_CLASSES
+    incorrect = tokenization_auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
+    assert set(REGISTERED_CLASSES) & incorrect == INCORRECT_HUB_CLASS
+    assert list(TOKENIZERS_BACKEND_IDS) == tokenization_auto.MODEL_IDS_TO_TOKENIZERS_BACKEND
+    for name, module in CLASS_MODULES.items():
+        cls = tokenization_auto.tokenizer_class_from_name(name)
+        assert (cls.__name__, cls.__module__) == (name, module)
+
+
+def _metaspace_tokenizer() -> PreTrainedTokenizerFast:
+    """A SentencePiece-style (Metaspace) BPE tokenizer, as Llama 2 and Mistral ship."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=SPECIAL_TOKENS, show_progress=False
+    )
+    tok.train_from_iterator([text for text in TEXTS if text] * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+@pytest.fixture(scope="module")
+def tokenizers_by_kind() -> dict[str, PreTrainedTokenizerFast]:
+    return {"byte_level": build_tokenizer(), "metaspace": _metaspace_tokenizer()}
+
+
+def _checkpoint(
+    path: Path, tokenizer: PreTrainedTokenizerFast, model_type: str, tokenizer_class: str
+) -> Path:
+    """A folder with `tokenizer`, its `tokenizer_class` and a config.json of `model_type`."""
+    tokenizer.save_pretrained(path)
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["tokenizer_class"] = tokenizer_class
+    config_file.write_text(json.dumps(config))
+    (path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    return path
+
+
+def _behaviour(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
+    """Everything tokenmill reads of a tokenizer, on test strings and a chat."""
+    encoded = {
+        (text, special): tokenizer.encode(text, add_special_tokens=special)
+        for text in TEXTS
+        for special in (True, False)
+    }
+    ids = [i for text in TEXTS for i in tokenizer.encode(text)]
+    return {
+        "encoded": encoded,
+        "call": tokenizer("")["input_ids"],
+        "decoded": [tokenizer.decode(ids, skip_special_tokens=skip) for skip in (False, True)],
+        "tokens": tokenizer.convert_ids_to_tokens(ids),
+        "special": (
+            tokenizer.bos_token_id,
+            tokenizer.eos_token_id,
+            tokenizer.pad_token_id,
+            tokenizer.unk_token_id,
+            tokenizer.all_special_ids,
+        ),
+        "vocab": tokenizer.get_vocab(),
+        "length": len(tokenizer),
+        "chat": tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True),
+        "chat_ids": apply_chat_template(tokenizer, CHAT),
+    }
+
+
+# (tokenizer.json kind, config.json model_type, tokenizer_config.json tokenizer_class, the class
+# AutoTokenizer picks): every branch of its choice for the model types tokenmill serves.
+CASES = [
+    ("byte_level", "llama", "TokenizersBackend", "TokenizersBackend"),
+    ("byte_level", "llama", "PreTrainedTokenizerFast", "TokenizersBackend"),
+    ("byte_level", "llama", "LlamaTokenizerFast", "TokenizersBackend"),  # Llama 3: ByteLevel
+    ("metaspace", "llama", "LlamaTokenizer", "LlamaTokenizer"),  # Llama 2: Metaspace
+    ("metaspace", "mistral", "LlamaTokenizerFast", "TokenizersBackend"),
+    ("byte_level", "qwen3", "Qwen2Tokenizer", "Qwen2Tokenizer"),  # Qwen3 as shipped
+    ("byte_level", "qwen3", "TokenizersBackend", "TokenizersBackend"),
+    ("byte_level", "qwen3_moe", "Qwen2TokenizerFast", "Qwen2Tokenizer"),
+    ("byte_level", "qwen2", "TokenizersBackend", "Qwen2Tokenizer"),  # the Hub's class is wrong
+    ("byte_level", "qwen3_vl", "PreTrainedTokenizerFast", "TokenizersBackend"),
+]
+
+
+@pytest.mark.parametrize(("kind", "model_type", "tokenizer_class", "expected"), CASES)
+def test_direct_load_matches_auto_tokenizer(
+    tmp_path: Path,
+    tokenizers_by_kind: dict[str, PreTrainedTokenizerFast],
+    kind: str,
+    model_type: str,
+    tokenizer_class: str,
+    expected: str,
+) -> None:
+    path = _checkpoint(tmp_path, tokenizers_by_kind[kind], model_type, tokenizer_class)
+    auto = AutoTokenizer.from_pretrained(str(path))
+    assert type(auto).__name__ == expected
+    assert auto_tokenizer_class(str(path)) == expected
+    direct = load_tokenizer(str(path))
+    assert type(direct) is type(auto)
+    assert _behaviour(direct) == _behaviour(auto)
+
+
+def test_test_checkpoints_and_demo_model_load_as_auto_tokenizer_does(
+    checkpoints: dict[str, Path],
+) -> None:
+    for path in [*checkpoints.values(), DEMO_MODEL_DIR]:
+        auto = AutoTokenizer.from_pretrained(str(path))
+        assert auto_tokenizer_class(str(path)) == type(auto).__name__, path
+        assert _behaviour(load_tokenizer(str(path))) == _behaviour(auto), path
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"tokenizer_class": "GPT2Tokenizer"}, "a class whose rules are not copied"),
+        ({"auto_map": {"AutoTokenizer": ["x.Tok", None]}}, "remote code"),
+        ({"tokenizer_class": None}, "no tokenizer_class"),
+    ],
+)
+def test_other_checkpoints_go_through_auto_tokenizer(
+    tmp_path: Path,
+    tokenizers_by_kind: dict[str, PreTrainedTokenizerFast],
+    change: dict[str, Any],
+    why: str,
+) -> None:
+    path = _checkpoint(tmp_path, tokenizers_by_kind["byte_level"], "qwen3", "Qwen2Tokenizer")
+    config_file = path / "tokenizer_config.json"
+    config = {**json.loads(config_file.read_text()), **change}
+    config_file.write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    assert auto_tokenizer_class(str(path)) is None, why
+    other_type = _checkpoint(tmp_path / "gemma", tokenizers_by_kind["byte_level"], "gemma", "X")
+    assert auto_tokenizer_class(str(other_type)) is None
+
+
+def _modules_after(code: str) -> set[str]:
+    """The top-level modules a fresh interpreter has imported after running `code`."""
+    script = (
+        f"{code}\nimport sys\nprint(' '.join(sorted({{m.split('.')[0] for m in sys.modules}})))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    ).stdout
+    return set(out.split())
+
+
+def test_api_server_and_early_start_import_no_torch_or_transformers() -> None:
+    """The server's start-up path: `tokenmill serve`'s command line, the early start of the
+    engine core and workers, the api server module (torch alone is seconds of start-up)."""
+    modules = _modules_after(
+        "import tokenmill.__main__, tokenmill.entrypoints.cli, tokenmill.entrypoints.early_start\n"
+        "import tokenmill.entrypoints.api_server"
+    )
+    assert not modules & {"torch", "transformers"}
+
+
+def test_loading_a_tokenizer_imports_no_torch(llama_dir: Path) -> None:
+    modules = _modules_after(
+        "from tokenmill.tokenization.tokenizer import load_tokenizer\n"
+        f"assert load_tokenizer({str(llama_dir)!r}) is not None\n"
+        f"assert load_tokenizer({str(DEMO_MODEL_DIR)!r}) is not None"
+    )
+    assert "transformers" in modules
+    assert "torch" not in modules
