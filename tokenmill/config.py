@@ -74,9 +74,15 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         if str(name).removeprefix("torch.") not in _DTYPES.values():
             raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {name}")
         return name
+    return getattr(torch, dtype_name(name))
+
+
+def dtype_name(name: str) -> str:
+    """The torch dtype a dtype name ("float32", "half", ...) means, by its name; `ValueError`
+    for a name that is none of them. Checked without torch."""
     if name not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}, got {name!r}")
-    return getattr(torch, _DTYPES[name])
+    return _DTYPES[name]
 
 
 @dataclass(frozen=True)
@@ -237,6 +243,27 @@ class VisionConfig:
         )
 
 
+def read_checkpoint_config(root: Path) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """The architecture, config.json and the language model's fields of checkpoint `root`
+    (a vision-language model's are its `text_config`, with the ids and the dtype that may sit
+    at the top level); `ValueError` if it has none, or none tokenmill runs."""
+    if not root.is_dir():
+        raise ValueError(f"model directory {str(root)!r} does not exist")
+    cfg_file = root / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"model directory {str(root)!r} has no config.json")
+    top = json.loads(cfg_file.read_text())
+    archs = top.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(
+            f"unsupported architecture {archs!r} in {cfg_file}; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    cfg = {**top, **top.get("text_config", {})} if arch in _VISION_ARCHITECTURES else top
+    return arch, top, cfg
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Hyper-parameters of a Llama-family decoder, read from a Hugging Face config.json;
@@ -269,23 +296,8 @@ class ModelConfig:
     def from_pretrained(path: str | Path, dtype: str | torch.dtype = "auto") -> ModelConfig:
         """Load and validate `config.json` from a checkpoint directory."""
         root = Path(path)
-        if not root.is_dir():
-            raise ValueError(f"model directory {str(root)!r} does not exist")
-        cfg_file = root / "config.json"
-        if not cfg_file.is_file():
-            raise ValueError(f"model directory {str(root)!r} has no config.json")
-        top = json.loads(cfg_file.read_text())
-        archs = top.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(
-                f"unsupported architecture {archs!r} in {cfg_file}; supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        arch, top, cfg = read_checkpoint_config(root)
         vision = arch in _VISION_ARCHITECTURES
-        # A vision-language model's language model is its `text_config` (ids and the dtype
-        # may sit at the top level).
-        cfg = {**top, **top.get("text_config", {})} if vision else top
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         eos = cfg.get("eos_token_id")
@@ -549,6 +561,27 @@ class ImageLimits:
 
 
 @dataclass(frozen=True)
+class ServedModel:
+    """What the api server and its tokenizer workers need of the engine's configuration: the
+    model's folder, vocabulary, context and vision encoder, the sampling defaults and the image
+    limits. `EngineArgs.create_served_model` resolves it without torch (seconds of those
+    processes' start-up); `EngineConfig.served_model` is the same, from a resolved configuration.
+    """
+
+    path: str
+    vocab_size: int
+    max_model_len: int
+    vision: VisionConfig | None = None
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    images: ImageLimits = field(default_factory=ImageLimits)
+
+    @property
+    def context_limits(self) -> ContextLimits:
+        """What a request must fit (vocabulary, context), and its default max_tokens."""
+        return ContextLimits(self.vocab_size, self.max_model_len, self.sampling_defaults.max_tokens)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine core needs, resolved: model, cache, scheduler, runner, device."""
 
@@ -571,11 +604,21 @@ class EngineConfig:
         return self.scheduler.max_model_len or self.model.max_position_embeddings
 
     @property
+    def served_model(self) -> ServedModel:
+        """What the api server and the tokenizer workers need of this configuration."""
+        return ServedModel(
+            path=self.model.path,
+            vocab_size=self.model.vocab_size,
+            max_model_len=self.max_model_len,
+            vision=self.model.vision,
+            sampling_defaults=self.sampling_defaults,
+            images=self.images,
+        )
+
+    @property
     def context_limits(self) -> ContextLimits:
         """What a request must fit (vocabulary, context), and its default max_tokens."""
-        return ContextLimits(
-            self.model.vocab_size, self.max_model_len, self.sampling_defaults.max_tokens
-        )
+        return self.served_model.context_limits
 
 
 def _default(value: int | None, default: int) -> int:
@@ -741,12 +784,35 @@ class EngineArgs:
         default_help=f"{TUNING_THREADS}, or the CPUs if fewer",
     )
 
-    def create_engine_config(self) -> EngineConfig:
-        """Validate the options and resolve defaults into an `EngineConfig`."""
+    def create_served_model(self) -> ServedModel:
+        """What the api server and its tokenizer workers need of `create_engine_config`'s
+        result (its `served_model`), resolved without importing torch; checks the options it
+        reads (and the dtype's name) as `create_engine_config` does, which checks the rest."""
         if not self.model:
             raise ValueError("model must be a checkpoint directory, got ''")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.dtype != "auto":
+            dtype_name(self.dtype)
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        root = Path(self.model)
+        arch, top, cfg = read_checkpoint_config(root)
+        vision = arch in _VISION_ARCHITECTURES
+        return ServedModel(
+            path=str(root),
+            vocab_size=int(cfg["vocab_size"]),
+            max_model_len=self.max_model_len or int(cfg.get("max_position_embeddings", 4096)),
+            vision=VisionConfig.from_hf(top, cfg) if vision else None,
+            sampling_defaults=load_sampling_defaults(self.generation_config, self.model),
+            images=ImageLimits(
+                self.max_images_per_prompt, self.max_image_bytes, self.max_image_pixels
+            ),
+        )
+
+    def create_engine_config(self) -> EngineConfig:
+        """Validate the options and resolve defaults into an `EngineConfig`."""
+        served = self.create_served_model()
         import torch
 
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -811,11 +877,9 @@ class EngineArgs:
             load_format=self.load_format,
             tokenizer=self.tokenizer,
             speculative=speculative,
-            sampling_defaults=load_sampling_defaults(self.generation_config, self.model),
+            sampling_defaults=served.sampling_defaults,
             parallel=parallel,
-            images=ImageLimits(
-                self.max_images_per_prompt, self.max_image_bytes, self.max_image_pixels
-            ),
+            images=served.images,
         )
 
     def _check_parallel(

@@ -30,7 +30,7 @@ def vl_dir(vl_checkpoints: dict[str, Path]) -> Path:
 
 
 def _preprocessor(path: Path) -> ImagePreprocessor:
-    setup = image_setup(EngineArgs(model=str(path), device="cpu").create_engine_config())
+    setup = image_setup(EngineArgs(model=str(path), device="cpu").create_served_model())
     assert setup is not None
     return ImagePreprocessor(setup)
 

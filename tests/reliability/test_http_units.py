@@ -61,15 +61,15 @@ def test_exception_mid_stream_ends_the_stream_with_an_error_event() -> None:
 
 def test_default_prompt_byte_limit_is_the_context_of_the_longest_tokens(llama_dir: Path) -> None:
     config = EngineArgs(model=str(llama_dir), device="cpu", max_model_len=100)
-    engine_config = config.create_engine_config()
+    served = config.create_served_model()
     tokenizer = load_tokenizer(str(llama_dir))
     longest = max(len(t.encode()) for t in tokenizer.get_vocab())
-    limits = api_server.request_limits("m", ServerOptions(), engine_config, tokenizer)
+    limits = api_server.request_limits("m", ServerOptions(), served, tokenizer)
     assert limits.max_prompt_bytes == 2 * 100 * longest
     # No text of more bytes can fit: even all-longest tokens fill the context first.
     assert len(tokenizer.encode("x" * (limits.max_prompt_bytes + 1))) > 100
     explicit = ServerOptions(max_prompt_bytes=5)
-    assert api_server.request_limits("m", explicit, engine_config, tokenizer).max_prompt_bytes == 5
+    assert api_server.request_limits("m", explicit, served, tokenizer).max_prompt_bytes == 5
 
 
 def test_access_log_filter_drops_polls_only() -> None:

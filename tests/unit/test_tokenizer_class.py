@@ -4,8 +4,6 @@ would choose, without importing torch (`tokenization/tokenizer_class.py`)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +25,7 @@ from tokenmill.tokenization.tokenizer_class import (
 
 TEXTS = [
     "Hello world! How are you today?",
+    "<|vision_start|><|image_pad|><|vision_end|>what is this?",
     "<s>a prompt with</s> special <|im_start|>tokens<|im_end|> inside",
     "你好，世界。今日は良い天気です。 Emoji: 🎉🚀✨ café naïve",
     "  leading spaces,\ttabs\r\nand newlines\n\n",
@@ -149,9 +148,9 @@ def test_direct_load_matches_auto_tokenizer(
 
 
 def test_test_checkpoints_and_demo_model_load_as_auto_tokenizer_does(
-    checkpoints: dict[str, Path],
+    checkpoints: dict[str, Path], vl_dir: Path
 ) -> None:
-    for path in [*checkpoints.values(), DEMO_MODEL_DIR]:
+    for path in [*checkpoints.values(), vl_dir, DEMO_MODEL_DIR]:
         auto = AutoTokenizer.from_pretrained(str(path))
         assert auto_tokenizer_class(str(path)) == type(auto).__name__, path
         assert _behaviour(load_tokenizer(str(path))) == _behaviour(auto), path
@@ -178,34 +177,3 @@ def test_other_checkpoints_go_through_auto_tokenizer(
     assert auto_tokenizer_class(str(path)) is None, why
     other_type = _checkpoint(tmp_path / "gemma", tokenizers_by_kind["byte_level"], "gemma", "X")
     assert auto_tokenizer_class(str(other_type)) is None
-
-
-def _modules_after(code: str) -> set[str]:
-    """The top-level modules a fresh interpreter has imported after running `code`."""
-    script = (
-        f"{code}\nimport sys\nprint(' '.join(sorted({{m.split('.')[0] for m in sys.modules}})))"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, check=True
-    ).stdout
-    return set(out.split())
-
-
-def test_api_server_and_early_start_import_no_torch_or_transformers() -> None:
-    """The server's start-up path: `tokenmill serve`'s command line, the early start of the
-    engine core and workers, the api server module (torch alone is seconds of start-up)."""
-    modules = _modules_after(
-        "import tokenmill.__main__, tokenmill.entrypoints.cli, tokenmill.entrypoints.early_start\n"
-        "import tokenmill.entrypoints.api_server"
-    )
-    assert not modules & {"torch", "transformers"}
-
-
-def test_loading_a_tokenizer_imports_no_torch(llama_dir: Path) -> None:
-    modules = _modules_after(
-        "from tokenmill.tokenization.tokenizer import load_tokenizer\n"
-        f"assert load_tokenizer({str(llama_dir)!r}) is not None\n"
-        f"assert load_tokenizer({str(DEMO_MODEL_DIR)!r}) is not None"
-    )
-    assert "transformers" in modules
-    assert "torch" not in modules

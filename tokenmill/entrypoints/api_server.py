@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import tokenmill
-from tokenmill.config import EngineArgs, EngineConfig
+from tokenmill.config import EngineArgs, ServedModel
 from tokenmill.entrypoints import openai_responses as oai
 from tokenmill.entrypoints.early_start import EarlyStart
 from tokenmill.entrypoints.engine_client import ChoiceOutput, EngineClient, RequestFailed
@@ -129,7 +129,7 @@ class ServerState:
 
     options: ServerOptions
     engine: EngineArgs
-    config: EngineConfig
+    config: ServedModel
     client: EngineClient
     tokenizer: "PreTrainedTokenizerBase | None"
     model_name: str
@@ -154,7 +154,7 @@ class ServerState:
 def request_limits(
     model_name: str,
     options: ServerOptions,
-    config: EngineConfig,
+    config: ServedModel,
     tokenizer: "PreTrainedTokenizerBase | None",
 ) -> RequestLimits:
     """The limits requests are validated against: the model's, then the options'."""
@@ -168,14 +168,14 @@ def request_limits(
         max_prompt_bytes = 2 * config.max_model_len * max(longest, 1)
     return RequestLimits(
         model_name=model_name,
-        vocab_size=config.model.vocab_size,
+        vocab_size=config.vocab_size,
         max_model_len=config.max_model_len,
         max_prompt_bytes=max_prompt_bytes,
         max_n=options.max_n,
         max_stop=options.max_stop,
         max_stop_chars=options.max_stop_chars,
         min_prompt_chars=int(tokenizer is not None and not tokenizer("")["input_ids"]),
-        images=config.model.vision is not None,
+        images=config.vision is not None,
     )
 
 
@@ -245,9 +245,9 @@ def build_app(state: ServerState) -> FastAPI:
             "object": "model",
             "created": 0,
             "owned_by": "tokenmill",
-            "root": state.config.model.path,
+            "root": state.config.path,
             "max_model_len": state.config.max_model_len,
-            "vocab_size": state.config.model.vocab_size,
+            "vocab_size": state.config.vocab_size,
         }
         return {"object": "list", "data": [card]}
 
@@ -858,13 +858,17 @@ def serve(
     the server answers from before the model loads (503 until it is ready). `early`: the engine
     core and the detokenizer, started already from `engine` (with the addresses of the other
     processes), which the server adopts instead of starting them.
+
+    The server imports no torch: it resolves only the part of the engine's configuration it
+    needs (`EngineArgs.create_served_model`); the engine core checks the other options, and an
+    error there ends it with the reason logged, and the server with exit code 1.
     """
     startup = StartupTimer(started_ago=process_age())
-    startup.rest("server_imports")  # Python, torch, transformers, FastAPI
+    startup.rest("server_imports")  # Python, FastAPI, pydantic, uvicorn (not torch)
     listener = bind_socket(options.host, options.port)
     try:
         with startup.phase("server_setup"):
-            config = engine.create_engine_config()
+            config = engine.create_served_model()
             tokenizer_path = engine.tokenizer or engine.model
             chat_template = read_chat_template(options.chat_template)
             tokenizer = load_tokenizer(tokenizer_path, chat_template)
@@ -889,7 +893,9 @@ def serve(
             startup=startup,
         )
         server = _Server(_uvicorn_config(build_app(state), options), state)
-        workers = server_workers(config, addresses, tokenizer_path, log_level, chat_template)
+        workers = server_workers(
+            engine, config, addresses, tokenizer_path, log_level, chat_template
+        )
         started = early.processes if early else None
         state.supervisor = Supervisor(
             workers, state.client, options.restart_engine, server.fail, started

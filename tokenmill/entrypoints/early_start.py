@@ -6,8 +6,9 @@ capturing CUDA graphs) is the longest part of a server's; the api server's own (
 transformers, FastAPI, the tokenizer) used to run first, 11 s on the H200 before the engine core
 was even spawned. Started from the parsed arguments, before anything heavy is imported here
 (this module imports no torch), the two run side by side. The engine core resolves the
-arguments into its configuration itself; the api server resolves them too, meanwhile, for its
-own use. The detokenizer, which passes the engine core's first stats (its "ready") on to the
+arguments into its configuration itself; the api server and the tokenizer workers resolve
+the part they need (`EngineArgs.create_served_model`, without torch), meanwhile, for their own
+use. The detokenizer, which passes the engine core's first stats (its "ready") on to the
 server, forks from the fork server as soon as that has imported its modules, instead of after
 the server's imports and set-up. The supervisor adopts both processes (`Supervisor(started=...)`):
 they are watched, stopped and restarted like the ones it starts.
@@ -144,20 +145,20 @@ def tokenizer_main(
     chat_template: str | None,
 ) -> None:
     """A tokenizer worker's entry point when started ahead of the server: it resolves the
-    arguments into the context limits and the image set-up, and reads the chat template,
-    itself (the server does the same meanwhile; an error there ends the worker quietly, and the
-    server reports it)."""
+    arguments into the context limits and the image set-up (`create_served_model`, without
+    torch), and reads the chat template, itself (the server does the same meanwhile; an error
+    there ends the worker quietly, and the server reports it)."""
     from tokenmill.tokenization.tokenizer import read_chat_template
     from tokenmill.tokenization.tokenizer_worker import run_tokenizer_worker
     from tokenmill.vision.images import image_setup
 
     try:
-        config = engine.create_engine_config()
+        served = engine.create_served_model()
         template = read_chat_template(chat_template)
     except ValueError:
         sys.exit(1)
     tokenizer_path = engine.tokenizer or engine.model
     run_tokenizer_worker(
-        index, tokenizer_path, config.context_limits, addresses, log_level, server_pid, template,
-        image_setup(config),
+        index, tokenizer_path, served.context_limits, addresses, log_level, server_pid, template,
+        image_setup(served),
     )  # fmt: skip

@@ -34,7 +34,7 @@ class LLM:
         args = EngineArgs(model=model, **engine_args)
         self.config = args.create_engine_config()
         self.tokenizer = load_tokenizer(args.tokenizer or model)
-        setup = image_setup(self.config)
+        setup = image_setup(self.config.served_model)
         # Offline, an image part may also be a PIL image or a file path.
         self.images = ImagePreprocessor(setup, allow_files=True) if setup is not None else None
         self.engine = EngineCore(self.config)

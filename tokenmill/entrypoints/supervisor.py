@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineArgs, ServedModel
 from tokenmill.entrypoints.early_start import (
     DETOKENIZER_PROCESS_NAME,
     ENGINE_PROCESS_NAME,
@@ -65,7 +65,8 @@ class WorkerSpec:
 
 
 def server_workers(
-    config: EngineConfig,
+    engine: EngineArgs,
+    served: ServedModel,
     addresses: Addresses,
     tokenizer_path: str,
     log_level: str,
@@ -73,14 +74,14 @@ def server_workers(
 ) -> list[WorkerSpec]:
     """The engine core, the detokenizer and one tokenizer worker per tokenizer address (with
     `chat_template` instead of the tokenizer's own, if given)."""
-    limits = config.context_limits
+    limits = served.context_limits
     server = os.getpid()
     specs = [
         WorkerSpec(
             ENGINE_PROCESS_NAME,
             WorkerKind.ENGINE,
             engine_core_main,
-            (config, addresses, log_level, server),
+            (engine, addresses, log_level, server),
         ),
         WorkerSpec(
             DETOKENIZER_PROCESS_NAME,
@@ -89,7 +90,7 @@ def server_workers(
             (tokenizer_path, addresses, log_level, server),
         ),
     ]
-    images = image_setup(config)
+    images = image_setup(served)
     for i in range(len(addresses.tokenizers)):
         args = (i, tokenizer_path, limits, addresses, log_level, server, chat_template, images)
         specs.append(

@@ -22,7 +22,7 @@ from PIL import Image, UnidentifiedImageError
 from tokenmill.vision.inputs import ImageInput, image_key, num_image_tokens
 
 if TYPE_CHECKING:  # the tokenizer workers import this module; torch (via config) stays out
-    from tokenmill.config import EngineConfig, ImageLimits, VisionConfig
+    from tokenmill.config import ImageLimits, ServedModel, VisionConfig
 
 # What a chat's image part may hold: an OpenAI `image_url` string (a `data:` URL; offline also
 # a file path), encoded bytes, or a decoded PIL image.
@@ -98,11 +98,11 @@ class ImageSetup:
     limits: ImageLimits
 
 
-def image_setup(config: EngineConfig) -> ImageSetup | None:
-    """The image preprocessing of `config`'s model (None: a text-only model); its processor
+def image_setup(model: ServedModel) -> ImageSetup | None:
+    """The image preprocessing of the served `model` (None: a text-only model); its processor
     is read from the model's folder."""
-    vision = config.model.vision
-    return None if vision is None else ImageSetup(config.model.path, vision, config.images)
+    vision = model.vision
+    return None if vision is None else ImageSetup(model.path, vision, model.images)
 
 
 class ImagePreprocessor:
