@@ -792,7 +792,7 @@ class EngineArgs:
             raise ValueError("model must be a checkpoint directory, got ''")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
-        if self.dtype != "auto":
+        if isinstance(self.dtype, str) and self.dtype != "auto":  # (a torch.dtype is checked later)
             dtype_name(self.dtype)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
