@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from tokenmill.testing.checkpoints import build_tokenizer
+from tokenmill.config import DEMO_MODEL_DIR
+from tokenmill.testing.checkpoints import build_metaspace_tokenizer, build_tokenizer
 from tokenmill.tokenization.detokenizer import IncrementalDetokenizer
+from tokenmill.tokenization.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -57,3 +61,38 @@ def test_final_update_flushes_held_back_text(tokenizer) -> None:
     detok = IncrementalDetokenizer(tokenizer, [], stop=["xyz!"])
     text = "".join(detok.update([t], final=i == len(ids) - 1).text for i, t in enumerate(ids))
     assert text == "abc"
+
+
+def _deltas(detok: IncrementalDetokenizer, ids: list[int], chunk: int) -> list[str]:
+    """Feed `ids` `chunk` at a time (speculative steps add several); the deltas returned."""
+    parts = [ids[i : i + chunk] for i in range(0, len(ids), chunk)]
+    return [detok.update(p, final=i == len(parts) - 1).text for i, p in enumerate(parts)]
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "metaspace", "demo"])
+def test_the_decode_stream_gives_the_text_of_two_decodes_a_step(kind: str) -> None:
+    corpus = [*TEXTS, "The tutorial explains how to define a function in Python."]
+    tokenizer = {
+        "byte_level": build_tokenizer,
+        "metaspace": lambda: build_metaspace_tokenizer(corpus * 4),
+        "demo": lambda: load_tokenizer(str(DEMO_MODEL_DIR)),
+    }[kind]()
+    rng = random.Random(kind)
+    specials = list(tokenizer.all_special_ids)
+    for trial in range(40):
+        text = " ".join(rng.sample(corpus, 2))
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        ids = [rng.choice(specials) if rng.random() < 0.05 else t for t in ids]  # specials too
+        if trial % 4 == 0:  # random ids: byte tokens that never form a character, ...
+            ids = [rng.randrange(len(tokenizer)) for _ in range(30)]
+        prompt = tokenizer.encode(rng.choice(corpus), add_special_tokens=False)
+        skip, chunk = trial % 2 == 0, 1 + trial % 3
+        streamed = IncrementalDetokenizer(tokenizer, prompt, [], skip_special_tokens=skip)
+        windows = IncrementalDetokenizer(tokenizer, prompt, [], skip_special_tokens=skip)
+        assert streamed._stream is not None
+        windows._stream = None  # the other path: two decodes per update
+        deltas = _deltas(streamed, ids, chunk)
+        assert "".join(deltas) == "".join(_deltas(windows, ids, chunk)), (trial, ids)
+        assert streamed.output_text == windows.output_text
+        if "\ufffd" not in windows.output_text:  # (a special token can split a character)
+            assert all("\ufffd" not in d for d in deltas)

@@ -8,12 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 from transformers.models.auto import tokenization_auto
 
 from tokenmill.config import DEMO_MODEL_DIR
-from tokenmill.testing.checkpoints import CHATML_TEMPLATE, SPECIAL_TOKENS, build_tokenizer
+from tokenmill.testing.checkpoints import build_metaspace_tokenizer, build_tokenizer
 from tokenmill.tokenization.tokenizer import apply_chat_template, load_tokenizer
 from tokenmill.tokenization.tokenizer_class import (
     CLASS_MODULES,
@@ -52,25 +51,12 @@ def test_tables_are_transformers_own() -> None:
         assert (cls.__name__, cls.__module__) == (name, module)
 
 
-def _metaspace_tokenizer() -> PreTrainedTokenizerFast:
-    """A SentencePiece-style (Metaspace) BPE tokenizer, as Llama 2 and Mistral ship."""
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.decoder = decoders.Metaspace()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=SPECIAL_TOKENS, show_progress=False
-    )
-    tok.train_from_iterator([text for text in TEXTS if text] * 4, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    )
-    fast.chat_template = CHATML_TEMPLATE
-    return fast
-
-
 @pytest.fixture(scope="module")
 def tokenizers_by_kind() -> dict[str, PreTrainedTokenizerFast]:
-    return {"byte_level": build_tokenizer(), "metaspace": _metaspace_tokenizer()}
+    return {
+        "byte_level": build_tokenizer(),
+        "metaspace": build_metaspace_tokenizer([t for t in TEXTS if t] * 4),
+    }
 
 
 def _checkpoint(

@@ -132,6 +132,25 @@ def build_tokenizer(
     return fast
 
 
+def build_metaspace_tokenizer(
+    corpus: Iterable[str], vocab_size: int = 300
+) -> PreTrainedTokenizerFast:
+    """A SentencePiece-style (Metaspace) BPE tokenizer, as Llama 2 and Mistral ship, trained on
+    `corpus`, with BOS/EOS and a ChatML chat template."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
 def build_checkpoint(
     path: str | Path, family: str = "llama", seed: int = 0, **overrides: Any
 ) -> Path:
