@@ -37,9 +37,8 @@ KERNELS = {
     "prefill": (_prefill_kernel, dict(
         HQ=16, HKV=8, D=128, PAGE=16, BLOCK_M=64, BLOCK_N=64, HAS_WINDOW=False)),
     **{name: (_decode_split_kernel, dict(
-        HQ=16, HKV=8, D=128, PAGE=16, SPLITS=16, BLOCK_G=16, BLOCK_N=block_n, HAS_WINDOW=False,
-        EARLY_KV=early)) for name, early, block_n in (("decode_split", True, 64),
-                                                      ("decode_split_late", False, 32))},
+        HQ=16, HKV=8, D=128, PAGE=16, SPLITS=16, BLOCK_G=16, BLOCK_N=64, HAS_WINDOW=False,
+        EARLY_KV=early)) for name, early in (("decode_split", True), ("decode_split_late", False))},
     "decode_reduce": (_decode_reduce_kernel, dict(HQ=16, D=128, SPLITS=16, BLOCK_S=16)),
     "gemv": (_gemv_kernel, dict(
         BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, SPLIT_K=4, GATED=False, NORM=True, HAS_RES=True,

@@ -343,18 +343,6 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def one_wave(device: torch.device, programs: int) -> bool:
-    """Whether `programs` split-decode programs run at once (one per SM; always off a GPU)."""
-    return device.type != "cuda" or programs <= sm_count(device)
-
-
-def decode_block_n(early_kv: bool) -> int:
-    """Keys per block of the split-decode kernel. Grids of many waves stream K/V in blocks of
-    32: 4-8% faster than 64 at batch 64-256, contexts 512-2,048, on the H200 (3.9-4.3 TB/s,
-    `benchmarks/decode_sweep.py`, session 13)."""
-    return 64 if early_kv else 32
-
-
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -383,12 +371,12 @@ def decode_attention(
     pdl = pdl_options(q.device)
     grid = (batch, hkv, splits)
     if early_kv is None:
-        early_kv = one_wave(q.device, batch * hkv * splits)
+        early_kv = q.device.type != "cuda" or batch * hkv * splits <= sm_count(q.device)
     _decode_split_kernel[grid](
         q, k_cache, v_cache, mid_o, mid_lse, kv_lens, page_table, page_table.stride(0),
         scale * _LOG2E, window or 0,
         HQ=hq, HKV=hkv, D=d, PAGE=page_size, SPLITS=splits,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=decode_block_n(early_kv),
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=64,
         HAS_WINDOW=window is not None, EARLY_KV=early_kv, num_warps=4, num_stages=2, **pdl,
     )  # fmt: skip
     _decode_reduce_kernel[(batch, hq)](
