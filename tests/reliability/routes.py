@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 from starlette.routing import Route
@@ -22,9 +24,11 @@ def server_state(
         model_name="m", vocab_size=512, max_model_len=128, max_prompt_bytes=4096, max_n=8,
         max_stop=4, max_stop_chars=16,
     )  # fmt: skip
+    no_tokenizer: Future[None] = Future()
+    no_tokenizer.set_result(None)
     return ServerState(
         options=options or ServerOptions(), engine=EngineArgs(), config=None, client=client,
-        tokenizer=None, model_name="m", limits=limits,
+        tokenizer=no_tokenizer, model_name="m", limits=limits,
     )  # type: ignore[arg-type]  # fmt: skip
 
 

@@ -20,7 +20,7 @@ from tokenmill.entrypoints.engine_client import ChoiceOutput
 from tokenmill.entrypoints.protocol import error_param
 from tokenmill.entrypoints.server_options import ServerOptions
 from tokenmill.ipc.messages import ClientOutput
-from tokenmill.tokenization.tokenizer import load_tokenizer
+from tokenmill.tokenization.tokenizer import PromptBounds, load_tokenizer
 
 
 def test_unexpected_exception_is_a_500_in_openai_shape_and_the_app_keeps_serving() -> None:
@@ -64,12 +64,14 @@ def test_default_prompt_byte_limit_is_the_context_of_the_longest_tokens(llama_di
     served = config.create_served_model()
     tokenizer = load_tokenizer(str(llama_dir))
     longest = max(len(t.encode()) for t in tokenizer.get_vocab())
-    limits = api_server.request_limits("m", ServerOptions(), served, tokenizer)
+    bounds = PromptBounds.read(str(llama_dir))
+    assert bounds == PromptBounds.of(tokenizer)  # tokenizer.json alone says what it does
+    limits = api_server.request_limits("m", ServerOptions(), served, bounds)
     assert limits.max_prompt_bytes == 2 * 100 * longest
     # No text of more bytes can fit: even all-longest tokens fill the context first.
     assert len(tokenizer.encode("x" * (limits.max_prompt_bytes + 1))) > 100
     explicit = ServerOptions(max_prompt_bytes=5)
-    assert api_server.request_limits("m", explicit, served, tokenizer).max_prompt_bytes == 5
+    assert api_server.request_limits("m", explicit, served, bounds).max_prompt_bytes == 5
 
 
 def test_access_log_filter_drops_polls_only() -> None:

@@ -13,7 +13,7 @@ from transformers.models.auto import tokenization_auto
 
 from tokenmill.config import DEMO_MODEL_DIR
 from tokenmill.testing.checkpoints import build_metaspace_tokenizer, build_tokenizer
-from tokenmill.tokenization.tokenizer import apply_chat_template, load_tokenizer
+from tokenmill.tokenization.tokenizer import PromptBounds, apply_chat_template, load_tokenizer
 from tokenmill.tokenization.tokenizer_class import (
     CLASS_MODULES,
     INCORRECT_HUB_CLASS,
@@ -163,3 +163,12 @@ def test_other_checkpoints_go_through_auto_tokenizer(
     assert auto_tokenizer_class(str(path)) is None, why
     other_type = _checkpoint(tmp_path / "gemma", tokenizers_by_kind["byte_level"], "gemma", "X")
     assert auto_tokenizer_class(str(other_type)) is None
+
+
+@pytest.mark.parametrize(("kind", "model_type", "hub_class", "expected"), CASES)
+def test_prompt_bounds_from_tokenizer_json_are_the_loaded_tokenizers(
+    tmp_path: Path, tokenizers_by_kind, kind: str, model_type: str, hub_class: str, expected: str
+) -> None:
+    # The server reads them at start-up without loading the tokenizer (api_server.serve).
+    path = _checkpoint(tmp_path, tokenizers_by_kind[kind], model_type, hub_class)
+    assert PromptBounds.read(str(path)) == PromptBounds.of(load_tokenizer(str(path)))

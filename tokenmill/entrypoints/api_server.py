@@ -20,11 +20,13 @@ import json
 import logging
 import os
 import socket
+import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Query, Request
@@ -59,6 +61,7 @@ from tokenmill.observability.metrics import ServerMetrics
 from tokenmill.observability.startup import StartupTimer, process_age, startup_line
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenization.tokenizer import (
+    PromptBounds,
     apply_chat_template,
     encode_prompt,
     load_tokenizer,
@@ -70,6 +73,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger("tokenmill.server")
+T = TypeVar("T")
 
 STARTUP_TIMEOUT_S = 900.0
 DASHBOARD_HTML = Path(__file__).resolve().parent.parent / "dashboard" / "index.html"
@@ -131,7 +135,8 @@ class ServerState:
     engine: EngineArgs
     config: ServedModel
     client: EngineClient
-    tokenizer: "PreTrainedTokenizerBase | None"
+    # Loaded on a thread while the server starts (/tokenize and /detokenize wait for it).
+    tokenizer: "Future[PreTrainedTokenizerBase | None]"
     model_name: str
     limits: RequestLimits
     log_level: str = "INFO"
@@ -152,20 +157,16 @@ class ServerState:
 
 
 def request_limits(
-    model_name: str,
-    options: ServerOptions,
-    config: ServedModel,
-    tokenizer: "PreTrainedTokenizerBase | None",
+    model_name: str, options: ServerOptions, config: ServedModel, bounds: PromptBounds | None
 ) -> RequestLimits:
-    """The limits requests are validated against: the model's, then the options'."""
+    """The limits requests are validated against: the model's, then the options'; `bounds`:
+    the tokenizer's (None: the model has none)."""
     max_prompt_bytes = options.max_prompt_bytes
     if max_prompt_bytes is None:
         # A prompt of more bytes than max_model_len tokens of the longest token cannot fit;
         # x2 because a normalizer (NFC, NFKC) may fold a few input bytes into fewer.
-        longest = 1
-        if tokenizer is not None:
-            longest = max((len(t.encode("utf-8")) for t in tokenizer.get_vocab()), default=1)
-        max_prompt_bytes = 2 * config.max_model_len * max(longest, 1)
+        longest = bounds.longest_token_bytes if bounds is not None else 1
+        max_prompt_bytes = 2 * config.max_model_len * longest
     return RequestLimits(
         model_name=model_name,
         vocab_size=config.vocab_size,
@@ -174,7 +175,7 @@ def request_limits(
         max_n=options.max_n,
         max_stop=options.max_stop,
         max_stop_chars=options.max_stop_chars,
-        min_prompt_chars=int(tokenizer is not None and not tokenizer("")["input_ids"]),
+        min_prompt_chars=int(bounds is not None and not bounds.empty_prompt_has_tokens),
         images=config.vision is not None,
     )
 
@@ -303,7 +304,7 @@ def build_app(state: ServerState) -> FastAPI:
         if (failure := _check_model(state, body.model)) is not None:
             return failure
 
-        def encode() -> list[int]:
+        def encode(tokenizer: "PreTrainedTokenizerBase | None") -> list[int]:
             if body.messages is not None:
                 if any(m.has_images() for m in body.messages):
                     raise ValueError(
@@ -311,12 +312,15 @@ def build_app(state: ServerState) -> FastAPI:
                         "on its preprocessing)"
                     )
                 chat = [m.template_dict() for m in body.messages]
-                return apply_chat_template(state.tokenizer, chat)
-            return encode_prompt(state.tokenizer, body.prompt, body.add_special_tokens)
+                return apply_chat_template(tokenizer, chat)
+            return encode_prompt(tokenizer, body.prompt, body.add_special_tokens)
 
+        tokenizer = await _tokenizer(state)
+        if isinstance(tokenizer, Response):
+            return tokenizer
         try:
             # Off the event loop: a long prompt takes seconds (the tokenizer releases the GIL).
-            ids = await asyncio.to_thread(encode)
+            ids = await asyncio.to_thread(encode, tokenizer)
         except ValueError as exc:
             return error_response(400, str(exc), "messages" if body.messages else "prompt")
         max_len = state.config.max_model_len
@@ -327,9 +331,12 @@ def build_app(state: ServerState) -> FastAPI:
         """Text of token ids."""
         if (failure := _check_model(state, body.model)) is not None:
             return failure
-        if state.tokenizer is None:
+        tokenizer = await _tokenizer(state)
+        if isinstance(tokenizer, Response):
+            return tokenizer
+        if tokenizer is None:
             return error_response(400, "the model has no tokenizer", "tokens")
-        text = await asyncio.to_thread(state.tokenizer.decode, body.tokens)
+        text = await asyncio.to_thread(tokenizer.decode, body.tokens)
         return JSONResponse({"prompt": text})
 
     @app.post("/v1/completions", responses=_V1_BODY_ERRORS)
@@ -848,6 +855,30 @@ class _Server(uvicorn.Server):
         self._captured_signals.clear()
 
 
+async def _tokenizer(state: ServerState) -> "PreTrainedTokenizerBase | Response | None":
+    """The server's tokenizer once loaded; a 503 if it failed to load (the tokenizer workers
+    fail alike, so the server is not ready either)."""
+    try:
+        return await asyncio.wrap_future(state.tokenizer)
+    except Exception as exc:
+        logger.error("the tokenizer failed to load: %s", exc)
+        return error_response(503, "the tokenizer failed to load", None)
+
+
+def _in_thread(work: Callable[..., T], *args: Any) -> Future[T]:
+    """`work(*args)` on a thread of its own, started now."""
+    future: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(work(*args))
+        except BaseException as exc:  # the waiter gets it
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="load-tokenizer", daemon=True).start()
+    return future
+
+
 def serve(
     engine: EngineArgs, options: ServerOptions, log_level: str = "INFO",
     early: EarlyStart | None = None,
@@ -871,7 +902,12 @@ def serve(
             config = engine.create_served_model()
             tokenizer_path = engine.tokenizer or engine.model
             chat_template = read_chat_template(options.chat_template)
-            tokenizer = load_tokenizer(tokenizer_path, chat_template)
+            # The tokenizer loads beside the rest of the start-up (importing transformers takes
+            # seconds); the request limits need only its bounds, read from tokenizer.json.
+            tokenizer = _in_thread(load_tokenizer, tokenizer_path, chat_template)
+            bounds = PromptBounds.read(tokenizer_path)
+            if bounds is None and (loaded := tokenizer.result()) is not None:
+                bounds = PromptBounds.of(loaded)
     except BaseException:
         listener.close()
         raise
@@ -888,7 +924,7 @@ def serve(
             client=EngineClient(addresses, metrics),
             tokenizer=tokenizer,
             model_name=model_name,
-            limits=request_limits(model_name, options, config, tokenizer),
+            limits=request_limits(model_name, options, config, bounds),
             log_level=log_level,
             startup=startup,
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,37 @@ def read_chat_template(value: str | None) -> str | None:
 
 
 Prompt = str | list[int]
+
+
+@dataclass(frozen=True)
+class PromptBounds:
+    """What a server checks text prompts against before tokenizing them: the UTF-8 bytes of
+    the longest vocabulary entry (as the vocabulary spells it: a bound on a token's text), and
+    whether the empty prompt encodes to any token (a BOS: else "" is no prompt)."""
+
+    longest_token_bytes: int
+    empty_prompt_has_tokens: bool
+
+    @staticmethod
+    def of(tokenizer: PreTrainedTokenizerBase) -> PromptBounds:
+        """The bounds of a loaded tokenizer."""
+        longest = max((len(t.encode("utf-8")) for t in tokenizer.get_vocab()), default=1)
+        return PromptBounds(max(longest, 1), bool(tokenizer("")["input_ids"]))
+
+    @staticmethod
+    def read(path: str) -> PromptBounds | None:
+        """The bounds from directory `path`'s tokenizer.json alone, read by the tokenizers
+        library (no transformers import: a server knows them in a fraction of a second of its
+        start-up), or None without that file."""
+        file = Path(path) / "tokenizer.json"
+        if not file.is_file():
+            return None
+        from tokenizers import Tokenizer
+
+        raw = Tokenizer.from_file(str(file))
+        vocab = raw.get_vocab(with_added_tokens=True)
+        longest = max((len(t.encode("utf-8")) for t in vocab), default=1)
+        return PromptBounds(max(longest, 1), bool(raw.encode("").ids))
 
 
 def has_tokenizer(path: str) -> bool:
