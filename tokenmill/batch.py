@@ -11,6 +11,7 @@ the loop, not the vocabulary. The step protocol itself is explained in `engine.e
 from __future__ import annotations
 
 import enum
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -52,44 +53,106 @@ class Logprob:
     rank: int
 
 
-# Adaptive speculation's prior belief about a request's drafts: each accepted with probability
-# ACCEPTANCE_PRIOR, a belief worth PRIOR_WEIGHT judged drafts; evidence fades by
-# ACCEPTANCE_DECAY per verify (and per step the request could have drafted but did not). The
-# prior is a good draft's: a request is tried where good drafts would pay, and its own
-# verifies then decide (a request never tried would never show its drafts are good).
-ACCEPTANCE_PRIOR = 0.8
+# Adaptive speculation's belief about a request's drafts (`AcceptanceEstimate`). The prior,
+# Beta(1.4, 0.6), is worth two judged drafts: an untried request's bound is 0.97, so it is
+# tried wherever drafting could pay, and its own verifies soon outweigh the prior. (Simulated
+# against fixed k = 4 at 128 tokens: worth one draft, a CPU request at a = 0.8 ran x1.85 vs
+# x1.91; worth four, x1.87 but batch 64 at a = 0.3 x0.94, its rows tried longer; worth two,
+# x1.89 and x0.96.)
+ACCEPTANCE_PRIOR = 0.7
 PRIOR_WEIGHT = 2.0
-ACCEPTANCE_DECAY = 0.8
+# Evidence halves in weight every this many of the request's tokens, drafted or not. At a = 0.8
+# and k = 4 (2.95 drafts judged per 3.36 tokens) that is ~160 judged drafts at steady state:
+# the posterior's standard deviation is 0.03, where a decay of 0.8 per verify (~15 drafts) let
+# two verifies that accepted nothing (p = 0.04) pull it from 0.8 to 0.42 and turn drafting off.
+# A request whose drafting was turned off is retried once its bound has widened back past what
+# pays: at a = 0.6 where only a >= 0.88 pays (qwen3-0.6b on the H200: a verify costs 3.4
+# decodes), about once per 100 tokens, x0.98 of plain decoding (simulated: fixed k runs x0.68).
+ACCEPTANCE_HALF_LIFE = 128
+# The policy reads the posterior mean plus this many standard deviations (optimism in the face
+# of uncertainty: an untried request is tried, a verified one is judged by its record). At
+# steady state (a = 0.6, k = 4: ~170 judged drafts) that adds 0.037 to `a` and 7% to the
+# expected tokens of a verify, within `spec.adaptive.MIN_SPEEDUP`'s 10%: a step the policy
+# chooses at >= 1.1x plain decoding's rate runs at >= 1.03x in truth.
+ACCEPTANCE_OPTIMISM = 1.0
+# A request whose step could have drafted but drafted nothing (prompt lookup found nothing, or
+# the policy declined) skips drafting for this many of its tokens, twice as many after each
+# further such step, up to the most; a step that drafts resets it. Prompt lookup that keeps
+# finding nothing then costs a synchronous step once in up to 65 tokens.
+DRAFT_PAUSE_TOKENS = 4
+MAX_DRAFT_PAUSE_TOKENS = 64
 
 
 @dataclass
 class AcceptanceEstimate:
-    """A request's chance that the target accepts a draft, given it accepted the ones before.
+    """A request's chance `a` that the target accepts a draft, given it accepted the ones
+    before: a Beta posterior.
 
-    A verify of k drafts that accepts m judged `m + 1` of them (`m` when m = k: none was
-    rejected); the estimate is accepted over judged drafts, exponentially weighted (recent
-    verifies count most), starting from a prior. A request that stops drafting drifts back to
-    the prior, so it is tried again later (its text may have turned repetitive).
+    A verify of k drafts that accepts m is m acceptances and, when m < k, one rejection (the
+    likelihood `a^m (1 - a)` is conjugate to the Beta prior). Evidence counts by how recent
+    it is in the request's own text (`ACCEPTANCE_HALF_LIFE`), so a request that stopped
+    drafting drifts back towards its prior and is tried again (its text may have turned
+    repetitive).
     """
 
-    accepted: float = 0.0
-    judged: float = 0.0
+    accepted: float = 0.0  # weighted accepted drafts, as of `num_tokens`
+    rejected: float = 0.0  # weighted rejected drafts, as of `num_tokens`
+    num_tokens: int = 0  # the request's length at the last verify
 
-    def observe(self, num_drafted: int, num_accepted: int) -> None:
-        """Count one verify: `num_accepted` of `num_drafted` drafts accepted."""
-        judged = num_accepted + (num_accepted < num_drafted)
-        self.accepted = ACCEPTANCE_DECAY * self.accepted + num_accepted
-        self.judged = ACCEPTANCE_DECAY * self.judged + judged
+    def observe(self, num_drafted: int, num_accepted: int, num_tokens: int) -> None:
+        """Count one verify of the request at `num_tokens` tokens: `num_accepted` of
+        `num_drafted` drafts accepted."""
+        weight = self._weight(num_tokens)
+        self.accepted = weight * self.accepted + num_accepted
+        self.rejected = weight * self.rejected + (num_accepted < num_drafted)
+        self.num_tokens = num_tokens
 
-    def fade(self) -> None:
-        """A step without drafting: old evidence counts less."""
-        self.accepted *= ACCEPTANCE_DECAY
-        self.judged *= ACCEPTANCE_DECAY
+    def mean(self, num_tokens: int) -> float:
+        """The posterior mean of `a` once the request has `num_tokens` tokens."""
+        alpha, beta = self._posterior(num_tokens)
+        return alpha / (alpha + beta)
 
-    @property
-    def rate(self) -> float:
-        """The estimated per-draft acceptance, in (0, 1)."""
-        return (self.accepted + ACCEPTANCE_PRIOR * PRIOR_WEIGHT) / (self.judged + PRIOR_WEIGHT)
+    def bound(self, num_tokens: int) -> float:
+        """What the policy reads: the posterior mean plus `ACCEPTANCE_OPTIMISM` standard
+        deviations, below 1."""
+        alpha, beta = self._posterior(num_tokens)
+        total = alpha + beta
+        mean = alpha / total
+        deviation = math.sqrt(mean * (1 - mean) / (total + 1))
+        return min(mean + ACCEPTANCE_OPTIMISM * deviation, 1 - 1e-6)
+
+    def _posterior(self, num_tokens: int) -> tuple[float, float]:
+        weight = self._weight(num_tokens)
+        alpha = ACCEPTANCE_PRIOR * PRIOR_WEIGHT + weight * self.accepted
+        beta = (1 - ACCEPTANCE_PRIOR) * PRIOR_WEIGHT + weight * self.rejected
+        return alpha, beta
+
+    def _weight(self, num_tokens: int) -> float:
+        return 0.5 ** (max(num_tokens - self.num_tokens, 0) / ACCEPTANCE_HALF_LIFE)
+
+
+@dataclass
+class DraftPause:
+    """Tokens a request skips drafting for after a step that could have drafted but did not
+    (`DRAFT_PAUSE_TOKENS`): counted in the request's own tokens, so neither other requests'
+    steps nor steps without decoding (prefills) shorten it."""
+
+    until: int = 0  # the request drafts again once it has this many tokens
+    length: int = DRAFT_PAUSE_TOKENS  # the next pause
+
+    def active(self, num_tokens: int) -> bool:
+        """Whether the request, at `num_tokens` tokens, skips drafting."""
+        return num_tokens < self.until
+
+    def start(self, num_tokens: int) -> None:
+        """A step of the request at `num_tokens` tokens drafted nothing though it could: the
+        `length` steps after it decode plain."""
+        self.until = num_tokens + 1 + self.length
+        self.length = min(2 * self.length, MAX_DRAFT_PAUSE_TOKENS)
+
+    def reset(self) -> None:
+        """A step of the request drafted."""
+        self.length = DRAFT_PAUSE_TOKENS
 
 
 @dataclass(eq=False)
@@ -121,10 +184,12 @@ class Request:
     num_preemptions: int = 0
     pages: SeqPages = field(default_factory=SeqPages)
     grammar: RequestGrammar | None = None  # structured outputs: has accepted every output token
-    # Speculative decoding: tokens a host proposer drafted to follow the newest token, and how
-    # often the target accepts this request's drafts (adaptive speculation reads it).
+    # Speculative decoding: tokens a host proposer drafted to follow the newest token, how
+    # often the target accepts this request's drafts, and how long it skips drafting
+    # (adaptive speculation reads both).
     draft_token_ids: list[int] = field(default_factory=list)
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    draft_pause: DraftPause = field(default_factory=DraftPause)
     mm: MultimodalPrompt | None = None  # the prompt's images and their rotary positions
     # `token_array`'s buffer: tokens [0, its filled length) copied so far (prompt + output).
     _token_buffer: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64),

@@ -6,13 +6,26 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tokenmill.batch import ACCEPTANCE_PRIOR, AcceptanceEstimate, Request
+from tokenmill.batch import (
+    ACCEPTANCE_HALF_LIFE,
+    ACCEPTANCE_PRIOR,
+    DRAFT_PAUSE_TOKENS,
+    MAX_DRAFT_PAUSE_TOKENS,
+    AcceptanceEstimate,
+    Request,
+)
 from tokenmill.bench.speculative import ideal_tokens_per_step
 from tokenmill.cache.cache_manager import CacheManager
 from tokenmill.config import SchedulerConfig
-from tokenmill.engine.scheduler import PLAIN_STEPS_AFTER_NO_DRAFTS, Scheduler
+from tokenmill.engine.scheduler import Scheduler
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec.adaptive import StepCost, choose_num_drafts, expected_tokens, token_bucket
+from tokenmill.spec.adaptive import (
+    MIN_SPEEDUP,
+    StepCost,
+    choose_num_drafts,
+    expected_tokens,
+    token_bucket,
+)
 from tokenmill.spec.config import SpeculativeConfig
 from tokenmill.spec.ngram import NgramProposer
 
@@ -137,31 +150,107 @@ def test_step_sizes_are_measured_exactly_when_small_then_per_quarter_octave() ->
     assert all(abs(token_bucket(n) - n) / n < 0.1 for n in range(17, 4096))
 
 
+def _verify_at(estimate: AcceptanceEstimate, rate: float, rng, num_tokens: int) -> int:  # type: ignore[no-untyped-def]
+    """One verify of K drafts, each right with probability `rate` after the ones before;
+    returns the request's length after it."""
+    right = rng.random(K) < rate
+    accepted = int(np.argmin(right)) if not right.all() else K
+    estimate.observe(K, accepted, num_tokens)
+    return num_tokens + accepted + 1
+
+
 def test_acceptance_estimate_learns_and_drifts_back_to_its_prior() -> None:
     estimate = AcceptanceEstimate()
-    assert estimate.rate == ACCEPTANCE_PRIOR
+    assert estimate.mean(0) == pytest.approx(ACCEPTANCE_PRIOR)
+    assert estimate.bound(0) > 0.95  # untried: optimistic
+    tokens = 10
     for _ in range(10):
-        estimate.observe(num_drafted=4, num_accepted=0)  # one draft judged each time
-    assert estimate.rate < 0.3
-    for _ in range(30):
-        estimate.fade()
-    assert estimate.rate == pytest.approx(ACCEPTANCE_PRIOR, abs=0.01)
+        estimate.observe(num_drafted=4, num_accepted=0, num_tokens=tokens)  # one judged
+    assert estimate.mean(tokens) == pytest.approx(1.4 / 12) and estimate.bound(tokens) < 0.25
+    # Evidence halves every ACCEPTANCE_HALF_LIFE of the request's tokens, drafting or not.
+    later = tokens + ACCEPTANCE_HALF_LIFE
+    assert estimate.mean(later) == pytest.approx(2 * ACCEPTANCE_PRIOR / (2 + 5.0), rel=1e-3)
+    assert estimate.mean(tokens + 20 * ACCEPTANCE_HALF_LIFE) == pytest.approx(ACCEPTANCE_PRIOR,
+                                                                              abs=1e-3)  # fmt: skip
     for _ in range(10):
-        estimate.observe(num_drafted=4, num_accepted=4)  # none rejected: nothing but success
-    assert estimate.rate > 0.9
+        estimate.observe(num_drafted=4, num_accepted=4, num_tokens=tokens)  # none rejected
+    assert estimate.mean(tokens) > 0.75
+
+
+def test_two_verifies_that_accept_nothing_leave_good_drafts_on_at_cpu_cost() -> None:
+    """The CPU's case, measured by B4's probe on the demo model: a step of 1, 2 and 5 tokens
+    cost 17, 24 and 28 ms (a verify is synchronous). The first two verifies of a request with
+    a = 0.8 accept nothing (p = 0.04). Its drafts stay on: two judged drafts are weak
+    evidence (the old estimate, 0.8 worth two drafts and a decay of 0.8 per verify, fell to
+    0.42, and drafting turned off). Ten more such verifies do turn it off."""
+    cost = StepCost()
+    for n, ms in ((1, 17.0), (2, 24.0), (5, 28.0)):
+        cost.observe(n, ms)
+    assert _choose([0.42], cost=cost).tolist() == [0]
+    estimate = AcceptanceEstimate()
+    for tokens in (0, 1):
+        estimate.observe(num_drafted=K, num_accepted=0, num_tokens=tokens)
+    assert _choose([estimate.bound(2)], cost=cost)[0] >= K - 1  # bound 0.57
+    for tokens in range(2, 12):
+        estimate.observe(num_drafted=K, num_accepted=0, num_tokens=tokens)
+    assert _choose([estimate.bound(12)], cost=cost).tolist() == [0]
+
+
+@pytest.mark.parametrize(("rate", "drafts"), [(0.6, False), (0.95, True)])
+def test_where_a_verify_costs_many_decodes_only_high_acceptance_drafts(
+    rate: float, drafts: bool
+) -> None:
+    """qwen3-0.6b on the H200 (a verify step costs 3.4 plain ones: fixed k = 4 ran x0.68 at
+    a = 0.6): after a request's first verifies, a = 0.6 stops drafting and a = 0.95 keeps
+    it. Stopped, it is retried now and then, as its evidence ages, not every step."""
+    cost = _cost(lambda n: 1.0 if n == 1 else 3.4, sizes=range(1, 6))
+    rng = np.random.default_rng(0)
+    estimate, tokens, verifies = AcceptanceEstimate(), 0, 0
+    for _ in range(512):
+        if _choose([estimate.bound(tokens)], cost=cost).any():
+            tokens = _verify_at(estimate, rate, rng, tokens)
+            verifies += 1
+        else:
+            tokens += 1
+        if tokens >= 512:
+            break
+    drafted_tokens = verifies * expected_tokens(np.array(rate), np.array(K))
+    if drafts:
+        assert drafted_tokens > 0.9 * 512
+    else:
+        assert 3 <= verifies < 20  # tried, then retried a few times in 512 tokens
+
+
+def test_optimism_at_steady_evidence_stays_within_the_policys_margin() -> None:
+    """The policy reads the bound, not the mean. With a request's steady evidence at
+    a = 0.6 (k = 4), the bound's expected tokens exceed the mean's by less than
+    MIN_SPEEDUP: a step chosen for >= MIN_SPEEDUP x plain decoding's rate (at batch 64,
+    where a verify costs what its tokens do) is not slower than plain decoding."""
+    rng = np.random.default_rng(1)
+    estimate, tokens = AcceptanceEstimate(), 0
+    while tokens < 20 * ACCEPTANCE_HALF_LIFE:
+        tokens = _verify_at(estimate, 0.6, rng, tokens)
+    bound = estimate.bound(tokens)
+    assert bound > estimate.mean(tokens)
+    mean = estimate.mean(tokens)
+    assert mean == pytest.approx(0.6, abs=0.06)
+    optimism = expected_tokens(np.array(bound), np.array(K)) / expected_tokens(
+        np.array(mean), np.array(K)
+    )
+    assert optimism < MIN_SPEEDUP
 
 
 def test_a_new_request_is_tried_and_its_verifies_decide() -> None:
     """A verify costs 2.5 decodes (a synchronous step's host time, say): good drafts pay, poor
-    ones do not. A request starts as a good draft, so it is tried; its rejections stop it."""
+    ones do not. A request starts untried, so it is tried; its rejections stop it."""
     cost = StepCost()
     for n, seconds in ((1, 1.0), (2, 2.5), (5, 2.5)):
         cost.observe(n, seconds)
     estimate = AcceptanceEstimate()
-    assert _choose([estimate.rate], cost=cost).tolist() == [K]
-    for _ in range(3):
-        estimate.observe(num_drafted=K, num_accepted=0)
-    assert _choose([estimate.rate], cost=cost).tolist() == [0]
+    assert _choose([estimate.bound(0)], cost=cost).tolist() == [K]
+    for tokens in range(6):
+        estimate.observe(num_drafted=K, num_accepted=0, num_tokens=tokens)
+    assert _choose([estimate.bound(6)], cost=cost).tolist() == [0]
 
 
 # The scheduler with the policy.
@@ -178,9 +267,10 @@ def _decoding(sched: Scheduler, rid: str, first: int = 7, **params) -> Request: 
     return req
 
 
-def _scheduler(cost: StepCost) -> Scheduler:
+def _scheduler(cost: StepCost, num_pages: int = 64) -> Scheduler:
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64)
-    sched = Scheduler(config, CacheManager(64, 2, enable_prefix_caching=True), NGRAM)
+    cache = CacheManager(num_pages, 2, enable_prefix_caching=True)
+    sched = Scheduler(config, cache, NGRAM)
     sched.step_cost = cost
     return sched
 
@@ -203,22 +293,78 @@ def test_scheduler_decodes_plain_and_overlapped_when_compute_bound() -> None:
     assert not out.plan.blocking
     sched.update(out, [9], [None])
     assert sched.spec_stats.chosen_drafts.counts[0] == 1
-    assert req.acceptance.judged == 0  # nothing verified, nothing learned
-    # Drafting nothing keeps the next steps plain (overlapped) without asking the policy,
-    # twice as many after each further step that drafts nothing, until one drafts.
-    sched.step_cost = _cost(_roofline(128))
-    assert _plain_steps_before_drafting(sched) == PLAIN_STEPS_AFTER_NO_DRAFTS
-    sched.host_proposer = NgramProposer(3, min_n=3, max_n=3)  # "6 7 9" occurred nowhere
-    sched.update(sched.schedule(), [11], [None])
-    assert _plain_steps_before_drafting(sched) == 2 * PLAIN_STEPS_AFTER_NO_DRAFTS
+    assert (req.acceptance.accepted, req.acceptance.rejected) == (0, 0)  # nothing verified
 
 
-def _plain_steps_before_drafting(sched: Scheduler) -> int:
-    """How many times `may_draft` says no before it says yes."""
+FRESH = iter(range(100, 10_000))  # tokens that never repeat: prompt lookup finds nothing
+
+
+def _decode_plain(sched: Scheduler, num_steps: int) -> None:
+    """`num_steps` steps, each appending a token that occurred nowhere before."""
+    for _ in range(num_steps):
+        out = sched.schedule()
+        assert out.plan is not None and (out.plan.num_samples == 1).all()
+        sched.update(out, [next(FRESH) for _ in out.seqs], [None] * len(out.seqs))
+
+
+def _paused_tokens(sched: Scheduler) -> int:
+    """How many plain steps, each finding nothing to draft, pass before `may_draft` says
+    yes again (asking it twice a step: asking does not shorten a pause)."""
     steps = 0
-    while not sched.may_draft():
+    while not (sched.may_draft() or sched.may_draft()):
+        _decode_plain(sched, 1)
         steps += 1
     return steps
+
+
+def test_a_request_whose_lookup_finds_nothing_pauses_for_its_own_tokens() -> None:
+    """Drafting pays, but prompt lookup finds nothing: the request skips drafting (plain,
+    overlapped steps) for DRAFT_PAUSE_TOKENS of its tokens, twice as many after each
+    further step that finds nothing, up to MAX_DRAFT_PAUSE_TOKENS."""
+    sched = _scheduler(_cost(_roofline(128)), num_pages=256)
+    sched.host_proposer = NgramProposer(3, min_n=3, max_n=3)
+    req = _decoding(sched, "a", first=next(FRESH))
+    req.params = SamplingParams(temperature=0, max_tokens=1000)
+    req.max_model_len = 1000
+    pauses = []
+    for _ in range(6):
+        assert sched.may_draft()  # as if the request found drafts: try
+        _decode_plain(sched, 1)  # it found none
+        pauses.append(_paused_tokens(sched))
+    assert pauses == [min(DRAFT_PAUSE_TOKENS * 2**i, MAX_DRAFT_PAUSE_TOKENS) for i in range(6)]
+
+
+def test_a_pause_is_the_requests_own() -> None:
+    """A pause is counted in its request's tokens: asking `may_draft` (as every engine step
+    does, prefill-only steps included) does not shorten it, and it does not pass on to the
+    next request."""
+    sched = _scheduler(_cost(_roofline(128)))
+    sched.host_proposer = NgramProposer(3, min_n=3, max_n=3)
+    first = _decoding(sched, "a", first=next(FRESH))
+    _decode_plain(sched, 1)  # nothing found: paused
+    for _ in range(10):
+        assert not sched.may_draft()
+    assert _paused_tokens(sched) == DRAFT_PAUSE_TOKENS
+    _decode_plain(sched, 1)  # found nothing again: paused for longer
+    assert first.draft_pause.active(first.num_tokens)
+    sched.abort("a")
+    second = _decoding(sched, "b", first=7)  # "5 6 7" occurred: drafts "8 5 6"
+    assert sched.may_draft()
+    out = sched.schedule()
+    assert [(s.request, s.num_samples) for s in out.seqs] == [(second, 4)]
+
+
+def test_a_request_at_its_last_token_does_not_pause_drafting() -> None:
+    """A request whose drafts are limited to none by max_tokens (its last token) decodes
+    plain without starting a pause: the pause is for prompt lookup finding nothing (B4's
+    warm-up request started one, which then delayed the measured request)."""
+    sched = _scheduler(_cost(_roofline(128)))
+    req = _decoding(sched, "a")
+    req.params = SamplingParams(temperature=0, max_tokens=2)  # one token left: no drafts
+    out = sched.schedule()
+    assert out.plan is not None and out.plan.num_samples.tolist() == [1]
+    assert not req.draft_pause.active(req.num_tokens)
+    assert req.draft_pause.length == DRAFT_PAUSE_TOKENS
 
 
 def test_a_seeded_sampled_request_keeps_its_drafts_in_any_batch() -> None:
@@ -234,4 +380,5 @@ def test_verified_rows_update_their_acceptance() -> None:
     req = _decoding(sched, "a")
     out = sched.schedule()  # drafts 8 5 6
     sched.update(out, [8, 9, -1, -1], [None] * 4)  # one accepted, the second rejected
-    assert (req.acceptance.accepted, req.acceptance.judged) == (1, 2)
+    assert (req.acceptance.accepted, req.acceptance.rejected) == (1, 1)
+    assert req.acceptance.num_tokens == 7  # its length when verified

@@ -239,7 +239,7 @@ def test_drafts_per_row_change_between_steps_and_mix_within_a_step(
 
     def add_doubted(req: Request) -> None:
         if req.prompt_token_ids == PROMPTS[2]:
-            req.acceptance = AcceptanceEstimate(accepted=0.0, judged=50.0)
+            req.acceptance = AcceptanceEstimate(accepted=0.0, rejected=50.0)
         add(req)
 
     scheduler.add_request = add_doubted  # type: ignore[method-assign]
@@ -281,7 +281,7 @@ def test_a_compute_bound_batch_decodes_plain_and_overlapped(
 def adaptive_llm(llama_dir: Path) -> LLM:
     llm = LLM(str(llama_dir), device="cpu", page_size=4, num_pages=40, max_model_len=96,
               max_num_batched_tokens=24, speculative_config=_adaptive("ngram"))  # fmt: skip
-    llm.engine.scheduler.step_cost = LinearCost(0.2)
+    llm.engine.scheduler.step_cost = LinearCost(0.4)
     return llm
 
 

@@ -32,11 +32,6 @@ logger = logging.getLogger(__name__)
 
 # How many waiting requests the cache-aware policy compares per admission.
 CACHE_AWARE_SCAN = 128
-# Adaptive speculation: after a step whose decoding requests drafted nothing, this many steps
-# decode plain (overlapped) before drafting is considered again, twice as many after each
-# further such step, up to the most (a step that drafts resets it).
-PLAIN_STEPS_AFTER_NO_DRAFTS = 4
-MAX_PLAIN_STEPS_AFTER_NO_DRAFTS = 64
 
 
 @dataclass
@@ -70,8 +65,6 @@ class Scheduler:
         # Adaptive speculation: the measured seconds of a step by its size (the engine core
         # reports each step it measures).
         self.step_cost = StepCost()
-        self._plain_steps = 0  # plain steps left before drafting is considered again
-        self._plain_after_no_drafts = PLAIN_STEPS_AFTER_NO_DRAFTS  # the next such pause
         # With CUDA graphs, decode/verify steps of up to this many rows compute every row at
         # the longest row's length (the engine core sets it from the runner; 0: no padding).
         self.padded_verify_rows = 0
@@ -141,10 +134,10 @@ class Scheduler:
         generated token read (drafts continue the newest token).
 
         Adaptive speculation says no when it expects to draft nothing for the running batch
-        even if every request had drafts to offer, and for a while after a step whose decoding
-        requests drafted nothing (prompt lookup found nothing; `_pause_after`): plain decoding
-        then keeps overlap scheduling. A seeded sampled request that can draft
-        always makes it yes: its drafts must not depend on its batch.
+        even if every request had drafts to offer; a request whose drafting is paused
+        (`Request.draft_pause`: its last step could have drafted but did not) offers none.
+        Plain decoding then keeps overlap scheduling. A seeded sampled request that can
+        draft always makes it yes: its drafts must not depend on its batch.
         """
         spec = self.speculative
         if spec is None or not spec.adaptive:
@@ -155,9 +148,6 @@ class Scheduler:
         available = np.array([self._max_offer(r, k) for r in decoding], dtype=np.int64)
         if any(_pinned(r) for r, n in zip(decoding, available, strict=True) if n):
             return True
-        if self._plain_steps:
-            self._plain_steps -= 1
-            return False
         return bool(self._adaptive_drafts(decoding, available, {}).any())
 
     def _plan_drafts(self, in_flight: Mapping[Request, range]) -> dict[Request, int]:
@@ -174,23 +164,23 @@ class Scheduler:
         if not ready:
             return {}
         k = self._max_drafts()
+        adaptive = self.speculative.adaptive
+        # What each may draft: within max_tokens and the context, none while paused.
+        offers = np.array([self._max_offer(r, k) if adaptive else self._room(r, k)
+                           for r in ready], dtype=np.int64)  # fmt: skip
+        available = offers
         if self.host_proposer is not None:
-            drafts = self.host_proposer.propose(
-                [r.token_array() for r in ready],
-                np.array([r.max_drafts(k) for r in ready]),
-            )
+            drafts = self.host_proposer.propose([r.token_array() for r in ready], offers)
             for row, req in enumerate(ready):
                 proposed = drafts.token_ids[row, : drafts.num_drafts[row]].tolist()
                 if req.grammar is not None:  # only drafts the grammar allows can be accepted
                     proposed = proposed[: req.grammar.valid_prefix(proposed)]
                 req.draft_token_ids = proposed
-            available = np.array([len(r.draft_token_ids) for r in ready])
-        else:  # the draft model drafts at launch
-            available = np.array([self._max_offer(r, k) for r in ready], dtype=np.int64)
+            available = np.array([len(r.draft_token_ids) for r in ready], dtype=np.int64)
         chosen = available
-        if self.speculative.adaptive:
+        if adaptive:
             chosen = self._adaptive_drafts(ready, available, in_flight)
-            self._pause_after(drafted=bool(chosen.any()))
+            _pause_after(ready, offers, chosen)
         num_drafts = {}
         for req, offered, n in zip(ready, available.tolist(), chosen.tolist(), strict=True):
             req.draft_token_ids = req.draft_token_ids[:n]
@@ -198,21 +188,7 @@ class Scheduler:
                 self.spec_stats.chosen_drafts.observe(n)
             if n:
                 num_drafts[req] = n
-            elif offered:  # could have drafted: its acceptance drifts back to the prior
-                req.acceptance.fade()
         return num_drafts
-
-    def _pause_after(self, drafted: bool) -> None:
-        """After a step that drafted nothing, plain steps overlap for a while (see may_draft),
-        longer each time in a row: prompt lookup that keeps finding nothing costs a
-        synchronous step only every so often."""
-        if drafted:
-            self._plain_after_no_drafts = PLAIN_STEPS_AFTER_NO_DRAFTS
-            return
-        self._plain_steps = self._plain_after_no_drafts
-        self._plain_after_no_drafts = min(
-            2 * self._plain_after_no_drafts, MAX_PLAIN_STEPS_AFTER_NO_DRAFTS
-        )
 
     def _adaptive_drafts(
         self, ready: list[Request], available: np.ndarray, in_flight: Mapping[Request, range]
@@ -228,7 +204,7 @@ class Scheduler:
         # Only decode and verify rows (no prefill chunk) run a verify graph.
         padded = other_tokens == len(others) and len(self.running) <= self.padded_verify_rows
         return choose_num_drafts(
-            np.array([r.acceptance.rate for r in ready]),
+            np.array([r.acceptance.bound(r.num_tokens) for r in ready]),
             available,
             np.array([_pinned(r) for r in ready], dtype=bool),
             other_tokens,
@@ -238,8 +214,17 @@ class Scheduler:
         )
 
     def _max_offer(self, req: Request, k: int) -> int:
-        """The most drafts `req` can verify this step: what the draft model will make (none
-        for requests it does not draft for); with prompt lookup, an upper bound."""
+        """The most drafts `req` can verify this step under adaptive speculation: what the
+        draft model will make (none for requests it does not draft for), none while its
+        drafting is paused (a seeded sampled request's never is); with prompt lookup, an
+        upper bound."""
+        if req.draft_pause.active(req.num_tokens) and not _pinned(req):
+            return 0
+        return self._room(req, k)
+
+    def _room(self, req: Request, k: int) -> int:
+        """The most drafts `req` can verify: up to k within its max_tokens and context, none
+        for requests the draft model does not draft for."""
         if self.host_proposer is None and _host_only(req):
             return 0
         return req.max_drafts(k)
@@ -339,7 +324,7 @@ class Scheduler:
             if verifies:  # its accepted drafts and the token after them, then placeholders
                 results = [r for r in results if r[0] != PLACEHOLDER]
                 verified.append((seq.num_samples - 1, len(results) - 1))
-                req.acceptance.observe(*verified[-1])
+                req.acceptance.observe(*verified[-1], req.num_tokens)
             if req.is_finished:  # aborted, or finished by the previous step, while this one ran
                 continue
             appended = 0
@@ -408,6 +393,20 @@ def _row(req: Request, num_new: int, uncomputed: int, unread: range | None) -> S
 def _decoding(req: Request, in_flight: Mapping[Request, range]) -> bool:
     """Whether the request's next row is one decode token (all else computed, none unread)."""
     return req not in in_flight and req.num_uncomputed_tokens(0) == 1
+
+
+def _pause_after(ready: list[Request], offers: np.ndarray, chosen: np.ndarray) -> None:
+    """Pause drafting for requests whose step could have drafted (`offers`: room within
+    max_tokens and the context, not paused) but drafts nothing (prompt lookup found nothing,
+    or the policy declined); a step that drafts ends a request's run of pauses. A request
+    limited by max_tokens or its context is not paused, and a seeded sampled request never
+    is: its drafts must not depend on its batch, and whether `may_draft` sees its newest
+    token read does."""
+    for req, offer, n in zip(ready, offers.tolist(), chosen.tolist(), strict=True):
+        if n:
+            req.draft_pause.reset()
+        elif offer and not _pinned(req):
+            req.draft_pause.start(req.num_tokens)
 
 
 def _host_only(req: Request) -> bool:
