@@ -277,6 +277,29 @@ def test_a_compute_bound_batch_decodes_plain_and_overlapped(
     assert overlapped > MAX_TOKENS // 2
 
 
+def test_the_policy_is_asked_once_per_step_after_a_verify(
+    llama_dir: Path, references: list[list[int]]
+) -> None:
+    """After a verify step (blocking: read before the next is scheduled) the engine does not
+    ask `may_draft` whether to read it: the policy runs once for the next step, in its
+    schedule, not twice on the path where the device waits for the host."""
+    llm = LLM(str(llama_dir), device="cpu", speculative_config=_adaptive("ngram"))
+    scheduler = llm.engine.scheduler
+    scheduler.step_cost = LinearCost(0.0001)  # drafts are free: every request that can drafts
+    plans = _record_plans(llm)
+    asked_after: list[int] = []  # how many steps were launched when may_draft was asked
+    may_draft = scheduler.may_draft
+
+    def counting() -> bool:
+        asked_after.append(len(plans))
+        return may_draft()
+
+    scheduler.may_draft = counting  # type: ignore[method-assign]
+    assert _greedy_tokens(llm) == references
+    assert any(p.blocking for p in plans)
+    assert not [n for n in asked_after if n and plans[n - 1].blocking]
+
+
 @pytest.fixture(scope="module")
 def adaptive_llm(llama_dir: Path) -> LLM:
     llm = LLM(str(llama_dir), device="cpu", page_size=4, num_pages=40, max_model_len=96,

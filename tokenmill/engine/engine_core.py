@@ -329,10 +329,10 @@ class EngineCore:
             assert previous is not None
             outputs, previous = outputs + self._finish(previous), None
         # Drafts continue the newest token: a step that may draft is scheduled after every
-        # generated token is read (adaptive speculation lets plain steps overlap).
+        # generated token is read (adaptive speculation lets plain steps overlap). Asked only
+        # while a step is unread: after a verify step, read above, the answer changes nothing.
         overlap = self.config.runner.overlap_scheduling
-        sync = not overlap or self.scheduler.may_draft()
-        if previous is not None and sync:
+        if previous is not None and (not overlap or self.scheduler.may_draft()):
             outputs, previous = outputs + self._finish(previous), None
             read_first = True
         batch = self.scheduler.schedule(previous.unread if previous is not None else None)

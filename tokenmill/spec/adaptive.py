@@ -104,29 +104,35 @@ def choose_num_drafts(
     """
     chosen = np.where(pinned, available, 0)
     free = np.flatnonzero(~pinned & (available > 0))
-    num_rows = len(rates) + other_rows
-    widest = int(chosen.max(initial=0))
-    base_tokens = other_tokens + len(rates) + int(chosen.sum())
-    if padded:
-        base_tokens = num_rows * (1 + widest)
-    base_yield = other_rows + float(expected_tokens(rates, chosen).sum())
     if not len(free):
         return chosen
-    caps = np.arange(1, int(available[free].max()) + 1)[:, None]  # [K, 1]
-    drafts = np.minimum(caps, available[free][None, :])  # [K, F]
+    num_rows = len(rates) + other_rows
+    base_yield = float(other_rows + len(rates))
+    if chosen.any():  # pinned rows' drafts are part of the base step
+        base_yield += float((expected_tokens(rates, chosen) - 1).sum())
+    base_tokens = other_tokens + len(rates) + int(chosen.sum())
+    widest = int(chosen.max())
+    if padded:
+        base_tokens = num_rows * (1 + widest)
+    offers = available[free]
+    caps = np.arange(1, int(offers.max()) + 1)[:, None]  # [K, 1]
+    drafts = np.minimum(caps, offers[None, :])  # [K, F]
     gain = expected_tokens(rates[free][None, :], drafts) - 1
     order = np.argsort(-gain / drafts, axis=1, kind="stable")  # best gain per token first
-    ordered = np.take_along_axis(drafts, order, 1)
+    picked = (caps - 1, order)  # [K, F] indices of the rows in that order, per cap
+    ordered = drafts[picked]
     if padded:
         tokens = num_rows * (1 + np.maximum(widest, np.maximum.accumulate(ordered, axis=1)))
     else:
         tokens = base_tokens + np.cumsum(ordered, axis=1)
-    tokens_per_s = (base_yield + np.cumsum(np.take_along_axis(gain, order, 1), axis=1)) / (
-        cost.predict(tokens)
+    # One cost lookup for every candidate and the plain step (the last entry).
+    seconds = cost.predict(np.append(tokens, base_tokens))
+    tokens_per_s = (base_yield + np.cumsum(gain[picked], axis=1)) / seconds[:-1].reshape(
+        tokens.shape
     )
-    cap, last = np.unravel_index(int(np.argmax(tokens_per_s)), tokens_per_s.shape)
-    plain = base_yield / float(cost.predict(np.array(base_tokens)))
-    if tokens_per_s[cap, last] < MIN_SPEEDUP * plain:
+    best = int(np.argmax(tokens_per_s))
+    cap, last = divmod(best, tokens_per_s.shape[1])
+    if tokens_per_s[cap, last] < MIN_SPEEDUP * base_yield / seconds[-1]:
         return chosen
     rows = order[cap, : last + 1]
     chosen[free[rows]] = drafts[cap, rows]
