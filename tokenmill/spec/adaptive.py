@@ -3,7 +3,8 @@ its measured acceptance and the measured cost of the step's size.
 
 Gain. A request whose drafts the target accepts with probability `a` each (given the ones
 before were accepted) emits `E(a, k) = 1 + a + ... + a^k` tokens from a verify of k drafts, and
-1 from a plain decode. `a` is the request's `AcceptanceEstimate` (tokenmill/batch.py).
+1 from a plain decode. `a` is read from the request's `AcceptanceEstimate` (tokenmill/batch.py):
+its posterior mean plus one standard deviation, optimistic while the request has little record.
 
 Cost. `StepCost` learns the seconds of one engine step as a function of the query tokens its
 forward computes (a decode row counts 1, a verify row 1 + k; with CUDA graphs every row of a
