@@ -375,6 +375,17 @@ def test_a_seeded_sampled_request_keeps_its_drafts_in_any_batch() -> None:
     assert plan is not None and plan.num_samples.tolist() == [4]
 
 
+def test_a_seeded_sampled_request_is_never_paused() -> None:
+    """Its drafts must not depend on its batch, and whether its newest token is read when
+    `may_draft` asks does: prompt lookup finding nothing leaves it drafting next step."""
+    sched = _scheduler(_cost(_roofline(128)))
+    sched.host_proposer = NgramProposer(3, min_n=3, max_n=3)
+    req = _decoding(sched, "seeded", first=next(FRESH), temperature=0.8, seed=3)
+    _decode_plain(sched, 1)  # nothing found
+    assert not req.draft_pause.active(req.num_tokens)
+    assert sched.may_draft()
+
+
 def test_verified_rows_update_their_acceptance() -> None:
     sched = _scheduler(_cost(_roofline(128)))
     req = _decoding(sched, "a")

@@ -216,9 +216,8 @@ class Scheduler:
     def _max_offer(self, req: Request, k: int) -> int:
         """The most drafts `req` can verify this step under adaptive speculation: what the
         draft model will make (none for requests it does not draft for), none while its
-        drafting is paused (a seeded sampled request's never is); with prompt lookup, an
-        upper bound."""
-        if req.draft_pause.active(req.num_tokens) and not _pinned(req):
+        drafting is paused (`_pause_after`); with prompt lookup, an upper bound."""
+        if req.draft_pause.active(req.num_tokens):
             return 0
         return self._room(req, k)
 
