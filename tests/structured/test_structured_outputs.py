@@ -3,10 +3,12 @@ validates, with batching, overlap scheduling, preemption and grammar compiles of
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import shutil
 import time
+import weakref
 from pathlib import Path
 
 import jsonschema
@@ -119,6 +121,28 @@ def test_masks_are_filled_off_the_scheduling_thread(llm: LLM, fill_threads: list
     # next step; the sampling that needs them is queued by the next launch (deferred).
     _sample(llm, StructuredOutputsParams(json=SCHEMAS["array_of_enums"]), max_tokens=20)
     assert fill_threads and all(name.startswith("grammar-masks") for name in fill_threads)
+
+
+def test_a_dropped_engine_frees_its_runner_at_once(llama_dir: Path) -> None:
+    # A constrained step's deferred sampling must not tie the runner into a reference cycle:
+    # its GPU memory would wait for the garbage collector (the GPU tests ran out of memory).
+    def run() -> weakref.ref:
+        llm = LLM(str(llama_dir), device="cpu", max_model_len=256)
+        # A short object: the grammars end the requests while a step is still in flight.
+        schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+        constraint = StructuredOutputsParams(json=schema)
+        params = SamplingParams(
+            temperature=1.0, seed=1, max_tokens=30, structured_outputs=constraint
+        )
+        llm.generate(["Hello"] * 3, params, use_tqdm=False)
+        return weakref.ref(llm.engine.runner)
+
+    gc.disable()
+    try:
+        runner = run()
+        assert runner() is None
+    finally:
+        gc.enable()
 
 
 def test_preempted_constrained_requests_still_validate(llama_dir: Path) -> None:

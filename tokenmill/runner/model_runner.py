@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -108,7 +109,7 @@ class LaunchedStep:
 
     def __init__(self, device: torch.device) -> None:
         self.sampled: SampledTokens | None = None
-        self._deferred: Callable[[], None] | None = None
+        self._deferred: Callable[[], SampledTokens] | None = None
         # Query tokens the forward computes, CUDA graphs' padding included (adaptive
         # speculation measures step costs by it).
         self.num_computed_tokens = 0
@@ -125,15 +126,15 @@ class LaunchedStep:
         else:
             self._elapsed = time.perf_counter() - self._t0
 
-    def defer(self, sample: Callable[[], None]) -> None:
-        """Queue `sample` (this step's sampling, which sets `sampled`) at `complete`."""
+    def defer(self, sample: Callable[[], SampledTokens]) -> None:
+        """Queue `sample` (this step's sampling) at `complete`."""
         self._deferred = sample
 
     def complete(self) -> None:
         """Queue the deferred sampling, if any, and mark the step's device work done."""
         if self._deferred is not None:
             sample, self._deferred = self._deferred, None
-            sample()
+            self.sampled = sample()
             self.forward_done()
 
     def read(self) -> SamplerOutput | None:
@@ -394,15 +395,16 @@ class ModelRunner:
         if plan.sampling and self.tp.rank > 0:
             self._last_tokens = self.tp.broadcast(self._token_buffer(plan.num_sampled))
         elif plan.sampling:
-            sample = partial(self._sample, launched, plan, logits, ids, drafts)
             if grammar_mask is not None:
                 # The masks are filled while this forward pass runs and the next step is
                 # scheduled; the sampling is queued when the next step is launched (or read).
-                masks = grammar_mask()
-                launched.defer(lambda: sample(masks.result()))
+                # The deferred call holds the runner weakly: a step left pending when the
+                # engine is dropped must not keep the runner (and its GPU memory) in a cycle.
+                masks, sample = grammar_mask(), weakref.WeakMethod(self._sample)
+                launched.defer(lambda: sample()(plan, logits, ids, drafts, masks.result()))
                 self._deferred = launched
                 return launched
-            sample(None)
+            launched.sampled = self._sample(plan, logits, ids, drafts, None)
         elif grammar_mask is not None:
             grammar_mask().result()  # nothing to sample, but the previous step's tokens are read
         launched.forward_done()
@@ -411,15 +413,14 @@ class ModelRunner:
     @torch.inference_mode()
     def _sample(
         self,
-        launched: LaunchedStep,
         plan: StepPlan,
         logits: torch.Tensor,
         ids: torch.Tensor | None,
         drafts: tuple[np.ndarray, Drafts] | None,
         mask: GrammarMask | None,
-    ) -> None:
-        """Queue the sampling of `plan`'s positions from `logits` (under the grammar `mask`)
-        into `launched`; its tokens become the next step's device inputs."""
+    ) -> SampledTokens:
+        """Queue the sampling of `plan`'s positions from `logits` (under the grammar `mask`);
+        its tokens become the next step's device inputs."""
         sampling = SamplingBatch.from_rows(
             plan.sampling, self.config.model.vocab_size, self.device, mask
         )
@@ -432,7 +433,7 @@ class ModelRunner:
         self.tp.broadcast(sampled.token_ids)
         sampled.start_copy()
         self._last_tokens = sampled.token_ids
-        launched.sampled = sampled
+        return sampled
 
     def _token_buffer(self, num_sampled: int) -> torch.Tensor:
         """Where a worker rank receives a step's `num_sampled` tokens (the graphs' static
