@@ -30,16 +30,16 @@ INT_PTRS = {"cu_q_ptr", "kv_lens_ptr", "page_table_ptr", "positions_ptr", "slots
 INT64_PTRS = {"tokens_ptr", "host_ptr"}
 INT64_KERNELS = {"decode_inputs"}  # every pointer of these is int64
 FLOAT_SCALARS = {"eps", "qk_scale"}
-UNALIGNED = FLOAT_SCALARS | {"M", "window"}
+UNALIGNED = FLOAT_SCALARS | {"M", "window", "SPLITS"}
 # Constexprs of each kernel (USE_PDL is set for all), as the decode path of a
 # qwen3-like layer uses them.
 KERNELS = {
     "prefill": (_prefill_kernel, dict(
         HQ=16, HKV=8, D=128, PAGE=16, BLOCK_M=64, BLOCK_N=64, HAS_WINDOW=False)),
     **{name: (_decode_split_kernel, dict(
-        HQ=16, HKV=8, D=128, PAGE=16, SPLITS=16, BLOCK_G=16, BLOCK_N=64, HAS_WINDOW=False,
+        HQ=16, HKV=8, D=128, PAGE=16, BLOCK_G=16, BLOCK_N=64, HAS_WINDOW=False,
         EARLY_KV=early)) for name, early in (("decode_split", True), ("decode_split_late", False))},
-    "decode_reduce": (_decode_reduce_kernel, dict(HQ=16, D=128, SPLITS=16, BLOCK_S=16)),
+    "decode_reduce": (_decode_reduce_kernel, dict(HQ=16, D=128, BLOCK_S=16)),
     "gemv": (_gemv_kernel, dict(
         BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, SPLIT_K=4, GATED=False, NORM=True, HAS_RES=True,
         PREFETCH=2, DEFER=True)),

@@ -233,12 +233,14 @@ def invariant_attention(
     )  # fmt: skip
 
 
-@triton.jit
+# SPLITS is a plain argument, never specialised: the split count follows the batch size
+# (`attention.triton_backend.decode_splits`), and a compile per count cost seconds of start-up.
+@triton.jit(do_not_specialize=["SPLITS"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, mid_o_ptr, mid_lse_ptr, kv_lens_ptr, page_table_ptr,
-    stride_pt, qk_scale, window,
+    stride_pt, qk_scale, window, SPLITS,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
     EARLY_KV: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # The step's KV lengths and page table were written before the previous kernel started (see
@@ -313,9 +315,9 @@ def _decode_split_kernel(
     tl.store(mid_lse_ptr + row, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SPLITS"])
 def _decode_reduce_kernel(
-    mid_o_ptr, mid_lse_ptr, out_ptr, HQ: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+    mid_o_ptr, mid_lse_ptr, out_ptr, SPLITS, HQ: tl.constexpr, D: tl.constexpr,
     BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(USE_PDL)
@@ -341,6 +343,10 @@ def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of CUDA `device`: programs of the split-decode kernel that run
     at once, one per SM."""
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# The reduce kernel's block of splits: one compile serves every split count up to it.
+MAX_SPLITS_BLOCK = 16
 
 
 def decode_attention(
@@ -374,13 +380,13 @@ def decode_attention(
         early_kv = q.device.type != "cuda" or batch * hkv * splits <= sm_count(q.device)
     _decode_split_kernel[grid](
         q, k_cache, v_cache, mid_o, mid_lse, kv_lens, page_table, page_table.stride(0),
-        scale * _LOG2E, window or 0,
-        HQ=hq, HKV=hkv, D=d, PAGE=page_size, SPLITS=splits,
+        scale * _LOG2E, window or 0, splits,
+        HQ=hq, HKV=hkv, D=d, PAGE=page_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=64,
         HAS_WINDOW=window is not None, EARLY_KV=early_kv, num_warps=4, num_stages=2, **pdl,
     )  # fmt: skip
     _decode_reduce_kernel[(batch, hq)](
-        mid_o, mid_lse, out, HQ=hq, D=d, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
-        **pdl,
+        mid_o, mid_lse, out, splits, HQ=hq, D=d,
+        BLOCK_S=max(MAX_SPLITS_BLOCK, triton.next_power_of_2(splits)), **pdl,
     )  # fmt: skip
     return out
