@@ -135,7 +135,9 @@ class Supervisor:
         self._forked = multiprocessing.get_context("forkserver")
         self._spawned = multiprocessing.get_context("spawn")
         modules = {spec.target.__module__ for spec in specs if spec.kind is not WorkerKind.ENGINE}
-        modules |= {name for name in sys.modules if name.startswith("transformers.models.")}
+        # A copy: the server's tokenizer may be importing on another thread meanwhile.
+        loaded = list(sys.modules)
+        modules |= {name for name in loaded if name.startswith("transformers.models.")}
         start_fork_server(modules)
 
     async def run(self) -> None:
