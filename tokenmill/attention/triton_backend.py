@@ -10,6 +10,7 @@ from tokenmill.attention.backend import AttentionBackend, AttentionInputs, QKNor
 from tokenmill.cache.kv_cache import KVCache
 from tokenmill.config import ModelConfig
 from tokenmill.kernels.attention import (
+    MAX_SPLITS_BLOCK,
     decode_attention,
     invariant_attention,
     prefill_attention,
@@ -18,8 +19,9 @@ from tokenmill.kernels.attention import (
 from tokenmill.kernels.rope_store import rope_and_store
 from tokenmill.layers.rotary import RotaryEmbedding
 
-# Decode splits each context into at most this many chunks, processed in parallel and merged.
-MAX_DECODE_SPLITS = 16
+# Decode splits each context into at most this many chunks, processed in parallel and merged
+# (the merge kernel's block: one compile serves every count).
+MAX_DECODE_SPLITS = MAX_SPLITS_BLOCK
 # Enough split-decode programs for this many per SM: below, the GPU's bandwidth is not used.
 PROGRAMS_PER_SM = 4
 

@@ -20,13 +20,12 @@ import json
 import logging
 import os
 import socket
-import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import FastAPI, Query, Request
@@ -73,7 +72,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger("tokenmill.server")
-T = TypeVar("T")
 
 STARTUP_TIMEOUT_S = 900.0
 DASHBOARD_HTML = Path(__file__).resolve().parent.parent / "dashboard" / "index.html"
@@ -865,20 +863,6 @@ async def _tokenizer(state: ServerState) -> "PreTrainedTokenizerBase | Response 
         return error_response(503, "the tokenizer failed to load", None)
 
 
-def _in_thread(work: Callable[..., T], *args: Any) -> Future[T]:
-    """`work(*args)` on a thread of its own, started now."""
-    future: Future[T] = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(work(*args))
-        except BaseException as exc:  # the waiter gets it
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name="load-tokenizer", daemon=True).start()
-    return future
-
-
 def serve(
     engine: EngineArgs, options: ServerOptions, log_level: str = "INFO",
     early: EarlyStart | None = None,
@@ -904,7 +888,9 @@ def serve(
             chat_template = read_chat_template(options.chat_template)
             # The tokenizer loads beside the rest of the start-up (importing transformers takes
             # seconds); the request limits need only its bounds, read from tokenizer.json.
-            tokenizer = _in_thread(load_tokenizer, tokenizer_path, chat_template)
+            loader = ThreadPoolExecutor(1, thread_name_prefix="load-tokenizer")
+            tokenizer = loader.submit(load_tokenizer, tokenizer_path, chat_template)
+            loader.shutdown(wait=False)  # the thread ends with the load
             bounds = PromptBounds.read(tokenizer_path)
             if bounds is None and (loaded := tokenizer.result()) is not None:
                 bounds = PromptBounds.of(loaded)

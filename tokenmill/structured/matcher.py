@@ -28,9 +28,13 @@ class RequestGrammar:
     def accept_token(self, token_id: int) -> bool:
         """Advance by one sampled token; False if the grammar does not allow it."""
         accepted = self.matcher.accept_token(token_id)
+        self._after_accept(token_id, accepted)
+        return accepted
+
+    def _after_accept(self, token_id: int, accepted: bool) -> None:
+        """Only an accepted stop token can end the grammar: ask xgrammar then, not per token."""
         if accepted and token_id in self._stop_ids:
             self._terminated = self.matcher.is_terminated()
-        return accepted
 
     @staticmethod
     def accept_batch(grammars: Sequence[RequestGrammar], token_ids: Sequence[int]) -> list[bool]:
@@ -39,8 +43,7 @@ class RequestGrammar:
         matchers = [g.matcher for g in grammars]
         accepted = xgr.BatchGrammarMatcher.batch_accept_token(matchers, list(token_ids))
         for grammar, token, ok in zip(grammars, token_ids, accepted, strict=True):
-            if ok and token in grammar._stop_ids:
-                grammar._terminated = grammar.matcher.is_terminated()
+            grammar._after_accept(token, ok)
         return accepted
 
     def rollback(self, num_tokens: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,8 +48,12 @@ class PromptBounds:
     @staticmethod
     def of(tokenizer: PreTrainedTokenizerBase) -> PromptBounds:
         """The bounds of a loaded tokenizer."""
-        longest = max((len(t.encode("utf-8")) for t in tokenizer.get_vocab()), default=1)
-        return PromptBounds(max(longest, 1), bool(tokenizer("")["input_ids"]))
+        return PromptBounds._from(tokenizer.get_vocab(), tokenizer("")["input_ids"])
+
+    @staticmethod
+    def _from(vocab: Iterable[str], empty_prompt_ids: list[int]) -> PromptBounds:
+        longest = max((len(t.encode("utf-8")) for t in vocab), default=1)
+        return PromptBounds(max(longest, 1), bool(empty_prompt_ids))
 
     @staticmethod
     def read(path: str) -> PromptBounds | None:
@@ -61,9 +66,7 @@ class PromptBounds:
         from tokenizers import Tokenizer
 
         raw = Tokenizer.from_file(str(file))
-        vocab = raw.get_vocab(with_added_tokens=True)
-        longest = max((len(t.encode("utf-8")) for t in vocab), default=1)
-        return PromptBounds(max(longest, 1), bool(raw.encode("").ids))
+        return PromptBounds._from(raw.get_vocab(with_added_tokens=True), raw.encode("").ids)
 
 
 def has_tokenizer(path: str) -> bool:
