@@ -16,7 +16,12 @@ from triton.compiler import ASTSource
 
 from tokenmill.kernels.activation import _silu_and_mul_kernel
 from tokenmill.kernels.argmax import _argmax_kernel
-from tokenmill.kernels.attention import _decode_reduce_kernel, _decode_split_kernel, _prefill_kernel
+from tokenmill.kernels.attention import (
+    _decode_reduce_kernel,
+    _decode_split_kernel,
+    _prefill_kernel,
+    _verify_split_kernel,
+)
 from tokenmill.kernels.fused_moe import _down_gemv_kernel, _gate_up_gemv_kernel
 from tokenmill.kernels.gemv import _gemv_kernel
 from tokenmill.kernels.graph_inputs import _decode_inputs_kernel
@@ -40,6 +45,8 @@ KERNELS = {
         HQ=16, HKV=8, D=128, PAGE=16, BLOCK_G=16, BLOCK_N=64, HAS_WINDOW=False,
         EARLY_KV=early)) for name, early in (("decode_split", True), ("decode_split_late", False))},
     "decode_reduce": (_decode_reduce_kernel, dict(HQ=16, D=128, BLOCK_S=16)),
+    "verify_split": (_verify_split_kernel, dict(
+        HQ=16, HKV=8, D=128, PAGE=16, BLOCK_R=16, BLOCK_N=64, HAS_WINDOW=False)),
     "gemv": (_gemv_kernel, dict(
         BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, SPLIT_K=4, GATED=False, NORM=True, HAS_RES=True,
         PREFETCH=2, DEFER=True)),

@@ -18,7 +18,11 @@ import torch
 triton = pytest.importorskip("triton")
 
 from tokenmill.kernels.activation import silu_and_mul  # noqa: E402
-from tokenmill.kernels.attention import decode_attention, prefill_attention  # noqa: E402
+from tokenmill.kernels.attention import (  # noqa: E402
+    decode_attention,
+    prefill_attention,
+    verify_attention,
+)
 from tokenmill.kernels.gemv import GemvConfig, InputNorm, gemv, norm_gemv  # noqa: E402
 from tokenmill.kernels.norm import rms_norm  # noqa: E402
 from tokenmill.kernels.rope_store import rope_and_store  # noqa: E402
@@ -276,6 +280,38 @@ def test_split_kv_decode(dtype, hq, hkv, d, page, window, early_kv) -> None:
         _close(out[i : i + 1], ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(4, 4, 64), (8, 2, 64), (16, 2, 128)])
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_verify_attention_is_causal_attention_of_the_last_tokens(
+    dtype, hq, hkv, d, page, window, splits
+) -> None:
+    gen = torch.Generator().manual_seed(hq * 5 + d + page + splits)
+    # Verify rows of 1 + k tokens, a decode row, a row of no tokens (graph padding), a short
+    # prefill chunk with no prefix; 3 padding tokens at the end, in no row.
+    q_lens, kv_lens = [5, 1, 0, 3, 2, 8], [130, 77, 0, 3, 65, 200]
+    k, v, table = _paged_setup(kv_lens, page, hkv, d, dtype, gen)
+    q = _randn(sum(q_lens) + 3, hq, d, dtype=dtype, gen=gen)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device=DEVICE)
+    mid_o = torch.empty(q.shape[0], hq, splits, d, device=DEVICE)
+    mid_lse = torch.empty(q.shape[0], hq, splits, device=DEVICE)
+    scale = d**-0.5
+    kv = torch.tensor(kv_lens, device=DEVICE)
+    out = verify_attention(q, k, v, cu, kv, table, max(q_lens), page, scale, window, mid_o, mid_lse)
+    for i, (ql, kl) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        if ql == 0:
+            continue
+        rows = slice(int(cu[i]), int(cu[i + 1]))
+        q_pos = torch.arange(kl - ql, kl, device=DEVICE)
+        ref = _attention_reference(
+            q[rows], _gather(k, table, i, kl, page), _gather(v, table, i, kl, page), q_pos,
+            scale, window,
+        )  # fmt: skip
+        _close(out[rows], ref, dtype)
+
+
 def test_decode_splits_fill_the_gpu_and_shrink_with_the_batch(monkeypatch) -> None:
     from tokenmill.attention import triton_backend
 
@@ -425,8 +461,8 @@ def test_pdl_kernels_wait_before_touching_memory() -> None:
         env=env, capture_output=True, text=True, check=True, cwd=Path(__file__).parents[2],
     )  # fmt: skip
     before_wait = json.loads(run.stdout)
-    assert set(before_wait) >= {"decode_split", "decode_reduce", "gemv", "rope_store",
-                                "moe_gate_up_gemv", "moe_down_gemv"}  # fmt: skip
+    assert set(before_wait) >= {"decode_split", "decode_reduce", "verify_split", "gemv",
+                                "rope_store", "moe_gate_up_gemv", "moe_down_gemv"}  # fmt: skip
     for name, ops in before_wait.items():
         if name in {"gemv", "rope_store", "decode_split", "decode_split_late", "moe_down_gemv"}:
             assert ops and all(op.startswith("ld.global") for op in ops), (name, ops)

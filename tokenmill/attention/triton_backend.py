@@ -15,6 +15,7 @@ from tokenmill.kernels.attention import (
     invariant_attention,
     prefill_attention,
     sm_count,
+    verify_attention,
 )
 from tokenmill.kernels.rope_store import rope_and_store
 from tokenmill.layers.rotary import RotaryEmbedding
@@ -24,6 +25,9 @@ from tokenmill.layers.rotary import RotaryEmbedding
 MAX_DECODE_SPLITS = MAX_SPLITS_BLOCK
 # Enough split-decode programs for this many per SM: below, the GPU's bandwidth is not used.
 PROGRAMS_PER_SM = 4
+# Batches whose sequences have at most this many query tokens each (speculative verify steps
+# of k <= 7, small prefill chunks) attend split-KV (`verify_attention`), not as a prefill.
+VERIFY_MAX_Q_LEN = 8
 
 
 def decode_splits(device: torch.device, batch: int, num_kv_heads: int) -> int:
@@ -74,17 +78,20 @@ class FusedStoreBackend(AttentionBackend):
 
 
 class TritonAttentionBackend(FusedStoreBackend):
-    """Decode batches use split-KV decode; any batch with a multi-token query uses prefill.
-    Deterministic mode runs every batch through `invariant_attention`."""
+    """Decode batches use split-KV decode; batches of at most VERIFY_MAX_Q_LEN query tokens per
+    sequence split-KV verify attention; the rest the prefill kernel. Deterministic mode runs
+    every batch through `invariant_attention`."""
 
     def __init__(
         self, model: ModelConfig, kv_cache: KVCache, max_num_seqs: int, deterministic: bool = False
     ) -> None:
         super().__init__(model, kv_cache, max_num_seqs, deterministic)
         device = kv_cache.k[0].device
-        # Scratch for the most partial results of any batch size (viewed per batch in `attend`).
+        # Scratch for the most partial results of any batch size (viewed per batch in `attend`):
+        # a verify batch of b sequences has up to VERIFY_MAX_Q_LEN query tokens each.
         most = max(
-            b * decode_splits(device, b, model.num_kv_heads) for b in range(1, max_num_seqs + 1)
+            b * VERIFY_MAX_Q_LEN * decode_splits(device, b, model.num_kv_heads)
+            for b in range(1, max_num_seqs + 1)
         )
         self._mid_o = torch.empty(most * model.num_heads * model.head_dim, dtype=torch.float32,
                                   device=device)  # fmt: skip
@@ -94,6 +101,7 @@ class TritonAttentionBackend(FusedStoreBackend):
         self._inputs = inputs
         self._decode = inputs.is_decode
         self._max_q_len = max(inputs.query_lens_cpu)
+        self._verify = not self._decode and self._max_q_len <= VERIFY_MAX_Q_LEN
 
     def graph_safe(self) -> bool:
         return True
@@ -110,15 +118,27 @@ class TritonAttentionBackend(FusedStoreBackend):
                 self._max_q_len, ps, self.scale, window,
             )  # fmt: skip
         if self._decode:
-            batch, cfg = q.shape[0], self.model
-            shape = (batch, cfg.num_heads, decode_splits(q.device, batch, cfg.num_kv_heads))
-            mid_lse = self._mid_lse[: math.prod(shape)].view(shape)
-            mid_o = self._mid_o[: math.prod(shape) * cfg.head_dim].view(*shape, cfg.head_dim)
+            mid_o, mid_lse = self._scratch(q, q.shape[0])
             return decode_attention(
                 q, k_cache, v_cache, inputs.kv_lens, inputs.page_table, ps, self.scale, window,
                 mid_o, mid_lse,
+            )  # fmt: skip
+        if self._verify:
+            mid_o, mid_lse = self._scratch(q, inputs.kv_lens.shape[0])
+            return verify_attention(
+                q, k_cache, v_cache, inputs.cu_query_lens, inputs.kv_lens, inputs.page_table,
+                self._max_q_len, ps, self.scale, window, mid_o, mid_lse,
             )  # fmt: skip
         return prefill_attention(
             q, k_cache, v_cache, inputs.cu_query_lens, inputs.kv_lens, inputs.page_table,
             self._max_q_len, ps, self.scale, window,
         )  # fmt: skip
+
+    def _scratch(self, q: torch.Tensor, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Split-KV partial outputs and log-sum-exps for the query tokens of `q`, with the
+        split count of a batch of `num_seqs` sequences."""
+        cfg = self.model
+        shape = (q.shape[0], cfg.num_heads, decode_splits(q.device, num_seqs, cfg.num_kv_heads))
+        mid_lse = self._mid_lse[: math.prod(shape)].view(shape)
+        mid_o = self._mid_o[: math.prod(shape) * cfg.head_dim].view(*shape, cfg.head_dim)
+        return mid_o, mid_lse

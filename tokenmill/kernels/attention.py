@@ -51,6 +51,21 @@ def _attend_causal(
 ):  # fmt: skip
     """Output rows of queries `q` (at positions `q_pos`) over key/value head `kvh`'s keys
     `lo .. hi`, causal (and windowed), folded in blocks of BLOCK_N."""
+    _, l_i, acc = _attend_causal_parts(
+        q, q_pos, lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh, offs_d,
+        qk_scale, BLOCK_M, BLOCK_N, PAGE, HKV, D, HAS_WINDOW,
+    )  # fmt: skip
+    return acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+
+
+@triton.jit
+def _attend_causal_parts(
+    q, q_pos, lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh, offs_d, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HKV: tl.constexpr,
+    D: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):  # fmt: skip
+    """`_attend_causal` before normalising: the running max, normaliser and unnormalised output
+    (a split of the keys, merged with the others by the reduce kernel)."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -63,7 +78,7 @@ def _attend_causal(
         if HAS_WINDOW:
             keep &= offs_n[None, :] > q_pos[:, None] - window
         m_i, l_i, acc = _attend_block(q, k, v, keep, m_i, l_i, acc, qk_scale)
-    return acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -338,6 +353,51 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + (seq * HQ + h) * D + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
+@triton.jit(do_not_specialize=["SPLITS"])
+def _verify_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, mid_o_ptr, mid_lse_ptr, cu_q_ptr, kv_lens_ptr,
+    page_table_ptr, stride_pt, qk_scale, window, SPLITS,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    # One program per (sequence, KV head, split): its rows are every (query token, head of the
+    # KV head's group) of the sequence, so each K/V block is read once for all of them.
+    pdl_wait(USE_PDL)
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    group: tl.constexpr = HQ // HKV
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    kv_len = tl.load(kv_lens_ptr + seq)
+    split_len = tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, kv_len)
+    if HAS_WINDOW:  # the first query's window, down to a block (the mask does the rest)
+        lo = tl.maximum(lo, (kv_len - q_len - window + 1) // BLOCK_N * BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, D)
+    tokens = (q_start + offs_r // group).to(tl.int64)
+    heads = kvh * group + offs_r % group
+    r_mask = offs_r < q_len * group
+    q = tl.load(
+        q_ptr + tokens[:, None] * (HQ * D) + heads[:, None] * D + offs_d[None, :],
+        mask=r_mask[:, None],
+    )
+    q_pos = kv_len - q_len + offs_r // group
+    page_row = page_table_ptr + seq.to(tl.int64) * stride_pt
+    m_i, l_i, acc = _attend_causal_parts(
+        q, q_pos, lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh, offs_d,
+        qk_scale, BLOCK_R, BLOCK_N, PAGE, HKV, D, HAS_WINDOW,
+    )  # fmt: skip
+    # log2-sum-exp of this split's scores; -inf where a row saw no position here.
+    lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    row = (tokens * HQ + heads) * SPLITS + split
+    tl.store(mid_o_ptr + row[:, None] * D + offs_d[None, :], out, mask=r_mask[:, None])
+    tl.store(mid_lse_ptr + row, lse, mask=r_mask)
+
+
 @functools.cache
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of CUDA `device`: programs of the split-decode kernel that run
@@ -386,6 +446,49 @@ def decode_attention(
         HAS_WINDOW=window is not None, EARLY_KV=early_kv, num_warps=4, num_stages=2, **pdl,
     )  # fmt: skip
     _decode_reduce_kernel[(batch, hq)](
+        mid_o, mid_lse, out, splits, HQ=hq, D=d,
+        BLOCK_S=max(MAX_SPLITS_BLOCK, triton.next_power_of_2(splits)), **pdl,
+    )  # fmt: skip
+    return out
+
+
+def verify_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_q: torch.Tensor,
+    kv_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    max_q_len: int,
+    page_size: int,
+    scale: float,
+    window: int | None,
+    mid_o: torch.Tensor,
+    mid_lse: torch.Tensor,
+) -> torch.Tensor:
+    """Causal attention of a few query tokens per sequence (a speculative verify step: 1 + k
+    each, at most `max_q_len`), laid out by `cu_q`, over the paged context: what
+    `prefill_attention` computes, split-KV as decoding is.
+
+    The prefill kernel gives a sequence one program per query head, each reading the whole
+    context alone; here a program per (sequence, KV head, split) reads its K/V blocks once for
+    every query token and head of the group, and the splits (`mid_o.shape[2]`) are merged as in
+    `decode_attention`. `mid_o` `[>=T, Hq, S, D]` / `mid_lse` `[>=T, Hq, S]`: float32 scratch.
+    Tokens in no sequence (CUDA-graph padding) are left undefined.
+    """
+    tokens, hq, d = q.shape
+    hkv = k_cache.shape[-2]
+    splits = mid_o.shape[2]
+    out = torch.empty_like(q)
+    pdl = pdl_options(q.device)
+    rows = max(16, triton.next_power_of_2(max_q_len * (hq // hkv)))
+    _verify_split_kernel[(kv_lens.shape[0], hkv, splits)](
+        q, k_cache, v_cache, mid_o, mid_lse, cu_q, kv_lens, page_table, page_table.stride(0),
+        scale * _LOG2E, window or 0, splits,
+        HQ=hq, HKV=hkv, D=d, PAGE=page_size, BLOCK_R=rows, BLOCK_N=64,
+        HAS_WINDOW=window is not None, num_warps=4, num_stages=2, **pdl,
+    )  # fmt: skip
+    _decode_reduce_kernel[(tokens, hq)](
         mid_o, mid_lse, out, splits, HQ=hq, D=d,
         BLOCK_S=max(MAX_SPLITS_BLOCK, triton.next_power_of_2(splits)), **pdl,
     )  # fmt: skip
