@@ -35,8 +35,10 @@ logger = logging.getLogger(__name__)
 
 InputKind = Literal["plain", "gated", "normed"]
 
-# Inputs of M rows use the choice made for the smallest bucket >= M; larger M use cuBLAS.
-GEMV_BUCKETS = (1, 4)
+# Inputs of M rows use the choice made for the smallest bucket >= M; larger M use cuBLAS. 8: a
+# speculative verify step of one sequence (1 + k tokens) or a decode batch of 5-8, which
+# otherwise run cuBLAS with the norm and SwiGLU as kernels of their own.
+GEMV_BUCKETS = (1, 4, 8)
 # The configs of `benchmarks/gemv_sweep.py` that came within a few percent of the best on the
 # decode shapes of qwen3-0.6b and llama-3.1-8b on an H200 (docs/perf-notes.md, v9), plus split-K
 # ones for M > 1, where each program's product is M times the work.
