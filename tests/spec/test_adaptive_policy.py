@@ -24,6 +24,7 @@ from tokenmill.spec.adaptive import (
     StepCost,
     choose_num_drafts,
     expected_tokens,
+    step_seconds,
     token_bucket,
 )
 from tokenmill.spec.config import SpeculativeConfig
@@ -393,3 +394,29 @@ def test_verified_rows_update_their_acceptance() -> None:
     sched.update(out, [8, 9, -1, -1], [None] * 4)  # one accepted, the second rejected
     assert (req.acceptance.accepted, req.acceptance.rejected) == (1, 1)
     assert req.acceptance.num_tokens == 7  # its length when verified
+
+
+def test_a_step_costs_device_plus_host_when_synchronous_except_a_plain_one_on_the_gpu() -> None:
+    # A verify step read before the next launch: the device waited for the host.
+    assert step_seconds(3.0, 2.0, synchronous=True, plain=False, overlaps=True) == 5.0
+    # Overlapped: the slower of the two.
+    assert step_seconds(3.0, 2.0, synchronous=False, plain=False, overlaps=True) == 3.0
+    assert step_seconds(3.0, 4.0, synchronous=False, plain=True, overlaps=True) == 4.0
+    # A plain step on the GPU counts as overlapped: that is how plain steps run once nothing
+    # drafts, and what a verify step must beat.
+    assert step_seconds(3.0, 2.0, synchronous=True, plain=True, overlaps=True) == 3.0
+    # Where nothing overlaps (the CPU), a synchronous plain step costs both.
+    assert step_seconds(3.0, 2.0, synchronous=True, plain=True, overlaps=False) == 5.0
+
+
+def test_a_plain_step_measured_synchronously_does_not_make_drafting_look_cheap() -> None:
+    # Batch 64 at a = 0.64: a verify of 64 x 5 tokens costs 8.9 ms, a plain step 2.6 ms of
+    # device time with 1.5 ms of host work. Counted overlapped, the plain step wins.
+    rates, available = np.full(64, 0.64), np.full(64, 4)
+    pinned = np.zeros(64, dtype=bool)
+    for overlaps, drafting in [(True, False), (False, True)]:
+        cost = StepCost()
+        cost.observe(64, step_seconds(2.6e-3, 1.5e-3, True, plain=True, overlaps=overlaps))
+        cost.observe(320, 8.9e-3)
+        chosen = choose_num_drafts(rates, available, pinned, 0, 0, cost, padded=True)
+        assert chosen.any() == drafting

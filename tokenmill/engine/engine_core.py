@@ -66,6 +66,7 @@ from tokenmill.observability.request_metrics import RequestMetrics
 from tokenmill.runner.model_runner import LaunchedStep, ModelRunner
 from tokenmill.runner.sampler import GrammarMask
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec.adaptive import step_seconds
 from tokenmill.vision.inputs import ImageInput, MultimodalPrompt, multimodal_prompt
 
 if TYPE_CHECKING:
@@ -377,24 +378,25 @@ class EngineCore:
         self, step: InFlight, sync: bool, host_seconds: float, launched: LaunchedStep | None
     ) -> None:
         """Tell adaptive speculation what a decode or verify step of its size (the query tokens
-        its forward computed, padding included) cost: its device time, plus the host's when the
-        step was synchronous (read before the next step, `launched`, was launched: the GPU
-        waited while the host applied it and prepared the next); overlapped, the slower of the
-        two. On the CPU the host time includes the forward pass launched by this call, which is
-        device work: taken out where the step was synchronous."""
+        its forward computed, padding included) cost (`spec.adaptive.step_seconds`): its
+        device time, plus the host's when the step was synchronous (read before the next step,
+        `launched`, was launched: the GPU waited while the host applied it and prepared the
+        next; a plain step on the GPU counts as overlapped, as it runs once drafting stops);
+        overlapped, the slower of the two. On the CPU the host time includes the forward pass
+        launched by this call, which is device work: taken out where the step was
+        synchronous, and nothing overlaps."""
         spec, plan = self.config.speculative, step.plan
         if spec is None or not spec.adaptive:
             return
         if not np.array_equal(plan.num_samples, plan.query_lens):
             return  # a prefill chunk's cost says nothing about decoding
-        device_seconds = step.launched.forward_seconds()
-        if sync:
-            cpu = self.runner.device.type != "cuda"
-            if cpu and launched is not None:  # the forward this call ran (device work)
-                host_seconds -= launched.forward_seconds()
-            seconds = device_seconds + max(host_seconds, 0.0)
-        else:
-            seconds = max(device_seconds, host_seconds)
+        cuda = self.runner.device.type == "cuda"
+        if sync and not cuda and launched is not None:  # the forward this call ran
+            host_seconds -= launched.forward_seconds()
+        plain = int(plan.query_lens.max()) == 1
+        seconds = step_seconds(
+            step.launched.forward_seconds(), max(host_seconds, 0.0), sync, plain, overlaps=cuda
+        )
         self.scheduler.step_cost.observe(step.launched.num_computed_tokens, seconds)
 
     def _finish(self, step: InFlight) -> list[EngineOutput]:

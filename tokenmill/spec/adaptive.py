@@ -77,6 +77,25 @@ class StepCost:
         return np.where(n < smallest, cost * n / smallest, seconds)
 
 
+def step_seconds(
+    device: float, host: float, synchronous: bool, plain: bool, overlaps: bool
+) -> float:
+    """What one engine step cost, from its device time and the host's time between it and the
+    next launch: both when the step was read before the next was launched (`synchronous`: the
+    device waited for the host), the slower of the two when they overlapped.
+
+    A plain decode step (`plain`: no drafts) on a device that `overlaps` host and device work
+    counts as overlapped even when it ran synchronously (a row could have drafted, so it was
+    read first): once the policy drafts nothing the engine's plain steps do overlap, and that
+    is what drafting must beat. Counted synchronous, a plain step carried the host's time on
+    top of its device time, and verify steps slower than overlapped plain decoding looked
+    worth it (B4, Qwen3-0.6B, batch 64 on an H200: adaptive x0.61 where fixed k ran x0.66).
+    """
+    if synchronous and not (plain and overlaps):
+        return device + host
+    return max(device, host)
+
+
 def expected_tokens(rate: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
     """Tokens a verify of `num_drafts` drafts emits on average, each draft accepted with
     probability `rate` after the ones before it: `1 + a + ... + a^k`."""
