@@ -312,6 +312,16 @@ def test_verify_attention_is_causal_attention_of_the_last_tokens(
         _close(out[rows], ref, dtype)
 
 
+def test_verify_attention_serves_short_queries_within_its_rows() -> None:
+    from tokenmill.attention.triton_backend import verifies_split_kv
+
+    # Verify steps of k = 4 (5 tokens) on Qwen3-0.6B (group 2), Llama-3.1-8B (4), Qwen3-30B-A3B
+    # (8); a model of 16 query heads per KV head takes the prefill kernel past 4 tokens.
+    assert all(verifies_split_kv(5, group) for group in (1, 2, 4, 8))
+    assert verifies_split_kv(4, 16) and not verifies_split_kv(5, 16)
+    assert verifies_split_kv(8, 1) and not verifies_split_kv(9, 1)
+
+
 def test_decode_splits_fill_the_gpu_and_shrink_with_the_batch(monkeypatch) -> None:
     from tokenmill.attention import triton_backend
 
