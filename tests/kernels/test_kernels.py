@@ -243,8 +243,17 @@ def test_prefill_attention_with_prefix(dtype, hq, hkv, d, page, window) -> None:
     kv = torch.tensor(kv_lens, device=DEVICE)
     scale = d**-0.5
     out = prefill_attention(q, k, v, cu, kv, table, max(q_lens), page, scale, window)
-    for i, (ql, kl) in enumerate(zip(q_lens, kv_lens, strict=True)):
+    _check_last_tokens_attention(out, q, k, v, table, cu, kv_lens, page, scale, window, dtype)
+
+
+def _check_last_tokens_attention(out, q, k, v, table, cu, kv_lens, page, scale, window, dtype):
+    """Each sequence's query tokens (laid out by `cu`) are its last ones: causal attention over
+    its `kv_lens` positions, against the float64 reference (sequences without tokens skipped)."""
+    for i, kl in enumerate(kv_lens):
         rows = slice(int(cu[i]), int(cu[i + 1]))
+        ql = rows.stop - rows.start
+        if ql == 0:
+            continue
         q_pos = torch.arange(kl - ql, kl, device=DEVICE)
         ref = _attention_reference(
             q[rows], _gather(k, table, i, kl, page), _gather(v, table, i, kl, page), q_pos,
@@ -300,16 +309,7 @@ def test_verify_attention_is_causal_attention_of_the_last_tokens(
     scale = d**-0.5
     kv = torch.tensor(kv_lens, device=DEVICE)
     out = verify_attention(q, k, v, cu, kv, table, max(q_lens), page, scale, window, mid_o, mid_lse)
-    for i, (ql, kl) in enumerate(zip(q_lens, kv_lens, strict=True)):
-        if ql == 0:
-            continue
-        rows = slice(int(cu[i]), int(cu[i + 1]))
-        q_pos = torch.arange(kl - ql, kl, device=DEVICE)
-        ref = _attention_reference(
-            q[rows], _gather(k, table, i, kl, page), _gather(v, table, i, kl, page), q_pos,
-            scale, window,
-        )  # fmt: skip
-        _close(out[rows], ref, dtype)
+    _check_last_tokens_attention(out, q, k, v, table, cu, kv_lens, page, scale, window, dtype)
 
 
 def test_verify_attention_serves_short_queries_within_its_rows() -> None:

@@ -82,6 +82,30 @@ def _attend_causal_parts(
 
 
 @triton.jit
+def _group_rows(
+    q_ptr, q_start, q_len, prefix, kvh, r, offs_d, HQ: tl.constexpr, D: tl.constexpr,
+    group: tl.constexpr,
+):  # fmt: skip
+    """Rows `r` of a program that serves every query head of key/value head `kvh` for a
+    sequence's `q_len` query tokens (from `q_start`, after `prefix` cached positions), tokens
+    major: row r is token r // group, head r % group of the group. Returns their queries
+    (zeros past the last token), positions, (token, head) indices and mask."""
+    tok = r // group
+    rows = (q_start + tok).to(tl.int64) * HQ + kvh * group + r % group
+    mask = tok < q_len
+    q = tl.load(q_ptr + rows[:, None] * D + offs_d[None, :], mask=mask[:, None], other=0.0)
+    return q, prefix + tok, rows, mask
+
+
+@triton.jit
+def _split_result(m_i, l_i, acc):
+    """A split's normalised output and base-2 log-sum-exp of its scores (-inf where a row saw
+    no position in it), as the reduce kernel merges them."""
+    lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+    return lse, acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, kv_lens_ptr, page_table_ptr,
     stride_pt, qk_scale, window,
@@ -193,14 +217,11 @@ def _invariant_kernel(
         return
     kv_len = tl.load(kv_lens_ptr + seq)
     prefix = kv_len - q_len
-    r = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
-    tok = r // group
-    heads = kvh * group + r % group
     offs_d = tl.arange(0, D)
-    m_mask = tok < q_len
-    q_offs = (q_start + tok).to(tl.int64)[:, None] * (HQ * D) + heads[:, None] * D + offs_d[None, :]
-    q = tl.load(q_ptr + q_offs, mask=m_mask[:, None], other=0.0)
-    q_pos = prefix + tok
+    q, q_pos, rows, m_mask = _group_rows(
+        q_ptr, q_start, q_len, prefix, kvh, mblk * BLOCK_M + tl.arange(0, BLOCK_M), offs_d, HQ, D,
+        group,
+    )  # fmt: skip
     page_row = page_table_ptr + seq.to(tl.int64) * stride_pt
     last_tok = tl.minimum((mblk * BLOCK_M + BLOCK_M - 1) // group, q_len - 1)
     hi = tl.minimum(kv_len, prefix + last_tok + 1)
@@ -211,7 +232,8 @@ def _invariant_kernel(
         q, q_pos, lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh, offs_d,
         qk_scale, BLOCK_M, BLOCK_N, PAGE, HKV, D, HAS_WINDOW,
     )  # fmt: skip
-    tl.store(out_ptr + q_offs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+    out_offs = rows[:, None] * D + offs_d[None, :]
+    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 
 
 # Rows of (query token, head) per program of `invariant_attention`: one size for every batch,
@@ -322,9 +344,7 @@ def _decode_split_kernel(
         l_i = l_i * alpha + p
         acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
         m_i = m_new
-    # log2-sum-exp of this split's scores; -inf when the split saw no position.
-    lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    lse, out = _split_result(m_i, l_i, acc)
     row = (seq64 * HQ + heads) * SPLITS + split
     tl.store(mid_o_ptr + row[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
     tl.store(mid_lse_ptr + row, lse, mask=g_mask)
@@ -375,25 +395,17 @@ def _verify_split_kernel(
     hi = tl.minimum(lo + split_len, kv_len)
     if HAS_WINDOW:  # the first query's window, down to a block (the mask does the rest)
         lo = tl.maximum(lo, (kv_len - q_len - window + 1) // BLOCK_N * BLOCK_N)
-    offs_r = tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, D)
-    tokens = (q_start + offs_r // group).to(tl.int64)
-    heads = kvh * group + offs_r % group
-    r_mask = offs_r < q_len * group
-    q = tl.load(
-        q_ptr + tokens[:, None] * (HQ * D) + heads[:, None] * D + offs_d[None, :],
-        mask=r_mask[:, None],
+    q, q_pos, rows, r_mask = _group_rows(
+        q_ptr, q_start, q_len, kv_len - q_len, kvh, tl.arange(0, BLOCK_R), offs_d, HQ, D, group
     )
-    q_pos = kv_len - q_len + offs_r // group
     page_row = page_table_ptr + seq.to(tl.int64) * stride_pt
     m_i, l_i, acc = _attend_causal_parts(
         q, q_pos, lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh, offs_d,
         qk_scale, BLOCK_R, BLOCK_N, PAGE, HKV, D, HAS_WINDOW,
     )  # fmt: skip
-    # log2-sum-exp of this split's scores; -inf where a row saw no position here.
-    lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    row = (tokens * HQ + heads) * SPLITS + split
+    lse, out = _split_result(m_i, l_i, acc)
+    row = rows * SPLITS + split
     tl.store(mid_o_ptr + row[:, None] * D + offs_d[None, :], out, mask=r_mask[:, None])
     tl.store(mid_lse_ptr + row, lse, mask=r_mask)
 
