@@ -316,10 +316,12 @@ def test_verify_attention_serves_short_queries_within_its_rows() -> None:
     from tokenmill.attention.triton_backend import verifies_split_kv
 
     # Verify steps of k = 4 (5 tokens) on Qwen3-0.6B (group 2), Llama-3.1-8B (4), Qwen3-30B-A3B
-    # (8); a model of 16 query heads per KV head takes the prefill kernel past 4 tokens.
-    assert all(verifies_split_kv(5, group) for group in (1, 2, 4, 8))
-    assert verifies_split_kv(4, 16) and not verifies_split_kv(5, 16)
-    assert verifies_split_kv(8, 1) and not verifies_split_kv(9, 1)
+    # (8), head_dim 128; 16 query heads per KV head take the prefill kernel past 4 tokens, and
+    # so does a head_dim of 256 past 32 rows.
+    assert all(verifies_split_kv(5, group, 128) for group in (1, 2, 4, 8))
+    assert verifies_split_kv(4, 16, 128) and not verifies_split_kv(5, 16, 128)
+    assert verifies_split_kv(8, 4, 256) and not verifies_split_kv(5, 8, 256)
+    assert verifies_split_kv(8, 1, 128) and not verifies_split_kv(9, 1, 128)
 
 
 def test_decode_splits_fill_the_gpu_and_shrink_with_the_batch(monkeypatch) -> None:

@@ -27,10 +27,10 @@ MAX_DECODE_SPLITS = MAX_SPLITS_BLOCK
 PROGRAMS_PER_SM = 4
 # Batches whose sequences have at most this many query tokens each (speculative verify steps
 # of k <= 7, small prefill chunks) attend split-KV (`verify_attention`), not as a prefill, as
-# long as a program's rows (query tokens x the KV head's query heads) stay within
-# VERIFY_MAX_ROWS: its accumulator is rows x head_dim float32 values in registers.
+# long as a program's accumulator (query tokens x the KV head's query heads rows, head_dim
+# columns, float32, in registers) holds at most VERIFY_MAX_ACC values (64 rows of 128).
 VERIFY_MAX_Q_LEN = 8
-VERIFY_MAX_ROWS = 64
+VERIFY_MAX_ACC = 64 * 128
 
 
 def decode_splits(device: torch.device, batch: int, num_kv_heads: int) -> int:
@@ -48,10 +48,10 @@ def decode_splits(device: torch.device, batch: int, num_kv_heads: int) -> int:
     return max(1, min(MAX_DECODE_SPLITS, -(-wanted // (batch * num_kv_heads))))
 
 
-def verifies_split_kv(max_q_len: int, group: int) -> bool:
+def verifies_split_kv(max_q_len: int, group: int, head_dim: int) -> bool:
     """Whether a batch of at most `max_q_len` query tokens per sequence attends through
-    `verify_attention`, for models with `group` query heads per KV head."""
-    return max_q_len <= VERIFY_MAX_Q_LEN and max_q_len * group <= VERIFY_MAX_ROWS
+    `verify_attention`, for models with `group` query heads per KV head of `head_dim`."""
+    return max_q_len <= VERIFY_MAX_Q_LEN and max_q_len * group * head_dim <= VERIFY_MAX_ACC
 
 
 class FusedStoreBackend(AttentionBackend):
@@ -88,8 +88,9 @@ class FusedStoreBackend(AttentionBackend):
 
 class TritonAttentionBackend(FusedStoreBackend):
     """Decode batches use split-KV decode; batches of at most VERIFY_MAX_Q_LEN query tokens per
-    sequence (and VERIFY_MAX_ROWS rows per program) split-KV verify attention; the rest the
-    prefill kernel. Deterministic mode runs every batch through `invariant_attention`."""
+    sequence (within VERIFY_MAX_ACC accumulator values per program) split-KV verify attention;
+    the rest the prefill kernel. Deterministic mode runs every batch through
+    `invariant_attention`."""
 
     def __init__(
         self, model: ModelConfig, kv_cache: KVCache, max_num_seqs: int, deterministic: bool = False
@@ -110,8 +111,9 @@ class TritonAttentionBackend(FusedStoreBackend):
         self._inputs = inputs
         self._decode = inputs.is_decode
         self._max_q_len = max(inputs.query_lens_cpu)
-        group = self.model.num_heads // self.model.num_kv_heads
-        self._verify = not self._decode and verifies_split_kv(self._max_q_len, group)
+        cfg = self.model
+        group = cfg.num_heads // cfg.num_kv_heads
+        self._verify = not self._decode and verifies_split_kv(self._max_q_len, group, cfg.head_dim)
 
     def graph_safe(self) -> bool:
         return True

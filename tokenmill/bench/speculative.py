@@ -129,7 +129,9 @@ class OracleProposer(HostProposer):
     def propose(self, token_ids: Sequence[np.ndarray], max_drafts: np.ndarray) -> Drafts:
         rows = np.array([self.row_of[_key(t[: self.prompt_len])] for t in token_ids])
         done = np.array([len(t) for t in token_ids]) - self.prompt_len
-        truth = self.truth[rows[:, None], done[:, None] + np.arange(self.k)]
+        # Past a continuation's end (zeros from there on), the last column is a padding zero.
+        at = np.minimum(done[:, None] + np.arange(self.k), self.truth.shape[1] - 1)
+        truth = self.truth[rows[:, None], at]
         right = self.rng.random((len(rows), self.k)) < self.rate
         self.num_right[rows] = np.where(right.all(axis=1), self.k, np.argmin(right, axis=1))
         drafts = np.where(right, truth, (truth + 1) % self.vocab_size)
