@@ -396,17 +396,16 @@ def test_verified_rows_update_their_acceptance() -> None:
     assert req.acceptance.num_tokens == 7  # its length when verified
 
 
-def test_a_step_costs_device_plus_host_when_synchronous_except_a_plain_one_on_the_gpu() -> None:
-    # A verify step read before the next launch: the device waited for the host.
-    assert step_seconds(3.0, 2.0, synchronous=True, plain=False, overlaps=True) == 5.0
-    # Overlapped: the slower of the two.
-    assert step_seconds(3.0, 2.0, synchronous=False, plain=False, overlaps=True) == 3.0
-    assert step_seconds(3.0, 4.0, synchronous=False, plain=True, overlaps=True) == 4.0
-    # A plain step on the GPU counts as overlapped: that is how plain steps run once nothing
-    # drafts, and what a verify step must beat.
-    assert step_seconds(3.0, 2.0, synchronous=True, plain=True, overlaps=True) == 3.0
-    # Where nothing overlaps (the CPU), a synchronous plain step costs both.
-    assert step_seconds(3.0, 2.0, synchronous=True, plain=True, overlaps=False) == 5.0
+def test_a_step_costs_its_launch_interval_except_a_synchronous_plain_one_on_the_gpu() -> None:
+    # 3 ms of device time, 5 ms from its launch to the next: a verify step (read before the
+    # next launch, or overlapped) cost the interval; so did any step on the CPU.
+    assert step_seconds(3.0, 5.0, synchronous=True, plain=False, overlaps=True) == 5.0
+    assert step_seconds(3.0, 3.2, synchronous=False, plain=True, overlaps=True) == 3.2
+    assert step_seconds(3.0, 5.0, synchronous=True, plain=True, overlaps=False) == 5.0
+    # A plain step on the GPU read first counts as overlapped (device and host's 2 ms): that is
+    # how plain steps run once nothing drafts, and what a verify step must beat.
+    assert step_seconds(3.0, 5.0, synchronous=True, plain=True, overlaps=True) == 3.0
+    assert step_seconds(3.0, 9.0, synchronous=True, plain=True, overlaps=True) == 6.0
 
 
 def test_a_plain_step_measured_synchronously_does_not_make_drafting_look_cheap() -> None:
@@ -416,7 +415,7 @@ def test_a_plain_step_measured_synchronously_does_not_make_drafting_look_cheap()
     pinned = np.zeros(64, dtype=bool)
     for overlaps, drafting in [(True, False), (False, True)]:
         cost = StepCost()
-        cost.observe(64, step_seconds(2.6e-3, 1.5e-3, True, plain=True, overlaps=overlaps))
+        cost.observe(64, step_seconds(2.6e-3, 4.1e-3, True, plain=True, overlaps=overlaps))
         cost.observe(320, 8.9e-3)
         chosen = choose_num_drafts(rates, available, pinned, 0, 0, cost, padded=True)
         assert chosen.any() == drafting

@@ -4,6 +4,7 @@ every engine setting and with adaptive speculation; pages never leak; acceptance
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -426,3 +427,33 @@ def test_a_synchronous_step_returns_its_tokens_after_launching_the_next(llama_di
             assert applied_at_launch == [len(req.output_token_ids)]
             checked += 1
     assert checked > 3 and engine.scheduler.spec_stats.num_accepted_tokens > 0
+
+
+class RecordedCost(LinearCost):
+    """LinearCost's choices, and every measurement the engine reports."""
+
+    def __init__(self, slope: float) -> None:
+        super().__init__(slope)
+        self.observed: list[tuple[int, float]] = []
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        self.observed.append((num_tokens, seconds))
+
+
+def test_a_step_costs_the_time_from_its_launch_to_the_next_caller_time_included(
+    llama_dir: Path,
+) -> None:
+    # The caller's work between steps (the server sending outputs, the offline API's
+    # detokenization) is part of what a step costs: 40 ms of it every step must show in
+    # every decode and verify step's measured cost.
+    llm = LLM(str(llama_dir), device="cpu", speculative_config=_adaptive("ngram"))
+    engine = llm.engine
+    engine.scheduler.step_cost = cost = RecordedCost(0.0001)  # drafting looks free: it drafts
+    for i, prompt in enumerate(PROMPTS[:2]):
+        engine.add_request(str(i), prompt, GREEDY)
+    while engine.has_unfinished():
+        engine.step()
+        time.sleep(0.04)
+    sizes = {n for n, _ in cost.observed}
+    assert len(cost.observed) > 1 and max(sizes) > 2  # decode steps and verify steps
+    assert all(seconds >= 0.04 for _, seconds in cost.observed)

@@ -121,16 +121,19 @@ class InFlight:
     plan: StepPlan
     launched: LaunchedStep
     unread: dict[Request, range]
+    launched_at: float  # time.perf_counter() when its launch began
 
     @staticmethod
-    def of(batch: SchedulerOutput, plan: StepPlan, launched: LaunchedStep) -> InFlight:
+    def of(
+        batch: SchedulerOutput, plan: StepPlan, launched: LaunchedStep, launched_at: float
+    ) -> InFlight:
         offsets = plan.sample_offsets.tolist()
         unread = {
             s.request: range(offsets[i], offsets[i] + s.num_samples)
             for i, s in enumerate(batch.seqs)
             if s.num_samples
         }
-        return InFlight(batch, plan, launched, unread)
+        return InFlight(batch, plan, launched, unread, launched_at)
 
 
 def _grammars(batch: SchedulerOutput) -> tuple[list[RequestGrammar | None], list[tuple[int, ...]]]:
@@ -171,7 +174,11 @@ class EngineCore:
         self._in_flight: InFlight | None = None
         self.stats = EngineCounters()
         self._waited = 0.0  # seconds the current step spent waiting for the GPU
-        self._read: InFlight | None = None  # the last step the current step read
+        # The newest launched step, whether it has been read, and (until measured) the one
+        # launched before it with whether it was read before the newest's launch.
+        self._newest: InFlight | None = None
+        self._newest_read = False
+        self._before_newest: tuple[InFlight, bool] | None = None
         # Structured outputs: requests wait here, outside the scheduler, while their grammar
         # compiles on a background thread; made by the first constrained request.
         self._compiling: list[tuple[Request, Future]] = []
@@ -322,7 +329,6 @@ class EngineCore:
         """
         start = time.perf_counter()
         self._waited = 0.0
-        self._read = None
         outputs: list[EngineOutput] = self._admit_compiled()
         previous, self._in_flight = self._in_flight, None
         read_first = previous is not None and previous.plan.blocking
@@ -353,8 +359,12 @@ class EngineCore:
                         previous = None
                     return self._start_masks(batch, grammars, ahead)
 
+            launch_start, newest_read = time.perf_counter(), self._newest_read
             launched = self.runner.launch(batch.plan, grammar_mask)
-            self._in_flight = InFlight.of(batch, batch.plan, launched)
+            self._in_flight = InFlight.of(batch, batch.plan, launched, launch_start)
+            if self._newest is not None:  # (a grammar's read during the launch overlapped it)
+                self._before_newest = (self._newest, newest_read)
+            self._newest, self._newest_read = self._in_flight, False
             self.stats.iteration_tokens.observe(batch.num_tokens)
         elif previous is None and self.scheduler.waiting and not self.scheduler.running:
             raise RuntimeError("scheduler could not admit a request into an idle engine")
@@ -366,36 +376,33 @@ class EngineCore:
         if self._in_flight is not None and not overlap:
             outputs += self._finish(self._in_flight)
             self._in_flight = None
-            read_first = True
         # Host time of the step: everything but waiting for the GPU.
-        host_seconds = time.perf_counter() - start - self._waited
-        self.stats.step_seconds.observe(host_seconds)
-        if self._read is not None:
-            self._measure(self._read, read_first, host_seconds, launched)
+        self.stats.step_seconds.observe(time.perf_counter() - start - self._waited)
+        if launched is None:
+            self._newest = None  # idle: the time until the next launch is no step's cost
+        elif self._before_newest is not None:  # read by now, in this call or before
+            self._measure(*self._before_newest, self._newest)
+            self._before_newest = None
         return outputs
 
-    def _measure(
-        self, step: InFlight, sync: bool, host_seconds: float, launched: LaunchedStep | None
-    ) -> None:
+    def _measure(self, step: InFlight, sync: bool, following: InFlight | None) -> None:
         """Tell adaptive speculation what a decode or verify step of its size (the query tokens
-        its forward computed, padding included) cost (`spec.adaptive.step_seconds`): its
-        device time, plus the host's when the step was synchronous (read before the next step,
-        `launched`, was launched: the GPU waited while the host applied it and prepared the
-        next; a plain step on the GPU counts as overlapped, as it runs once drafting stops);
-        overlapped, the slower of the two. On the CPU the host time includes the forward pass
-        launched by this call, which is device work: taken out where the step was
-        synchronous, and nothing overlaps."""
+        its forward computed, padding included) cost (`spec.adaptive.step_seconds`): the time
+        from its launch to the launch of the step `following` it, everything the engine and
+        its caller did in between included (on the CPU the forward pass runs inside the
+        launch). `sync`: it was read before that launch, so the device waited for the host; a
+        plain step on the GPU then counts as overlapped, as it runs once drafting stops."""
         spec, plan = self.config.speculative, step.plan
-        if spec is None or not spec.adaptive:
+        if spec is None or not spec.adaptive or following is None:
             return
         if not np.array_equal(plan.num_samples, plan.query_lens):
             return  # a prefill chunk's cost says nothing about decoding
-        cuda = self.runner.device.type == "cuda"
-        if sync and not cuda and launched is not None:  # the forward this call ran
-            host_seconds -= launched.forward_seconds()
-        plain = int(plan.query_lens.max()) == 1
         seconds = step_seconds(
-            step.launched.forward_seconds(), max(host_seconds, 0.0), sync, plain, overlaps=cuda
+            step.launched.forward_seconds(),
+            following.launched_at - step.launched_at,
+            sync,
+            plain=int(plan.query_lens.max()) == 1,
+            overlaps=self.runner.device.type == "cuda",
         )
         self.scheduler.step_cost.observe(step.launched.num_computed_tokens, seconds)
 
@@ -404,7 +411,8 @@ class EngineCore:
         wait_start = time.perf_counter()
         sampled = step.launched.read()
         self._waited += time.perf_counter() - wait_start
-        self._read = step
+        if step is self._newest:
+            self._newest_read = True
         self.stats.forward_seconds.observe(step.launched.forward_seconds())
         tokens = sampled.token_ids if sampled is not None else []
         logprobs = sampled.logprobs if sampled is not None else []

@@ -78,22 +78,22 @@ class StepCost:
 
 
 def step_seconds(
-    device: float, host: float, synchronous: bool, plain: bool, overlaps: bool
+    device: float, interval: float, synchronous: bool, plain: bool, overlaps: bool
 ) -> float:
-    """What one engine step cost, from its device time and the host's time between it and the
-    next launch: both when the step was read before the next was launched (`synchronous`: the
-    device waited for the host), the slower of the two when they overlapped.
+    """What one engine step cost: the `interval` from its launch to the next step's launch
+    (its device time `device` and all the host's work between the two, whichever overlapped).
 
     A plain decode step (`plain`: no drafts) on a device that `overlaps` host and device work
-    counts as overlapped even when it ran synchronously (a row could have drafted, so it was
-    read first): once the policy drafts nothing the engine's plain steps do overlap, and that
-    is what drafting must beat. Counted synchronous, a plain step carried the host's time on
-    top of its device time, and verify steps slower than overlapped plain decoding looked
-    worth it (B4, Qwen3-0.6B, batch 64 on an H200: adaptive x0.61 where fixed k ran x0.66).
+    counts as overlapped even when it ran `synchronous`ly (a row could have drafted, so it was
+    read first: the interval is then its device time plus the host's): the slower of the two.
+    Once the policy drafts nothing the engine's plain steps do overlap, and that is what
+    drafting must beat. Counted synchronous, a plain step carried the host's time on top of its
+    device time, and verify steps slower than overlapped plain decoding looked worth it (B4,
+    Qwen3-0.6B, batch 64 on an H200: adaptive x0.61 where fixed k ran x0.66).
     """
-    if synchronous and not (plain and overlaps):
-        return device + host
-    return max(device, host)
+    if synchronous and plain and overlaps:
+        return max(device, interval - device)
+    return interval
 
 
 def expected_tokens(rate: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
