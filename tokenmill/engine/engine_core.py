@@ -345,9 +345,10 @@ class EngineCore:
         batch = self.scheduler.schedule(previous.unread if previous is not None else None)
         launched: LaunchedStep | None = None
         if batch.plan is not None:
-            grammars, ahead = _grammars(batch)
             grammar_mask = None
-            if any(g is not None for g in grammars):
+            # (Checked per row first: listing every sampled position costs at batch 64.)
+            if any(s.request.grammar is not None and s.num_samples for s in batch.seqs):
+                grammars, ahead = _grammars(batch)
 
                 def grammar_mask() -> Future[GrammarMask | None]:
                     # The masks need the previous step's tokens: read them while the GPU runs
