@@ -174,10 +174,9 @@ class EngineCore:
         self._in_flight: InFlight | None = None
         self.stats = EngineCounters()
         self._waited = 0.0  # seconds the current step spent waiting for the GPU
-        # The newest launched step, whether it has been read, and (until measured) the one
-        # launched before it with whether it was read before the newest's launch.
+        # The newest launched step (None after a step that launched nothing) and, until
+        # measured, the one launched before it with whether it was read before that launch.
         self._newest: InFlight | None = None
-        self._newest_read = False
         self._before_newest: tuple[InFlight, bool] | None = None
         # Structured outputs: requests wait here, outside the scheduler, while their grammar
         # compiles on a background thread; made by the first constrained request.
@@ -360,12 +359,15 @@ class EngineCore:
                         previous = None
                     return self._start_masks(batch, grammars, ahead)
 
-            launch_start, newest_read = time.perf_counter(), self._newest_read
+            # The newest step is unread here iff it is `previous` (a grammar's read of it
+            # during the launch overlaps the launch).
+            newest_read = previous is None
+            launch_start = time.perf_counter()
             launched = self.runner.launch(batch.plan, grammar_mask)
             self._in_flight = InFlight.of(batch, batch.plan, launched, launch_start)
-            if self._newest is not None:  # (a grammar's read during the launch overlapped it)
+            if self._newest is not None:
                 self._before_newest = (self._newest, newest_read)
-            self._newest, self._newest_read = self._in_flight, False
+            self._newest = self._in_flight
             self.stats.iteration_tokens.observe(batch.num_tokens)
         elif previous is None and self.scheduler.waiting and not self.scheduler.running:
             raise RuntimeError("scheduler could not admit a request into an idle engine")
@@ -412,8 +414,6 @@ class EngineCore:
         wait_start = time.perf_counter()
         sampled = step.launched.read()
         self._waited += time.perf_counter() - wait_start
-        if step is self._newest:
-            self._newest_read = True
         self.stats.forward_seconds.observe(step.launched.forward_seconds())
         tokens = sampled.token_ids if sampled is not None else []
         logprobs = sampled.logprobs if sampled is not None else []

@@ -457,11 +457,7 @@ def decode_attention(
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=64,
         HAS_WINDOW=window is not None, EARLY_KV=early_kv, num_warps=4, num_stages=2, **pdl,
     )  # fmt: skip
-    _decode_reduce_kernel[(batch, hq)](
-        mid_o, mid_lse, out, splits, HQ=hq, D=d,
-        BLOCK_S=max(MAX_SPLITS_BLOCK, triton.next_power_of_2(splits)), **pdl,
-    )  # fmt: skip
-    return out
+    return _merge_splits(mid_o, mid_lse, out)
 
 
 def verify_attention(
@@ -488,7 +484,7 @@ def verify_attention(
     `decode_attention`. `mid_o` `[>=T, Hq, S, D]` / `mid_lse` `[>=T, Hq, S]`: float32 scratch.
     Tokens in no sequence (CUDA-graph padding) are left undefined.
     """
-    tokens, hq, d = q.shape
+    _, hq, d = q.shape
     hkv = k_cache.shape[-2]
     splits = mid_o.shape[2]
     out = torch.empty_like(q)
@@ -500,8 +496,16 @@ def verify_attention(
         HQ=hq, HKV=hkv, D=d, PAGE=page_size, BLOCK_R=rows, BLOCK_N=64,
         HAS_WINDOW=window is not None, num_warps=4, num_stages=2, **pdl,
     )  # fmt: skip
+    return _merge_splits(mid_o, mid_lse, out)
+
+
+def _merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Merge each (query token, head)'s split results in `mid_o` / `mid_lse` into `out`
+    `[T, Hq, D]` by their log-sum-exp (the second kernel of decode and verify attention)."""
+    tokens, hq, d = out.shape
+    splits = mid_o.shape[2]
     _decode_reduce_kernel[(tokens, hq)](
         mid_o, mid_lse, out, splits, HQ=hq, D=d,
-        BLOCK_S=max(MAX_SPLITS_BLOCK, triton.next_power_of_2(splits)), **pdl,
+        BLOCK_S=max(MAX_SPLITS_BLOCK, triton.next_power_of_2(splits)), **pdl_options(out.device),
     )  # fmt: skip
     return out
