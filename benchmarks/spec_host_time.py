@@ -12,7 +12,8 @@ where it runs inside the launch, the other phases are the host time a GPU step w
 the launched steps' own time (CUDA events from launch to sampled tokens; on the CPU, the
 forward and sampling, wall time). `torch ops` counts the ATen operators the phases dispatch
 per step (on the GPU each is at least one kernel launch); the forward pass is left out of the
-count (CUDA graphs replay it).
+count (CUDA graphs replay it). `--kernels N` (GPU) adds the N kernels with the most device time
+per step, plain and verify, from a third generation under the CUDA profiler.
 
 python benchmarks/spec_host_time.py [--batch 1] [--steps 200] [--config DIR --device cuda]
 """
@@ -30,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tokenmill.runner.model_runner as model_runner
@@ -167,6 +169,7 @@ def measure(
     rate: float | None,
     device: str = "cpu",
     adaptive: bool = False,
+    kernels: int = 0,
 ) -> dict[str, Any]:
     """Per-step milliseconds and operators of each phase, plain (`rate` None) or oracle."""
     rng = np.random.default_rng(0)  # B4's prompts: random tokens
@@ -194,6 +197,7 @@ def measure(
     timed, seconds, launched, tokens = _run(llm, prompts, greedy, PhaseTimer(cuda))
     counted, *_ = _run(llm, prompts, greedy, PhaseTimer(cuda, count_ops=True))
     steps_run = len(launched)
+    report_kernels = _kernel_us_per_step(llm, prompts, greedy, kernels) if kernels else {}
     per_step = {name: 1e3 * s / steps_run for name, s in sorted(timed.seconds.items())}
     host = sum(v for name, v in per_step.items() if name not in ("forward", "read"))
     return {
@@ -208,7 +212,32 @@ def measure(
         "torch_ops_per_step": {
             n: c / steps_run for n, c in sorted(counted.ops.items()) if c and n != "forward"
         },
+        "kernel_us_per_step": report_kernels,
     }
+
+
+def _kernel_us_per_step(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams, top: int
+) -> dict[str, list[float]]:
+    """The `top` kernels by device time in one generation: name -> [us per step, launches per
+    step], steps counted as the launches of the runner."""
+    runner = llm.engine.runner
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    count = [0]
+    launch = runner.launch
+
+    def counted(*args: Any, **kwargs: Any) -> LaunchedStep:
+        count[0] += 1
+        return launch(*args, **kwargs)
+
+    runner.launch = counted  # type: ignore[method-assign]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+    del runner.launch
+    steps = max(count[0], 1)
+    rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:top]
+    return {e.key[:60]: [e.device_time_total / steps, e.count / steps] for e in rows}
 
 
 def _run(
@@ -246,6 +275,8 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=0.8)
     parser.add_argument("--adaptive", action="store_true", help="adaptive speculation (B4's "
                         "oracle rows run without it)")  # fmt: skip
+    parser.add_argument("--kernels", type=int, default=0, help="GPU: list the N kernels with "
+                        "the most device time per step (a profiled third run)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args()
     if args.device == "cpu":
@@ -262,6 +293,7 @@ def main() -> None:
             rate,
             args.device,
             args.adaptive,
+            args.kernels if args.device == "cuda" else 0,
         )
         for mode, rate in (("plain", None), ("verify", args.rate))
     }
@@ -278,6 +310,9 @@ def main() -> None:
     for label in ("host_ms_per_step", "device_ms_per_step", "ms_per_step", "tokens_per_step",
                   "steps"):  # fmt: skip
         print(f"{label:22s} {report['plain'][label]:8.3f} {report['verify'][label]:8.3f}")
+    for mode in ("plain", "verify"):
+        for name, (us, launches) in report[mode]["kernel_us_per_step"].items():
+            print(f"kernel {mode:6s} {us:8.1f} us/step {launches:6.1f} launches/step  {name}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@ cost, and the drafts it chooses per request for the most expected tokens per sec
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -34,10 +36,18 @@ K = 4
 
 
 def _cost(seconds, sizes=tuple(2**i for i in range(14))) -> StepCost:
-    """A cost table measured from `seconds(n)` at `sizes`."""
+    """Plain and verify steps measured from `seconds(n)` at `sizes`."""
     cost = StepCost()
-    for n in sizes:
-        cost.observe(n, seconds(n))
+    for n, verify in itertools.product(sizes, (False, True)):
+        cost.observe(n, seconds(n), verify)
+    return cost
+
+
+def _measured(rows: int, *steps: tuple[int, float]) -> StepCost:
+    """Steps of `rows` rows measured: (query tokens, seconds); more tokens than rows: verify."""
+    cost = StepCost()
+    for n, seconds in steps:
+        cost.observe(n, seconds, verify=n > rows)
     return cost
 
 
@@ -78,11 +88,9 @@ def test_low_acceptance_turns_drafting_off() -> None:
 def test_a_near_tie_decodes_plain() -> None:
     """Drafts right 80% of the time at a cost that makes every k a gain of 7% at most on
     paper (k = 4: 3.36 tokens for 3.2 decodes), within the noise of measured costs."""
-    cost = StepCost()
-    for n, seconds in ((8, 1.0), (16, 1.9), (40, 3.2)):
-        cost.observe(n, seconds)
+    cost = _measured(8, (8, 1.0), (16, 1.9), (40, 3.2))
     assert not _choose([0.8] * 8, cost=cost).any()
-    cost.observe(40, 2.0)  # the verify gets cheaper: now it pays
+    cost.observe(40, 2.0, verify=True)  # the verify gets cheaper: now it pays
     assert _choose([0.8] * 8, cost=cost).any()
 
 
@@ -133,15 +141,41 @@ def test_other_rows_of_the_step_count_towards_its_cost() -> None:
     assert alone.tolist() == [K] * 8 and not beside_decodes.any()
 
 
-def test_step_cost_interpolates_and_is_optimistic_outside_what_it_measured() -> None:
+@pytest.mark.parametrize("verify", [False, True])
+def test_step_cost_interpolates_and_is_optimistic_outside_what_it_measured(verify: bool) -> None:
     cost = StepCost()
-    assert cost.predict(np.array([1, 1000])).tolist() == [1.0, 1.0]  # nothing measured yet
-    cost.observe(8, 2.0)
-    cost.observe(64, 4.0)
-    predicted = cost.predict(np.array([4, 8, 36, 64, 500]))
+    assert cost.predict(np.array([1, 1000]), verify).tolist() == [1.0, 1.0]  # nothing yet
+    cost.observe(8, 2.0, verify)
+    cost.observe(64, 4.0, verify)
+    predicted = cost.predict(np.array([4, 8, 36, 64, 500]), verify)
     assert predicted.tolist() == pytest.approx([1.0, 2.0, 3.0, 4.0, 4.0])
-    cost.observe(8, 4.0)  # a weighted mean: the newest measurement moves it part way
-    assert 2.0 < cost.predict(np.array([8]))[0] < 4.0
+    assert cost.predict(np.array([8]), not verify).tolist() == [2.0]  # the other kind: as this
+    cost.observe(8, 4.0, verify)  # a weighted mean: the newest measurement moves it part way
+    assert 2.0 < cost.predict(np.array([8]), verify)[0] < 4.0
+    assert cost.table(verify) == {8: (pytest.approx(2.5), 2), 64: (4.0, 1)}
+
+
+def test_plain_and_verify_steps_of_one_size_are_priced_apart() -> None:
+    cost = StepCost()
+    cost.observe(64, 4.3e-3, verify=True)  # 16 rows verifying 4 drafts each, read first
+    cost.observe(64, 2.2e-3, verify=False)  # 64 rows decoding, overlapped
+    assert cost.predict(np.array([64]), verify=True)[0] == pytest.approx(4.3e-3)
+    assert cost.predict(np.array([64]), verify=False)[0] == pytest.approx(2.2e-3)
+
+
+def test_a_large_batch_decodes_plain_where_verifying_few_rows_was_dear() -> None:
+    # B4, Qwen3-0.6B, batch 64, a = 0.6 on an H200 (what the policy measured): verifies of
+    # 64 x 5 tokens cost 5.6 ms; at the end of a run, 16 rows verifying 4 drafts each (64
+    # tokens) 4.3 ms; plain steps of 48 rows, overlapped, 2.2 ms. A plain step of 64 rows is
+    # about as dear as one of 48, so at a = 0.62 drafting loses (a verify yields 2.4 tokens a
+    # row for 2.6 plain steps' time); priced as the verify of 64 tokens it looked a gain.
+    cost = _measured(64, (320, 5.6e-3), (48, 2.2e-3))
+    cost.observe(64, 4.3e-3, verify=True)
+    rates, available = np.full(64, 0.62), np.full(64, 4)
+    pinned = np.zeros(64, dtype=bool)
+    assert not choose_num_drafts(rates, available, pinned, 0, 0, cost, padded=True).any()
+    rates = np.full(64, 0.85)  # 3.7 tokens a row: drafting pays
+    assert choose_num_drafts(rates, available, pinned, 0, 0, cost, padded=True).all()
 
 
 def test_step_sizes_are_measured_exactly_when_small_then_per_quarter_octave() -> None:
@@ -184,9 +218,7 @@ def test_two_verifies_that_accept_nothing_leave_good_drafts_on_at_cpu_cost() -> 
     a = 0.8 accept nothing (p = 0.04). Its drafts stay on: two judged drafts are weak
     evidence (the old estimate, 0.8 worth two drafts and a decay of 0.8 per verify, fell to
     0.42, and drafting turned off). Ten more such verifies do turn it off."""
-    cost = StepCost()
-    for n, ms in ((1, 17.0), (2, 24.0), (5, 28.0)):
-        cost.observe(n, ms)
+    cost = _measured(1, (1, 17.0), (2, 24.0), (5, 28.0))
     assert _choose([0.42], cost=cost).tolist() == [0]
     estimate = AcceptanceEstimate()
     for tokens in (0, 1):
@@ -244,9 +276,7 @@ def test_optimism_at_steady_evidence_stays_within_the_policys_margin() -> None:
 def test_a_new_request_is_tried_and_its_verifies_decide() -> None:
     """A verify costs 2.5 decodes (a synchronous step's host time, say): good drafts pay, poor
     ones do not. A request starts untried, so it is tried; its rejections stop it."""
-    cost = StepCost()
-    for n, seconds in ((1, 1.0), (2, 2.5), (5, 2.5)):
-        cost.observe(n, seconds)
+    cost = _measured(1, (1, 1.0), (2, 2.5), (5, 2.5))
     estimate = AcceptanceEstimate()
     assert _choose([estimate.bound(0)], cost=cost).tolist() == [K]
     for tokens in range(6):
@@ -415,7 +445,8 @@ def test_a_plain_step_measured_synchronously_does_not_make_drafting_look_cheap()
     pinned = np.zeros(64, dtype=bool)
     for overlaps, drafting in [(True, False), (False, True)]:
         cost = StepCost()
-        cost.observe(64, step_seconds(2.6e-3, 4.1e-3, True, plain=True, overlaps=overlaps))
-        cost.observe(320, 8.9e-3)
+        plain = step_seconds(2.6e-3, 4.1e-3, True, plain=True, overlaps=overlaps)
+        cost.observe(64, plain, verify=False)
+        cost.observe(320, 8.9e-3, verify=True)
         chosen = choose_num_drafts(rates, available, pinned, 0, 0, cost, padded=True)
         assert chosen.any() == drafting

@@ -190,10 +190,10 @@ class LinearCost(StepCost):
         super().__init__()
         self.slope = slope
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
+    def observe(self, num_tokens: int, seconds: float, verify: bool) -> None:
         pass
 
-    def predict(self, num_tokens: np.ndarray) -> np.ndarray:
+    def predict(self, num_tokens: np.ndarray, verify: bool) -> np.ndarray:
         return 1 + self.slope * np.asarray(num_tokens, dtype=np.float64)
 
 
@@ -436,7 +436,7 @@ class RecordedCost(LinearCost):
         super().__init__(slope)
         self.observed: list[tuple[int, float]] = []
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
+    def observe(self, num_tokens: int, seconds: float, verify: bool) -> None:
         self.observed.append((num_tokens, seconds))
 
 

@@ -274,7 +274,7 @@ def _oracle_batch(args: SpecBenchArgs, prompts: list[list[int]], vocab: int) -> 
         spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
                 "adaptive": adaptive}  # fmt: skip
         oracle = OracleProposer(args.num_speculative_tokens, continuations, rate, vocab, args.seed)
-        spec_rate, spec_outputs, stats = _with_engine(
+        spec_rate, spec_outputs, stats, costs = _with_engine(
             functools.partial(_engine, args, spec),
             functools.partial(_oracle_rate, oracle=oracle, prompts=prompts,
                               output_len=args.output_len),
@@ -291,17 +291,26 @@ def _oracle_batch(args: SpecBenchArgs, prompts: list[list[int]], vocab: int) -> 
             "mean_drafts_chosen": chosen.total / max(chosen.count, 1),
             "same_tokens_as_plain": spec_outputs == outputs,
         }
+        if adaptive:  # what the policy learnt: step size (query tokens) -> [ms, steps measured]
+            rows[f"a={rate} adaptive"]["step_costs_ms"] = {
+                kind: {size: [1e3 * seconds, count] for size, (seconds, count) in table.items()}
+                for kind, table in costs.items()
+            }
     return rows
 
 
 def _oracle_rate(
     llm: LLM, oracle: OracleProposer, prompts: list[list[int]], output_len: int
-) -> tuple[float, list, Any]:
-    """Decode rate and outputs with `oracle` proposing, and the engine's speculation stats."""
-    llm.engine.scheduler.host_proposer = oracle
-    oracle.teacher_force(llm.engine.scheduler)
+) -> tuple[float, list, Any, dict[str, dict[int, tuple[float, int]]]]:
+    """Decode rate and outputs with `oracle` proposing, the engine's speculation stats and the
+    step costs adaptive speculation measured."""
+    scheduler = llm.engine.scheduler
+    scheduler.host_proposer = oracle
+    oracle.teacher_force(scheduler)
     rate, outputs = _decode_rate(llm, prompts, output_len)
-    return rate, outputs, llm.engine.scheduler.spec_stats
+    kinds = (("plain", False), ("verify", True))
+    costs = {kind: scheduler.step_cost.table(verify) for kind, verify in kinds}
+    return rate, outputs, scheduler.spec_stats, costs
 
 
 def _engine(args: SpecBenchArgs, spec: dict[str, Any] | None) -> LLM:
@@ -375,4 +384,7 @@ def summary_rows(report: dict[str, Any]) -> list[str]:
                 f"{r['mean_drafts_chosen']:.2f} drafts/request-step, "
                 f"same tokens: {r['same_tokens_as_plain']}"
             )
+            for kind, table in r.get("step_costs_ms", {}).items():
+                costs = ", ".join(f"{size}: {ms:.2f} ms x{n}" for size, (ms, n) in table.items())
+                rows.append(f"  {kind} step costs learnt (query tokens: ms x steps): {costs}")
     return rows

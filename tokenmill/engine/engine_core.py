@@ -400,14 +400,15 @@ class EngineCore:
             return
         if not np.array_equal(plan.num_samples, plan.query_lens):
             return  # a prefill chunk's cost says nothing about decoding
+        plain = int(plan.query_lens.max()) == 1
         seconds = step_seconds(
             step.launched.forward_seconds(),
             following.launched_at - step.launched_at,
             sync,
-            plain=int(plan.query_lens.max()) == 1,
+            plain=plain,
             overlaps=self.runner.device.type == "cuda",
         )
-        self.scheduler.step_cost.observe(step.launched.num_computed_tokens, seconds)
+        self.scheduler.step_cost.observe(step.launched.num_computed_tokens, seconds, not plain)
 
     def _finish(self, step: InFlight) -> list[EngineOutput]:
         """Wait for a launched step's tokens and apply them."""

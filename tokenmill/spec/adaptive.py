@@ -8,8 +8,9 @@ its posterior mean plus one standard deviation, optimistic while the request has
 
 Cost. `StepCost` learns the seconds of one engine step as a function of the query tokens its
 forward computes (a decode row counts 1, a verify row 1 + k; with CUDA graphs every row of a
-verify step counts as its longest row, padding included), from the steps the engine measures.
-A size never measured is assumed as cheap as it plausibly could be: above the largest measured
+verify step counts as its longest row, padding included), from the steps the engine measures,
+plain decode steps and verify steps apart (a verify step also carries the host's work). A
+size never measured is assumed as cheap as it plausibly could be: above the largest measured
 step, no dearer than it (memory-bound); below the smallest, cheaper in proportion to its
 tokens (compute-bound). So the policy tries it, and the measurement corrects the table: with
 nothing measured every row drafts all it can, and the plain batch is measured next.
@@ -47,34 +48,73 @@ def token_bucket(num_tokens: int) -> int:
     return round(2 ** (round(4 * math.log2(num_tokens)) / 4))
 
 
-class StepCost:
-    """Seconds of one engine step, as a function of its query tokens, learned from measured
-    steps (an exponentially weighted mean per `token_bucket`)."""
+class _SizeTable:
+    """Measured seconds per `token_bucket` (an exponentially weighted mean each), with how many
+    steps measured each size."""
 
-    def __init__(self, smoothing: float = COST_SMOOTHING) -> None:
+    def __init__(self, smoothing: float) -> None:
         self.smoothing = smoothing
-        self._seconds: dict[int, float] = {}
-        self._sizes = np.zeros(0)
-        self._values = np.zeros(0)
+        self.seconds: dict[int, float] = {}
+        self.counts: dict[int, int] = {}
+        self.sizes = np.zeros(0)
+        self.values = np.zeros(0)
 
     def observe(self, num_tokens: int, seconds: float) -> None:
-        """Record one measured step of `num_tokens` query tokens."""
         size = token_bucket(num_tokens)
-        old = self._seconds.get(size)
-        self._seconds[size] = seconds if old is None else old + self.smoothing * (seconds - old)
-        sizes = sorted(self._seconds)
-        self._sizes = np.array(sizes, dtype=np.float64)
-        self._values = np.array([self._seconds[s] for s in sizes])
+        old = self.seconds.get(size)
+        self.seconds[size] = seconds if old is None else old + self.smoothing * (seconds - old)
+        self.counts[size] = self.counts.get(size, 0) + 1
+        sizes = sorted(self.seconds)
+        self.sizes = np.array(sizes, dtype=np.float64)
+        self.values = np.array([self.seconds[s] for s in sizes])
 
-    def predict(self, num_tokens: np.ndarray) -> np.ndarray:
-        """Seconds of steps of `num_tokens` (any shape): interpolated between measured sizes,
-        optimistic outside them (see the module docstring); 1.0 before any measurement."""
+
+class StepCost:
+    """Seconds of one engine step, as a function of its query tokens, learned from measured
+    steps: one table for plain decode steps, one for verify steps (some row drafted).
+
+    The two differ at the same size: a verify step is read before the next step is planned
+    (the drafts continue its tokens), so the host's work between steps adds to it, where plain
+    steps overlap that work with the device; and a verify's tokens come from fewer rows. One
+    table mixing them priced a plain batch of 64 rows at what 16 rows verifying 4 drafts each
+    had cost at the end of a run, twice the plain step's own cost (B4, Qwen3-0.6B, batch 64 on
+    an H200: adaptive speculation drafted on and ran x0.83 of plain decoding at a = 0.6).
+
+    A kind with nothing measured yet is priced from the other's table. Below its smallest
+    measured size a verify is priced between the plain steps measured below that size (no
+    cheaper than decoding as many tokens), not in proportion to its tokens."""
+
+    def __init__(self, smoothing: float = COST_SMOOTHING) -> None:
+        self._tables = {kind: _SizeTable(smoothing) for kind in (False, True)}
+
+    def observe(self, num_tokens: int, seconds: float, verify: bool) -> None:
+        """Record one measured step of `num_tokens` query tokens (`verify`: a row drafted)."""
+        self._tables[verify].observe(num_tokens, seconds)
+
+    def table(self, verify: bool) -> dict[int, tuple[float, int]]:
+        """Each measured size of plain or verify steps: its estimate in seconds and how many
+        steps measured it."""
+        t = self._tables[verify]
+        return {size: (t.seconds[size], t.counts[size]) for size in sorted(t.seconds)}
+
+    def predict(self, num_tokens: np.ndarray, verify: bool) -> np.ndarray:
+        """Seconds of plain or verify steps of `num_tokens` (any shape): interpolated between
+        measured sizes, optimistic outside them (see the module docstring); 1.0 before any
+        measurement."""
         n = np.asarray(num_tokens, dtype=np.float64)
-        if not len(self._sizes):
+        plain, verifies = self._tables[False], self._tables[True]
+        own = verifies if verify else plain
+        if not own.seconds:
+            own = plain if verify else verifies
+        if not own.seconds:
             return np.ones_like(n)
-        seconds = np.interp(n, self._sizes, self._values)
-        smallest, cost = self._sizes[0], self._values[0]
-        return np.where(n < smallest, cost * n / smallest, seconds)
+        sizes, values = own.sizes, own.values
+        if own is verifies and plain.seconds:
+            below = plain.sizes < sizes[0]
+            sizes = np.concatenate([plain.sizes[below], sizes])
+            values = np.concatenate([plain.values[below], values])
+        seconds = np.interp(n, sizes, values)
+        return np.where(n < sizes[0], values[0] * n / sizes[0], seconds)
 
 
 def step_seconds(
@@ -145,14 +185,11 @@ def choose_num_drafts(
         tokens = num_rows * (1 + np.maximum(widest, np.maximum.accumulate(ordered, axis=1)))
     else:
         tokens = base_tokens + np.cumsum(ordered, axis=1)
-    # One cost lookup for every candidate and the plain step (the last entry).
-    seconds = cost.predict(np.append(tokens, base_tokens))
-    tokens_per_s = (base_yield + np.cumsum(gain[picked], axis=1)) / seconds[:-1].reshape(
-        tokens.shape
-    )
+    tokens_per_s = (base_yield + np.cumsum(gain[picked], axis=1)) / cost.predict(tokens, True)
+    base_seconds = float(cost.predict(np.array(base_tokens), verify=widest > 0))
     best = int(np.argmax(tokens_per_s))
     cap, last = divmod(best, tokens_per_s.shape[1])
-    if tokens_per_s[cap, last] < MIN_SPEEDUP * base_yield / seconds[-1]:
+    if tokens_per_s[cap, last] < MIN_SPEEDUP * base_yield / base_seconds:
         return chosen
     rows = order[cap, : last + 1]
     chosen[free[rows]] = drafts[cap, rows]
