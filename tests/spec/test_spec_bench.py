@@ -64,3 +64,29 @@ def test_host_time_benchmark_splits_a_verify_step_into_phases(llama_dir: Path) -
     assert {"propose", "verify", "read", "update", "schedule"} <= set(verify["phase_ms_per_step"])
     assert verify["host_ms_per_step"] > 0
     assert verify["torch_ops_per_step"].get("verify", 0) == 0
+
+
+def test_oracle_rows_report_the_median_of_repeats_and_the_costs_adaptive_learnt(
+    llama_dir: Path,
+) -> None:
+    from tokenmill.bench.speculative import SpecBenchArgs, _oracle_part, summary_rows
+
+    args = SpecBenchArgs(config=str(llama_dir), dtype="float32", device="cpu",
+                         acceptance_rates=[0.8], batch_sizes=[2], adaptive_batch_sizes=[2],
+                         input_len=16, output_len=20, repeats=2)  # fmt: skip
+    rows = _oracle_part(args)["batch_2"]
+    assert rows["plain_decode_tok_s"] > 0
+    assert rows["a=0.8"]["same_tokens_as_plain"] and rows["a=0.8 adaptive"]["same_tokens_as_plain"]
+    assert "step_costs_ms" not in rows["a=0.8"]
+    costs = rows["a=0.8 adaptive"]["step_costs_ms"]
+    assert set(costs) == {"plain", "verify"} and costs["verify"]  # it verified, and measured
+    assert all(ms > 0 and n >= 1 for table in costs.values() for ms, n in table.values())
+    lines = summary_rows({"demo": {}, "oracle": {"batch_2": rows}})
+    assert any("verify step costs learnt" in line for line in lines)
+
+
+def test_repeats_must_be_positive() -> None:
+    from tokenmill.bench.options import OfflineBenchArgs
+
+    with pytest.raises(ValueError, match="repeats"):
+        OfflineBenchArgs(config="unused", workload="b4", repeats=0)

@@ -50,6 +50,11 @@ class OfflineBenchArgs:
         "speculation (drafts chosen per request and step), next to fixed k and plain decoding "
         "in the same run; comma-separated, empty for none.",
     )
+    repeats: int = option(
+        1,
+        "B4: timed generations per oracle row (plain and speculative, each in its own engine); "
+        "the row reports their median rate (a batch of 64 decodes for well under a second).",
+    )
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # engine options, by name
 
     def __post_init__(self) -> None:
@@ -63,6 +68,8 @@ class OfflineBenchArgs:
             self.input_len = 2048 if self.workload == "b6" else 512
         if self.length_scale <= 0:
             raise ValueError(f"length_scale must be > 0, got {self.length_scale}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
 
 
 @dataclass(frozen=True)

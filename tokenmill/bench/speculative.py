@@ -71,6 +71,7 @@ class SpecBenchArgs:
     output_len: int = 256
     demo_output_len: int = 128
     seed: int = 0
+    repeats: int = 1
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @staticmethod
@@ -83,7 +84,7 @@ class SpecBenchArgs:
             batch_sizes=[int(b) for b in args.batch_sizes.split(",")],
             adaptive_batch_sizes=[int(b) for b in args.adaptive_batch_sizes.split(",") if b],
             input_len=args.input_len, output_len=args.output_len, seed=args.seed,
-            engine_kwargs=args.engine_kwargs,
+            repeats=args.repeats, engine_kwargs=args.engine_kwargs,
         )  # fmt: skip
 
 
@@ -264,8 +265,9 @@ def _oracle_batch(args: SpecBenchArgs, prompts: list[list[int]], vocab: int) -> 
     """Plain decoding of `prompts`, then the oracle at each acceptance rate (and adaptive)."""
     plain_rate, outputs = _with_engine(
         functools.partial(_engine, args, None),
-        functools.partial(_decode_rate, prompts=prompts, output_len=args.output_len),
-    )
+        functools.partial(_decode_rate, prompts=prompts, output_len=args.output_len,
+                          repeats=args.repeats),
+    )  # fmt: skip
     continuations = {tuple(p): o for p, o in zip(prompts, outputs, strict=True)}
     rows: dict[str, Any] = {"plain_decode_tok_s": plain_rate}
     # Fixed k measures verification against its ideal; adaptive, what a user gets.
@@ -277,7 +279,7 @@ def _oracle_batch(args: SpecBenchArgs, prompts: list[list[int]], vocab: int) -> 
         spec_rate, spec_outputs, stats, costs = _with_engine(
             functools.partial(_engine, args, spec),
             functools.partial(_oracle_rate, oracle=oracle, prompts=prompts,
-                              output_len=args.output_len),
+                              output_len=args.output_len, repeats=args.repeats),
         )  # fmt: skip
         ideal = ideal_tokens_per_step(rate, args.num_speculative_tokens)
         speedup = spec_rate / plain_rate
@@ -300,14 +302,14 @@ def _oracle_batch(args: SpecBenchArgs, prompts: list[list[int]], vocab: int) -> 
 
 
 def _oracle_rate(
-    llm: LLM, oracle: OracleProposer, prompts: list[list[int]], output_len: int
+    llm: LLM, oracle: OracleProposer, prompts: list[list[int]], output_len: int, repeats: int
 ) -> tuple[float, list, Any, dict[str, dict[int, tuple[float, int]]]]:
     """Decode rate and outputs with `oracle` proposing, the engine's speculation stats and the
     step costs adaptive speculation measured."""
     scheduler = llm.engine.scheduler
     scheduler.host_proposer = oracle
     oracle.teacher_force(scheduler)
-    rate, outputs = _decode_rate(llm, prompts, output_len)
+    rate, outputs = _decode_rate(llm, prompts, output_len, repeats)
     kinds = (("plain", False), ("verify", True))
     costs = {kind: scheduler.step_cost.table(verify) for kind, verify in kinds}
     return rate, outputs, scheduler.spec_stats, costs
@@ -336,8 +338,11 @@ def _with_engine(build: Callable[[], LLM], use: Callable[[LLM], T]) -> T:
             torch.cuda.empty_cache()
 
 
-def _decode_rate(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float, list]:
-    """Decode tokens/s of greedy generation (prefill time taken out), and the outputs.
+def _decode_rate(
+    llm: LLM, prompts: list[list[int]], output_len: int, repeats: int = 1
+) -> tuple[float, list]:
+    """Decode tokens/s of greedy generation (prefill time taken out), the median of `repeats`
+    timed generations, and the outputs.
 
     The prefill of the whole batch is timed alone (one token each) and taken out of the full
     run's time; both are warmed up first with the same batch, so neither pays a first use of
@@ -346,16 +351,20 @@ def _decode_rate(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[f
     full = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                  use_tqdm=False)  # fmt: skip
-    start = time.perf_counter()
-    llm.generate(prompts, first, use_tqdm=False)
-    prefill = time.perf_counter() - start
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, full, use_tqdm=False)
-    total = time.perf_counter() - start
-    if total <= prefill:
-        raise RuntimeError(f"decode took no time: prefill alone {prefill:.3f} s, all {total:.3f} s")
-    decoded = len(prompts) * (output_len - 1)
-    return decoded / (total - prefill), [o.outputs[0].token_ids for o in outputs]
+    rates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        llm.generate(prompts, first, use_tqdm=False)
+        prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, full, use_tqdm=False)
+        total = time.perf_counter() - start
+        if total <= prefill:
+            raise RuntimeError(
+                f"decode took no time: prefill alone {prefill:.3f} s, all {total:.3f} s"
+            )
+        rates.append(len(prompts) * (output_len - 1) / (total - prefill))
+    return float(np.median(rates)), [o.outputs[0].token_ids for o in outputs]
 
 
 def summary_rows(report: dict[str, Any]) -> list[str]:
