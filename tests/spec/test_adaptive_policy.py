@@ -19,7 +19,7 @@ from tokenmill.batch import (
 from tokenmill.bench.speculative import ideal_tokens_per_step
 from tokenmill.cache.cache_manager import CacheManager
 from tokenmill.config import SchedulerConfig
-from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.scheduler import DECLINE_STEPS, Scheduler
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec.adaptive import (
     MIN_SPEEDUP,
@@ -327,6 +327,23 @@ def test_scheduler_decodes_plain_and_overlapped_when_compute_bound() -> None:
     assert (req.acceptance.accepted, req.acceptance.rejected) == (0, 0)  # nothing verified
 
 
+def test_the_policys_no_stands_for_a_few_calls_unless_a_request_joins() -> None:
+    """At batch 64 the policy's host time on every plain step slowed plain decoding: its "no"
+    to requests that could draft is repeated for DECLINE_STEPS calls of `may_draft`."""
+    sched = _scheduler(_cost(_roofline(1)))  # drafting does not pay
+    _decoding(sched, "a")
+    assert not sched.may_draft()
+    sched.step_cost = _cost(_roofline(128))  # now it would
+    assert [sched.may_draft() for _ in range(DECLINE_STEPS)] == [False] * (DECLINE_STEPS - 1) + [
+        True
+    ]
+    sched.step_cost = _cost(_roofline(1))
+    assert not sched.may_draft()
+    sched.step_cost = _cost(_roofline(128))
+    _decoding(sched, "b")  # a request joins: the policy is asked again at once
+    assert sched.may_draft()
+
+
 FRESH = iter(range(100, 10_000))  # tokens that never repeat: prompt lookup finds nothing
 
 
@@ -450,3 +467,21 @@ def test_a_plain_step_measured_synchronously_does_not_make_drafting_look_cheap()
         cost.observe(320, 8.9e-3, verify=True)
         chosen = choose_num_drafts(rates, available, pinned, 0, 0, cost, padded=True)
         assert chosen.any() == drafting
+
+
+def test_a_step_is_priced_no_dearer_than_a_larger_one() -> None:
+    # B4, llama-3.1-8b, batch 256, a = 0.6 on an H200 (what the policy measured): the one
+    # plain step of 256 rows it measured took 62 ms (plain decoding ran 14 ms a step), verifies
+    # of 256 x 1 and 256 x 3 tokens 14.4 and 31.7 ms, one of 256 x 2 tokens (no graph) 50 ms.
+    cost = _measured(256, (256, 62e-3), (512, 50e-3), (724, 31.7e-3))
+    cost.observe(256, 14.4e-3, verify=True)
+    assert cost.predict(np.array([256]), verify=False)[0] == pytest.approx(14.4e-3)
+    assert cost.predict(np.array([512]), verify=True)[0] == pytest.approx(31.7e-3)
+    assert cost.predict(np.array([100]), verify=True)[0] <= 14.4e-3
+    rates, available = np.full(256, 0.62), np.full(256, 4)
+    pinned = np.zeros(256, dtype=bool)
+    assert not choose_num_drafts(rates, available, pinned, 0, 0, cost, padded=True).any()
+    # A verify is not capped by plain steps: read first, it carries the host's work.
+    cost = _measured(64, (64, 2.0e-3), (80, 3.0e-3))
+    cost.observe(40, 3.0e-3, verify=True)
+    assert cost.predict(np.array([40]), verify=True)[0] == pytest.approx(3.0e-3)

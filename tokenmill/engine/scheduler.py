@@ -32,6 +32,11 @@ logger = logging.getLogger(__name__)
 
 # How many waiting requests the cache-aware policy compares per admission.
 CACHE_AWARE_SCAN = 128
+# Once adaptive speculation declines to draft for the running batch, `may_draft` repeats that
+# answer for this many calls before asking the policy again (unless requests joined): at batch
+# 64 the policy's host time, spent on every plain step, made plain steps under adaptive
+# speculation 17% slower than plain decoding's (3.15 vs 2.69 ms, Qwen3-0.6B on an H200).
+DECLINE_STEPS = 4
 
 
 @dataclass
@@ -71,6 +76,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SchedulerStats()
+        self._admissions = 0  # requests admitted into `running`, ever
+        # `may_draft`'s last "no": the admissions it saw, and the steps it still stands for.
+        self._declined: tuple[int, int] = (0, 0)
 
     def add_request(self, req: Request) -> None:
         """Queue a request at the back of the waiting queue."""
@@ -137,18 +145,28 @@ class Scheduler:
         even if every request had drafts to offer; a request whose drafting is paused
         (`Request.draft_pause`: its last step could have drafted but did not) offers none.
         Plain decoding then keeps overlap scheduling. A seeded sampled request that can
-        draft always makes it yes: its drafts must not depend on its batch.
+        draft always makes it yes: its drafts must not depend on its batch. The policy's "no"
+        to requests that could draft is the answer for `DECLINE_STEPS` calls (one a step)
+        unless a request joins the batch.
         """
         spec = self.speculative
         if spec is None or not spec.adaptive:
             return spec is not None
         decoding = [r for r in self.running if r.num_uncomputed_tokens(0) <= 1]
         k = self._max_drafts()
+        if any(_pinned(r) and self._max_offer(r, k) for r in decoding):
+            return True
+        admissions, steps = self._declined
+        if steps and admissions == self._admissions:  # no request joined since the last "no"
+            self._declined = (admissions, steps - 1)
+            return False
         # Optimistic for prompt lookup: as if every request found k drafts.
         available = np.array([self._max_offer(r, k) for r in decoding], dtype=np.int64)
-        if any(_pinned(r) for r, n in zip(decoding, available, strict=True) if n):
-            return True
-        return bool(self._adaptive_drafts(decoding, available, {}).any())
+        drafts = bool(self._adaptive_drafts(decoding, available, {}).any())
+        # Only the policy's own "no" stands (a pause ends at a request's token, exactly).
+        declined = not drafts and bool(available.any())
+        self._declined = (self._admissions, DECLINE_STEPS - 1 if declined else 0)
+        return drafts
 
     def _plan_drafts(self, in_flight: Mapping[Request, range]) -> dict[Request, int]:
         """How many tokens each decoding request drafts this step (absent: none).
@@ -281,6 +299,7 @@ class Scheduler:
                 req.scheduled_time = time.time()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            self._admissions += 1
             out.seqs.append(_row(req, num_new, uncomputed, None))
             budget -= num_new
 
