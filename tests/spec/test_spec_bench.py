@@ -90,3 +90,39 @@ def test_repeats_must_be_positive() -> None:
 
     with pytest.raises(ValueError, match="repeats"):
         OfflineBenchArgs(config="unused", workload="b4", repeats=0)
+
+
+class _Row:
+    """What the oracle reads of a request: its tokens and its output so far."""
+
+    def __init__(self, prompt: object, output: list[int]) -> None:
+        self.prompt, self.output_token_ids = prompt, output
+
+    def token_array(self) -> object:
+        return self.prompt
+
+
+def test_oracle_verdicts_follow_the_continuation_for_every_row_at_once() -> None:
+    """Each row emits its continuation from where it is, one token more than the drafts its
+    latest proposal had right (at most its sampled positions), cut at the continuation's
+    end, then placeholders: the per-row rule, checked row by row on random states."""
+    import numpy as np
+
+    from tokenmill.bench.speculative import PLACEHOLDER
+
+    rng = np.random.default_rng(3)
+    prompts = [tuple(rng.integers(10, 90, 6).tolist()) for _ in range(8)]
+    continuations = {p: rng.integers(10, 90, int(rng.integers(3, 12))).tolist() for p in prompts}
+    oracle = OracleProposer(4, continuations, 0.5, 100, seed=0)
+    for _ in range(50):
+        requests, expected = [], []
+        num_samples = rng.integers(1, 6, len(prompts))
+        for prompt, n in zip(prompts, num_samples.tolist(), strict=True):
+            cont = continuations[prompt]
+            done = int(rng.integers(0, len(cont) + 1))
+            requests.append(_Row(np.array(prompt), cont[:done]))
+            row = oracle.row_of[np.array(prompt, dtype=np.int64).tobytes()]
+            oracle.num_right[row] = right = int(rng.integers(0, 5))
+            emitted = cont[done : done + min(right, n - 1) + 1]
+            expected += emitted + [PLACEHOLDER] * (n - len(emitted))
+        assert oracle._verdicts(requests, num_samples) == expected

@@ -140,32 +140,42 @@ class OracleProposer(HostProposer):
 
     def teacher_force(self, scheduler: Scheduler) -> None:
         """Make `scheduler` apply the oracle's verdicts instead of the verifier's: each step's
-        tokens are replaced, row by row, before the scheduler applies them."""
+        tokens are replaced, for every row at once, before the scheduler applies them."""
         update = scheduler.update
 
         def forced(
             out: SchedulerOutput, token_ids: list[int], logprobs: list[dict[int, Logprob] | None]
         ) -> list[tuple[Request, int]]:
-            tokens, at = list(token_ids), 0
-            for seq in out.seqs:
-                n = seq.num_samples
-                if n:
-                    tokens[at : at + n] = self._verdict(seq.request, n)
-                at += n
-            return update(out, tokens, logprobs)
+            sampled = [s for s in out.seqs if s.num_samples]
+            if sampled:
+                token_ids = self._verdicts([s.request for s in sampled],
+                                           np.array([s.num_samples for s in sampled]))  # fmt: skip
+            return update(out, token_ids, logprobs)
 
         scheduler.update = forced  # type: ignore[method-assign]
 
-    def _verdict(self, req: Request, num_samples: int) -> list[int]:
-        """The tokens a row of `num_samples` sampled positions emits under the oracle."""
+    def _verdicts(self, requests: list[Request], num_samples: np.ndarray) -> list[int]:
+        """The tokens rows of `num_samples` sampled positions each emit under the oracle, row
+        after row: the first `min(right drafts, n - 1) + 1` of its continuation from where the
+        request is (fewer at the continuation's end), then placeholders up to n. A Python pass
+        over every row of every step (plain steps included) is charged to the speculative run:
+        vectorised, at batch 64 on the development machine's CPU 0.41 -> 0.10 ms a plain
+        step, 0.43 -> 0.14 ms a verify step."""
+        rows = np.array([self._row(r) for r in requests])
+        done = np.array([len(r.output_token_ids) for r in requests])
+        emitted = np.minimum(self.num_right[rows], num_samples - 1) + 1
+        emitted = np.clip(emitted, 0, np.maximum(self.lengths[rows] - done, 0))
+        j = np.arange(int(num_samples.max()))
+        at = np.minimum(done[:, None] + j, self.truth.shape[1] - 1)
+        grid = np.where(j < emitted[:, None], self.truth[rows[:, None], at], PLACEHOLDER)
+        return grid[j < num_samples[:, None]].tolist()
+
+    def _row(self, req: Request) -> int:
+        """The row of `req`'s prompt in the continuations table (looked up once)."""
         row = self._rows.get(req)
         if row is None:
             row = self._rows[req] = self.row_of[_key(req.token_array()[: self.prompt_len])]
-        done = len(req.output_token_ids)
-        emitted = min(int(self.num_right[row]), num_samples - 1) + 1
-        emitted = max(0, min(emitted, int(self.lengths[row]) - done))
-        tokens = self.truth[row, done : done + emitted].tolist()
-        return tokens + [PLACEHOLDER] * (num_samples - len(tokens))
+        return row
 
 
 def _key(prompt: np.ndarray) -> bytes:
