@@ -28,6 +28,7 @@ nothing there, so every row drafts min(K, what it can), and one drafting row cos
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -91,10 +92,13 @@ class StepCost:
 
     def __init__(self, smoothing: float = COST_SMOOTHING) -> None:
         self._tables = {kind: _SizeTable(smoothing) for kind in (False, True)}
+        # Each kind's price curve, built on first use after a measurement (None: nothing yet).
+        self._curves: dict[bool, _Curve | None] = {}
 
     def observe(self, num_tokens: int, seconds: float, verify: bool) -> None:
         """Record one measured step of `num_tokens` query tokens (`verify`: a row drafted)."""
         self._tables[verify].observe(num_tokens, seconds)
+        self._curves.clear()
 
     def table(self, verify: bool) -> dict[int, tuple[float, int]]:
         """Each measured size of plain or verify steps: its estimate in seconds and how many
@@ -107,31 +111,46 @@ class StepCost:
         measured sizes, optimistic outside them (see the module docstring); 1.0 before any
         measurement."""
         n = np.asarray(num_tokens, dtype=np.float64)
+        if verify not in self._curves:
+            self._curves[verify] = self._curve(verify)
+        curve = self._curves[verify]
+        if curve is None:
+            return np.ones_like(n)
+        sizes, values = curve.sizes, curve.values
+        seconds = np.interp(n, sizes, values)
+        seconds = np.where(n < sizes[0], values[0] * n / sizes[0], seconds)
+        return np.minimum(seconds, curve.caps[np.searchsorted(curve.cap_sizes, n)])
+
+    def _curve(self, verify: bool) -> _Curve | None:
         plain, verifies = self._tables[False], self._tables[True]
         own = verifies if verify else plain
         if not own.seconds:
             own = plain if verify else verifies
         if not own.seconds:
-            return np.ones_like(n)
+            return None
         sizes, values = own.sizes, own.values
         if own is verifies and plain.seconds:
             below = plain.sizes < sizes[0]
             sizes = np.concatenate([plain.sizes[below], sizes])
             values = np.concatenate([plain.values[below], values])
-        seconds = np.interp(n, sizes, values)
-        seconds = np.where(n < sizes[0], values[0] * n / sizes[0], seconds)
-        for larger in (own,) if verify else (plain, verifies):
-            seconds = np.minimum(seconds, _cheapest_from(larger, n))
-        return seconds
+        larger = [own] if verify else [plain, verifies]
+        cap_sizes = np.concatenate([t.sizes for t in larger])
+        order = np.argsort(cap_sizes, kind="stable")
+        cap_values = np.concatenate([t.values for t in larger])[order]
+        # At n tokens: the cheapest step measured at n or more (inf: none that large).
+        caps = np.append(np.minimum.accumulate(cap_values[::-1])[::-1], np.inf)
+        return _Curve(sizes, values, cap_sizes[order], caps)
 
 
-def _cheapest_from(table: _SizeTable, n: np.ndarray) -> np.ndarray:
-    """The cheapest step `table` measured at `n` tokens or more (inf: none that large)."""
-    if not table.seconds:
-        return np.full_like(n, np.inf)
-    suffix_min = np.minimum.accumulate(table.values[::-1])[::-1]
-    at = np.searchsorted(table.sizes, n, side="left")
-    return np.append(suffix_min, np.inf)[at]
+@dataclass(frozen=True)
+class _Curve:
+    """What `StepCost.predict` interpolates (`sizes` -> `values`) and caps it with (`caps[i]`
+    for sizes up to `cap_sizes[i]`)."""
+
+    sizes: np.ndarray
+    values: np.ndarray
+    cap_sizes: np.ndarray
+    caps: np.ndarray
 
 
 def step_seconds(
