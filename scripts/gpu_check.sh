@@ -10,16 +10,19 @@
 #  time per step and the kernels of a batch-1 step (routing now inside the expert GEMVs);
 #  structured = structured-output GPU tests and benchmarks/structured_outputs.py
 #  b4 = speculative decoding vs plain decoding, qwen3-0.6b and llama-3.1-8b (batch 64 also
-#  with adaptive speculation, next to fixed k and plain decoding in the same run);
+#  with adaptive speculation, next to fixed k and plain decoding in the same run; each oracle
+#  row the median of 3 timed runs, as in b4adaptive);
 #  b4adaptive = adaptive speculation next to fixed k = 4 and plain decoding, same run: qwen3-0.6b
 #  at batch 1 and 64, oracle a = 0.8 and 0.6 (fixed k ran x1.02 / x0.68 at batch 1 in session
 #  11: a verify step's host time), llama-3.1-8b at batch 1, a = 0.8 (fixed x2.41 vs adaptive
 #  x2.29 in session 13), and at batch 64 and 256, a = 0.6 (fixed k x0.97 at batch 64; at 256
-#  adaptive speculation must turn itself off);
+#  adaptive speculation must turn itself off: x1.00 in session 15); adaptive rows print the
+#  step costs the policy learnt;
 #  spechost = issue 19: the speculative GPU tests (tests/gpu/test_spec_gpu.py,
 #  tests/spec/test_spec_graphs.py), then
 #  benchmarks/spec_host_time.py on qwen3-0.6b and llama-3.1-8b shapes at batch 1: a plain and
-#  a verify step (oracle a = 0.8, k = 4) by phase, host ms vs the steps' device ms, and for
+#  a verify step (oracle a = 0.8, k = 4) by phase, host ms vs the steps' device ms, the 16
+#  kernels with the most device time per plain and verify step, and for
 #  llama-3.1-8b with adaptive speculation too (its policy's share of the verify step's host time);
 #  hostkv = the host KV tier (issue 28): its GPU tests, then benchmarks/host_kv_agent.py on
 #  llama-3.1-8b shapes: reload vs recompute of a 16,000-token prefix, and the agent workload with
@@ -171,16 +174,16 @@ if [[ "$what" == structured || "$what" == all ]]; then
   done
 fi
 if [[ "$what" == b4 || "$what" == all ]]; then  # speculative decoding vs plain, same run
-  bench qwen3-0.6b b4 "${kv[@]}" --engine-arg max_num_seqs=64
-  bench llama-3.1-8b b4 "${kv[@]}" --engine-arg max_num_seqs=64
+  bench qwen3-0.6b b4 "${kv[@]}" --engine-arg max_num_seqs=64 --repeats 3
+  bench llama-3.1-8b b4 "${kv[@]}" --engine-arg max_num_seqs=64 --repeats 3
 fi
 if [[ "$what" == b4adaptive ]]; then  # adaptive speculation at high load vs plain, same run
   bench qwen3-0.6b b4 "${kv[@]}" --engine-arg max_num_seqs=64 --acceptance-rates 0.8,0.6 \
-    --batch-sizes 1,64 --adaptive-batch-sizes 1,64
+    --batch-sizes 1,64 --adaptive-batch-sizes 1,64 --repeats 3
   bench llama-3.1-8b b4 "${kv[@]}" --engine-arg max_num_seqs=64 --acceptance-rates 0.8 \
-    --batch-sizes 1 --adaptive-batch-sizes 1
+    --batch-sizes 1 --adaptive-batch-sizes 1 --repeats 3
   bench llama-3.1-8b b4 "${kv2[@]}" --engine-arg max_num_seqs=256 --acceptance-rates 0.6 \
-    --batch-sizes 64,256 --adaptive-batch-sizes 64,256
+    --batch-sizes 64,256 --adaptive-batch-sizes 64,256 --repeats 3
 fi
 if [[ "$what" == spechost ]]; then  # where a verify step's time goes: host phases vs device
   python3 -m pytest -q -p no:cacheprovider tests/gpu/test_spec_gpu.py tests/spec/test_spec_graphs.py 2>&1 \
@@ -188,7 +191,7 @@ if [[ "$what" == spechost ]]; then  # where a verify step's time goes: host phas
   for m in qwen3-0.6b llama-3.1-8b; do
     echo "spec_host_time $m batch 1:" >> "$table"
     python3 benchmarks/spec_host_time.py --config "$models/$m" --device cuda --steps 256 \
-      2>&1 | tee "$out/spechost-$m.log" | tail -17 >> "$table"
+      --kernels 16 2>&1 | tee "$out/spechost-$m.log" | tail -49 >> "$table"
   done
   echo "spec_host_time llama-3.1-8b batch 1, adaptive:" >> "$table"
   python3 benchmarks/spec_host_time.py --config "$models/llama-3.1-8b" --device cuda --steps 256 \
