@@ -485,3 +485,9 @@ def test_a_step_is_priced_no_dearer_than_a_larger_one() -> None:
     cost = _measured(64, (64, 2.0e-3), (80, 3.0e-3))
     cost.observe(40, 3.0e-3, verify=True)
     assert cost.predict(np.array([40]), verify=True)[0] == pytest.approx(3.0e-3)
+
+
+def test_a_verify_is_capped_by_the_plain_steps_it_is_priced_between() -> None:
+    cost = _measured(16, (8, 5.0), (16, 2.0), (40, 10.0))  # plain 8 and 16, a verify of 40
+    assert cost.predict(np.array([8]), verify=False)[0] == pytest.approx(2.0)
+    assert cost.predict(np.array([8]), verify=True)[0] == pytest.approx(2.0)

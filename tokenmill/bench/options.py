@@ -53,7 +53,10 @@ class OfflineBenchArgs:
     repeats: int = option(
         1,
         "B4: timed generations per oracle row (plain and speculative, each in its own engine); "
-        "the row reports their median rate (a batch of 64 decodes for well under a second).",
+        "the row reports their median rate (a batch of 64 decodes for well under a second). "
+        "They run in one engine after one warm-up: adaptive speculation's learnt step costs "
+        "carry over from run to run, the speculation stats and costs reported cover them all, "
+        "and the tokens compared with plain decoding are the last run's.",
     )
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # engine options, by name
 

@@ -84,8 +84,8 @@ class StepCost:
     A kind with nothing measured yet is priced from the other's table. Below its smallest
     measured size a verify is priced between the plain steps measured below that size (no
     cheaper than decoding as many tokens), not in proportion to its tokens. A step is priced
-    no dearer than a larger one of its kind measured, and a plain step no dearer than any
-    larger step: computing more tokens does not take less time, and a size measured once
+    no dearer than a larger one of its kind measured (a verify: nor than a larger one of the
+    plain steps it is priced between), and a plain step no dearer than any larger step: computing more tokens does not take less time, and a size measured once
     while something else held the host (the first plain step of 256 rows: 62 ms, where plain
     decoding ran 14 ms a step) would otherwise stand for good once it makes the policy avoid
     that size (llama-3.1-8b, B4 batch 256, a = 0.6: adaptive speculation drafted on, x0.80)."""
@@ -133,10 +133,12 @@ class StepCost:
             below = plain.sizes < sizes[0]
             sizes = np.concatenate([plain.sizes[below], sizes])
             values = np.concatenate([plain.values[below], values])
-        larger = [own] if verify else [plain, verifies]
-        cap_sizes = np.concatenate([t.sizes for t in larger])
+        # A verify is capped by its own points (the plain ones below its sizes included), a
+        # plain step by every step measured.
+        larger = [(sizes, values)] if verify else [(t.sizes, t.values) for t in (plain, verifies)]
+        cap_sizes = np.concatenate([s for s, _ in larger])
         order = np.argsort(cap_sizes, kind="stable")
-        cap_values = np.concatenate([t.values for t in larger])[order]
+        cap_values = np.concatenate([v for _, v in larger])[order]
         # At n tokens: the cheapest step measured at n or more (inf: none that large).
         caps = np.append(np.minimum.accumulate(cap_values[::-1])[::-1], np.inf)
         return _Curve(sizes, values, cap_sizes[order], caps)
