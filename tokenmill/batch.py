@@ -69,8 +69,9 @@ PRIOR_WEIGHT = 2.0
 # pays: at a = 0.6 where only a >= 0.88 pays (qwen3-0.6b on the H200: a verify costs 3.4
 # decodes), about once per 100 tokens, x0.98 of plain decoding (simulated: fixed k runs x0.68).
 ACCEPTANCE_HALF_LIFE = 128
-# The policy reads the posterior mean plus this many standard deviations (optimism in the face
-# of uncertainty: an untried request is tried, a verified one is judged by its record). At
+# The policy reads the posterior mean plus this many standard deviations, divided by the square
+# root of the rows it decides for (optimism in the face of uncertainty: an untried request is
+# tried, a verified one is judged by its record; a batch by its total). At
 # steady state (a = 0.6, k = 4: ~170 judged drafts) that adds 0.037 to `a` and 7% to the
 # expected tokens of a verify, within `spec.adaptive.MIN_SPEEDUP`'s 10%: a step the policy
 # chooses at >= 1.1x plain decoding's rate runs at >= 1.03x in truth.
@@ -112,14 +113,14 @@ class AcceptanceEstimate:
         alpha, beta = self._posterior(num_tokens)
         return alpha / (alpha + beta)
 
-    def bound(self, num_tokens: int) -> float:
-        """What the policy reads: the posterior mean plus `ACCEPTANCE_OPTIMISM` standard
-        deviations, below 1."""
+    def bound(self, num_tokens: int, optimism: float = ACCEPTANCE_OPTIMISM) -> float:
+        """What the policy reads: the posterior mean plus `optimism` standard deviations,
+        below 1."""
         alpha, beta = self._posterior(num_tokens)
         total = alpha + beta
         mean = alpha / total
         deviation = math.sqrt(mean * (1 - mean) / (total + 1))
-        return min(mean + ACCEPTANCE_OPTIMISM * deviation, 1 - 1e-6)
+        return min(mean + optimism * deviation, 1 - 1e-6)
 
     def _posterior(self, num_tokens: int) -> tuple[float, float]:
         weight = self._weight(num_tokens)

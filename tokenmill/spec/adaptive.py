@@ -85,10 +85,11 @@ class StepCost:
     measured size a verify is priced between the plain steps measured below that size (no
     cheaper than decoding as many tokens), not in proportion to its tokens. A step is priced
     no dearer than a larger one of its kind measured (a verify: nor than a larger one of the
-    plain steps it is priced between), and a plain step no dearer than any larger step: computing more tokens does not take less time, and a size measured once
-    while something else held the host (the first plain step of 256 rows: 62 ms, where plain
-    decoding ran 14 ms a step) would otherwise stand for good once it makes the policy avoid
-    that size (llama-3.1-8b, B4 batch 256, a = 0.6: adaptive speculation drafted on, x0.80)."""
+    plain steps it is priced between), and a plain step no dearer than any larger step:
+    computing more tokens does not take less time, and a size measured once while something
+    else held the host (the first plain step of 256 rows: 62 ms, where plain decoding ran 14 ms
+    a step) would otherwise stand for good once it makes the policy avoid that size
+    (llama-3.1-8b, B4 batch 256, a = 0.6: adaptive speculation drafted on, x0.80)."""
 
     def __init__(self, smoothing: float = COST_SMOOTHING) -> None:
         self._tables = {kind: _SizeTable(smoothing) for kind in (False, True)}
