@@ -126,3 +126,14 @@ def test_oracle_verdicts_follow_the_continuation_for_every_row_at_once() -> None
             emitted = cont[done : done + min(right, n - 1) + 1]
             expected += emitted + [PLACEHOLDER] * (n - len(emitted))
         assert oracle._verdicts(requests, num_samples) == expected
+
+
+def test_adaptive_replay_reports_the_policys_steps_at_given_costs() -> None:
+    """benchmarks/adaptive_replay.py: with drafts that are always right and verifies as cheap
+    as decodes, the policy verifies; the time it reports follows the given costs."""
+    from benchmarks.adaptive_replay import replay
+
+    report = replay(1.0, 2, 16, plain_ms="1:1,2:1", verify_ms="4:1,10:1")
+    assert report["verify_steps"] >= 2
+    assert len(report["sequence"]) == report["verify_steps"] + report["plain_steps"]
+    assert report["ms_at_given_costs"] < report["plain_decoding_ms"] == pytest.approx(15.0)

@@ -1,0 +1,123 @@
+"""Adaptive speculation's choices on the CPU, with step costs measured elsewhere (a GPU).
+
+Runs the real engine and scheduler (a micro model with dummy weights, CPU) on B4's oracle
+proposer at acceptance `--rate` and batch `--batch`, with the policy's step costs fixed to the
+tables given (`--plain-ms` and `--verify-ms`: query tokens -> ms, as B4's adaptive rows print
+what the policy learnt on the GPU). Prints the steps in order (V: verify, .: plain), how many
+of each, and the time those steps would take at the given costs against plain decoding's
+steps, so a policy change can be judged before the GPU measures it. It replays decisions, not
+speed: a verify's tokens come from the oracle, whatever the micro model computes.
+
+python benchmarks/adaptive_replay.py --rate 0.6 --batch 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.bench.speculative import OracleProposer
+from tokenmill.spec.adaptive import StepCost
+
+# A model small enough that a CPU step takes milliseconds: the replay is about decisions.
+MICRO_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 1000,
+    "tie_word_embeddings": False, "max_position_embeddings": 4096, "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-5, "hidden_act": "silu", "torch_dtype": "float32", "bos_token_id": 1,
+    "eos_token_id": 2,
+}  # fmt: skip
+# Qwen3-0.6B on an H200 at batch 64 (docs/perf-notes.md, session 15).
+PLAIN_MS = "1:0.86,16:1.6,45:2.42,64:2.78"
+VERIFY_MS = "5:1.98,64:3.7,128:5.35,181:5.27,256:6.29,320:6.43"
+
+
+class FixedCost(StepCost):
+    """Step costs that stay as given: the engine's measurements are ignored."""
+
+    def __init__(self, plain: dict[int, float], verify: dict[int, float]) -> None:
+        super().__init__()
+        for table, is_verify in ((plain, False), (verify, True)):
+            for size, seconds in table.items():
+                super().observe(size, seconds, is_verify)
+
+    def observe(self, num_tokens: int, seconds: float, verify: bool) -> None:
+        pass
+
+
+def _table(text: str) -> dict[int, float]:
+    """ "tokens:ms,..." as {tokens: seconds}."""
+    pairs = (item.split(":") for item in text.split(",") if item)
+    return {int(n): float(ms) / 1e3 for n, ms in pairs}
+
+
+def replay(rate: float, batch: int, output_len: int, plain_ms: str, verify_ms: str,
+           k: int = 4, seed: int = 0) -> dict[str, Any]:  # fmt: skip
+    """The steps adaptive speculation takes (see the module docstring)."""
+    rng = np.random.default_rng(seed)
+    with tempfile.TemporaryDirectory() as model:
+        (Path(model) / "config.json").write_text(json.dumps(MICRO_CONFIG))
+        kwargs = {"device": "cpu", "load_format": "dummy", "max_num_seqs": batch, "seed": seed}
+        plain = LLM(model, **kwargs)
+        vocab = plain.config.model.vocab_size
+        prompts = [rng.integers(10, vocab, 64).tolist() for _ in range(batch)]
+        greedy = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+        outputs = plain.generate(prompts, greedy, use_tqdm=False)
+        continuations = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, outputs,
+                                                                          strict=True)}  # fmt: skip
+        spec = {"method": "ngram", "num_speculative_tokens": k, "adaptive": True}
+        llm = LLM(model, speculative_config=spec, **kwargs)
+    scheduler = llm.engine.scheduler
+    cost = FixedCost(_table(plain_ms), _table(verify_ms))
+    scheduler.step_cost = cost
+    scheduler.padded_verify_rows = batch  # as with CUDA graphs on the GPU
+    oracle = OracleProposer(k, continuations, rate, vocab, seed)
+    scheduler.host_proposer = oracle
+    oracle.teacher_force(scheduler)
+    steps: list[tuple[bool, int]] = []  # (verify, query tokens as a graph computes them)
+    launch = llm.engine.runner.launch
+
+    def recorded(plan, *args, **kwargs):  # type: ignore[no-untyped-def]
+        q = int(plan.query_lens.max())
+        if np.array_equal(plan.num_samples, plan.query_lens):  # decode or verify, no prefill
+            steps.append((q > 1, plan.num_rows * q))
+        return launch(plan, *args, **kwargs)
+
+    llm.engine.runner.launch = recorded  # type: ignore[method-assign]
+    llm.generate(prompts, greedy, use_tqdm=False)
+    seconds = sum(float(cost.predict(np.array(n), verify)) for verify, n in steps)
+    plain_seconds = (output_len - 1) * float(cost.predict(np.array(batch), False))
+    return {
+        "sequence": "".join("V" if verify else "." for verify, _ in steps),
+        "verify_steps": sum(verify for verify, _ in steps),
+        "plain_steps": sum(not verify for verify, _ in steps),
+        "ms_at_given_costs": 1e3 * seconds,
+        "plain_decoding_ms": 1e3 * plain_seconds,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rate", type=float, default=0.6, help="the oracle's acceptance rate")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=256, help="tokens per request")
+    parser.add_argument("--plain-ms", default=PLAIN_MS, help="plain steps: tokens:ms,...")
+    parser.add_argument("--verify-ms", default=VERIFY_MS, help="verify steps: tokens:ms,...")
+    args = parser.parse_args()
+    report = replay(args.rate, args.batch, args.output_len, args.plain_ms, args.verify_ms)
+    print(report["sequence"])
+    print(f"rate {args.rate} batch {args.batch}: {report['verify_steps']} verify and "
+          f"{report['plain_steps']} plain steps, {report['ms_at_given_costs']:.0f} ms at the "
+          f"given costs vs plain decoding {report['plain_decoding_ms']:.0f} ms "
+          f"(x{report['plain_decoding_ms'] / report['ms_at_given_costs']:.2f})")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
