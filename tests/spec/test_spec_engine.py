@@ -435,9 +435,11 @@ class RecordedCost(LinearCost):
     def __init__(self, slope: float) -> None:
         super().__init__(slope)
         self.observed: list[tuple[int, float]] = []
+        self.kinds: list[tuple[int, bool]] = []  # (query tokens, verify) of each measured step
 
     def observe(self, num_tokens: int, seconds: float, verify: bool) -> None:
         self.observed.append((num_tokens, seconds))
+        self.kinds.append((num_tokens, verify))
 
 
 def test_a_step_costs_the_time_from_its_launch_to_the_next_caller_time_included(
@@ -457,3 +459,6 @@ def test_a_step_costs_the_time_from_its_launch_to_the_next_caller_time_included(
     sizes = {n for n, _ in cost.observed}
     assert len(cost.observed) > 1 and max(sizes) > 2  # decode steps and verify steps
     assert all(seconds >= 0.04 for _, seconds in cost.observed)
+    # Plain steps (a token per row, two rows at most) and verify steps are reported apart.
+    assert {verify for _, verify in cost.kinds} == {False, True}
+    assert all(n <= 2 for n, verify in cost.kinds if not verify)
