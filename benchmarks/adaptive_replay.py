@@ -86,7 +86,7 @@ def replay(rate: float, batch: int, output_len: int, plain_ms: str, verify_ms: s
 
     def recorded(plan, *args, **kwargs):  # type: ignore[no-untyped-def]
         q = int(plan.query_lens.max())
-        if np.array_equal(plan.num_samples, plan.query_lens):  # decode or verify, no prefill
+        if plan.samples_every_token:  # decode or verify, no prefill
             steps.append((q > 1, plan.num_rows * q))
         return launch(plan, *args, **kwargs)
 

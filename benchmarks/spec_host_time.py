@@ -221,29 +221,18 @@ def _kernel_us_per_step(
 ) -> dict[str, list[float]]:
     """The `top` kernels by device time in one generation: name -> [us per step, launches per
     step], steps counted as the launches of the runner."""
-    runner = llm.engine.runner
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-    count = [0]
-    launch = runner.launch
-
-    def counted(*args: Any, **kwargs: Any) -> LaunchedStep:
-        count[0] += 1
-        return launch(*args, **kwargs)
-
-    runner.launch = counted  # type: ignore[method-assign]
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with _launches(llm, prompts) as launched, profile(activities=[ProfilerActivity.CUDA]) as prof:
         llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
-    del runner.launch
-    steps = max(count[0], 1)
+    steps = max(len(launched), 1)
     rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:top]
     return {e.key: [e.device_time_total / steps, e.count / steps] for e in rows}
 
 
-def _run(
-    llm: LLM, prompts: list[list[int]], params: SamplingParams, timer: PhaseTimer
-) -> tuple[PhaseTimer, float, list[LaunchedStep], int]:
-    """One generation under `timer`: the timer, its seconds, the steps launched, tokens."""
+@contextmanager
+def _launches(llm: LLM, prompts: list[list[int]]) -> Iterator[list[LaunchedStep]]:
+    """The steps `llm`'s runner launches inside the block, after a one-token generation of
+    `prompts` before it (their prefill, which prefix caching keeps out of the block)."""
     runner = llm.engine.runner
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     launched: list[LaunchedStep] = []
@@ -254,12 +243,22 @@ def _run(
         return launched[-1]
 
     runner.launch = kept  # type: ignore[method-assign]
-    instrument(llm, timer)
-    start = timer.clock()
-    out = llm.generate(prompts, params, use_tqdm=False)
-    seconds = timer.clock() - start
-    timer.restore()
-    del runner.launch
+    try:
+        yield launched
+    finally:
+        del runner.launch
+
+
+def _run(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams, timer: PhaseTimer
+) -> tuple[PhaseTimer, float, list[LaunchedStep], int]:
+    """One generation under `timer`: the timer, its seconds, the steps launched, tokens."""
+    with _launches(llm, prompts) as launched:
+        instrument(llm, timer)
+        start = timer.clock()
+        out = llm.generate(prompts, params, use_tqdm=False)
+        seconds = timer.clock() - start
+        timer.restore()
     tokens = sum(len(o.outputs[0].token_ids) for o in out)
     return timer, seconds, launched, tokens
 

@@ -385,6 +385,11 @@ class StepPlan:
         return bool(self.sampling.history) or bool((self.num_samples > 1).any())
 
     @property
+    def samples_every_token(self) -> bool:
+        """Every query token is sampled: decode and verify rows only, no prefill chunk."""
+        return bool(np.array_equal(self.num_samples, self.query_lens))
+
+    @property
     def num_rows(self) -> int:
         return len(self.query_lens)
 

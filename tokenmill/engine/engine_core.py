@@ -49,8 +49,6 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from tokenmill.batch import FinishReason, Logprob, Request, SchedulerOutput, StepPlan
 from tokenmill.cache.cache_manager import CacheManager
 from tokenmill.cache.host_tier import HostKVTier
@@ -398,7 +396,7 @@ class EngineCore:
         spec, plan = self.config.speculative, step.plan
         if spec is None or not spec.adaptive or following is None:
             return
-        if not np.array_equal(plan.num_samples, plan.query_lens):
+        if not plan.samples_every_token:
             return  # a prefill chunk's cost says nothing about decoding
         plain = int(plan.query_lens.max()) == 1
         seconds = step_seconds(

@@ -473,7 +473,7 @@ class ModelRunner:
         if self.graphs is None or not plan.sampling:
             return None
         q_max = int(plan.query_lens.max())
-        if q_max < 2 or not np.array_equal(plan.num_samples, plan.query_lens):
+        if q_max < 2 or not plan.samples_every_token:
             return None
         return self.graphs.verify_key(plan.num_rows, q_max)
 
