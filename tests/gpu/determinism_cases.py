@@ -1,10 +1,12 @@
 """Deterministic-mode checks on a CUDA GPU, one per fresh process (`python -m
 tests.gpu.determinism_cases CASE DIR`): cuBLAS reads its workspace settings once, at its first
-product, so each case starts before anything has used it. Prints one JSON object: the failures
-found (empty: none) and what was compared.
+product, so each case starts before anything has used it (the torch attention backend's products
+still go through cuBLAS). Prints one JSON object: the failures found (empty: none) and what was
+compared.
 
-Cases: `linear` (rows of `invariant_linear` at 1..512 rows against each row alone, on the
-shapes of Qwen3-0.6B and Llama-3.1-8B, LM heads included); `engine-<family>` (a bfloat16
+Cases: `linear` (rows of `invariant_linear` at 1..512 rows against each row alone, and the
+512 rows through every tile `choose_tile` can pick, on the shapes of Qwen3-0.6B and
+Llama-3.1-8B, LM heads included); `engine-<family>` (a bfloat16
 checkpoint built in DIR, CUDA graphs on: the greedy and the seeded target alone, in batches of
 1..64 other requests, under prefill budgets 16/512/8192, after a prefix hit, decode-written KV
 reused)."""
@@ -18,12 +20,15 @@ from pathlib import Path
 
 import torch
 
+from tokenmill.kernels.invariant_matmul import choose_tile, invariant_matmul
 from tokenmill.layers.invariant import configure_invariant_cublas, invariant_linear
 
 # (N, K) of the products of Qwen3-0.6B and Llama-3.1-8B: q/k/v, o, gate/up, down, LM head.
 SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024),
           (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]  # fmt: skip
 ROWS = [1, 2, 3, 4, 5, 8, 9, 16, 17, 31, 64, 100, 128, 255, 256, 257, 512]
+# Every tile `choose_tile` picks for some (M, N).
+TILES = sorted({choose_tile(m, n) for m in (1, 32, 128, 4096) for n in (1024, 4096, 32768)})
 
 
 def check_linear() -> dict:
@@ -38,6 +43,10 @@ def check_linear() -> dict:
             rows = (invariant_linear(x[:m], w) != alone[:m]).any(dim=1)
             if rows.any():
                 failures.append({"shape": [n, k], "m": m, "rows_differing": int(rows.sum())})
+        for tile in TILES:
+            rows = (invariant_matmul(x, w, tile=tile) != alone).any(dim=1)
+            if rows.any():
+                failures.append({"shape": [n, k], "tile": tile, "rows_differing": int(rows.sum())})
     return {"failures": failures, "shapes": len(SHAPES), "row_counts": ROWS}
 
 

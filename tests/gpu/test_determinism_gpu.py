@@ -1,5 +1,6 @@
 """Deterministic mode on a CUDA GPU (CUDA graphs on): each check runs in a fresh process
-(`tests/gpu/determinism_cases.py`), since cuBLAS's split-K setting is read once per process."""
+(`tests/gpu/determinism_cases.py`), since cuBLAS's split-K setting (still used by the torch
+attention backend) is read once per process."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ def _case(name: str, tmp_path: Path) -> dict:
 
 
 def test_invariant_linear_rows_do_not_depend_on_the_row_count(tmp_path: Path) -> None:
-    """cuBLAS without split-K: each row of a product of 1..512 rows is bitwise the row alone,
-    on every product shape of Qwen3-0.6B and Llama-3.1-8B."""
+    """The Triton invariant matmul: each row of a product of 1..512 rows is bitwise the row
+    alone, through every tile it picks, on every product shape of Qwen3-0.6B and
+    Llama-3.1-8B."""
     result = _case("linear", tmp_path)
     assert result["failures"] == []
 

@@ -24,6 +24,7 @@ from tokenmill.kernels.attention import (  # noqa: E402
     verify_attention,
 )
 from tokenmill.kernels.gemv import GemvConfig, InputNorm, gemv, norm_gemv  # noqa: E402
+from tokenmill.kernels.invariant_matmul import MatmulTile, invariant_matmul  # noqa: E402
 from tokenmill.kernels.norm import rms_norm  # noqa: E402
 from tokenmill.kernels.rope_store import rope_and_store  # noqa: E402
 
@@ -140,6 +141,32 @@ def test_gemv_rejects_bad_shapes() -> None:
         gemv(torch.zeros(2, 15, device=DEVICE), w, GemvConfig(8, 16, 1))
     with pytest.raises(ValueError, match="2K"):
         gemv(torch.zeros(2, 16, device=DEVICE), w, GemvConfig(8, 16, 1), gated=True)
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("m", [1, 5, 40])
+@pytest.mark.parametrize("tile", [None, MatmulTile(16, 16, 32, 4, 1), MatmulTile(32, 64, 64, 4, 2)])
+def test_invariant_matmul(dtype: torch.dtype, m: int, tile: MatmulTile | None) -> None:
+    """Ragged N and K (not multiples of the tiles), with a bias; on the GPU also the same bits
+    for each row alone (on the CPU the interpreter's `tl.dot` is a NumPy product per tile,
+    whose rounding follows the tile: bitwise invariance is checked on the GPU only, here and in
+    tests/gpu/determinism_cases.py)."""
+    gen = torch.Generator().manual_seed(m)
+    x, w = _randn(m, 200, dtype=dtype, gen=gen), _randn(37, 200, dtype=dtype, gen=gen)
+    bias = _randn(37, dtype=dtype, gen=gen)
+    out = invariant_matmul(x, w, bias, tile)
+    assert out.dtype == dtype and out.shape == (m, 37)
+    _close(out, x.double() @ w.double().T + bias.double(), dtype)
+    if DEVICE == "cuda":
+        alone = torch.cat([invariant_matmul(x[i : i + 1], w, bias) for i in range(m)])
+        assert torch.equal(out, alone)
+
+
+def test_invariant_matmul_rejects_bad_shapes() -> None:
+    w = torch.zeros(8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="W \\[N, K\\]"):
+        invariant_matmul(torch.zeros(2, 15, device=DEVICE), w)
+    assert invariant_matmul(torch.zeros(0, 16, device=DEVICE), w).shape == (0, 8)
 
 
 def _rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -474,7 +501,8 @@ def test_pdl_kernels_wait_before_touching_memory() -> None:
     )  # fmt: skip
     before_wait = json.loads(run.stdout)
     assert set(before_wait) >= {"decode_split", "decode_reduce", "verify_split", "gemv",
-                                "rope_store", "moe_gate_up_gemv", "moe_down_gemv"}  # fmt: skip
+                                "rope_store", "moe_gate_up_gemv", "moe_down_gemv",
+                                "invariant_matmul"}  # fmt: skip
     for name, ops in before_wait.items():
         if name in {"gemv", "rope_store", "decode_split", "decode_split_late", "moe_down_gemv"}:
             assert ops and all(op.startswith("ld.global") for op in ops), (name, ops)

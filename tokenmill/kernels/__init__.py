@@ -16,6 +16,7 @@ try:
     from tokenmill.kernels.argmax import argmax_rows
     from tokenmill.kernels.fused_moe import fused_moe
     from tokenmill.kernels.gemv import gemv, norm_gemv
+    from tokenmill.kernels.invariant_matmul import invariant_matmul
     from tokenmill.kernels.norm import rms_norm
 except ImportError:  # triton is not installed
 
@@ -28,6 +29,7 @@ except ImportError:  # triton is not installed
     rms_norm: Callable[..., Any] = _missing  # type: ignore[no-redef]
     gemv: Callable[..., Any] = _missing  # type: ignore[no-redef]
     norm_gemv: Callable[..., Any] = _missing  # type: ignore[no-redef]
+    invariant_matmul: Callable[..., Any] = _missing  # type: ignore[no-redef]
 
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "fused_moe",
     "fused_silu_and_mul",
     "gemv",
+    "invariant_matmul",
     "norm_gemv",
     "rms_norm",
 ]

@@ -8,11 +8,13 @@ differs for every M tried, `tests/determinism/test_invariant_ops.py`). Determini
 - **CPU**: `x` is cut into tiles of `TILE_ROWS` rows (the last padded with zeros) and
   multiplied as one batched product of identical `[TILE_ROWS, K] x [K, N]` shapes, so every
   row goes through the same kernel with the same blocking, wherever it sits in its tile.
-- **CUDA**: cuBLAS with split-K off (`configure_invariant_cublas` gives it no workspace) and
-  reduced-precision reductions off. The settings are read when a process first uses cuBLAS, so
-  they must be made before that. Not enough: on an H200 cuBLAS still picks its kernel by the
-  row count at real model shapes, so rows can round differently in different batches (see
-  docs/architecture.md, "Deterministic mode", known gap).
+- **CUDA**: `kernels.invariant_matmul`, a Triton matmul whose every output element is one
+  accumulator chain over the whole of K in a fixed order, whatever the tile (chosen by M for
+  speed). cuBLAS is not usable here even without split-K: on an H200 it picks its kernel by
+  the row count at real model shapes, and rows round differently in different batches
+  (session 12). cuBLAS products left in the mode (the torch attention backend's blocked
+  attention) run with split-K and reduced-precision reductions off
+  (`configure_invariant_cublas`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.nn import functional as F
+
+from tokenmill.kernels import invariant_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +50,11 @@ def invariant_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """`x @ weight.T (+ bias)` with each row's result independent of the other rows of `x`."""
-    if x.is_cuda:
-        return F.linear(x, weight, bias)
     shape = x.shape
+    if x.is_cuda:
+        rows = x.reshape(-1, shape[-1])
+        out = invariant_matmul(rows if rows.stride(-1) == 1 else rows.contiguous(), weight, bias)
+        return out.view(*shape[:-1], weight.shape[0])
     flat = x.reshape(-1, shape[-1])
     rows, k = flat.shape
     tile = TILE_ROWS.get(x.dtype, HALF_TILE_ROWS)

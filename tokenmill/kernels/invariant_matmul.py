@@ -1,0 +1,124 @@
+"""Batch-invariant matmul for deterministic mode: `x [M, K] @ W[N, K]^T (+ b)` where a row's
+result does not depend on M.
+
+A row's output element is one accumulator chain: `acc = 0`, then `acc = mma(a[k:k+16],
+w[k:k+16], acc)` for k = 0, 16, 32, ... in order, over the whole of K, then the bias, then one
+rounding to the output dtype. Nothing else is ever done to it: no split of K (cuBLAS and the
+decode GEMV split K by the row count, and adding partial sums rounds differently from the
+chain), no reduction across programs. The tile shape (BLOCK_M, BLOCK_N, BLOCK_K) only decides
+which rows and columns a program holds and how many 16-wide steps of the chain one `tl.dot`
+issues, so it can follow M for speed (small tiles for decode, which is weight-bandwidth-bound;
+large ones for prefill) without changing any row's bits. That the tensor cores' MMA of one
+16-wide step rounds alike in every instruction shape Triton picks for these tiles (`mma.sync`
+for 16-row tiles, `wgmma` for 64 rows and more on Hopper) is checked on the GPU by
+`tests/gpu/determinism_cases.py linear`. float32 inputs use IEEE products (no TF32): FMAs
+in the same k order.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.kernels.pdl import pdl_options, pdl_wait
+
+
+class MatmulTile(NamedTuple):
+    """One program's tile and launch shape."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def choose_tile(m: int, n: int) -> MatmulTile:
+    """The tile for M rows and N columns (only speed depends on it, never a row's result).
+
+    Measured on the H200 at the product shapes of Qwen3-0.6B and Llama-3.1-8B (M = 1 to 8,192,
+    nine tiles each; docs/perf-notes.md, session 16): up to 16 rows a product reads each weight
+    once and is bandwidth-bound, so tiles of 16 rows with columns narrow enough for about one
+    program per SM or more; from 17 rows on, tiles grow with M and N (fewer re-reads of W)
+    while there are still enough of them to fill the GPU."""
+    if m <= 16:
+        if n <= 2048:
+            return MatmulTile(16, 16, 256, 4, 4)
+        return MatmulTile(16, 32, 128, 4, 4) if n <= 8192 else MatmulTile(16, 64, 64, 4, 3)
+    if m <= 256 and n <= 2048:
+        return MatmulTile(16, 32, 128, 4, 4) if m <= 64 else MatmulTile(64, 64, 64, 4, 4)
+    if m <= 64:
+        return MatmulTile(64, 64, 64, 4, 4) if n <= 8192 else MatmulTile(64, 128, 64, 4, 3)
+    if m <= 256 and n <= 8192:
+        return MatmulTile(64, 64, 64, 4, 4)
+    return MatmulTile(128, 128, 64, 8, 3)
+
+
+@triton.jit
+def _invariant_matmul_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # Programs go down GROUP_M row tiles before the next column tile: W's tiles stay in L2.
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    pdl_wait(USE_PDL)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k
+        a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision="ieee") if IEEE else tl.dot(a, b, acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def invariant_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    tile: MatmulTile | None = None,
+) -> torch.Tensor:
+    """`x @ weight.T (+ bias)` for a 2-D `x` `[M, K]` and `weight` `[N, K]` (last dims
+    contiguous), each row's bits independent of M and of `tile` (default: `choose_tile`)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(
+            f"invariant_matmul takes x [M, K], W [N, K] with contiguous rows; "
+            f"got {tuple(x.shape)}, {tuple(weight.shape)}"
+        )
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    tile = tile or choose_tile(m, n)
+    grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n),)
+    _invariant_matmul_kernel[grid](
+        x, weight, bias if bias is not None else x, out, m, n, k,
+        x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=8, num_warps=tile.num_warps,
+        num_stages=tile.num_stages, **pdl_options(x.device),
+    )  # fmt: skip
+    return out
