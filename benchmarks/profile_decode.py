@@ -1,6 +1,7 @@
 """Where a decode step's time goes on the GPU: graph replay vs. host work, and the top kernels.
 
 python benchmarks/profile_decode.py --config shared/models/qwen3-0.6b [--batch 1 8 64] [--no-pdl]
+    [--deterministic]
 """
 
 from __future__ import annotations
@@ -28,12 +29,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--context", type=int, default=640)
     parser.add_argument("--no-pdl", action="store_true", help="launch kernels without PDL")
+    parser.add_argument(
+        "--deterministic", action="store_true", help="the engine in deterministic mode"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # GEMV choices
     set_pdl_enabled(not args.no_pdl)
     llm = LLM(
         args.config, load_format="dummy", dtype="bfloat16", max_num_seqs=max(args.batch),
         kv_cache_memory_bytes=20_000_000_000, enable_prefix_caching=False, max_model_len=4096,
+        deterministic=args.deterministic,
     )  # fmt: skip
     runner, engine = llm.engine.runner, llm.engine
     graphs = runner.graphs

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from tokenmill.kernels.attention import invariant_attention
+from tokenmill.kernels.attention import INVARIANT_PARTS, invariant_attention, invariant_scratch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
@@ -37,15 +37,20 @@ class PagedKV:
         self.v = torch.randn(shape, generator=gen).to(DEVICE, dtype)
         self.table = self.table.to(DEVICE)
 
-    def run(self, q: torch.Tensor, rows: list[tuple[int, int, int]], window: int | None):
-        """Attention of `q` laid out as `rows` (sequence, query length, KV length), in order."""
+    def run(
+        self, q: torch.Tensor, rows: list[tuple[int, int, int]], window: int | None,
+        split: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        """Attention of `q` laid out as `rows` (sequence, query length, KV length), in order;
+        `split`: a decode batch, each part of the keys in a program of its own."""
         q_lens = [ql for _, ql, _ in rows]
         cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device=DEVICE)
         kv = torch.tensor([kl for _, _, kl in rows], device=DEVICE)
         table = self.table[[seq for seq, _, _ in rows]]
         scale = q.shape[-1] ** -0.5
+        scratch = invariant_scratch(len(rows), q.shape[1], q.shape[2], q.device) if split else None
         return invariant_attention(
-            q, self.k, self.v, cu, kv, table, max(q_lens), PAGE, scale, window
+            q, self.k, self.v, cu, kv, table, max(q_lens), PAGE, scale, window, scratch
         )
 
 
@@ -91,6 +96,23 @@ def test_a_token_gets_the_same_output_however_it_is_batched(dtype, hq, hkv, d, w
         q = torch.cat([queries[2][2:3], queries[0][pos : pos + 1], queries[1][69:70]])
         out = kv.run(q, [(2, 1, 3), (0, 1, pos + 1), (1, 1, 70)], window)
         _same(out[1:2], whole[pos : pos + 1], reference[pos : pos + 1], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("hq", "hkv", "window"), [(8, 2, None), (4, 4, 300)])
+def test_split_decode_gives_the_bits_of_one_program(dtype, hq, hkv, window) -> None:
+    """A decode batch with each part of the keys in a program of its own (then merged) gives
+    bitwise what one program folding every part gives (parts of several blocks: 18 key blocks
+    dealt into INVARIANT_PARTS parts), at positions with empty parts and with full ones."""
+    assert INVARIANT_PARTS < -(-1100 // 64)
+    kv = PagedKV([1100, 70], hkv, 32, dtype, seed=3)
+    gen = torch.Generator().manual_seed(5)
+    for pos in (0, 64, 700, 1099):
+        q = torch.randn(2, hq, 32, generator=gen).to(DEVICE, dtype)
+        rows = [(1, 1, 70), (0, 1, pos + 1)]
+        one = kv.run(q, rows, window)
+        assert torch.equal(kv.run(q, rows, window, split=True), one)
+        _close(one[1:], _reference(kv, q[1:], 0, pos + 1, window), dtype)
 
 
 def _close(out: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype) -> None:

@@ -19,6 +19,8 @@ from tokenmill.kernels.argmax import _argmax_kernel
 from tokenmill.kernels.attention import (
     _decode_reduce_kernel,
     _decode_split_kernel,
+    _invariant_kernel,
+    _invariant_merge_kernel,
     _prefill_kernel,
     _verify_split_kernel,
 )
@@ -29,14 +31,14 @@ from tokenmill.kernels.invariant_matmul import _invariant_matmul_kernel
 from tokenmill.kernels.norm import _add_rms_norm_kernel
 from tokenmill.kernels.rope_store import _rope_store_kernel
 
-FP32_PTRS = {"mid_o_ptr", "mid_lse_ptr", "part_ptr", "ss_ptr", "cos_ptr", "sin_ptr", "part_val_ptr",
-             "logits_ptr"}  # fmt: skip
+FP32_PTRS = {"mid_o_ptr", "mid_lse_ptr", "mid_ml_ptr", "part_ptr", "ss_ptr", "cos_ptr",
+             "sin_ptr", "part_val_ptr", "logits_ptr"}  # fmt: skip
 INT_PTRS = {"cu_q_ptr", "kv_lens_ptr", "page_table_ptr", "positions_ptr", "slots_ptr",
             "ticket_ptr", "part_idx_ptr"}  # fmt: skip
 INT64_PTRS = {"tokens_ptr", "host_ptr"}
 INT64_KERNELS = {"decode_inputs"}  # every pointer of these is int64
 FLOAT_SCALARS = {"eps", "qk_scale"}
-UNALIGNED = FLOAT_SCALARS | {"M", "window", "SPLITS"}
+UNALIGNED = FLOAT_SCALARS | {"M", "window", "SPLITS", "split"}
 # Constexprs of each kernel (USE_PDL is set for all), as the decode path of a
 # qwen3-like layer uses them.
 KERNELS = {
@@ -45,6 +47,9 @@ KERNELS = {
     **{name: (_decode_split_kernel, dict(
         HQ=16, HKV=8, D=128, PAGE=16, BLOCK_G=16, BLOCK_N=64, HAS_WINDOW=False,
         EARLY_KV=early)) for name, early in (("decode_split", True), ("decode_split_late", False))},
+    "invariant": (_invariant_kernel, dict(
+        HQ=16, HKV=8, D=128, PAGE=16, BLOCK_M=16, BLOCK_N=64, PARTS=16, HAS_WINDOW=False)),
+    "invariant_merge": (_invariant_merge_kernel, dict(HQ=16, D=128, PARTS=16, BLOCK_H=16)),
     "decode_reduce": (_decode_reduce_kernel, dict(HQ=16, D=128, BLOCK_S=16)),
     "verify_split": (_verify_split_kernel, dict(
         HQ=16, HKV=8, D=128, PAGE=16, BLOCK_R=16, BLOCK_N=64, HAS_WINDOW=False)),

@@ -502,7 +502,7 @@ def test_pdl_kernels_wait_before_touching_memory() -> None:
     before_wait = json.loads(run.stdout)
     assert set(before_wait) >= {"decode_split", "decode_reduce", "verify_split", "gemv",
                                 "rope_store", "moe_gate_up_gemv", "moe_down_gemv",
-                                "invariant_matmul"}  # fmt: skip
+                                "invariant_matmul", "invariant", "invariant_merge"}  # fmt: skip
     for name, ops in before_wait.items():
         if name in {"gemv", "rope_store", "decode_split", "decode_split_late", "moe_down_gemv"}:
             assert ops and all(op.startswith("ld.global") for op in ops), (name, ops)

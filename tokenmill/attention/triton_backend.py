@@ -13,6 +13,7 @@ from tokenmill.kernels.attention import (
     MAX_SPLITS_BLOCK,
     decode_attention,
     invariant_attention,
+    invariant_scratch,
     prefill_attention,
     sm_count,
     verify_attention,
@@ -90,7 +91,8 @@ class TritonAttentionBackend(FusedStoreBackend):
     """Decode batches use split-KV decode; batches of at most VERIFY_MAX_Q_LEN query tokens per
     sequence (within VERIFY_MAX_ACC accumulator values per program) split-KV verify attention;
     the rest the prefill kernel. Deterministic mode runs every batch through
-    `invariant_attention`."""
+    `invariant_attention`, decode batches too small to fill the GPU with each part of the
+    context in a program of its own."""
 
     def __init__(
         self, model: ModelConfig, kv_cache: KVCache, max_num_seqs: int, deterministic: bool = False
@@ -106,6 +108,15 @@ class TritonAttentionBackend(FusedStoreBackend):
         self._mid_o = torch.empty(most * model.num_heads * model.head_dim, dtype=torch.float32,
                                   device=device)  # fmt: skip
         self._mid_lse = torch.empty(most * model.num_heads, dtype=torch.float32, device=device)
+        # Deterministic decode batches split while one program per (sequence, KV head) would
+        # leave most SMs idle.
+        self._split_seqs = 0
+        self._invariant_scratch = None
+        if deterministic and device.type == "cuda":
+            self._split_seqs = min(max_num_seqs, sm_count(device) // model.num_kv_heads)
+            self._invariant_scratch = invariant_scratch(
+                self._split_seqs, model.num_heads, model.head_dim, device
+            )
 
     def plan(self, inputs: AttentionInputs) -> None:
         self._inputs = inputs
@@ -125,9 +136,11 @@ class TritonAttentionBackend(FusedStoreBackend):
         k_cache, v_cache = self._cache(layer)
         inputs, ps, window = self._inputs, self.kv_cache.page_size, self.model.sliding_window
         if self.deterministic:
+            split = self._decode and inputs.kv_lens.shape[0] <= self._split_seqs
             return invariant_attention(
                 q, k_cache, v_cache, inputs.cu_query_lens, inputs.kv_lens, inputs.page_table,
                 self._max_q_len, ps, self.scale, window,
+                self._invariant_scratch if split else None,
             )  # fmt: skip
         if self._decode:
             mid_o, mid_lse = self._scratch(q, q.shape[0])

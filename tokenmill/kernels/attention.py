@@ -52,24 +52,25 @@ def _attend_causal(
     """Output rows of queries `q` (at positions `q_pos`) over key/value head `kvh`'s keys
     `lo .. hi`, causal (and windowed), folded in blocks of BLOCK_N."""
     _, l_i, acc = _attend_causal_parts(
-        q, q_pos, lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh, offs_d,
-        qk_scale, BLOCK_M, BLOCK_N, PAGE, HKV, D, HAS_WINDOW,
+        q, q_pos, lo, hi, BLOCK_N, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh,
+        offs_d, qk_scale, BLOCK_M, BLOCK_N, PAGE, HKV, D, HAS_WINDOW,
     )  # fmt: skip
     return acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
 
 
 @triton.jit
 def _attend_causal_parts(
-    q, q_pos, lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh, offs_d, qk_scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HKV: tl.constexpr,
-    D: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    q, q_pos, lo, hi, step, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh, offs_d,
+    qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    HKV: tl.constexpr, D: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):  # fmt: skip
     """`_attend_causal` before normalising: the running max, normaliser and unnormalised output
-    (a split of the keys, merged with the others by the reduce kernel)."""
+    (a split of the keys, merged with the others by the reduce kernel) of the blocks starting
+    at `lo, lo + step, ...` below `hi`."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
+    for start in range(lo, hi, step):
         offs_n = start + tl.arange(0, BLOCK_N)
         valid = offs_n < kv_len
         k = _kv_block(k_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
@@ -184,8 +185,7 @@ def _launch_causal(
     scale: float,
     window: int | None,
 ) -> torch.Tensor:
-    """Run one of the causal kernels (`_prefill_kernel`, `_invariant_kernel`: the same
-    arguments, their own tiling) on `grid`; their output."""
+    """Run a causal kernel with `_prefill_kernel`'s arguments on `grid`; its output."""
     _tokens, hq, d = q.shape
     out = torch.empty_like(q)
     kernel[grid](
@@ -198,18 +198,37 @@ def _launch_causal(
 
 
 @triton.jit
+def _merge_parts(m, den, acc, m_p, l_p, acc_p):
+    """Fold a part's softmax state (`m_p`, `l_p`, `acc_p`) into the running one, with explicit
+    FMAs so the invariant kernel and the part-merging kernel round alike. An empty part (max
+    -inf, sums 0) leaves the running state bitwise as it was; into an empty running state a
+    part comes in bitwise as it is."""
+    m_new = tl.maximum(m, m_p)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a = tl.math.exp2(m - m_safe)
+    b = tl.math.exp2(m_p - m_safe)
+    den = tl.fma(den, a, l_p * b)
+    acc = tl.fma(acc, a[:, None], acc_p * b[:, None])
+    return m_new, den, acc
+
+
+@triton.jit
 def _invariant_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, kv_lens_ptr, page_table_ptr,
-    stride_pt, qk_scale, window,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_ml_ptr, cu_q_ptr, kv_lens_ptr,
+    page_table_ptr, stride_pt, qk_scale, window, split,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PARTS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # One program: BLOCK_M (query token, head) rows of one key/value head, tokens major, so a
-    # decode row's whole query-head group shares one read of its K/V (like split decode).
+    # decode row's whole query-head group shares one read of its K/V (like split decode). Key
+    # block i belongs to part i % PARTS; each part is folded on its own, the parts merged in
+    # order. With `split` (decode batches), program (seq, kvh, p) folds part p only and stores
+    # its state for `_invariant_merge_kernel`.
     pdl_wait(USE_PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
-    mblk = tl.program_id(2)
+    mblk = tl.where(split != 0, 0, tl.program_id(2))
     group: tl.constexpr = HQ // HKV
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
@@ -225,21 +244,79 @@ def _invariant_kernel(
     page_row = page_table_ptr + seq.to(tl.int64) * stride_pt
     last_tok = tl.minimum((mblk * BLOCK_M + BLOCK_M - 1) // group, q_len - 1)
     hi = tl.minimum(kv_len, prefix + last_tok + 1)
-    lo = 0
+    lo_block = 0
     if HAS_WINDOW:  # blocks before the tile's first query's window: masked for every row
-        lo = tl.maximum(prefix + (mblk * BLOCK_M) // group - window + 1, 0) // BLOCK_N * BLOCK_N
-    out = _attend_causal(
-        q, q_pos, lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh, offs_d,
-        qk_scale, BLOCK_M, BLOCK_N, PAGE, HKV, D, HAS_WINDOW,
-    )  # fmt: skip
-    out_offs = rows[:, None] * D + offs_d[None, :]
-    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+        lo_block = tl.maximum(prefix + (mblk * BLOCK_M) // group - window + 1, 0) // BLOCK_N
+    first_part = tl.where(split != 0, tl.program_id(2), 0)
+    last_part = tl.where(split != 0, first_part + 1, PARTS)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    den = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for part in range(first_part, last_part):
+        first = (lo_block + PARTS - 1 - part) // PARTS * PARTS + part  # its first block >= lo
+        m_p, l_p, acc_p = _attend_causal_parts(
+            q, q_pos, first * BLOCK_N, hi, PARTS * BLOCK_N, kv_len, window, k_cache_ptr,
+            v_cache_ptr, page_row, kvh, offs_d, qk_scale, BLOCK_M, BLOCK_N, PAGE, HKV, D,
+            HAS_WINDOW,
+        )  # fmt: skip
+        if split != 0:  # a decode row: its group's heads' part state
+            row = rows * PARTS + part
+            tl.store(mid_o_ptr + row[:, None] * D + offs_d[None, :], acc_p, mask=m_mask[:, None])
+            tl.store(mid_ml_ptr + row * 2, m_p, mask=m_mask)
+            tl.store(mid_ml_ptr + row * 2 + 1, l_p, mask=m_mask)
+        else:
+            m, den, acc = _merge_parts(m, den, acc, m_p, l_p, acc_p)
+    if split == 0:
+        out = acc / tl.where(den == 0.0, 1.0, den)[:, None]
+        out_offs = rows[:, None] * D + offs_d[None, :]
+        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+
+
+@triton.jit
+def _invariant_merge_kernel(
+    mid_o_ptr, mid_ml_ptr, out_ptr, HQ: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr,
+    BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    # A decode row's heads' parts merged in order, as `_invariant_kernel` merges them.
+    pdl_wait(USE_PDL)
+    seq = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = heads < HQ
+    offs_d = tl.arange(0, D)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    den = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    for part in range(0, PARTS):
+        row = (seq * HQ + heads) * PARTS + part
+        m_p = tl.load(mid_ml_ptr + row * 2, mask=h_mask, other=float("-inf"))
+        l_p = tl.load(mid_ml_ptr + row * 2 + 1, mask=h_mask, other=0.0)
+        acc_p = tl.load(mid_o_ptr + row[:, None] * D + offs_d[None, :], mask=h_mask[:, None],
+                        other=0.0)  # fmt: skip
+        m, den, acc = _merge_parts(m, den, acc, m_p, l_p, acc_p)
+    out = acc / tl.where(den == 0.0, 1.0, den)[:, None]
+    offs = (seq * HQ + heads)[:, None] * D + offs_d[None, :]
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
 
 
 # Rows of (query token, head) per program of `invariant_attention`: one size for every batch,
 # so every row takes the same tensor-core instructions (16: below the 64 rows of Hopper's
 # warp-group MMA, whatever the batch).
 INVARIANT_BLOCK_M = 16
+# Parts of a row's keys in `invariant_attention` (key block i in part i % INVARIANT_PARTS):
+# a decode row can spread over this many programs per key/value head.
+INVARIANT_PARTS = 16
+
+
+def invariant_scratch(
+    sequences: int, num_heads: int, head_dim: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Part states for split `invariant_attention` of decode batches of up to `sequences`:
+    outputs `[sequences * heads * parts, head_dim]`, (max, sum) pairs `[..., 2]`."""
+    rows = sequences * num_heads * INVARIANT_PARTS
+    return (
+        torch.empty((rows, head_dim), dtype=torch.float32, device=device),
+        torch.empty((rows, 2), dtype=torch.float32, device=device),
+    )
 
 
 def invariant_attention(
@@ -253,21 +330,48 @@ def invariant_attention(
     page_size: int,
     scale: float,
     window: int | None,
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention over paged K/V, as `prefill_attention` (decode rows are sequences of one
-    query), computed so that a query's output depends only on its own query, keys and values:
-    every (token, head) row folds in its keys in blocks of 64 from position 0 (blocks past it,
-    there for other rows, are masked and change nothing) in programs of one fixed shape. So a
-    token gets bitwise the same output decoded alone, in any batch, or in any prefill chunk,
-    and its K/V (and with them later tokens) are the same whichever way they were computed.
+    query), computed so that a query's output depends only on its own query, keys and values.
+
+    Every (token, head) row folds key block i (of 64, from position 0) into part
+    i % INVARIANT_PARTS, in order, and merges the parts in order (blocks past the row, there
+    for other rows, are masked whole and change nothing; so do empty parts); programs have one
+    fixed shape. So a token gets bitwise the same output decoded alone, in any batch, or in any
+    prefill chunk, and its K/V (and with them later tokens) are the same whichever way they
+    were computed. With `scratch` (`invariant_scratch`, for a decode batch: one query per
+    sequence, no more sequences than it holds) each part runs in a program of its own and a
+    second kernel merges them: more programs for few sequences, the same bits.
     """
+    _tokens, hq, d = q.shape
     hkv = k_cache.shape[-2]
-    rows = max_q_len * (q.shape[1] // hkv)
-    grid = (kv_lens.shape[0], hkv, triton.cdiv(rows, INVARIANT_BLOCK_M))
-    return _launch_causal(
-        _invariant_kernel, grid, INVARIANT_BLOCK_M, q, k_cache, v_cache, cu_q, kv_lens,
-        page_table, page_size, scale, window,
+    group = hq // hkv
+    batch = kv_lens.shape[0]
+    mid_o, mid_ml = scratch if scratch is not None else (q, q)
+    split = scratch is not None
+    if split and (max_q_len != 1 or group > INVARIANT_BLOCK_M or batch * hq * INVARIANT_PARTS
+                  > mid_o.shape[0]):  # fmt: skip
+        raise ValueError(
+            f"invariant_attention splits decode batches whose scratch holds them, with at most "
+            f"{INVARIANT_BLOCK_M} heads per KV head; got {batch} sequences, queries of up to "
+            f"{max_q_len}, {group} heads per KV head"
+        )
+    blocks = INVARIANT_PARTS if split else triton.cdiv(max_q_len * group, INVARIANT_BLOCK_M)
+    out = torch.empty_like(q)
+    pdl = pdl_options(q.device)
+    _invariant_kernel[(batch, hkv, blocks)](
+        q, k_cache, v_cache, out, mid_o, mid_ml, cu_q, kv_lens, page_table, page_table.stride(0),
+        scale * _LOG2E, window or 0, int(split),
+        HQ=hq, HKV=hkv, D=d, PAGE=page_size, BLOCK_M=INVARIANT_BLOCK_M, BLOCK_N=64,
+        PARTS=INVARIANT_PARTS, HAS_WINDOW=window is not None, num_warps=4, num_stages=2, **pdl,
     )  # fmt: skip
+    if split:
+        block_h = min(16, triton.next_power_of_2(hq))
+        _invariant_merge_kernel[(batch, triton.cdiv(hq, block_h))](
+            mid_o, mid_ml, out, HQ=hq, D=d, PARTS=INVARIANT_PARTS, BLOCK_H=block_h, **pdl,
+        )  # fmt: skip
+    return out
 
 
 # SPLITS is a plain argument, never specialised: the split count follows the batch size
@@ -401,8 +505,8 @@ def _verify_split_kernel(
     )
     page_row = page_table_ptr + seq.to(tl.int64) * stride_pt
     m_i, l_i, acc = _attend_causal_parts(
-        q, q_pos, lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh, offs_d,
-        qk_scale, BLOCK_R, BLOCK_N, PAGE, HKV, D, HAS_WINDOW,
+        q, q_pos, lo, hi, BLOCK_N, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh,
+        offs_d, qk_scale, BLOCK_R, BLOCK_N, PAGE, HKV, D, HAS_WINDOW,
     )  # fmt: skip
     lse, out = _split_result(m_i, l_i, acc)
     row = rows * SPLITS + split
