@@ -28,7 +28,7 @@ SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)
           (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]  # fmt: skip
 ROWS = [1, 2, 3, 4, 5, 8, 9, 16, 17, 31, 64, 100, 128, 255, 256, 257, 512]
 # Every tile `choose_tile` picks for some (M, N).
-TILES = sorted({choose_tile(m, n) for m in (1, 32, 128, 4096) for n in (1024, 4096, 32768)})
+TILES = sorted({choose_tile(m, n) for m in (1, 32, 100, 300, 4096) for n in (1024, 4096, 32768)})
 
 
 def check_linear() -> dict:

@@ -39,21 +39,21 @@ class MatmulTile(NamedTuple):
 def choose_tile(m: int, n: int) -> MatmulTile:
     """The tile for M rows and N columns (only speed depends on it, never a row's result).
 
-    Measured on the H200 at the product shapes of Qwen3-0.6B and Llama-3.1-8B (M = 1 to 8,192,
-    nine tiles each; docs/perf-notes.md, session 16): up to 16 rows a product reads each weight
-    once and is bandwidth-bound, so tiles of 16 rows with columns narrow enough for about one
-    program per SM or more; from 17 rows on, tiles grow with M and N (fewer re-reads of W)
-    while there are still enough of them to fill the GPU."""
+    Measured on the H200 at the product shapes of Qwen3-0.6B and Llama-3.1-8B (M = 1 to
+    8,192, up to sixteen tiles each; docs/perf-notes.md, session 16): up to 16 rows a product
+    reads each weight once and is bandwidth-bound, so tiles of 16 rows with columns narrow
+    enough for about one program per SM or more; from 17 rows on, tiles grow with M and N
+    (fewer re-reads of W) while there are still enough of them to fill the GPU."""
     if m <= 16:
         if n <= 2048:
             return MatmulTile(16, 16, 256, 4, 4)
         return MatmulTile(16, 32, 128, 4, 4) if n <= 8192 else MatmulTile(16, 64, 64, 4, 3)
-    if m <= 256 and n <= 2048:
-        return MatmulTile(16, 32, 128, 4, 4) if m <= 64 else MatmulTile(64, 64, 64, 4, 4)
-    if m <= 64:
-        return MatmulTile(64, 64, 64, 4, 4) if n <= 8192 else MatmulTile(64, 128, 64, 4, 3)
-    if m <= 256 and n <= 8192:
-        return MatmulTile(64, 64, 64, 4, 4)
+    if n <= 2048 and m <= 512:  # few column tiles: short row tiles
+        return MatmulTile(16, 32, 128, 4, 4) if m <= 64 else MatmulTile(64, 64, 128, 4, 3)
+    if m <= 64 or (m <= 128 and n <= 16384):
+        return MatmulTile(64, 64, 128, 4, 3)
+    if m <= 512 and n <= 16384:
+        return MatmulTile(128, 64, 64, 8, 4)
     return MatmulTile(128, 128, 64, 8, 3)
 
 
