@@ -15,7 +15,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from tokenmill.kernels.attention import INVARIANT_PARTS, invariant_attention, invariant_scratch
+from tokenmill.kernels.attention import (
+    INVARIANT_CHUNK,
+    INVARIANT_PARTS,
+    invariant_attention,
+    invariant_scratch,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
@@ -102,12 +107,13 @@ def test_a_token_gets_the_same_output_however_it_is_batched(dtype, hq, hkv, d, w
 @pytest.mark.parametrize(("hq", "hkv", "window"), [(8, 2, None), (4, 4, 300)])
 def test_split_decode_gives_the_bits_of_one_program(dtype, hq, hkv, window) -> None:
     """A decode batch with each part of the keys in a program of its own (then merged) gives
-    bitwise what one program folding every part gives (parts of several blocks: 18 key blocks
-    dealt into INVARIANT_PARTS parts), at positions with empty parts and with full ones."""
-    assert INVARIANT_PARTS < -(-1100 // 64)
-    kv = PagedKV([1100, 70], hkv, 32, dtype, seed=3)
+    bitwise what one program folding every part gives (parts of several chunks: 4,500 keys
+    dealt into INVARIANT_PARTS parts), at positions with empty parts, full ones, chunks cut
+    short, and with a window."""
+    assert INVARIANT_PARTS * INVARIANT_CHUNK * 64 < 4500
+    kv = PagedKV([4500, 70], hkv, 32, dtype, seed=3)
     gen = torch.Generator().manual_seed(5)
-    for pos in (0, 64, 700, 1099):
+    for pos in (0, 64, 700, 4499):
         q = torch.randn(2, hq, 32, generator=gen).to(DEVICE, dtype)
         rows = [(1, 1, 70), (0, 1, pos + 1)]
         one = kv.run(q, rows, window)

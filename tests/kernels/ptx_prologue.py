@@ -48,7 +48,8 @@ KERNELS = {
         HQ=16, HKV=8, D=128, PAGE=16, BLOCK_G=16, BLOCK_N=64, HAS_WINDOW=False,
         EARLY_KV=early)) for name, early in (("decode_split", True), ("decode_split_late", False))},
     "invariant": (_invariant_kernel, dict(
-        HQ=16, HKV=8, D=128, PAGE=16, BLOCK_M=16, BLOCK_N=64, PARTS=16, HAS_WINDOW=False)),
+        HQ=16, HKV=8, D=128, PAGE=16, BLOCK_M=16, BLOCK_N=64, CHUNK=4, PARTS=16,
+        HAS_WINDOW=False)),
     "invariant_merge": (_invariant_merge_kernel, dict(HQ=16, D=128, PARTS=16, BLOCK_H=16)),
     "decode_reduce": (_decode_reduce_kernel, dict(HQ=16, D=128, BLOCK_S=16)),
     "verify_split": (_verify_split_kernel, dict(

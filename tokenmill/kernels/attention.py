@@ -52,25 +52,38 @@ def _attend_causal(
     """Output rows of queries `q` (at positions `q_pos`) over key/value head `kvh`'s keys
     `lo .. hi`, causal (and windowed), folded in blocks of BLOCK_N."""
     _, l_i, acc = _attend_causal_parts(
-        q, q_pos, lo, hi, BLOCK_N, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh,
-        offs_d, qk_scale, BLOCK_M, BLOCK_N, PAGE, HKV, D, HAS_WINDOW,
+        q, q_pos, lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh, offs_d,
+        qk_scale, BLOCK_M, BLOCK_N, PAGE, HKV, D, HAS_WINDOW,
     )  # fmt: skip
     return acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
 
 
 @triton.jit
 def _attend_causal_parts(
-    q, q_pos, lo, hi, step, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh, offs_d,
-    qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-    HKV: tl.constexpr, D: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    q, q_pos, lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh, offs_d, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HKV: tl.constexpr,
+    D: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):  # fmt: skip
     """`_attend_causal` before normalising: the running max, normaliser and unnormalised output
-    (a split of the keys, merged with the others by the reduce kernel) of the blocks starting
-    at `lo, lo + step, ...` below `hi`."""
+    (a split of the keys, merged with the others by the reduce kernel)."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for start in range(lo, hi, step):
+    return _fold_causal(
+        m_i, l_i, acc, q, q_pos, lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr, page_row,
+        kvh, offs_d, qk_scale, BLOCK_N, PAGE, HKV, D, HAS_WINDOW,
+    )  # fmt: skip
+
+
+@triton.jit
+def _fold_causal(
+    m_i, l_i, acc, q, q_pos, lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh,
+    offs_d, qk_scale, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HKV: tl.constexpr,
+    D: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):  # fmt: skip
+    """Fold key blocks `lo .. hi` (causal, windowed) into the softmax state (`m_i`, `l_i`,
+    `acc`)."""
+    for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         valid = offs_n < kv_len
         k = _kv_block(k_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
@@ -217,19 +230,21 @@ def _invariant_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_ml_ptr, cu_q_ptr, kv_lens_ptr,
     page_table_ptr, stride_pt, qk_scale, window, split,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PARTS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, PARTS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # One program: BLOCK_M (query token, head) rows of one key/value head, tokens major, so a
-    # decode row's whole query-head group shares one read of its K/V (like split decode). Key
-    # block i belongs to part i % PARTS; each part is folded on its own, the parts merged in
-    # order. With `split` (decode batches), program (seq, kvh, p) folds part p only and stores
-    # its state for `_invariant_merge_kernel`.
+    # decode row's whole query-head group shares one read of its K/V (like split decode). Keys
+    # come in chunks of CHUNK blocks; chunk c belongs to part c % PARTS; each part is folded on
+    # its own, chunk after chunk, the parts merged in order. With `split` (decode batches),
+    # program (seq, kvh, p) folds part p only and stores its state for
+    # `_invariant_merge_kernel`.
     pdl_wait(USE_PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     mblk = tl.where(split != 0, 0, tl.program_id(2))
     group: tl.constexpr = HQ // HKV
+    span: tl.constexpr = CHUNK * BLOCK_N
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
     if mblk * BLOCK_M >= q_len * group:
@@ -244,21 +259,27 @@ def _invariant_kernel(
     page_row = page_table_ptr + seq.to(tl.int64) * stride_pt
     last_tok = tl.minimum((mblk * BLOCK_M + BLOCK_M - 1) // group, q_len - 1)
     hi = tl.minimum(kv_len, prefix + last_tok + 1)
-    lo_block = 0
+    lo = 0
     if HAS_WINDOW:  # blocks before the tile's first query's window: masked for every row
-        lo_block = tl.maximum(prefix + (mblk * BLOCK_M) // group - window + 1, 0) // BLOCK_N
+        lo = tl.maximum(prefix + (mblk * BLOCK_M) // group - window + 1, 0) // BLOCK_N * BLOCK_N
+    # Skipped blocks (masked for every row) and parts without a chunk below `hi` would leave the
+    # state bitwise as it is.
     first_part = tl.where(split != 0, tl.program_id(2), 0)
-    last_part = tl.where(split != 0, first_part + 1, PARTS)
+    last_part = tl.where(split != 0, first_part + 1, tl.minimum(PARTS, tl.cdiv(hi, span)))
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     den = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     for part in range(first_part, last_part):
-        first = (lo_block + PARTS - 1 - part) // PARTS * PARTS + part  # its first block >= lo
-        m_p, l_p, acc_p = _attend_causal_parts(
-            q, q_pos, first * BLOCK_N, hi, PARTS * BLOCK_N, kv_len, window, k_cache_ptr,
-            v_cache_ptr, page_row, kvh, offs_d, qk_scale, BLOCK_M, BLOCK_N, PAGE, HKV, D,
-            HAS_WINDOW,
-        )  # fmt: skip
+        m_p = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_p = tl.zeros([BLOCK_M], tl.float32)
+        acc_p = tl.zeros([BLOCK_M, D], tl.float32)
+        first = (lo // span + PARTS - 1 - part) // PARTS * PARTS + part  # its first chunk >= lo
+        for start in range(first * span, hi, PARTS * span):
+            m_p, l_p, acc_p = _fold_causal(
+                m_p, l_p, acc_p, q, q_pos, tl.maximum(start, lo), tl.minimum(start + span, hi),
+                kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh, offs_d, qk_scale,
+                BLOCK_N, PAGE, HKV, D, HAS_WINDOW,
+            )  # fmt: skip
         if split != 0:  # a decode row: its group's heads' part state
             row = rows * PARTS + part
             tl.store(mid_o_ptr + row[:, None] * D + offs_d[None, :], acc_p, mask=m_mask[:, None])
@@ -286,7 +307,7 @@ def _invariant_merge_kernel(
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     den = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D], tl.float32)
-    for part in range(0, PARTS):
+    for part in tl.static_range(PARTS):  # unrolled: every part's loads issued at once
         row = (seq * HQ + heads) * PARTS + part
         m_p = tl.load(mid_ml_ptr + row * 2, mask=h_mask, other=float("-inf"))
         l_p = tl.load(mid_ml_ptr + row * 2 + 1, mask=h_mask, other=0.0)
@@ -302,8 +323,11 @@ def _invariant_merge_kernel(
 # so every row takes the same tensor-core instructions (16: below the 64 rows of Hopper's
 # warp-group MMA, whatever the batch).
 INVARIANT_BLOCK_M = 16
-# Parts of a row's keys in `invariant_attention` (key block i in part i % INVARIANT_PARTS):
-# a decode row can spread over this many programs per key/value head.
+# A row's keys in `invariant_attention`: chunks of INVARIANT_CHUNK blocks of 64 keys, chunk c
+# in part c % INVARIANT_PARTS (so contexts up to 16 x 256 keys have contiguous parts, and a
+# part's blocks are folded in runs of 4, which keeps loads in flight); a decode row can spread
+# over INVARIANT_PARTS programs per key/value head.
+INVARIANT_CHUNK = 4
 INVARIANT_PARTS = 16
 
 
@@ -335,14 +359,15 @@ def invariant_attention(
     """Causal attention over paged K/V, as `prefill_attention` (decode rows are sequences of one
     query), computed so that a query's output depends only on its own query, keys and values.
 
-    Every (token, head) row folds key block i (of 64, from position 0) into part
-    i % INVARIANT_PARTS, in order, and merges the parts in order (blocks past the row, there
-    for other rows, are masked whole and change nothing; so do empty parts); programs have one
-    fixed shape. So a token gets bitwise the same output decoded alone, in any batch, or in any
-    prefill chunk, and its K/V (and with them later tokens) are the same whichever way they
-    were computed. With `scratch` (`invariant_scratch`, for a decode batch: one query per
-    sequence, no more sequences than it holds) each part runs in a program of its own and a
-    second kernel merges them: more programs for few sequences, the same bits.
+    Every (token, head) row folds chunk c of its keys (INVARIANT_CHUNK blocks of 64, from
+    position 0) into part c % INVARIANT_PARTS, in order, and merges the parts in order (blocks
+    past the row, there for other rows, are masked whole and change nothing; so do empty
+    parts); programs have one fixed shape. So a token gets bitwise the same output decoded
+    alone, in any batch, or in any prefill chunk, and its K/V (and with them later tokens) are
+    the same whichever way they were computed. With `scratch` (`invariant_scratch`, for a
+    decode batch: one query per sequence, no more sequences than it holds) each part runs in a
+    program of its own and a second kernel merges them: more programs for few sequences, the
+    same bits.
     """
     _tokens, hq, d = q.shape
     hkv = k_cache.shape[-2]
@@ -364,10 +389,11 @@ def invariant_attention(
         q, k_cache, v_cache, out, mid_o, mid_ml, cu_q, kv_lens, page_table, page_table.stride(0),
         scale * _LOG2E, window or 0, int(split),
         HQ=hq, HKV=hkv, D=d, PAGE=page_size, BLOCK_M=INVARIANT_BLOCK_M, BLOCK_N=64,
-        PARTS=INVARIANT_PARTS, HAS_WINDOW=window is not None, num_warps=4, num_stages=2, **pdl,
+        CHUNK=INVARIANT_CHUNK, PARTS=INVARIANT_PARTS, HAS_WINDOW=window is not None,
+        num_warps=4, num_stages=2, **pdl,
     )  # fmt: skip
     if split:
-        block_h = min(16, triton.next_power_of_2(hq))
+        block_h = min(2, triton.next_power_of_2(hq))  # rows merge alone: many small programs
         _invariant_merge_kernel[(batch, triton.cdiv(hq, block_h))](
             mid_o, mid_ml, out, HQ=hq, D=d, PARTS=INVARIANT_PARTS, BLOCK_H=block_h, **pdl,
         )  # fmt: skip
@@ -505,8 +531,8 @@ def _verify_split_kernel(
     )
     page_row = page_table_ptr + seq.to(tl.int64) * stride_pt
     m_i, l_i, acc = _attend_causal_parts(
-        q, q_pos, lo, hi, BLOCK_N, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh,
-        offs_d, qk_scale, BLOCK_R, BLOCK_N, PAGE, HKV, D, HAS_WINDOW,
+        q, q_pos, lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh, offs_d,
+        qk_scale, BLOCK_R, BLOCK_N, PAGE, HKV, D, HAS_WINDOW,
     )  # fmt: skip
     lse, out = _split_result(m_i, l_i, acc)
     row = rows * SPLITS + split
