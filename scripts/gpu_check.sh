@@ -300,7 +300,8 @@ if [[ "$what" == det ]]; then
         extra=() cublas=()
         if [[ $mode == deterministic ]]; then
           extra=(--engine-arg deterministic=true)
-          # The engine sets them too; here they are set before the process's first product.
+          # For the cuBLAS products the mode keeps (the torch attention backend's); the engine
+          # sets them too, here they are set before the process's first product.
           cublas=(CUBLAS_WORKSPACE_CONFIG=:16:8 CUBLASLT_WORKSPACE_SIZE=1)
         fi
         log="$out/$workload-$m-$mode.log"
