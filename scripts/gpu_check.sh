@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call (see ../shared/device/README.md).
 # Usage on the device:
-#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|moeprofile|structured|b4|b4adaptive|spechost|tp|conformance|hostkv|startup|vl|det|all]
+#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|moeprofile|structured|b4|b4adaptive|spechost|tp|conformance|hostkv|startup|vl|det|detsweep|all]
 # (gputests = the GPU engine tests and the GEMV, decode and rotary kernel tests + profile + B1;
 #  moe = the mixture-of-experts GPU and kernel tests (moetests), B1/B2 qwen3-30b-a3b with the
 #  transformers peer (moebench);
@@ -35,6 +35,8 @@
 #  det = deterministic mode (issue 30): its GPU tests, then B1 and B2 of qwen3-0.6b and
 #  llama-3.1-8b (engine args of b1/b2, no transformers peer) without and with
 #  `--engine-arg deterministic=true`, same run;
+#  detsweep = benchmarks/invariant_matmul_sweep.py: deterministic mode's matmul, each tile's rows
+#  bitwise against the row alone, and its time next to cuBLAS, weights streamed from HBM;
 #  conformance = `tokenmill eval conformance` of a bf16 server on llama-3.1-8b shapes with random
 #  weights against the float32 transformers reference: the weights are written once as a
 #  checkpoint (`tokenmill eval dummy-checkpoint`, /tmp, 16 GB) that both sides load;
@@ -312,6 +314,10 @@ if [[ "$what" == det ]]; then
       done
     done
   done
+fi
+if [[ "$what" == detsweep ]]; then
+  python3 benchmarks/invariant_matmul_sweep.py --out "$out/invariant_sweep.json" 2>&1 \
+    | tee "$out/invariant_sweep.log" | grep "M=" >> "$table"
 fi
 echo
 echo "=== summary ==="
