@@ -57,6 +57,28 @@ def test_invariant_pointwise_value_does_not_depend_on_size_or_offset(fn, dtype) 
     assert torch.equal(
         invariant_pointwise(fn, two_d), invariant_pointwise(fn, x)[: 4 * 33].view(4, 33)
     )
+    # Every other element (a gate of interleaved gate/up columns): flattens without a copy, to
+    # a whole number of pieces, so no padding makes it contiguous either.
+    strided = x[: 2 * POINTWISE_PIECE].view(-1, 2)[:, 0]
+    assert torch.equal(invariant_pointwise(fn, strided), invariant_pointwise(fn, strided.clone()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invariant_linear_swiglu_rows_do_not_depend_on_the_other_rows(dtype) -> None:
+    """With interleaved gate/up rows, `silu(gate) * up` of each row is the row alone (512 rows:
+    the gate flattens to whole pointwise pieces), and close to the plain product's SwiGLU."""
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(256, 64, generator=gen).to(dtype)
+    interleaved = weight.view(2, 128, 64).transpose(0, 1).reshape(256, 64)
+    x = torch.randn(600, 64, generator=gen).to(dtype)
+    rows = [invariant_linear(x[i : i + 1], interleaved, swiglu=True) for i in range(600)]
+    alone = torch.cat(rows)
+    for m in (*ROW_COUNTS, 512):
+        assert torch.equal(invariant_linear(x[:m], interleaved, swiglu=True), alone[:m]), m
+    gate, up = F.linear(x.float(), weight.float()).chunk(2, dim=-1)
+    torch.testing.assert_close(alone.float(), F.silu(gate) * up, rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="no bias"):
+        invariant_linear(x, interleaved, torch.zeros(256, dtype=dtype), swiglu=True)
 
 
 @pytest.mark.parametrize(

@@ -57,8 +57,10 @@ KERNELS = {
     "gemv": (_gemv_kernel, dict(
         BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, SPLIT_K=4, GATED=False, NORM=True, HAS_RES=True,
         PREFETCH=2, DEFER=True)),
-    "invariant_matmul": (_invariant_matmul_kernel, dict(
-        HAS_BIAS=True, IEEE=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=8)),
+    **{name: (_invariant_matmul_kernel, dict(
+        HAS_BIAS=not swiglu, IEEE=False, SWIGLU=swiglu, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128,
+        GROUP_M=8)) for name, swiglu in (("invariant_matmul", False),
+                                         ("invariant_matmul_swiglu", True))},
     "add_rms_norm": (_add_rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=1024)),
     "rope_store": (_rope_store_kernel, dict(HQ=16, HKV=8, D=128, BLOCK_G=2, QK_NORM=True)),
     "silu_and_mul": (_silu_and_mul_kernel, dict(BLOCK=1024)),

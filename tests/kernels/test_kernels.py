@@ -162,11 +162,30 @@ def test_invariant_matmul(dtype: torch.dtype, m: int, tile: MatmulTile | None) -
         assert torch.equal(out, alone)
 
 
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("tile", [None, MatmulTile(16, 16, 32, 4, 1), MatmulTile(32, 64, 64, 4, 2)])
+def test_invariant_matmul_swiglu_is_silu_and_mul_of_the_product(dtype, tile) -> None:
+    """Interleaved gate/up rows with `swiglu`: `silu_and_mul` of the plain product (bitwise on
+    the GPU, where a product's elements do not depend on their column; ragged N)."""
+    gen = torch.Generator().manual_seed(3)
+    x, w = _randn(7, 200, dtype=dtype, gen=gen), _randn(2 * 45, 200, dtype=dtype, gen=gen)
+    interleaved = w.view(2, 45, 200).transpose(0, 1).reshape(90, 200)
+    out = invariant_matmul(x, interleaved, tile=tile, swiglu=True)
+    plain = silu_and_mul(invariant_matmul(x, w, tile=tile))
+    assert out.shape == (7, 45)
+    if DEVICE == "cuda":
+        assert torch.equal(out, plain)
+    gate, up = (x.double() @ w.double().T).chunk(2, dim=-1)
+    _close(out, torch.nn.functional.silu(gate) * up, dtype)
+
+
 def test_invariant_matmul_rejects_bad_shapes() -> None:
     w = torch.zeros(8, 16, device=DEVICE)
     with pytest.raises(ValueError, match="W \\[N, K\\]"):
         invariant_matmul(torch.zeros(2, 15, device=DEVICE), w)
     assert invariant_matmul(torch.zeros(0, 16, device=DEVICE), w).shape == (0, 8)
+    with pytest.raises(ValueError, match="even number of rows"):
+        invariant_matmul(torch.zeros(2, 16, device=DEVICE), w[:7], swiglu=True)
 
 
 def _rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -502,7 +521,8 @@ def test_pdl_kernels_wait_before_touching_memory() -> None:
     before_wait = json.loads(run.stdout)
     assert set(before_wait) >= {"decode_split", "decode_reduce", "verify_split", "gemv",
                                 "rope_store", "moe_gate_up_gemv", "moe_down_gemv",
-                                "invariant_matmul", "invariant", "invariant_merge"}  # fmt: skip
+                                "invariant_matmul", "invariant_matmul_swiglu", "invariant",
+                                "invariant_merge"}  # fmt: skip
     for name, ops in before_wait.items():
         if name in {"gemv", "rope_store", "decode_split", "decode_split_late", "moe_down_gemv"}:
             assert ops and all(op.startswith("ld.global") for op in ops), (name, ops)

@@ -60,8 +60,8 @@ def choose_tile(m: int, n: int) -> MatmulTile:
 @triton.jit
 def _invariant_matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -90,8 +90,16 @@ def _invariant_matmul_kernel(
         w_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out = acc.to(out_ptr.dtype.element_ty)
+    if SWIGLU:  # columns (2j, 2j + 1) are (gate_j, up_j): SiLU-and-mul as `silu_and_mul` does
+        gate, up = tl.split(tl.reshape(out, [BLOCK_M, BLOCK_N // 2, 2]))
+        g = gate.to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(up.dtype)
+        out = (silu.to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        n_mask = offs_n < N // 2
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(out_ptrs, out, mask=m_mask[:, None] & n_mask[None, :])
 
 
 def invariant_matmul(
@@ -99,9 +107,14 @@ def invariant_matmul(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     tile: MatmulTile | None = None,
+    swiglu: bool = False,
 ) -> torch.Tensor:
     """`x @ weight.T (+ bias)` for a 2-D `x` `[M, K]` and `weight` `[N, K]` (last dims
-    contiguous), each row's bits independent of M and of `tile` (default: `choose_tile`)."""
+    contiguous), each row's bits independent of M and of `tile` (default: `choose_tile`).
+
+    `swiglu`: W's rows interleave an MLP's gate and up projections (gate j, up j, ...), and the
+    result is `silu(gate) * up` `[M, N / 2]`: bitwise `silu_and_mul` of the plain product with
+    de-interleaved rows, without writing and reading that product."""
     m, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
@@ -109,7 +122,9 @@ def invariant_matmul(
             f"invariant_matmul takes x [M, K], W [N, K] with contiguous rows; "
             f"got {tuple(x.shape)}, {tuple(weight.shape)}"
         )
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if swiglu and (n % 2 or bias is not None):
+        raise ValueError(f"swiglu takes an even number of rows and no bias; got N = {n}")
+    out = torch.empty((m, n // 2 if swiglu else n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     tile = tile or choose_tile(m, n)
@@ -117,8 +132,8 @@ def invariant_matmul(
     _invariant_matmul_kernel[grid](
         x, weight, bias if bias is not None else x, out, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, BLOCK_M=tile.block_m,
-        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=8, num_warps=tile.num_warps,
-        num_stages=tile.num_stages, **pdl_options(x.device),
+        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, SWIGLU=swiglu,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=8,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_options(x.device),
     )  # fmt: skip
     return out

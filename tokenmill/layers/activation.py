@@ -6,7 +6,7 @@ import torch
 from torch.nn import functional as F
 
 from tokenmill.kernels import fused_silu_and_mul
-from tokenmill.layers.invariant import invariant_pointwise
+from tokenmill.layers.invariant import invariant_swiglu
 
 
 def silu_and_mul(x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
@@ -17,5 +17,5 @@ def silu_and_mul(x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor
         return fused_silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     if batch_invariant:
-        return invariant_pointwise(F.silu, gate) * up
+        return invariant_swiglu(gate, up)
     return F.silu(gate) * up

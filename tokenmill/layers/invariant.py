@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from tokenmill.kernels import invariant_matmul
 
@@ -47,17 +48,37 @@ _CUBLAS_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1
 
 
 def invariant_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    swiglu: bool = False,
 ) -> torch.Tensor:
-    """`x @ weight.T (+ bias)` with each row's result independent of the other rows of `x`."""
+    """`x @ weight.T (+ bias)` with each row's result independent of the other rows of `x`.
+
+    `swiglu`: `weight`'s rows interleave an MLP's gate and up projections (gate j, up j, ...;
+    no bias), and the result is `silu(gate) * up` (on CUDA applied as the product stores its
+    result, `kernels.invariant_matmul`)."""
+    if swiglu and bias is not None:
+        raise ValueError("invariant_linear with swiglu takes no bias")
     shape = x.shape
+    rows = x.reshape(-1, shape[-1])
     if x.is_cuda:
-        rows = x.reshape(-1, shape[-1])
-        out = invariant_matmul(rows if rows.stride(-1) == 1 else rows.contiguous(), weight, bias)
-        return out.view(*shape[:-1], weight.shape[0])
-    flat = x.reshape(-1, shape[-1])
+        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        out = invariant_matmul(rows, weight, bias, swiglu=swiglu)
+    else:
+        out = _tiled_product(rows, weight, bias)
+        if swiglu:
+            gate, up = out.view(out.shape[0], -1, 2).unbind(-1)
+            out = invariant_swiglu(gate, up)
+    return out.view(*shape[:-1], out.shape[-1])
+
+
+def _tiled_product(
+    flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The CPU product: `flat` in tiles of TILE_ROWS rows, one batched product of them all."""
     rows, k = flat.shape
-    tile = TILE_ROWS.get(x.dtype, HALF_TILE_ROWS)
+    tile = TILE_ROWS.get(flat.dtype, HALF_TILE_ROWS)
     pad = -rows % tile
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad, k)])
@@ -65,9 +86,12 @@ def invariant_linear(
     # One weight for every tile (a stride-0 batch dimension: no copies).
     out = torch.bmm(tiles, weight.t().unsqueeze(0).expand(tiles.shape[0], -1, -1))
     out = out.view(-1, weight.shape[0])[:rows]
-    if bias is not None:
-        out = out + bias
-    return out.view(*shape[:-1], weight.shape[0])
+    return out + bias if bias is not None else out
+
+
+def invariant_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` on the CPU, each element's SiLU independent of the tensor's size."""
+    return invariant_pointwise(F.silu, gate) * up
 
 
 def invariant_pointwise(
@@ -85,7 +109,10 @@ def invariant_pointwise(
     """
     if x.is_cuda:
         return fn(x)
-    flat = x.reshape(-1)
+    # Contiguous: a strided view that flattens without a copy (every other element of a row)
+    # would otherwise reach `fn` strided whenever no padding copies it, and torch's strided
+    # loop rounds differently.
+    flat = x.reshape(-1).contiguous()
     n = flat.numel()
     pad = -n % POINTWISE_PIECE
     if pad:
@@ -114,11 +141,14 @@ def configure_invariant_cublas() -> None:
 
 def make_batch_invariant(model: nn.Module) -> int:
     """Switch every layer of `model` that has a batch-invariant path (`batch_invariant`
-    attribute: linear layers, the LM head, mixture-of-experts blocks) onto it. Returns how
+    attribute: linear layers, the LM head, mixture-of-experts blocks) onto it, and let every
+    SwiGLU MLP (`fuse_swiglu`) apply its activation inside its gate/up product. Returns how
     many layers were switched."""
     switched = 0
     for module in model.modules():
         if hasattr(module, "batch_invariant"):
             module.batch_invariant = True
             switched += 1
+        if hasattr(module, "fuse_swiglu"):
+            module.fuse_swiglu()
     return switched

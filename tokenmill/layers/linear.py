@@ -68,8 +68,10 @@ class Linear(nn.Module):
         # Row bucket -> GEMV kernel, filled by `choose_gemv_kernels` (empty: always cuBLAS).
         self.gemv_choices: dict[int, GemvChoice] = {}
         # Deterministic mode (`layers.invariant.make_batch_invariant`): one product for any
-        # number of rows, never a GEMV chosen by row count.
+        # number of rows, never a GEMV chosen by row count; `swiglu`: rows interleave gate and
+        # up, and the product applies SiLU-and-mul (`LlamaMLP.fuse_swiglu`).
         self.batch_invariant = False
+        self.swiglu = False
 
     def _gemv_choice(self, x: torch.Tensor) -> GemvChoice | None:
         if self.batch_invariant:
@@ -104,7 +106,7 @@ class Linear(nn.Module):
         if choice is None:
             bias = None if self._bias_after_sum else self.bias
             if self.batch_invariant:
-                return invariant_linear(h, self.weight, bias)
+                return invariant_linear(h, self.weight, bias, self.swiglu)
             return F.linear(h, self.weight, bias)
         return gemv(h, self.weight, choice.config)
 

@@ -76,6 +76,17 @@ class LlamaMLP(nn.Module):
         )
         self.down_proj = Linear(size, cfg.hidden_size, input_kind="gated", tp_dim=1)
 
+    def fuse_swiglu(self) -> None:
+        """Deterministic mode: interleave the gate/up rows (gate j, up j, ...) so the
+        batch-invariant gate/up product applies SiLU-and-mul itself (on CUDA as it stores its
+        result: bitwise what `silu_and_mul` of the plain product gives, one kernel fewer a
+        layer); the down projection then takes its input as it is."""
+        weight = self.gate_up_proj.weight
+        size = weight.shape[0] // 2
+        weight.data = weight.data.view(2, size, -1).transpose(0, 1).reshape(2 * size, -1)
+        self.gate_up_proj.swiglu = True
+        self.down_proj.input_kind = "plain"
+
     def product(self, h: torch.Tensor) -> torch.Tensor:
         """The MLP of `h`, normed already (this rank's part of it)."""
         return self.down_proj(self.gate_up_proj(h))
