@@ -107,16 +107,23 @@ def sweep(ms: list[int]) -> list[dict[str, object]]:
     return rows
 
 
-def main() -> None:
-    """Run the sweep and write the rows as JSON."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8])
+def sweep_main(
+    run: Callable[[list[int]], list[dict[str, object]]], default_m: list[int], doc: str
+) -> None:
+    """A sweep's command line: `--m` row counts for `run`, its rows written as JSON (`--out`)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--m", type=int, nargs="+", default=default_m)
     parser.add_argument("--out", default=None)
     ns = parser.parse_args()
-    rows = sweep(ns.m)
+    rows = run(ns.m)
     if ns.out:
         with open(ns.out, "w") as f:
             json.dump(rows, f, indent=2)
+
+
+def main() -> None:
+    """Run the sweep and write the rows as JSON."""
+    sweep_main(sweep, [1, 2, 4, 8], __doc__)
 
 
 if __name__ == "__main__":

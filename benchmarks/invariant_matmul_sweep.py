@@ -1,6 +1,6 @@
-"""Deterministic mode's matmul (`kernels/invariant_matmul.py`) on the GPU: that a row's bits do
-not depend on the tile or on M, and how fast each tile runs next to cuBLAS.
+"""Deterministic mode's matmul (`kernels/invariant_matmul.py`): each tile's bits and time.
 
+Checks that a row's bits do not depend on the tile or on M, and times each tile next to cuBLAS.
 For each product shape of qwen3-0.6b and llama-3.1-8b (LM heads included) and each M: the rows
 of every tile in TILES (and of `choose_tile`'s) are compared bitwise with each row computed
 alone, then each is timed as `gemv_sweep.py` times GEMVs (a CUDA graph of one product per
@@ -11,12 +11,10 @@ layer over distinct weight copies, so the weights stream from HBM as in a real s
 
 from __future__ import annotations
 
-import argparse
-import json
 from collections.abc import Callable
 
 import torch
-from gemv_sweep import SHAPES, graph_seconds_per_call
+from gemv_sweep import SHAPES, graph_seconds_per_call, sweep_main
 from torch.nn import functional as F
 
 from tokenmill.kernels.invariant_matmul import MatmulTile, choose_tile, invariant_matmul
@@ -84,14 +82,7 @@ def sweep(ms: list[int]) -> list[dict[str, object]]:
 
 def main() -> None:
     """Run the sweep and write the rows as JSON."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 256, 2048])
-    parser.add_argument("--out", default=None)
-    ns = parser.parse_args()
-    rows = sweep(ns.m)
-    if ns.out:
-        with open(ns.out, "w") as f:
-            json.dump(rows, f, indent=2)
+    sweep_main(sweep, [1, 16, 64, 256, 2048], __doc__)
 
 
 if __name__ == "__main__":
