@@ -13,6 +13,11 @@ large ones for prefill) without changing any row's bits. That the tensor cores' 
 for 16-row tiles, `wgmma` for 64 rows and more on Hopper) is checked on the GPU by
 `tests/gpu/determinism_cases.py linear`. float32 inputs use IEEE products (no TF32): FMAs
 in the same k order.
+
+Epilogues and prologues keep that property because they are per element or per row:
+`invariant_norm_matmul` folds an RMSNorm in (its weight into the input as it loads, the row's
+scale onto the finished chain, the row's sum of squares as one more MMA chain), and `swiglu`
+pairs interleaved gate/up columns into `silu(gate) * up` before the store.
 """
 
 from __future__ import annotations
