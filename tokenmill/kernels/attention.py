@@ -178,31 +178,9 @@ def prefill_attention(
     positions are a cached prefix every query sees.
     """
     block_m = 64 if max_q_len > 32 else 16
-    grid = (kv_lens.shape[0], q.shape[1], triton.cdiv(max_q_len, block_m))
-    return _launch_causal(
-        _prefill_kernel, grid, block_m, q, k_cache, v_cache, cu_q, kv_lens, page_table,
-        page_size, scale, window,
-    )  # fmt: skip
-
-
-def _launch_causal(
-    kernel: triton.JITFunction,
-    grid: tuple[int, int, int],
-    block_m: int,
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cu_q: torch.Tensor,
-    kv_lens: torch.Tensor,
-    page_table: torch.Tensor,
-    page_size: int,
-    scale: float,
-    window: int | None,
-) -> torch.Tensor:
-    """Run a causal kernel with `_prefill_kernel`'s arguments on `grid`; its output."""
     _tokens, hq, d = q.shape
     out = torch.empty_like(q)
-    kernel[grid](
+    _prefill_kernel[(kv_lens.shape[0], hq, triton.cdiv(max_q_len, block_m))](
         q, k_cache, v_cache, out, cu_q, kv_lens, page_table, page_table.stride(0),
         scale * _LOG2E, window or 0,
         HQ=hq, HKV=k_cache.shape[-2], D=d, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=64,
@@ -214,9 +192,9 @@ def _launch_causal(
 @triton.jit
 def _merge_parts(m, den, acc, m_p, l_p, acc_p):
     """Fold a part's softmax state (`m_p`, `l_p`, `acc_p`) into the running one, with explicit
-    FMAs so the invariant kernel and the part-merging kernel round alike. An empty part (max
-    -inf, sums 0) leaves the running state bitwise as it was; into an empty running state a
-    part comes in bitwise as it is."""
+    FMAs so the one-program path (parts in registers) and the split path's last program (parts
+    read back from the scratch) round alike. An empty part (max -inf, sums 0) leaves the running
+    state bitwise as it was; into an empty running state a part comes in bitwise as it is."""
     m_new = tl.maximum(m, m_p)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     a = tl.math.exp2(m - m_safe)

@@ -228,9 +228,8 @@ def invariant_norm_matmul(
         residual = residual.contiguous()
     new_residual = torch.empty_like(x) if residual is not None else x
     m, k = x.shape
-    pdl = pdl_options(x.device)
+    tile = choose_tile(m, weight.shape[0])
     if m <= NORM_FUSED_ROWS:
-        tile = choose_tile(m, weight.shape[0])
         out = _launch(x, weight, bias, tile, swiglu, 1, residual, new_residual, norm)
         return out, new_residual
     products = torch.empty_like(x)
@@ -240,9 +239,8 @@ def invariant_norm_matmul(
         x, residual if residual is not None else x, new_residual, norm.weight, products, scale,
         norm.eps, m, k, x.stride(0),
         IEEE=x.dtype == torch.float32, HAS_RES=residual is not None, BLOCK_M=rows,
-        BLOCK_K=cols, num_warps=4, **pdl,
+        BLOCK_K=cols, num_warps=4, **pdl_options(x.device),
     )  # fmt: skip
-    tile = choose_tile(m, weight.shape[0])
     return _launch(products, weight, bias, tile, swiglu, 2, scale=scale), new_residual
 
 

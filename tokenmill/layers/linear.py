@@ -95,9 +95,8 @@ class Linear(nn.Module):
             inputs = InputNorm(norm.weight, norm.eps, residual)
             return norm_gemv(x, self.weight, choice.config, inputs)
         if self.batch_invariant and x.is_cuda:  # the norm inside the invariant product
-            bias = None if self._bias_after_sum else self.bias
             inputs = InputNorm(norm.weight, norm.eps, residual)
-            return invariant_norm_matmul(x, self.weight, inputs, bias, self.swiglu)
+            return invariant_norm_matmul(x, self.weight, inputs, self._product_bias, self.swiglu)
         if residual is None:
             residual, h = x, norm(x)
         else:
@@ -108,11 +107,15 @@ class Linear(nn.Module):
         """`h W^T (+ b)` of an already transformed input: the chosen GEMV, else cuBLAS (or,
         batch-invariant, `invariant_linear`)."""
         if choice is None:
-            bias = None if self._bias_after_sum else self.bias
             if self.batch_invariant:
-                return invariant_linear(h, self.weight, bias, self.swiglu)
-            return F.linear(h, self.weight, bias)
+                return invariant_linear(h, self.weight, self._product_bias, self.swiglu)
+            return F.linear(h, self.weight, self._product_bias)
         return gemv(h, self.weight, choice.config)
+
+    @property
+    def _product_bias(self) -> torch.Tensor | None:
+        """The bias the product adds (a row-parallel layer's is added to the ranks' sum)."""
+        return None if self._bias_after_sum else self.bias
 
     def add_bias(self, summed: torch.Tensor) -> torch.Tensor:
         """A row-parallel layer's output summed over the ranks, plus its bias (if any)."""
