@@ -36,6 +36,8 @@ INT_PTRS = {"cu_q_ptr", "kv_lens_ptr", "page_table_ptr", "positions_ptr", "slots
             "ticket_ptr", "part_idx_ptr"}  # fmt: skip
 INT64_PTRS = {"tokens_ptr", "host_ptr"}
 INT64_KERNELS = {"decode_inputs"}  # every pointer of these is int64
+# Index pointers (INT_PTRS) of these are int64: the kernel takes int32 or int64 ones.
+INT64_INDEX_KERNELS = {"invariant_int64_index"}
 FLOAT_SCALARS = {"eps", "qk_scale"}
 UNALIGNED = FLOAT_SCALARS | {"M", "window", "SPLITS", "split"}
 # Constexprs of each kernel (USE_PDL is set for all), as the decode path of a
@@ -46,9 +48,9 @@ KERNELS = {
     **{name: (_decode_split_kernel, dict(
         HQ=16, HKV=8, D=128, PAGE=16, BLOCK_G=16, BLOCK_N=64, HAS_WINDOW=False,
         EARLY_KV=early)) for name, early in (("decode_split", True), ("decode_split_late", False))},
-    "invariant": (_invariant_kernel, dict(
+    **{name: (_invariant_kernel, dict(
         HQ=16, HKV=8, D=128, PAGE=16, BLOCK_M=16, BLOCK_N=64, CHUNK=4, PARTS=16,
-        HAS_WINDOW=False)),
+        HAS_WINDOW=False)) for name in ("invariant", "invariant_int64_index")},
     "decode_reduce": (_decode_reduce_kernel, dict(HQ=16, D=128, BLOCK_S=16)),
     "verify_split": (_verify_split_kernel, dict(
         HQ=16, HKV=8, D=128, PAGE=16, BLOCK_R=16, BLOCK_N=64, HAS_WINDOW=False)),
@@ -76,21 +78,25 @@ KERNELS = {
 MEMORY_OP = re.compile(r"^\s*(?:@%\w+\s+)?((?:ld|st|atom|red)\.global\S*)")
 
 
-def _type(name: str, int64: bool) -> str:
+def _type(name: str, int64: bool, int64_index: bool = False) -> str:
     if name.endswith("_ptr"):
-        if int64 or name in INT64_PTRS:
+        if int64 or name in INT64_PTRS or (int64_index and name in INT_PTRS):
             return "*i64"
         return "*fp32" if name in FP32_PTRS else "*i32" if name in INT_PTRS else "*bf16"
     return "fp32" if name in FLOAT_SCALARS else "i32"
 
 
 def memory_ops_before_wait(
-    kernel: triton.JITFunction, constexprs: dict[str, object], int64: bool = False
+    kernel: triton.JITFunction,
+    constexprs: dict[str, object],
+    int64: bool = False,
+    int64_index: bool = False,
 ) -> list[str]:
     """The global-memory instructions of `kernel`'s PTX that come before its first wait."""
     constexprs = {**constexprs, "USE_PDL": True}
     signature = {
-        n: "constexpr" if n in constexprs else _type(n, int64) for n in kernel.arg_names
+        n: "constexpr" if n in constexprs else _type(n, int64, int64_index)
+        for n in kernel.arg_names
     }  # fmt: skip
     # As at a real launch, pointers and sizes are specialised as multiples of 16.
     aligned = [n for n in kernel.arg_names if n not in constexprs and n not in UNALIGNED]
@@ -108,7 +114,7 @@ def memory_ops_before_wait(
 
 if __name__ == "__main__":
     ops = {
-        name: memory_ops_before_wait(k, c, name in INT64_KERNELS)
+        name: memory_ops_before_wait(k, c, name in INT64_KERNELS, name in INT64_INDEX_KERNELS)
         for name, (k, c) in KERNELS.items()
     }
     print(json.dumps(ops))

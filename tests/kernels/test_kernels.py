@@ -559,7 +559,7 @@ def test_pdl_kernels_wait_before_touching_memory() -> None:
                                 "rope_store", "moe_gate_up_gemv", "moe_down_gemv",
                                 "invariant_matmul", "invariant_matmul_swiglu",
                                 "invariant_matmul_norm", "invariant_matmul_scaled", "rms_rows",
-                                "invariant"}  # fmt: skip
+                                "invariant", "invariant_int64_index"}  # fmt: skip
     for name, ops in before_wait.items():
         if name in {"gemv", "rope_store", "decode_split", "decode_split_late", "moe_down_gemv"}:
             assert ops and all(op.startswith("ld.global") for op in ops), (name, ops)

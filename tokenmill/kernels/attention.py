@@ -272,13 +272,13 @@ def _invariant_kernel(
         ticket_row = ticket_ptr + seq * HKV + kvh
         done = tl.atomic_add(ticket_row, 1, sem="acq_rel") == PARTS - 1
         if done:
-            for part in range(0, PARTS):
-                row = rows * PARTS + part
-                m_p = tl.load(mid_ml_ptr + row * 2, mask=m_mask, other=float("-inf"),
+            for stored in range(0, PARTS):  # (not `part`: its type follows the index pointers)
+                stored_row = rows * PARTS + stored
+                m_p = tl.load(mid_ml_ptr + stored_row * 2, mask=m_mask, other=float("-inf"),
                               cache_modifier=".cg")  # fmt: skip
-                l_p = tl.load(mid_ml_ptr + row * 2 + 1, mask=m_mask, other=0.0,
+                l_p = tl.load(mid_ml_ptr + stored_row * 2 + 1, mask=m_mask, other=0.0,
                               cache_modifier=".cg")  # fmt: skip
-                acc_p = tl.load(mid_o_ptr + row[:, None] * D + offs_d[None, :],
+                acc_p = tl.load(mid_o_ptr + stored_row[:, None] * D + offs_d[None, :],
                                 mask=m_mask[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
                 m, den, acc = _merge_parts(m, den, acc, m_p, l_p, acc_p)
             tl.atomic_xchg(ticket_row, 0)
