@@ -26,11 +26,11 @@ from tokenmill.kernels.attention import (
 from tokenmill.kernels.fused_moe import _down_gemv_kernel, _gate_up_gemv_kernel
 from tokenmill.kernels.gemv import _gemv_kernel
 from tokenmill.kernels.graph_inputs import _decode_inputs_kernel
-from tokenmill.kernels.invariant_matmul import _invariant_matmul_kernel, _rms_rows_kernel
+from tokenmill.kernels.invariant_matmul import _invariant_matmul_kernel
 from tokenmill.kernels.norm import _add_rms_norm_kernel
 from tokenmill.kernels.rope_store import _rope_store_kernel
 
-FP32_PTRS = {"mid_o_ptr", "mid_lse_ptr", "mid_ml_ptr", "scale_ptr", "part_ptr", "ss_ptr", "cos_ptr",
+FP32_PTRS = {"mid_o_ptr", "mid_lse_ptr", "mid_ml_ptr", "part_ptr", "ss_ptr", "cos_ptr",
              "sin_ptr", "part_val_ptr", "logits_ptr"}  # fmt: skip
 INT_PTRS = {"cu_q_ptr", "kv_lens_ptr", "page_table_ptr", "positions_ptr", "slots_ptr",
             "ticket_ptr", "part_idx_ptr"}  # fmt: skip
@@ -58,13 +58,9 @@ KERNELS = {
         BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, SPLIT_K=4, GATED=False, NORM=True, HAS_RES=True,
         PREFETCH=2, DEFER=True)),
     **{name: (_invariant_matmul_kernel, dict(
-        HAS_BIAS=not swiglu, IEEE=False, SWIGLU=swiglu, NORM=norm, HAS_RES=norm == 1,
-        BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=8))
-       for name, swiglu, norm in (("invariant_matmul", False, 0),
-                                  ("invariant_matmul_swiglu", True, 0),
-                                  ("invariant_matmul_norm", True, 1),
-                                  ("invariant_matmul_scaled", False, 2))},
-    "rms_rows": (_rms_rows_kernel, dict(IEEE=False, HAS_RES=True, BLOCK_M=16, BLOCK_K=128)),
+        HAS_BIAS=not swiglu, IEEE=False, SWIGLU=swiglu, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128,
+        GROUP_M=8)) for name, swiglu in (("invariant_matmul", False),
+                                         ("invariant_matmul_swiglu", True))},
     "add_rms_norm": (_add_rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=1024)),
     "rope_store": (_rope_store_kernel, dict(HQ=16, HKV=8, D=128, BLOCK_G=2, QK_NORM=True)),
     "silu_and_mul": (_silu_and_mul_kernel, dict(BLOCK=1024)),

@@ -24,12 +24,7 @@ from tokenmill.kernels.attention import (  # noqa: E402
     verify_attention,
 )
 from tokenmill.kernels.gemv import GemvConfig, InputNorm, gemv, norm_gemv  # noqa: E402
-from tokenmill.kernels.invariant_matmul import (  # noqa: E402
-    NORM_FUSED_ROWS,
-    MatmulTile,
-    invariant_matmul,
-    invariant_norm_matmul,
-)
+from tokenmill.kernels.invariant_matmul import MatmulTile, invariant_matmul  # noqa: E402
 from tokenmill.kernels.norm import rms_norm  # noqa: E402
 from tokenmill.kernels.rope_store import rope_and_store  # noqa: E402
 
@@ -182,37 +177,6 @@ def test_invariant_matmul_swiglu_is_silu_and_mul_of_the_product(dtype, tile) -> 
         assert torch.equal(out, plain)
     gate, up = (x.double() @ w.double().T).chunk(2, dim=-1)
     _close(out, torch.nn.functional.silu(gate) * up, dtype)
-
-
-@pytest.mark.parametrize("dtype", DOT_DTYPES)
-@pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("swiglu", [False, True])
-def test_invariant_norm_matmul(dtype: torch.dtype, with_residual: bool, swiglu: bool) -> None:
-    """RMSNorm of x (+ residual) then the product, against float64, in its fused form (up to
-    NORM_FUSED_ROWS rows) and its two-kernel form (more rows); on the GPU each row of the
-    two-kernel form is bitwise the row alone (fused)."""
-    gen = torch.Generator().manual_seed(5)
-    m = NORM_FUSED_ROWS + 9
-    x, res = _randn(m, 200, dtype=dtype, gen=gen), _randn(m, 200, dtype=dtype, gen=gen)
-    g = (torch.rand(200, generator=gen) + 0.5).to(DEVICE, dtype)
-    w = _randn(2 * 23, 200, dtype=dtype, gen=gen)
-    bias = None if swiglu else _randn(2 * 23, dtype=dtype, gen=gen)
-    s = x.double() + res.double() if with_residual else x.double()
-    y = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * g.double()
-    ref = y @ w.double().T + (bias.double() if bias is not None else 0.0)
-    if swiglu:
-        gate, up = ref.chunk(2, dim=-1)
-        ref = torch.nn.functional.silu(gate) * up
-        w = w.view(2, 23, 200).transpose(0, 1).reshape(46, 200)
-    rows = []
-    for part in (slice(0, 3), slice(0, m)):  # fused, then two kernels
-        residual = res[part] if with_residual else None
-        out, new_res = invariant_norm_matmul(x[part], w, InputNorm(g, 1e-6, residual), bias, swiglu)
-        _close(out, ref[part], dtype)
-        torch.testing.assert_close(new_res.double(), s[part], rtol=1e-2, atol=1e-2)
-        rows.append(out)
-    if DEVICE == "cuda":
-        assert torch.equal(rows[0], rows[1][:3])
 
 
 def test_invariant_matmul_rejects_bad_shapes() -> None:
@@ -558,7 +522,6 @@ def test_pdl_kernels_wait_before_touching_memory() -> None:
     assert set(before_wait) >= {"decode_split", "decode_reduce", "verify_split", "gemv",
                                 "rope_store", "moe_gate_up_gemv", "moe_down_gemv",
                                 "invariant_matmul", "invariant_matmul_swiglu",
-                                "invariant_matmul_norm", "invariant_matmul_scaled", "rms_rows",
                                 "invariant", "invariant_int64_index"}  # fmt: skip
     for name, ops in before_wait.items():
         if name in {"gemv", "rope_store", "decode_split", "decode_split_late", "moe_down_gemv"}:

@@ -16,7 +16,7 @@ try:
     from tokenmill.kernels.argmax import argmax_rows
     from tokenmill.kernels.fused_moe import fused_moe
     from tokenmill.kernels.gemv import gemv, norm_gemv
-    from tokenmill.kernels.invariant_matmul import invariant_matmul, invariant_norm_matmul
+    from tokenmill.kernels.invariant_matmul import invariant_matmul
     from tokenmill.kernels.norm import rms_norm
 except ImportError:  # triton is not installed
 
@@ -30,7 +30,6 @@ except ImportError:  # triton is not installed
     gemv: Callable[..., Any] = _missing  # type: ignore[no-redef]
     norm_gemv: Callable[..., Any] = _missing  # type: ignore[no-redef]
     invariant_matmul: Callable[..., Any] = _missing  # type: ignore[no-redef]
-    invariant_norm_matmul: Callable[..., Any] = _missing  # type: ignore[no-redef]
 
 
 __all__ = [
@@ -41,7 +40,6 @@ __all__ = [
     "fused_silu_and_mul",
     "gemv",
     "invariant_matmul",
-    "invariant_norm_matmul",
     "norm_gemv",
     "rms_norm",
 ]

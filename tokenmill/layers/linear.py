@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from tokenmill.distributed.group import TPGroup
-from tokenmill.kernels import InputNorm, gemv, invariant_norm_matmul, norm_gemv
+from tokenmill.kernels import InputNorm, gemv, norm_gemv
 from tokenmill.kernels.gemv_tuning import (
     GemvChoice,
     InputKind,
@@ -94,9 +94,6 @@ class Linear(nn.Module):
         if choice is not None and choice.fused:
             inputs = InputNorm(norm.weight, norm.eps, residual)
             return norm_gemv(x, self.weight, choice.config, inputs)
-        if self.batch_invariant and x.is_cuda:  # the norm inside the invariant product
-            inputs = InputNorm(norm.weight, norm.eps, residual)
-            return invariant_norm_matmul(x, self.weight, inputs, self._product_bias, self.swiglu)
         if residual is None:
             residual, h = x, norm(x)
         else:
