@@ -20,6 +20,7 @@ from tokenmill.kernels.attention import (
     _decode_reduce_kernel,
     _decode_split_kernel,
     _invariant_kernel,
+    _invariant_merge_kernel,
     _prefill_kernel,
     _verify_split_kernel,
 )
@@ -51,6 +52,7 @@ KERNELS = {
     **{name: (_invariant_kernel, dict(
         HQ=16, HKV=8, D=128, PAGE=16, BLOCK_M=16, BLOCK_N=64, CHUNK=4, PARTS=16,
         HAS_WINDOW=False)) for name in ("invariant", "invariant_int64_index")},
+    "invariant_merge": (_invariant_merge_kernel, dict(HQ=16, D=128, PARTS=16, BLOCK_H=16)),
     "decode_reduce": (_decode_reduce_kernel, dict(HQ=16, D=128, BLOCK_S=16)),
     "verify_split": (_verify_split_kernel, dict(
         HQ=16, HKV=8, D=128, PAGE=16, BLOCK_R=16, BLOCK_N=64, HAS_WINDOW=False)),

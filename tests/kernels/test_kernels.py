@@ -521,8 +521,8 @@ def test_pdl_kernels_wait_before_touching_memory() -> None:
     before_wait = json.loads(run.stdout)
     assert set(before_wait) >= {"decode_split", "decode_reduce", "verify_split", "gemv",
                                 "rope_store", "moe_gate_up_gemv", "moe_down_gemv",
-                                "invariant_matmul", "invariant_matmul_swiglu",
-                                "invariant", "invariant_int64_index"}  # fmt: skip
+                                "invariant_matmul", "invariant_matmul_swiglu", "invariant",
+                                "invariant_int64_index", "invariant_merge"}  # fmt: skip
     for name, ops in before_wait.items():
         if name in {"gemv", "rope_store", "decode_split", "decode_split_late", "moe_down_gemv"}:
             assert ops and all(op.startswith("ld.global") for op in ops), (name, ops)

@@ -13,7 +13,6 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.pdl import pdl_options, pdl_wait
-from tokenmill.kernels.tickets import ticket_buffer
 
 _LOG2E = 1.4426950408889634
 
@@ -192,8 +191,8 @@ def prefill_attention(
 @triton.jit
 def _merge_parts(m, den, acc, m_p, l_p, acc_p):
     """Fold a part's softmax state (`m_p`, `l_p`, `acc_p`) into the running one, with explicit
-    FMAs so the one-program path (parts in registers) and the split path's last program (parts
-    read back from the scratch) round alike. An empty part (max -inf, sums 0) leaves the running
+    FMAs so the one-program path (parts in registers) and `_invariant_merge_kernel` (parts read
+    back from the scratch) round alike. An empty part (max -inf, sums 0) leaves the running
     state bitwise as it was; into an empty running state a part comes in bitwise as it is."""
     m_new = tl.maximum(m, m_p)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -206,8 +205,8 @@ def _merge_parts(m, den, acc, m_p, l_p, acc_p):
 
 @triton.jit
 def _invariant_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_ml_ptr, ticket_ptr, cu_q_ptr,
-    kv_lens_ptr, page_table_ptr, stride_pt, qk_scale, window, split,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_ml_ptr, cu_q_ptr, kv_lens_ptr,
+    page_table_ptr, stride_pt, qk_scale, window, split,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, PARTS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, USE_PDL: tl.constexpr,
@@ -216,8 +215,8 @@ def _invariant_kernel(
     # decode row's whole query-head group shares one read of its K/V (like split decode). Keys
     # come in chunks of CHUNK blocks; chunk c belongs to part c % PARTS; each part is folded on
     # its own, chunk after chunk, the parts merged in order. With `split` (decode batches),
-    # program (seq, kvh, p) folds part p only and stores its state; the last of the PARTS
-    # programs to finish (an atomic ticket, as in the GEMV) merges them in the same order.
+    # program (seq, kvh, p) folds part p only and stores its state for
+    # `_invariant_merge_kernel`.
     pdl_wait(USE_PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -266,26 +265,36 @@ def _invariant_kernel(
             tl.store(mid_ml_ptr + row * 2 + 1, l_p, mask=m_mask)
         else:
             m, den, acc = _merge_parts(m, den, acc, m_p, l_p, acc_p)
-    done = split == 0
-    if split != 0:  # the last of the row's PARTS programs to arrive merges them, in order
-        tl.debug_barrier()  # every thread's part state is written before the ticket is taken
-        ticket_row = ticket_ptr + seq * HKV + kvh
-        done = tl.atomic_add(ticket_row, 1, sem="acq_rel") == PARTS - 1
-        if done:
-            for stored in range(0, PARTS):  # (not `part`: its type follows the index pointers)
-                stored_row = rows * PARTS + stored
-                m_p = tl.load(mid_ml_ptr + stored_row * 2, mask=m_mask, other=float("-inf"),
-                              cache_modifier=".cg")  # fmt: skip
-                l_p = tl.load(mid_ml_ptr + stored_row * 2 + 1, mask=m_mask, other=0.0,
-                              cache_modifier=".cg")  # fmt: skip
-                acc_p = tl.load(mid_o_ptr + stored_row[:, None] * D + offs_d[None, :],
-                                mask=m_mask[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
-                m, den, acc = _merge_parts(m, den, acc, m_p, l_p, acc_p)
-            tl.atomic_xchg(ticket_row, 0)
-    if done:
+    if split == 0:
         out = acc / tl.where(den == 0.0, 1.0, den)[:, None]
         out_offs = rows[:, None] * D + offs_d[None, :]
         tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+
+
+@triton.jit
+def _invariant_merge_kernel(
+    mid_o_ptr, mid_ml_ptr, out_ptr, HQ: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr,
+    BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    # A decode row's heads' parts merged in order, as `_invariant_kernel` merges them.
+    pdl_wait(USE_PDL)
+    seq = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = heads < HQ
+    offs_d = tl.arange(0, D)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    den = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    for part in tl.static_range(PARTS):  # unrolled: every part's loads issued at once
+        row = (seq * HQ + heads) * PARTS + part
+        m_p = tl.load(mid_ml_ptr + row * 2, mask=h_mask, other=float("-inf"))
+        l_p = tl.load(mid_ml_ptr + row * 2 + 1, mask=h_mask, other=0.0)
+        acc_p = tl.load(mid_o_ptr + row[:, None] * D + offs_d[None, :], mask=h_mask[:, None],
+                        other=0.0)  # fmt: skip
+        m, den, acc = _merge_parts(m, den, acc, m_p, l_p, acc_p)
+    out = acc / tl.where(den == 0.0, 1.0, den)[:, None]
+    offs = (seq * HQ + heads)[:, None] * D + offs_d[None, :]
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
 
 
 # Rows of (query token, head) per program of `invariant_attention`: one size for every batch,
@@ -335,8 +344,8 @@ def invariant_attention(
     alone, in any batch, or in any prefill chunk, and its K/V (and with them later tokens) are
     the same whichever way they were computed. With `scratch` (`invariant_scratch`, for a
     decode batch: one query per sequence, no more sequences than it holds) each part runs in a
-    program of its own and the last of a row's programs to finish merges them: more programs
-    for few sequences, the same bits, one kernel.
+    program of its own and a second kernel merges them: more programs for few sequences, the
+    same bits.
     """
     _tokens, hq, d = q.shape
     hkv = k_cache.shape[-2]
@@ -353,13 +362,19 @@ def invariant_attention(
         )
     blocks = INVARIANT_PARTS if split else triton.cdiv(max_q_len * group, INVARIANT_BLOCK_M)
     out = torch.empty_like(q)
+    pdl = pdl_options(q.device)
     _invariant_kernel[(batch, hkv, blocks)](
-        q, k_cache, v_cache, out, mid_o, mid_ml, ticket_buffer(q.device, batch * hkv), cu_q,
-        kv_lens, page_table, page_table.stride(0), scale * _LOG2E, window or 0, int(split),
+        q, k_cache, v_cache, out, mid_o, mid_ml, cu_q, kv_lens, page_table, page_table.stride(0),
+        scale * _LOG2E, window or 0, int(split),
         HQ=hq, HKV=hkv, D=d, PAGE=page_size, BLOCK_M=INVARIANT_BLOCK_M, BLOCK_N=64,
         CHUNK=INVARIANT_CHUNK, PARTS=INVARIANT_PARTS, HAS_WINDOW=window is not None,
-        num_warps=4, num_stages=2, **pdl_options(q.device),
+        num_warps=4, num_stages=2, **pdl,
     )  # fmt: skip
+    if split:
+        block_h = min(2, triton.next_power_of_2(hq))  # rows merge alone: many small programs
+        _invariant_merge_kernel[(batch, triton.cdiv(hq, block_h))](
+            mid_o, mid_ml, out, HQ=hq, D=d, PARTS=INVARIANT_PARTS, BLOCK_H=block_h, **pdl,
+        )  # fmt: skip
     return out
 
 
