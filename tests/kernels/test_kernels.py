@@ -24,7 +24,12 @@ from tokenmill.kernels.attention import (  # noqa: E402
     verify_attention,
 )
 from tokenmill.kernels.gemv import GemvConfig, InputNorm, gemv, norm_gemv  # noqa: E402
-from tokenmill.kernels.invariant_matmul import MatmulTile, invariant_matmul  # noqa: E402
+from tokenmill.kernels.invariant_matmul import (  # noqa: E402
+    PREFETCH_BYTES,
+    MatmulTile,
+    invariant_matmul,
+    prefetch_columns,
+)
 from tokenmill.kernels.norm import rms_norm  # noqa: E402
 from tokenmill.kernels.rope_store import rope_and_store  # noqa: E402
 
@@ -160,6 +165,21 @@ def test_invariant_matmul(dtype: torch.dtype, m: int, tile: MatmulTile | None) -
     if DEVICE == "cuda":
         alone = torch.cat([invariant_matmul(x[i : i + 1], w, bias) for i in range(m)])
         assert torch.equal(out, alone)
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "expected"),
+    [(4096, 1024, 1024), (1024, 3072, 3072), (6144, 4096, 1344), (151936, 1024, 0)],
+)
+def test_invariant_matmul_prefetches_what_fits_in_l2(n: int, k: int, expected: int) -> None:
+    """Before its PDL wait a product prefetches whole weights up to PREFETCH_BYTES (Qwen3-0.6B's
+    q/k/v and down), else the leading share of each row that fits, in whole 16-byte pieces
+    (Llama-3.1-8B's q/k/v), else nothing (an LM head); never from a misaligned weight."""
+    weight = torch.empty(n, k, dtype=torch.bfloat16, device="meta")
+    assert prefetch_columns(weight) == expected
+    assert n * prefetch_columns(weight) * 2 <= PREFETCH_BYTES
+    rows = torch.empty(4, 1025, dtype=torch.bfloat16)
+    assert prefetch_columns(rows[:, 1:]) == 0  # rows of 2050 bytes, not 16-byte aligned
 
 
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
@@ -512,7 +532,8 @@ def test_pdl_kernels_wait_before_touching_memory() -> None:
     sm_90, no kernel may write global memory before its `griddepcontrol.wait`; only the GEMV
     (constant weights), rotary + store (the step's positions and slots, the rotary tables),
     split decode (KV lengths, page table, K/V of earlier steps) and the MoE down GEMV (router
-    logits of the kernel before the previous one, expert weights) read before it."""
+    logits of the kernel before the previous one, expert weights) read before it, and the
+    invariant matmul prefetches its weights into L2 before it (when asked to)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(
         [sys.executable, "-m", "tests.kernels.ptx_prologue"],
@@ -521,11 +542,14 @@ def test_pdl_kernels_wait_before_touching_memory() -> None:
     before_wait = json.loads(run.stdout)
     assert set(before_wait) >= {"decode_split", "decode_reduce", "verify_split", "gemv",
                                 "rope_store", "moe_gate_up_gemv", "moe_down_gemv",
-                                "invariant_matmul", "invariant_matmul_swiglu", "invariant",
+                                "invariant_matmul", "invariant_matmul_swiglu",
+                                "invariant_matmul_prefetch", "invariant",
                                 "invariant_int64_index", "invariant_merge"}  # fmt: skip
     for name, ops in before_wait.items():
         if name in {"gemv", "rope_store", "decode_split", "decode_split_late", "moe_down_gemv"}:
             assert ops and all(op.startswith("ld.global") for op in ops), (name, ops)
+        elif name == "invariant_matmul_prefetch":  # its weights into L2, nothing into registers
+            assert ops and all(op.startswith("cp.async.bulk.prefetch.L2") for op in ops), ops
         else:
             assert ops == [], (name, ops)
 

@@ -16,6 +16,11 @@ in the same k order.
 
 The `swiglu` epilogue keeps that property because it is per element: it pairs interleaved
 gate/up columns into `silu(gate) * up` before the store.
+
+Under PDL (`kernels/pdl.py`) a product is placed while the kernel before it still runs; before
+its wait it asks L2 for its slice of W (constant: `cp.async.bulk.prefetch.L2`, no registers
+used), up to PREFETCH_BYTES of the weight in all, so a decode step's small products read their
+weights from L2 instead of waiting on HBM after the previous kernel ends.
 """
 
 from __future__ import annotations
@@ -68,10 +73,23 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_l2(ptrs, nbytes, mask):
+    """Ask L2 for `nbytes` (a multiple of 16) from each of `ptrs` (16-byte aligned) where
+    `mask`: one bulk prefetch per element, nothing loaded into registers (sm_90 and newer)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $3; mov.b32 $0, 0; }",
+        "=r,l,r,r", [ptrs, mask.to(tl.int32), nbytes], dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
 def _invariant_matmul_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, piece,
+    piece_bytes,
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PIECES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -89,6 +107,11 @@ def _invariant_matmul_kernel(
     n_mask = offs_n < N
     x_offs = offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    if PIECES > 0:  # the first row tile's programs: PIECES pieces of each of their W rows
+        pieces = tl.arange(0, PIECES)
+        starts = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + pieces[None, :] * piece
+        mask = (n_mask & (pid_m == 0))[:, None] & (pieces < PIECES)[None, :]
+        _prefetch_l2(starts, piece_bytes, mask)
     pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
@@ -153,11 +176,33 @@ def _launch(
     if m == 0:
         return out
     grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n),)
+    pdl = pdl_options(x.device)
+    piece = prefetch_columns(weight) // PREFETCH_PIECES if pdl["USE_PDL"] else 0
     _invariant_matmul_kernel[grid](
         x, weight, bias if bias is not None else x, out, m, n, k,
-        x.stride(0), weight.stride(0), out.stride(0),
+        x.stride(0), weight.stride(0), out.stride(0), piece, piece * weight.element_size(),
         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, SWIGLU=swiglu,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=8,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_options(x.device),
+        PIECES=PREFETCH_PIECES if piece else 0, num_warps=tile.num_warps,
+        num_stages=tile.num_stages, **pdl,
     )  # fmt: skip
     return out
+
+
+# The most of a weight a product asks L2 for before its wait (the H200 has 50 MB of L2; this
+# and the weights of the kernel before it stay well inside), in PREFETCH_PIECES pieces a row.
+PREFETCH_BYTES = 16 << 20
+PREFETCH_PIECES = 8
+
+
+def prefetch_columns(weight: torch.Tensor) -> int:
+    """How many leading columns of each row of `weight` `[N, K]` a product prefetches into L2
+    before its PDL wait: all K when the weight fits in PREFETCH_BYTES, else the share of each
+    row that does; whole 16-byte pieces, PREFETCH_PIECES a row, on 16-byte-aligned rows; 0:
+    none."""
+    n, k = weight.shape
+    size = weight.element_size()
+    per_row = min(k, PREFETCH_BYTES // (n * size))
+    unit = PREFETCH_PIECES * 16 // size  # columns in PREFETCH_PIECES 16-byte pieces
+    aligned = weight.data_ptr() % 16 == 0 and (weight.stride(0) * size) % 16 == 0
+    return per_row // unit * unit if aligned else 0
