@@ -10,6 +10,15 @@ from tokenmill.kernels.pdl import pdl_options, pdl_wait
 
 
 @triton.jit
+def silu_mul(gate, up):
+    """`silu(gate) * up` in float32 as `silu_and_mul` rounds it: the SiLU taken in float32 and
+    rounded to `up`'s dtype, then the product (the caller rounds it to its output's dtype)."""
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(up.dtype)
+    return silu.to(tl.float32) * up.to(tl.float32)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
 ):
@@ -17,10 +26,9 @@ def _silu_and_mul_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
-    out = (silu.to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    out = silu_mul(gate, up).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
 
 

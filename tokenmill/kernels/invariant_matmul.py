@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.activation import silu_mul
 from tokenmill.kernels.pdl import pdl_options, pdl_wait
 
 
@@ -110,7 +111,7 @@ def _invariant_matmul_kernel(
     if PIECES > 0:  # the first row tile's programs: PIECES pieces of each of their W rows
         pieces = tl.arange(0, PIECES)
         starts = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + pieces[None, :] * piece
-        mask = (n_mask & (pid_m == 0))[:, None] & (pieces < PIECES)[None, :]
+        mask = tl.broadcast_to((n_mask & (pid_m == 0))[:, None], [BLOCK_N, PIECES])
         _prefetch_l2(starts, piece_bytes, mask)
     pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -125,9 +126,7 @@ def _invariant_matmul_kernel(
     out = acc.to(out_ptr.dtype.element_ty)
     if SWIGLU:  # columns (2j, 2j + 1) are (gate_j, up_j): SiLU-and-mul as `silu_and_mul` does
         gate, up = tl.split(tl.reshape(out, [BLOCK_M, BLOCK_N // 2, 2]))
-        g = gate.to(tl.float32)
-        silu = (g / (1.0 + tl.exp(-g))).to(up.dtype)
-        out = (silu.to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        out = silu_mul(gate, up).to(out_ptr.dtype.element_ty)
         offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         n_mask = offs_n < N // 2
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
@@ -147,12 +146,7 @@ def invariant_matmul(
     `swiglu`: W's rows interleave an MLP's gate and up projections (gate j, up j, ...), and the
     result is `silu(gate) * up` `[M, N / 2]`: bitwise `silu_and_mul` of the plain product with
     de-interleaved rows, without writing and reading that product."""
-    _check(x, weight, bias, swiglu)
-    return _launch(x, weight, bias, tile or choose_tile(x.shape[0], weight.shape[0]), swiglu)
-
-
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swiglu: bool) -> None:
-    k, n = x.shape[1], weight.shape[0]
+    (m, k), n = x.shape, weight.shape[0]
     if weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(
             f"invariant_matmul takes x [M, K], W [N, K] with contiguous rows; "
@@ -160,21 +154,10 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swi
         )
     if swiglu and (n % 2 or bias is not None):
         raise ValueError(f"swiglu takes an even number of rows and no bias; got N = {n}")
-
-
-def _launch(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    tile: MatmulTile,
-    swiglu: bool,
-) -> torch.Tensor:
-    """One `_invariant_matmul_kernel` launch."""
-    m, k = x.shape
-    n = weight.shape[0]
     out = torch.empty((m, n // 2 if swiglu else n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
+    tile = tile or choose_tile(m, n)
     grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n),)
     pdl = pdl_options(x.device)
     piece = prefetch_columns(weight) // PREFETCH_PIECES if pdl["USE_PDL"] else 0
