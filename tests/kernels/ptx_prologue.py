@@ -58,7 +58,10 @@ KERNELS = {
         HQ=16, HKV=8, D=128, PAGE=16, BLOCK_R=16, BLOCK_N=64, HAS_WINDOW=False)),
     "gemv": (_gemv_kernel, dict(
         BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, SPLIT_K=4, GATED=False, NORM=True, HAS_RES=True,
-        PREFETCH=2, DEFER=True)),
+        PREFETCH=2, DEFER=True, DOT=False, IEEE=False)),
+    "gemv_dot": (_gemv_kernel, dict(
+        BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, SPLIT_K=1, GATED=True, NORM=False, HAS_RES=False,
+        PREFETCH=2, DEFER=False, DOT=True, IEEE=False)),
     **{name: (_invariant_matmul_kernel, dict(
         HAS_BIAS=not swiglu, IEEE=False, SWIGLU=swiglu, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128,
         GROUP_M=8, PIECES=pieces)) for name, swiglu, pieces in (

@@ -133,9 +133,44 @@ def test_norm_gemv_is_add_rmsnorm_then_product(dtype, config, with_residual: boo
     assert torch.equal(norm_gemv(x, w, config, norm)[0], out)
 
 
+# Tensor-core configs: whole tiles, a K split, two slabs ahead (each kind of input below).
+DOT_CONFIGS = [GemvConfig(16, 32, 1, dot=True), GemvConfig(32, 64, 3, prefetch=2, dot=True)]
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("m", [2, 5, 8])
+@pytest.mark.parametrize("config", DOT_CONFIGS)
+@pytest.mark.parametrize("kind", ["plain", "gated", "normed"])
+def test_dot_gemv_matches_the_reference(dtype, m: int, config: GemvConfig, kind: str) -> None:
+    """The tensor-core path (rows padded to a 16-row tile, ragged N and K) for every input
+    kind: plain, SwiGLU of (gate | up), residual add + RMSNorm."""
+    gen = torch.Generator().manual_seed(m)
+    width = 2 * 150 if kind == "gated" else 150
+    x, w = _randn(m, width, dtype=dtype, gen=gen), _randn(37, 150, dtype=dtype, gen=gen)
+    if kind == "normed":
+        res, norm_w = _randn(m, 150, dtype=dtype, gen=gen), _randn(150, dtype=dtype, gen=gen)
+        out, new_res = norm_gemv(x, w, config, InputNorm(norm_w, 1e-6, res))
+        total = (x.double() + res.double()).to(dtype).double()
+        h = norm_w.double() * total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-6)
+        _close(new_res, total, dtype)
+    else:
+        out = gemv(x, w, config, gated=kind == "gated")
+        gate, up = x.double().chunk(2, dim=-1) if kind == "gated" else (x.double(), None)
+        h = gate if up is None else torch.nn.functional.silu(gate) * up
+    assert out.shape == (m, 37)
+    _close(out, h @ w.double().T, dtype)
+
+
 def test_gemv_config_rejects_bad_prefetch() -> None:
     with pytest.raises(ValueError, match="prefetch"):
         GemvConfig(8, 32, 1, prefetch=3)
+
+
+@pytest.mark.parametrize("bad", [{"block_n": 8}, {"block_k": 8}, {"defer": True}])
+def test_gemv_config_rejects_dot_without_whole_tiles(bad: dict) -> None:
+    with pytest.raises(ValueError, match="dot"):
+        GemvConfig(**{"block_n": 16, "block_k": 32, "split_k": 1, "dot": True, **bad})
+    assert not GemvConfig(16, 32, 1, dot=True).serves(1)
 
 
 def test_gemv_rejects_bad_shapes() -> None:
@@ -530,10 +565,11 @@ def test_gemv_candidate_check_rejects_wrong_or_failing_kernels(caplog) -> None:
 def test_pdl_kernels_wait_before_touching_memory() -> None:
     """Launched with PDL, a kernel may start before the previous one has finished: compiled for
     sm_90, no kernel may write global memory before its `griddepcontrol.wait`; only the GEMV
-    (constant weights), rotary + store (the step's positions and slots, the rotary tables),
-    split decode (KV lengths, page table, K/V of earlier steps) and the MoE down GEMV (router
-    logits of the kernel before the previous one, expert weights) read before it, and the
-    invariant matmul prefetches its weights into L2 before it (when asked to)."""
+    (constant weights; CUDA-core and tensor-core variants), rotary + store (the step's
+    positions and slots, the rotary tables), split decode (KV lengths, page table, K/V of
+    earlier steps) and the MoE down GEMV (router logits of the kernel before the previous one,
+    expert weights) read before it, and the invariant matmul prefetches its weights into L2
+    before it (when asked to)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(
         [sys.executable, "-m", "tests.kernels.ptx_prologue"],
@@ -541,12 +577,14 @@ def test_pdl_kernels_wait_before_touching_memory() -> None:
     )  # fmt: skip
     before_wait = json.loads(run.stdout)
     assert set(before_wait) >= {"decode_split", "decode_reduce", "verify_split", "gemv",
-                                "rope_store", "moe_gate_up_gemv", "moe_down_gemv",
+                                "gemv_dot", "rope_store", "moe_gate_up_gemv", "moe_down_gemv",
                                 "invariant_matmul", "invariant_matmul_swiglu",
                                 "invariant_matmul_prefetch", "invariant",
                                 "invariant_int64_index", "invariant_merge"}  # fmt: skip
+    reads_first = {"gemv", "gemv_dot", "rope_store", "decode_split", "decode_split_late",
+                   "moe_down_gemv"}  # fmt: skip
     for name, ops in before_wait.items():
-        if name in {"gemv", "rope_store", "decode_split", "decode_split_late", "moe_down_gemv"}:
+        if name in reads_first:
             assert ops and all(op.startswith("ld.global") for op in ops), (name, ops)
         elif name == "invariant_matmul_prefetch":  # its weights into L2, nothing into registers
             assert ops and all(op.startswith("cp.async.bulk.prefetch.L2") for op in ops), ops

@@ -20,6 +20,8 @@ from tokenmill.kernels.pdl import pdl_options, pdl_wait
 from tokenmill.kernels.tickets import ticket_buffer
 
 MAX_M = 8
+# A `dot` config's rows are padded to a tensor-core tile's height.
+DOT_ROWS = 16
 
 
 @triton.jit
@@ -55,7 +57,7 @@ def _gemv_kernel(
     M, N, K, k_per_split, stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, PREFETCH: tl.constexpr,
-    DEFER: tl.constexpr, USE_PDL: tl.constexpr,
+    DEFER: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -99,7 +101,6 @@ def _gemv_kernel(
             x_ptr, res_ptr, offs_m, m_mask, stride_xm, k + BLOCK_K, k_hi, K, BLOCK_K, GATED,
             HAS_RES,
         )  # fmt: skip
-        w = w_cur.to(tl.float32)
         x_offs = offs_m[:, None] * stride_xm + offs_k[None, :]
         x_mask = m_mask[:, None] & k_mask[None, :]
         if GATED:  # x is the gate
@@ -116,11 +117,19 @@ def _gemv_kernel(
             else:
                 sumsq += tl.sum(x * x, axis=1)
             x = x * tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-        x = x.to(tl.float32)
-        if DEFER:
-            acc3 += x[:, None, :] * w[None, :, :]
+        if DOT:  # the transformed input rounded to W's dtype, as the unfused kernels store it
+            xw = x.to(w_cur.dtype)
+            if IEEE:  # float32 weights: no TF32 rounding
+                acc += tl.dot(xw, tl.trans(w_cur), input_precision="ieee")
+            else:
+                acc += tl.dot(xw, tl.trans(w_cur))
         else:
-            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+            x = x.to(tl.float32)
+            w = w_cur.to(tl.float32)
+            if DEFER:
+                acc3 += x[:, None, :] * w[None, :, :]
+            else:
+                acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     if DEFER:
         acc = tl.sum(acc3, axis=2)
         if NORM:
@@ -207,9 +216,10 @@ def _launch(
         residual if residual is not None else x, new_residual if new_residual is not None else x,
         norm.weight if norm is not None else x, sumsq, norm.eps if norm is not None else 0.0,
         m, n, k, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, SPLIT_K=split_k, GATED=gated, NORM=norm is not None,
-        HAS_RES=residual is not None, PREFETCH=config.prefetch, DEFER=config.defer,
+        BLOCK_M=max(DOT_ROWS if config.dot else 1, triton.next_power_of_2(m)),
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k, GATED=gated,
+        NORM=norm is not None, HAS_RES=residual is not None, PREFETCH=config.prefetch,
+        DEFER=config.defer, DOT=config.dot, IEEE=weight.dtype == torch.float32,
         num_warps=config.num_warps, **pdl_options(x.device),
     )  # fmt: skip
     return out, new_residual

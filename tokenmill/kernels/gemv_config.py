@@ -12,7 +12,9 @@ import torch
 class GemvConfig:
     """Tile sizes and K split of one launch; `prefetch` (1 or 2): slabs of W loaded ahead of
     the one being multiplied; `defer`: sum products element-wise and reduce over K once at the
-    end (more registers, fewer shuffles per slab)."""
+    end (more registers, fewer shuffles per slab); `dot`: multiply each slab on the tensor
+    cores (`tl.dot`, the rows padded to 16) instead of the CUDA cores, whose multiply-adds at
+    5-8 rows take about as long as streaming the weights."""
 
     block_n: int
     block_k: int
@@ -20,14 +22,20 @@ class GemvConfig:
     num_warps: int = 4
     prefetch: int = 1
     defer: bool = False
+    dot: bool = False
 
     def __post_init__(self) -> None:
         if self.prefetch not in (1, 2):
             raise ValueError(f"GemvConfig.prefetch must be 1 or 2, got {self.prefetch}")
+        if self.dot and (self.defer or min(self.block_n, self.block_k) < 16):
+            raise ValueError("a GemvConfig with dot needs block_n, block_k >= 16 and no defer")
 
     def serves(self, rows: int) -> bool:
         """Whether the config is worth running for inputs of up to `rows` rows: deferred sums
-        hold rows x tile values per thread, so they are kept to at most two rows."""
+        hold rows x tile values per thread, so they are kept to at most two rows; tensor-core
+        tiles are for more than one."""
+        if self.dot:
+            return rows > 1
         return rows <= 2 or not self.defer
 
 
