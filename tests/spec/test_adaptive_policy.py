@@ -23,6 +23,7 @@ from tokenmill.engine.scheduler import DECLINE_STEPS, Scheduler
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec.adaptive import (
     MIN_SPEEDUP,
+    RECENT_MEASUREMENTS,
     StepCost,
     choose_num_drafts,
     expected_tokens,
@@ -150,9 +151,10 @@ def test_step_cost_interpolates_and_is_optimistic_outside_what_it_measured(verif
     predicted = cost.predict(np.array([4, 8, 36, 64, 500]), verify)
     assert predicted.tolist() == pytest.approx([1.0, 2.0, 3.0, 4.0, 4.0])
     assert cost.predict(np.array([8]), not verify).tolist() == [2.0]  # the other kind: as this
-    cost.observe(8, 4.0, verify)  # a weighted mean: the newest measurement moves it part way
-    assert 2.0 < cost.predict(np.array([8]), verify)[0] < 4.0
-    assert cost.table(verify) == {8: (pytest.approx(2.5), 2), 64: (4.0, 1)}
+    cost.observe(8, 4.0, verify)  # the lower median of the recent measurements
+    assert cost.predict(np.array([8]), verify)[0] == 2.0
+    cost.observe(8, 3.0, verify)
+    assert cost.table(verify) == {8: (3.0, 3), 64: (4.0, 1)}
 
 
 def test_plain_and_verify_steps_of_one_size_are_priced_apart() -> None:
@@ -485,6 +487,29 @@ def test_a_step_is_priced_no_dearer_than_a_larger_one() -> None:
     cost = _measured(64, (64, 2.0e-3), (80, 3.0e-3))
     cost.observe(40, 3.0e-3, verify=True)
     assert cost.predict(np.array([40]), verify=True)[0] == pytest.approx(3.0e-3)
+
+
+def test_steps_measured_far_too_dear_do_not_turn_drafting_on() -> None:
+    """B4 on an H200, Qwen3-0.6B, batch 64, a = 0.6 (the costs the policy learnt: a plain step
+    of 64 rows 2.84 ms, verifies of 64 x 2 / 64 x 4 / 64 x 5 tokens 6.63 / 6.88 / 7.43 ms):
+    a plain step held up 20x (a garbage collection) moved an averaged price far enough that
+    the policy drafted, and, drafting, never measured a plain step again (x0.92 of plain
+    decoding). A size's price is the lower median of its recent measurements: outliers among
+    fewer than half of them do not move it; a steady new cost takes over."""
+    cost = _measured(64, *[(64, 2.84e-3)] * RECENT_MEASUREMENTS)
+    for n, seconds in ((128, 6.63e-3), (256, 6.88e-3), (320, 7.43e-3)):
+        cost.observe(n, seconds, verify=True)
+    outliers = (RECENT_MEASUREMENTS - 1) // 2
+    for _ in range(outliers):
+        cost.observe(64, 20 * 2.84e-3, verify=False)
+        assert cost.predict(np.array([64]), verify=False)[0] == pytest.approx(2.84e-3)
+    rates, available = np.full(64, 0.6), np.full(64, 4)
+    pinned = np.zeros(64, dtype=bool)
+    assert not choose_num_drafts(rates, available, pinned, 0, 0, cost, padded=True).any()
+    for _ in range(RECENT_MEASUREMENTS):
+        cost.observe(64, 4e-3, verify=False)
+    assert cost.predict(np.array([64]), verify=False)[0] == pytest.approx(4e-3)
+    assert cost.table(verify=False)[64] == (4e-3, 2 * RECENT_MEASUREMENTS + outliers)
 
 
 def test_a_verify_is_capped_by_the_plain_steps_it_is_priced_between() -> None:

@@ -28,12 +28,18 @@ nothing there, so every row drafts min(K, what it can), and one drafting row cos
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
-# Weight of the newest measurement of a step size (an exponentially weighted mean).
-COST_SMOOTHING = 0.25
+# A size's price is the lower median of its last this many measurements: a step the host was
+# kept from (a garbage collection, another process) must not price its size, even for a few
+# steps. A plain step measured 20x too dear once (an exponentially weighted mean moved a
+# quarter of the way) made drafting look cheap, and the policy, drafting, never measured a
+# plain step again (simulated, `benchmarks/adaptive_replay.py --learn --outliers 0.01`, B4's
+# batch 64 at a = 0.6: 331 verify steps of 434, x0.84 of plain decoding).
+RECENT_MEASUREMENTS = 5
 # Drafting must promise this many times plain decoding's tokens per second: the costs are
 # measured, so noisy, and a near tie is not worth a synchronous step.
 MIN_SPEEDUP = 1.1
@@ -50,11 +56,11 @@ def token_bucket(num_tokens: int) -> int:
 
 
 class _SizeTable:
-    """Measured seconds per `token_bucket` (an exponentially weighted mean each), with how many
-    steps measured each size."""
+    """Measured seconds per `token_bucket` (the lower median of its last
+    `RECENT_MEASUREMENTS` measurements each), with how many steps measured each size."""
 
-    def __init__(self, smoothing: float) -> None:
-        self.smoothing = smoothing
+    def __init__(self) -> None:
+        self.recent: dict[int, deque[float]] = {}
         self.seconds: dict[int, float] = {}
         self.counts: dict[int, int] = {}
         self.sizes = np.zeros(0)
@@ -62,8 +68,9 @@ class _SizeTable:
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         size = token_bucket(num_tokens)
-        old = self.seconds.get(size)
-        self.seconds[size] = seconds if old is None else old + self.smoothing * (seconds - old)
+        recent = self.recent.setdefault(size, deque(maxlen=RECENT_MEASUREMENTS))
+        recent.append(seconds)
+        self.seconds[size] = sorted(recent)[(len(recent) - 1) // 2]
         self.counts[size] = self.counts.get(size, 0) + 1
         sizes = sorted(self.seconds)
         self.sizes = np.array(sizes, dtype=np.float64)
@@ -91,8 +98,8 @@ class StepCost:
     a step) would otherwise stand for good once it makes the policy avoid that size
     (llama-3.1-8b, B4 batch 256, a = 0.6: adaptive speculation drafted on, x0.80)."""
 
-    def __init__(self, smoothing: float = COST_SMOOTHING) -> None:
-        self._tables = {kind: _SizeTable(smoothing) for kind in (False, True)}
+    def __init__(self) -> None:
+        self._tables = {kind: _SizeTable() for kind in (False, True)}
         # Each kind's price curve, built on first use after a measurement (None: nothing yet).
         self._curves: dict[bool, _Curve | None] = {}
 
