@@ -158,6 +158,7 @@ def main() -> None:
         default=0.0,
         help=f"--learn: the share of steps measured {SimulatedCost.OUTLIER:.0f}x as long",
     )
+    parser.add_argument("--seed", type=int, default=0, help="prompts, oracle and noise")
     parser.add_argument(
         "--repeats",
         type=int,
@@ -167,7 +168,7 @@ def main() -> None:
     args = parser.parse_args()
     report = replay(args.rate, args.batch, args.output_len, args.plain_ms, args.verify_ms,
                     learn=args.learn, noise=args.noise, outliers=args.outliers,
-                    repeats=args.repeats,
+                    repeats=args.repeats, seed=args.seed,
                     input_len=args.input_len)  # fmt: skip
     print(report["sequence"])
     print(f"rate {args.rate} batch {args.batch}: {report['verify_steps']} verify and "
