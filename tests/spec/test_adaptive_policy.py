@@ -23,6 +23,7 @@ from tokenmill.engine.scheduler import DECLINE_STEPS, Scheduler
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec.adaptive import (
     MIN_SPEEDUP,
+    PLAIN_RECHECK_STEPS,
     RECENT_MEASUREMENTS,
     StepCost,
     choose_num_drafts,
@@ -327,6 +328,29 @@ def test_scheduler_decodes_plain_and_overlapped_when_compute_bound() -> None:
     sched.update(out, [9], [None])
     assert sched.spec_stats.chosen_drafts.counts[0] == 1
     assert (req.acceptance.accepted, req.acceptance.rejected) == (0, 0)  # nothing verified
+
+
+def test_a_stale_plain_price_is_measured_again_while_drafting() -> None:
+    """While the policy drafts it measures verify steps only: the plain price it drafts
+    against is measured again (one plain step, no pause) once PLAIN_RECHECK_STEPS steps old."""
+    cost = _cost(_roofline(128))
+
+    def first_step() -> tuple[list[int], Request]:
+        sched = _scheduler(cost)
+        req = _decoding(sched, "a")
+        plan = sched.schedule().plan
+        assert plan is not None
+        return plan.num_samples.tolist(), req
+
+    for _ in range(PLAIN_RECHECK_STEPS - 1 - (cost.age(1, verify=False) or 0)):
+        cost.observe(4, 1.0, verify=True)
+    assert first_step()[0] == [4]  # still fresh: drafts
+    cost.observe(4, 1.0, verify=True)  # now PLAIN_RECHECK_STEPS old
+    samples, req = first_step()
+    assert samples == [1]
+    assert not req.draft_pause.active(req.num_tokens + 1)  # a recheck is not a decline
+    cost.observe(1, 1.0, verify=False)  # the plain step measured: drafting again
+    assert first_step()[0] == [4]
 
 
 def test_the_policys_no_stands_for_a_few_calls_unless_a_request_joins() -> None:

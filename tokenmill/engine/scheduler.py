@@ -24,7 +24,7 @@ from tokenmill.batch import (
 )
 from tokenmill.cache.cache_manager import CacheManager
 from tokenmill.config import SchedulerConfig
-from tokenmill.spec.adaptive import StepCost, choose_num_drafts
+from tokenmill.spec.adaptive import PLAIN_RECHECK_STEPS, StepCost, choose_num_drafts
 from tokenmill.spec.config import SpeculativeConfig
 from tokenmill.spec.proposer import HostProposer
 from tokenmill.spec.rejection import PLACEHOLDER
@@ -200,7 +200,10 @@ class Scheduler:
         chosen = available
         if adaptive:
             chosen = self._adaptive_drafts(ready, available, in_flight)
-            _pause_after(ready, offers, chosen)
+            if self._recheck_plain(ready, chosen, in_flight):
+                chosen = np.zeros_like(chosen)  # one plain step, not a decline: no pause
+            else:
+                _pause_after(ready, offers, chosen)
         num_drafts = {}
         for req, offered, n in zip(ready, available.tolist(), chosen.tolist(), strict=True):
             req.draft_token_ids = req.draft_token_ids[:n]
@@ -236,6 +239,20 @@ class Scheduler:
             self.step_cost,
             padded,
         )
+
+    def _recheck_plain(
+        self, ready: list[Request], chosen: np.ndarray, in_flight: Mapping[Request, range]
+    ) -> bool:
+        """Whether this step, where the policy drafts, decodes plain instead to measure what
+        the plain step it was weighed against costs now (`PLAIN_RECHECK_STEPS`): its price
+        is that many measured steps old. Never with a seeded sampled row drafting (its drafts
+        must not depend on the batch) or a prefill chunk in the step (not measured)."""
+        if not chosen.any() or any(_pinned(r) for r, n in zip(ready, chosen, strict=True) if n):
+            return False
+        if any(r.num_uncomputed_tokens(len(in_flight.get(r) or ())) > 1 for r in self.running):
+            return False
+        age = self.step_cost.age(len(self.running), verify=False)
+        return age is not None and age >= PLAIN_RECHECK_STEPS
 
     def _max_offer(self, req: Request, k: int) -> int:
         """The most drafts `req` can verify this step under adaptive speculation: what the

@@ -40,6 +40,11 @@ import numpy as np
 # plain step again (simulated, `benchmarks/adaptive_replay.py --learn --outliers 0.01`, B4's
 # batch 64 at a = 0.6: 331 verify steps of 434, x0.84 of plain decoding).
 RECENT_MEASUREMENTS = 5
+# While the policy drafts, a plain step is measured only when it declines: a plain price
+# measured high early (a slow first step) would keep it drafting for good. The scheduler runs
+# one plain step (`Scheduler._plan_drafts`) once a plain price it would draft against is this
+# many measured steps old: at most one step in this many costs what drafting would have gained.
+PLAIN_RECHECK_STEPS = 64
 # Drafting must promise this many times plain decoding's tokens per second: the costs are
 # measured, so noisy, and a near tie is not worth a synchronous step.
 MIN_SPEEDUP = 1.1
@@ -63,11 +68,13 @@ class _SizeTable:
         self.recent: dict[int, deque[float]] = {}
         self.seconds: dict[int, float] = {}
         self.counts: dict[int, int] = {}
+        self.last: dict[int, int] = {}  # the `StepCost.measured` count at a size's last one
         self.sizes = np.zeros(0)
         self.values = np.zeros(0)
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
+    def observe(self, num_tokens: int, seconds: float, index: int) -> None:
         size = token_bucket(num_tokens)
+        self.last[size] = index
         recent = self.recent.setdefault(size, deque(maxlen=RECENT_MEASUREMENTS))
         recent.append(seconds)
         self.seconds[size] = sorted(recent)[(len(recent) - 1) // 2]
@@ -100,13 +107,21 @@ class StepCost:
 
     def __init__(self) -> None:
         self._tables = {kind: _SizeTable() for kind in (False, True)}
+        self.measured = 0  # steps measured so far, of both kinds
         # Each kind's price curve, built on first use after a measurement (None: nothing yet).
         self._curves: dict[bool, _Curve | None] = {}
 
     def observe(self, num_tokens: int, seconds: float, verify: bool) -> None:
         """Record one measured step of `num_tokens` query tokens (`verify`: a row drafted)."""
-        self._tables[verify].observe(num_tokens, seconds)
+        self.measured += 1
+        self._tables[verify].observe(num_tokens, seconds, self.measured)
         self._curves.clear()
+
+    def age(self, num_tokens: int, verify: bool) -> int | None:
+        """Steps measured since the last plain or verify step of `num_tokens`' size (None:
+        none of that size yet)."""
+        last = self._tables[verify].last.get(token_bucket(num_tokens))
+        return None if last is None else self.measured - last
 
     def table(self, verify: bool) -> dict[int, tuple[float, int]]:
         """Each measured size of plain or verify steps: its estimate in seconds and how many
