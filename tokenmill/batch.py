@@ -334,19 +334,27 @@ class SamplingRows:
     def __len__(self) -> int:
         return len(self.params)
 
-    def add(self, req: Request, num_in_flight: int, drafts: Sequence[int] = ()) -> None:
-        """Append the next draw of `req`, which has `num_in_flight` sampled tokens the host has
-        not read, or, verifying `drafts`, the draw after them (they count as generated)."""
-        p, position = req.params, len(self.params)
-        index = len(req.output_token_ids) + num_in_flight + len(drafts)
-        self.params.append(p)
-        self.token_index.append(index)
+    def add_row(
+        self, req: Request, num_in_flight: int, num_samples: int, drafts: Sequence[int] = ()
+    ) -> None:
+        """Append a row's `num_samples` draws: the next draw of `req`, which has
+        `num_in_flight` sampled tokens the host has not read, and the draws after it (a
+        verify row's position j draws as if drafts [:j] had been generated). One call per
+        row, not per position: this runs for every sampled row of every step."""
+        p, first = req.params, len(self.params)
+        index = len(req.output_token_ids) + num_in_flight
+        self.params.extend([p] * num_samples)
+        self.token_index.extend(range(index, index + num_samples))
         if index < p.min_tokens:
-            self.suppressed[position] = (*req.eos_token_ids, *p.stop_token_ids)
-        # Penalties count the tokens so far (one test, inlined: this runs for every sampled row).
+            banned = (*req.eos_token_ids, *p.stop_token_ids)
+            for j in range(min(num_samples, p.min_tokens - index)):
+                self.suppressed[first + j] = banned
+        # Penalties count the tokens so far (one test, inlined).
         if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1:
-            output = [*req.output_token_ids, *drafts] if drafts else req.output_token_ids
-            self.history[position] = (req.prompt_token_ids, output)
+            for j in range(num_samples):
+                ahead = drafts[:j]
+                output = [*req.output_token_ids, *ahead] if ahead else req.output_token_ids
+                self.history[first + j] = (req.prompt_token_ids, output)
 
 
 @dataclass(frozen=True)
@@ -447,12 +455,7 @@ class StepPlan:
             kv_lens.append(s.start + num_new)
             num_samples.append(s.num_samples)
             pages.append(req.pages.page_ids)
-            for j in range(s.num_samples):
-                # Verify position j draws as if drafts [:j] had been generated.
-                if s.drafts:
-                    sampling.add(req, num_device, s.drafts[:j])
-                else:
-                    sampling.add(req, num_device + j)
+            sampling.add_row(req, num_device, s.num_samples, s.drafts)
         input_src = np.full(len(ids), -1, dtype=np.int64)
         input_src[device_at] = device_src
         kv = np.array(kv_lens, dtype=np.int64)

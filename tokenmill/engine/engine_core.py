@@ -31,8 +31,9 @@ So at most two steps are launched and one is unread when the scheduler runs. A p
 emits) is read before the next step is scheduled, and so, with speculative decoding, is the
 step before one that may draft (`Scheduler.may_draft`: drafts continue the newest token;
 adaptive speculation lets the steps it keeps plain overlap). Such a step is still read at the
-start of the next `step()`, not at the end of its own: what the caller does with a step's
-outputs (detokenize, send) runs while the GPU computes the next step. Without overlap every
+start of the next `step()`, not at the end of its own, and only its tokens are applied before
+the next launch: making its outputs, and what the caller does with them (detokenize, send),
+runs while the GPU computes the next step. Without overlap every
 step is read right after its launch. A request preempted while its
 token is unread waits until the token lands. Scheduling counts a row's tokens as computed
 (its KV is being written); a speculative row whose drafts are rejected gives back the rejected
@@ -328,16 +329,19 @@ class EngineCore:
         self._waited = 0.0
         outputs: list[EngineOutput] = self._admit_compiled()
         previous, self._in_flight = self._in_flight, None
+        # A step read before this launch: its tokens are applied now (scheduling needs them),
+        # its outputs made after the launch (the device waits for this thread until then).
+        applied: list[tuple[Request, int]] = []
         read_first = previous is not None and previous.plan.blocking
         if read_first:
             assert previous is not None
-            outputs, previous = outputs + self._finish(previous), None
+            applied, previous = self._apply(previous), None
         # Drafts continue the newest token: a step that may draft is scheduled after every
         # generated token is read (adaptive speculation lets plain steps overlap). Asked only
         # while a step is unread: after a verify step, read above, the answer changes nothing.
         overlap = self.config.runner.overlap_scheduling
         if previous is not None and (not overlap or self.scheduler.may_draft()):
-            outputs, previous = outputs + self._finish(previous), None
+            applied, previous = self._apply(previous), None
             read_first = True
         batch = self.scheduler.schedule(previous.unread if previous is not None else None)
         launched: LaunchedStep | None = None
@@ -372,6 +376,7 @@ class EngineCore:
         elif previous is None and self._compiling:
             # Idle but for grammars still compiling: block briefly instead of spinning.
             wait([f for _, f in self._compiling], COMPILE_WAIT_S, FIRST_COMPLETED)
+        outputs += self._outputs(applied)
         if previous is not None:
             outputs += self._finish(previous)
         if self._in_flight is not None and not overlap:
@@ -409,7 +414,12 @@ class EngineCore:
         self.scheduler.step_cost.observe(step.launched.num_computed_tokens, seconds, not plain)
 
     def _finish(self, step: InFlight) -> list[EngineOutput]:
-        """Wait for a launched step's tokens and apply them."""
+        """Wait for a launched step's tokens, apply them, and return its outputs."""
+        return self._outputs(self._apply(step))
+
+    def _apply(self, step: InFlight) -> list[tuple[Request, int]]:
+        """Wait for a launched step's tokens and apply them to its requests (all that the
+        next step's scheduling needs); returns the requests touched, with their new tokens."""
         wait_start = time.perf_counter()
         sampled = step.launched.read()
         self._waited += time.perf_counter() - wait_start
@@ -418,6 +428,11 @@ class EngineCore:
         logprobs = sampled.logprobs if sampled is not None else []
         touched = self.scheduler.update(step.batch, tokens, logprobs)
         self._advance_grammars(touched)
+        return touched
+
+    def _outputs(self, touched: list[tuple[Request, int]]) -> list[EngineOutput]:
+        """The outputs of the requests an applied step touched (`_apply`), counted in the
+        stats; finished requests are forgotten."""
         outputs = []
         for req, num_new in touched:
             self.stats.generation_tokens += num_new

@@ -79,17 +79,19 @@ class HostBatch:
 
 def lay_out(plan: StepPlan, page_size: int) -> HostBatch:
     """The plan's positions, KV slots and sampled token indices, derived on the host."""
-    ps = page_size
+    # (Few numpy calls: with speculative decoding this runs between reading a step and
+    # launching the next, where each call costs the GPU microseconds of idling.)
     q_lens, kv_lens, num_samples = plan.query_lens, plan.kv_lens, plan.num_samples
-    cu = np.concatenate(([0], np.cumsum(q_lens)))
+    ends = np.cumsum(q_lens)  # each row's end among the query tokens
+    # Row r's query tokens end at position kv_lens[r]: token t is at t + kv_lens[r] - ends[r].
+    positions = np.arange(ends[-1]) + np.repeat(kv_lens - ends, q_lens)
+    pages, offsets = np.divmod(positions, page_size)
     row_of_token = np.repeat(np.arange(plan.num_rows), q_lens)
-    positions = np.arange(cu[-1]) - cu[row_of_token] + (kv_lens - q_lens)[row_of_token]
-    slots = plan.page_table[row_of_token, positions // ps] * ps + positions % ps
-    # Each row's last `num_samples` tokens, rows in order.
-    row_of_sample = np.repeat(np.arange(plan.num_rows), num_samples)
-    sample_cu = np.cumsum(num_samples)
-    from_end = sample_cu[row_of_sample] - np.arange(int(sample_cu[-1]))
-    logits_index = cu[row_of_sample + 1] - from_end
+    slots = plan.page_table[row_of_token, pages] * page_size + offsets
+    # Each row's last `num_samples` tokens, rows in order: row r's sampled entries end at
+    # sample_ends[r], its tokens at ends[r].
+    sample_ends = np.cumsum(num_samples)
+    logits_index = np.arange(sample_ends[-1]) + np.repeat(ends - sample_ends, num_samples)
     if plan.rope_positions is not None:
         # A multimodal model's rotary positions; where all three agree (text tokens) one row
         # of them rotates the same, and the step can run in a CUDA graph.

@@ -250,7 +250,8 @@ class SpecDecoder:
     def _greedy_verdict(self, plan: StepPlan) -> GreedyVerdict:
         """How the host verifies a greedy step from its argmax tokens: each sampled position
         compares its argmax with the query token after it (a draft), except a row's last. The
-        draft model's drafts are copied to the host behind the step (read with its tokens)."""
+        draft model's drafts are copied to the host behind the step (read with its tokens).
+        Built at launch, so that reading the step only looks the verdict up."""
         counts = plan.num_samples
         row_of_sample = np.repeat(np.arange(plan.num_rows), counts)
         offsets = plan.sample_offsets[row_of_sample]
@@ -258,17 +259,23 @@ class SpecDecoder:
         # Row r samples its last counts[r] query tokens.
         query = (np.cumsum(plan.query_lens) - counts)[row_of_sample] + j
         compare = np.where(j < counts[row_of_sample] - 1, query + 1, -1)
+        drafts = np.where(compare >= 0, plan.input_ids[compare], PLACEHOLDER)
         device_drafts = None
         if plan.num_device_drafts is not None:
             entries = device_draft_entries(plan.num_device_drafts, self.k)
-            drafts = self.draft_tokens[: int(entries.max(initial=-1)) + 1]
-            if drafts.is_cuda:
-                host = torch.empty(drafts.shape, dtype=drafts.dtype, pin_memory=True)
-                host.copy_(drafts, non_blocking=True)
+            copy = self.draft_tokens[: int(entries.max(initial=-1)) + 1]
+            if copy.is_cuda:
+                host = torch.empty(copy.shape, dtype=copy.dtype, pin_memory=True)
+                host.copy_(copy, non_blocking=True)
             else:
-                host = drafts.clone()
-            device_drafts = (host, device_draft_positions(plan), entries)
-        return GreedyVerdict(plan.input_ids, compare, offsets, device_drafts)
+                host = copy.clone()
+            # The sampled positions compared with a device draft, and that draft's entry.
+            entry_of_query = np.full(plan.num_tokens, -1, dtype=np.int64)
+            entry_of_query[device_draft_positions(plan)] = entries
+            entry = np.where(compare >= 0, entry_of_query[compare], -1)
+            at = np.flatnonzero(entry >= 0)
+            device_drafts = (host, at, entry[at])
+        return GreedyVerdict(drafts, offsets, device_drafts)
 
     def _draft_probs(
         self, num_rows: int, rows: np.ndarray, device_drafts: tuple[np.ndarray, Drafts] | None
@@ -289,25 +296,24 @@ class SpecDecoder:
 class GreedyVerdict:
     """A greedy verify step's tokens from its argmax tokens, on the host (`accept_greedy`).
 
-    `input_ids` `[T]`: the step's query tokens known on the host; `compare` `[S]`: the query
-    token each sampled position's argmax is compared with (-1: none, a row's last position);
-    `row_start` `[S]`: the first position of its row; `device_drafts`: the draft model's
-    drafts (a host copy of `SpecDecoder.draft_tokens`, complete once the step's tokens are),
-    the query tokens they are and their entries in the copy.
+    `drafts` `[S]`: the query token each sampled position's argmax is compared with (the draft
+    after it, as the plan has it: a dummy where the draft model drafts at launch;
+    `PLACEHOLDER` at a row's last position); `row_start` `[S]`: the first position of its row;
+    `device_drafts`: the draft model's drafts (a host copy of `SpecDecoder.draft_tokens`,
+    complete once the step's tokens are), the positions of `drafts` they are, and their
+    entries in the copy.
     """
 
-    input_ids: np.ndarray
-    compare: np.ndarray
+    drafts: np.ndarray
     row_start: np.ndarray
     device_drafts: tuple[torch.Tensor, np.ndarray, np.ndarray] | None = None
 
     def __call__(self, targets: np.ndarray) -> np.ndarray:
-        ids = self.input_ids
+        drafts = self.drafts
         if self.device_drafts is not None:
             host, at, entries = self.device_drafts
-            ids = ids.copy()
-            ids[at] = host.numpy()[entries]
-        drafts = np.where(self.compare >= 0, ids[self.compare], PLACEHOLDER)
+            drafts = drafts.copy()
+            drafts[at] = host.numpy()[entries]
         return accept_greedy(targets, drafts, self.row_start)
 
 
