@@ -90,9 +90,9 @@ def test_graph_batch_with_a_non_sampling_row(checkpoints, monkeypatch) -> None:
     shapes = []
     original = ModelRunner._run_graph
 
-    def spy(self, host):  # type: ignore[no-untyped-def]
+    def spy(self, host, launched):  # type: ignore[no-untyped-def]
         shapes.append((len(host.logits_index), len(host.kv_lens)))
-        return original(self, host)
+        return original(self, host, launched)
 
     monkeypatch.setattr(ModelRunner, "_run_graph", spy)
     # Step 1 prefills 3 + 1 tokens; step 2 is one token each of four sequences, the last one a
