@@ -57,29 +57,26 @@ def test_metrics_follow_a_known_sequence_of_requests(server: ServerHandle) -> No
     first = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=5)
     second = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=5)
     assert second.usage.prompt_tokens_details.cached_tokens > 0
-    # Six concurrent long requests overflow 40 pages of 4 tokens: preemptions.
-    threads = [
-        threading.Thread(
-            target=client.completions.create,
-            kwargs={
-                "model": MODEL_NAME,
-                "prompt": [100 + i] * 30,
-                "max_tokens": 50,
-                "extra_body": {"ignore_eos": True},
-            },
-        )
-        for i in range(6)
-    ]
-    for t in threads:
-        t.start()
+    # Six long requests at once overflow 40 pages of 4 tokens: preemptions. One completion of
+    # six prompts, so that they reach the engine together (six clients of their own, on a
+    # loaded machine, sometimes arrived one after another's end, and none was preempted).
+    batch = threading.Thread(
+        target=client.completions.create,
+        kwargs={
+            "model": MODEL_NAME,
+            "prompt": [[100 + i] * 30 for i in range(6)],
+            "max_tokens": 50,
+            "extra_body": {"ignore_eos": True},
+        },
+    )
+    batch.start()
     # An aborted stream, beside the six: alone on an idle engine, its 80 tokens could all be
     # generated before the server saw the client leave (a full run counted it as finished).
     with httpx.stream("POST", server.base_url + "/v1/completions", timeout=60, json={
         "model": MODEL_NAME, "prompt": "x", "max_tokens": 80, "stream": True, "ignore_eos": True,
     }) as r:  # fmt: skip
         next(r.iter_lines())
-    for t in threads:
-        t.join()
+    batch.join()
     assert wait_until(lambda: scrape(server)["tokenmill:num_requests_running"] == 0)
     time.sleep(0.6)  # one idle stats interval
     after = scrape(server)
