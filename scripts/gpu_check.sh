@@ -81,12 +81,12 @@ if [[ "$what" == tests || "$what" == all || "$what" == quick || "$what" == gpute
   echo "tests: $(tail -1 "$out/pytest.log")" >> "$table"
 fi
 
-bench() {  # name workload extra-args...
-  local name=$1 workload=$2; shift 2
+bench() {  # name workload extra-args... (TAG=x: files named <workload>-<name>-x)
+  local name=$1 workload=$2 file="$out/$2-$1${TAG:+-$TAG}"; shift 2
   python3 -m tokenmill.entrypoints.cli --log-level WARNING bench offline \
-    --config "$models/$name" --workload "$workload" --output "$out/$workload-$name.json" "$@" \
-    2>&1 | tee "$out/$workload-$name.log" | tail -3
-  tail -1 "$out/$workload-$name.log" >> "$table"
+    --config "$models/$name" --workload "$workload" --output "$file.json" "$@" \
+    2>&1 | tee "$file.log" | tail -3
+  tail -1 "$file.log" >> "$table"
 }
 
 kv=(--engine-arg kv_cache_memory_bytes=20000000000)
@@ -184,8 +184,8 @@ if [[ "$what" == b4adaptive ]]; then  # adaptive speculation at high load vs pla
     --batch-sizes 1,64 --adaptive-batch-sizes 1,64 --repeats 3
   bench llama-3.1-8b b4 "${kv[@]}" --engine-arg max_num_seqs=64 --acceptance-rates 0.8 \
     --batch-sizes 1 --adaptive-batch-sizes 1 --repeats 3
-  bench llama-3.1-8b b4 "${kv2[@]}" --engine-arg max_num_seqs=256 --acceptance-rates 0.6 \
-    --batch-sizes 64,256 --adaptive-batch-sizes 64,256 --repeats 3
+  TAG=b64-b256 bench llama-3.1-8b b4 "${kv2[@]}" --engine-arg max_num_seqs=256 \
+    --acceptance-rates 0.6 --batch-sizes 64,256 --adaptive-batch-sizes 64,256 --repeats 3
 fi
 if [[ "$what" == spechost ]]; then  # where a verify step's time goes: host phases vs device
   python3 -m pytest -q -p no:cacheprovider tests/gpu/test_spec_gpu.py tests/spec/test_spec_graphs.py 2>&1 \
