@@ -166,6 +166,15 @@ def test_gemv_config_rejects_bad_prefetch() -> None:
         GemvConfig(8, 32, 1, prefetch=3)
 
 
+def test_dot_gemv_does_not_norm_float16() -> None:
+    """Rounded to float16 before the RMS scale, (x + residual) * g overflows where a large
+    activation meets a large norm weight: such a config refuses to norm float16 inputs."""
+    x, w = torch.ones(2, 32, dtype=torch.float16), torch.ones(16, 32, dtype=torch.float16)
+    norm = InputNorm(torch.ones(32, dtype=torch.float16), 1e-6, None)
+    with pytest.raises(ValueError, match="float16"):
+        norm_gemv(x.to(DEVICE), w.to(DEVICE), GemvConfig(16, 32, 1, dot=True), norm)
+
+
 @pytest.mark.parametrize("bad", [{"block_n": 8}, {"block_k": 8}, {"defer": True}])
 def test_gemv_config_rejects_dot_without_whole_tiles(bad: dict) -> None:
     with pytest.raises(ValueError, match="dot"):

@@ -342,14 +342,17 @@ def test_a_stale_plain_price_is_measured_again_while_drafting() -> None:
         assert plan is not None
         return plan.num_samples.tolist(), req
 
-    for _ in range(PLAIN_RECHECK_STEPS - 1 - (cost.age(1, verify=False) or 0)):
+    for _ in range(PLAIN_RECHECK_STEPS - 1 - (cost.plain_age() or 0)):
         cost.observe(4, 1.0, verify=True)
     assert first_step()[0] == [4]  # still fresh: drafts
     cost.observe(4, 1.0, verify=True)  # now PLAIN_RECHECK_STEPS old
+    assert cost.plain_age() == PLAIN_RECHECK_STEPS
     samples, req = first_step()
     assert samples == [1]
     assert not req.draft_pause.active(req.num_tokens + 1)  # a recheck is not a decline
-    cost.observe(1, 1.0, verify=False)  # the plain step measured: drafting again
+    # Measured at another size (a CUDA graph pads the rows), the plain step ends it all the
+    # same: keyed by the rows' own size, the recheck had repeated on every step.
+    cost.observe(2, 1.0, verify=False)
     assert first_step()[0] == [4]
 
 

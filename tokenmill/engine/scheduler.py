@@ -244,14 +244,15 @@ class Scheduler:
         self, ready: list[Request], chosen: np.ndarray, in_flight: Mapping[Request, range]
     ) -> bool:
         """Whether this step, where the policy drafts, decodes plain instead to measure what
-        the plain step it was weighed against costs now (`PLAIN_RECHECK_STEPS`): its price
-        is that many measured steps old. Never with a seeded sampled row drafting (its drafts
-        must not depend on the batch) or a prefill chunk in the step (not measured)."""
+        a plain step costs now (`PLAIN_RECHECK_STEPS`): the last plain step measured is that
+        many measured steps old. Never with a seeded sampled row drafting (its drafts must
+        not depend on the batch) or a prefill chunk in the step (not measured); measured, the
+        plain step ends the recheck whatever its size."""
         if not chosen.any() or any(_pinned(r) for r, n in zip(ready, chosen, strict=True) if n):
             return False
         if any(r.num_uncomputed_tokens(len(in_flight.get(r) or ())) > 1 for r in self.running):
             return False
-        age = self.step_cost.age(len(self.running), verify=False)
+        age = self.step_cost.plain_age()
         return age is not None and age >= PLAIN_RECHECK_STEPS
 
     def _max_offer(self, req: Request, k: int) -> int:

@@ -164,6 +164,14 @@ def _gemv_kernel(
             tl.atomic_xchg(ticket_ptr + pid_n, 0)
 
 
+def dot_normed_ok(dtype: torch.dtype) -> bool:
+    """Whether a `dot` config may norm an input of `dtype`: it rounds `(x + residual) * g` to
+    the weights' dtype before the row's RMS scale is known (applied to the finished sums), so
+    float16's range (65,504) would overflow where a large activation meets a large norm weight
+    (3,000 x 30: every output of the row inf or NaN); bfloat16 and float32 have float32's."""
+    return dtype != torch.float16
+
+
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, gated: bool = False
 ) -> torch.Tensor:
@@ -206,6 +214,8 @@ def _launch(
         part = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
         sumsq = torch.empty((split_k, m), dtype=torch.float32, device=x.device)
     residual = norm.residual if norm is not None else None
+    if norm is not None and config.dot and not dot_normed_ok(x.dtype):
+        raise ValueError(f"a dot GemvConfig cannot norm a {x.dtype} input (see dot_normed_ok)")
     if norm is not None and not x.is_contiguous():
         raise ValueError("norm_gemv needs a contiguous x")
     if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()):

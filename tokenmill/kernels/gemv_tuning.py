@@ -27,6 +27,7 @@ import triton
 from torch.nn import functional as F
 
 from tokenmill.kernels import GemvConfig, InputNorm, fused_silu_and_mul, gemv, norm_gemv, rms_norm
+from tokenmill.kernels.gemv import dot_normed_ok
 from tokenmill.kernels.tickets import ticket_buffer
 from tokenmill.observability.cuda_timing import median_graph_seconds
 from tokenmill.tuning_cache import TuningCache
@@ -205,8 +206,13 @@ def fastest_gemv(
     expected = run(w0, None, residual.clone()).float()
     cublas_s = seconds(None)
     fusions = (True,) if kind == "plain" else (True, False)
+    normed_dot_ok = kind != "normed" or dot_normed_ok(w0.dtype)
     candidates = [
-        GemvChoice(c, fused) for c in GEMV_CANDIDATES if c.serves(rows) for fused in fusions
+        GemvChoice(c, fused)
+        for c in GEMV_CANDIDATES
+        if c.serves(rows)
+        for fused in fusions
+        if not (c.dot and fused) or normed_dot_ok
     ]
 
     def correct(choice: GemvChoice) -> bool:

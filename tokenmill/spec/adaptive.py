@@ -42,8 +42,8 @@ import numpy as np
 RECENT_MEASUREMENTS = 5
 # While the policy drafts, a plain step is measured only when it declines: a plain price
 # measured high early (a slow first step) would keep it drafting for good. The scheduler runs
-# one plain step (`Scheduler._plan_drafts`) once a plain price it would draft against is this
-# many measured steps old: at most one step in this many costs what drafting would have gained.
+# one plain step (`Scheduler._plan_drafts`) once the last plain step measured is this many
+# measured steps old: at most one step in this many costs what drafting would have gained.
 PLAIN_RECHECK_STEPS = 64
 # Drafting must promise this many times plain decoding's tokens per second: the costs are
 # measured, so noisy, and a near tie is not worth a synchronous step.
@@ -117,10 +117,10 @@ class StepCost:
         self._tables[verify].observe(num_tokens, seconds, self.measured)
         self._curves.clear()
 
-    def age(self, num_tokens: int, verify: bool) -> int | None:
-        """Steps measured since the last plain or verify step of `num_tokens`' size (None:
-        none of that size yet)."""
-        last = self._tables[verify].last.get(token_bucket(num_tokens))
+    def plain_age(self) -> int | None:
+        """Steps measured since the last plain step, of any size (None: none yet). Any size:
+        with CUDA graphs a plain step is measured at its graph's padded size, not its rows'."""
+        last = max(self._tables[False].last.values(), default=None)
         return None if last is None else self.measured - last
 
     def table(self, verify: bool) -> dict[int, tuple[float, int]]:
