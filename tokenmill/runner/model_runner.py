@@ -127,9 +127,10 @@ class LaunchedStep:
         """Mark where the step's device work begins: called before its first copy or kernel,
         after the host has laid out and packed its inputs. A step read before the next is
         launched runs while the device idles, and adaptive speculation prices a plain one by
-        its device time (`spec.adaptive.step_seconds`): counted from the launch, the host's
-        preparation made a plain step look ~0.3 ms dearer (Qwen3-0.6B at batch 1 on an H200:
-        ~1.1 vs 0.78 ms), and verifying look worth it at a = 0.6. On the CPU the forward
+        its device time (`spec.adaptive.step_seconds`): counted from the launch, it included
+        the host's preparation (estimated ~0.3 ms a step for Qwen3-0.6B at batch 1 on an
+        H200, against 0.78 ms of device work; not measured), which can make verifying look
+        worth it where it is not. On the CPU the forward
         runs inside the launch, and the time counts from it."""
         if self._cuda and not self._started:
             self._start.record()

@@ -68,13 +68,11 @@ class _SizeTable:
         self.recent: dict[int, deque[float]] = {}
         self.seconds: dict[int, float] = {}
         self.counts: dict[int, int] = {}
-        self.last: dict[int, int] = {}  # the `StepCost.measured` count at a size's last one
         self.sizes = np.zeros(0)
         self.values = np.zeros(0)
 
-    def observe(self, num_tokens: int, seconds: float, index: int) -> None:
+    def observe(self, num_tokens: int, seconds: float) -> None:
         size = token_bucket(num_tokens)
-        self.last[size] = index
         recent = self.recent.setdefault(size, deque(maxlen=RECENT_MEASUREMENTS))
         recent.append(seconds)
         self.seconds[size] = sorted(recent)[(len(recent) - 1) // 2]
@@ -108,20 +106,22 @@ class StepCost:
     def __init__(self) -> None:
         self._tables = {kind: _SizeTable() for kind in (False, True)}
         self.measured = 0  # steps measured so far, of both kinds
+        self._last_plain: int | None = None  # `measured` at the last plain step
         # Each kind's price curve, built on first use after a measurement (None: nothing yet).
         self._curves: dict[bool, _Curve | None] = {}
 
     def observe(self, num_tokens: int, seconds: float, verify: bool) -> None:
         """Record one measured step of `num_tokens` query tokens (`verify`: a row drafted)."""
         self.measured += 1
-        self._tables[verify].observe(num_tokens, seconds, self.measured)
+        if not verify:
+            self._last_plain = self.measured
+        self._tables[verify].observe(num_tokens, seconds)
         self._curves.clear()
 
     def plain_age(self) -> int | None:
         """Steps measured since the last plain step, of any size (None: none yet). Any size:
         with CUDA graphs a plain step is measured at its graph's padded size, not its rows'."""
-        last = max(self._tables[False].last.values(), default=None)
-        return None if last is None else self.measured - last
+        return None if self._last_plain is None else self.measured - self._last_plain
 
     def table(self, verify: bool) -> dict[int, tuple[float, int]]:
         """Each measured size of plain or verify steps: its estimate in seconds and how many
