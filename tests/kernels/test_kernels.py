@@ -113,6 +113,16 @@ def test_gated_gemv_applies_swiglu(dtype: torch.dtype, config: GemvConfig) -> No
     _close(gemv(x, w, config, gated=True), ref, dtype)
 
 
+def _add_rmsnorm_reference(
+    x: torch.Tensor, res: torch.Tensor | None, norm_w: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """In float64: the norm's input `x + res` (the sum rounded to x's dtype, as the kernels
+    store it) and RMSNorm of it with weight `norm_w`, eps 1e-6."""
+    total = (x.double() + res.double()).to(x.dtype).double() if res is not None else x.double()
+    h = norm_w.double() * total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return total, h
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "config", [GemvConfig(8, 32, 1), GemvConfig(16, 64, 3), GemvConfig(8, 32, 3, 4, 2, True)]
@@ -125,8 +135,7 @@ def test_norm_gemv_is_add_rmsnorm_then_product(dtype, config, with_residual: boo
     res_before = res.clone()
     norm = InputNorm(norm_w, 1e-6, res if with_residual else None)
     out, new_res = norm_gemv(x, w, config, norm)
-    total = (x.double() + res.double()).to(dtype).double() if with_residual else x.double()
-    h = norm_w.double() * total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-6)
+    total, h = _add_rmsnorm_reference(x, res if with_residual else None, norm_w)
     _close(out, h @ w.double().T, dtype)
     _close(new_res, total, dtype)  # (the interpreter may round bf16 differently from torch)
     assert torch.equal(res, res_before)  # the old residual is left as it was
@@ -150,8 +159,7 @@ def test_dot_gemv_matches_the_reference(dtype, m: int, config: GemvConfig, kind:
     if kind == "normed":
         res, norm_w = _randn(m, 150, dtype=dtype, gen=gen), _randn(150, dtype=dtype, gen=gen)
         out, new_res = norm_gemv(x, w, config, InputNorm(norm_w, 1e-6, res))
-        total = (x.double() + res.double()).to(dtype).double()
-        h = norm_w.double() * total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-6)
+        total, h = _add_rmsnorm_reference(x, res, norm_w)
         _close(new_res, total, dtype)
     else:
         out = gemv(x, w, config, gated=kind == "gated")
