@@ -23,6 +23,8 @@ import torch
 from tokenmill.config import ModelConfig
 from tokenmill.kernels.fused_moe import (
     GEMV_MAX_TOKENS,
+    experts_down_gemv,
+    experts_gate_up_gemv,
     experts_gemv,
     fused_experts,
     route_and_align,
@@ -41,17 +43,38 @@ from tokenmill.kernels.moe_routing import (
 from tokenmill.observability.cuda_timing import median_graph_seconds
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
-GEMV_CANDIDATES = (
+# Gate/up candidates (one (token, expert) pair or, with slots, one token per program) and down
+# candidates (`down_*`); each kernel is timed on its own, so the best of each can be combined.
+GATE_UP_CANDIDATES = (
     MOE_GEMV_CONFIG,
     MoeGemvConfig(8, 512),
-    MoeGemvConfig(8, 512, down_block_k=64),
-    MoeGemvConfig(8, 512, down_block_k=256, num_warps=8),
-    MoeGemvConfig(4, 512, down_block_k=256),
     MoeGemvConfig(4, 512),
+    MoeGemvConfig(2, 1024),
+    MoeGemvConfig(8, 1024, num_warps=8),
     MoeGemvConfig(16, 256),
-    MoeGemvConfig(8, 256),
-    MoeGemvConfig(16, 512, num_warps=8),
-)
+    MoeGemvConfig(1, 256, slots=True),
+    MoeGemvConfig(1, 512, slots=True),
+    MoeGemvConfig(2, 256, slots=True),
+    MoeGemvConfig(2, 512, slots=True),
+    MoeGemvConfig(2, 512, num_warps=8, slots=True),
+    MoeGemvConfig(4, 256, slots=True),
+    MoeGemvConfig(4, 256, num_warps=8, slots=True),
+    MoeGemvConfig(2, 128, slots=True),
+)  # fmt: skip
+_DOWN_TILES = ((4, 128, 4), (2, 128, 4), (2, 256, 4), (4, 64, 4), (8, 64, 4), (8, 128, 8),
+               (1, 256, 4), (16, 64, 8))  # fmt: skip
+DOWN_CANDIDATES = (
+    MOE_GEMV_CONFIG,
+    *(MoeGemvConfig(2, 256, slots=True, down_block_n=n, down_block_k=k, down_num_warps=w)
+      for n, k, w in _DOWN_TILES),
+)  # fmt: skip
+# Both kernels together (`experts_gemv`), as a step runs them one after the other.
+COMBOS = (
+    MOE_GEMV_CONFIG,
+    MoeGemvConfig(4, 1024, down_block_n=4),
+    MoeGemvConfig(16, 256, down_block_n=8, down_num_warps=8),
+    MoeGemvConfig(2, 256, slots=True, down_block_n=4),
+)  # fmt: skip
 GEMV_SWEEP_MAX_TOKENS = 8  # the GEMV path is timed up to here (used up to GEMV_MAX_TOKENS)
 EXTRA = (
     MoeKernelConfig(16, 32, 128, num_warps=4, num_stages=4),
@@ -113,24 +136,64 @@ def _time_experts(
         in_use = c == table and x.shape[0] > GEMV_MAX_TOKENS
         timings.append({"config": str(c), "us": us, "in_use": in_use,
                         "GBps": touched_bytes / us / 1e3})  # fmt: skip
-    gemv = GEMV_CANDIDATES if x.shape[0] <= GEMV_SWEEP_MAX_TOKENS else ()
-    # x has unit RMS (`main`): a norm of weight 1 and eps 0 leaves it as the reference has it.
-    norm = InputNorm(torch.ones(h, device=x.device, dtype=x.dtype), 0.0, None)
-    for g in gemv:
-        got = experts_gemv(x, gate_up[0], down[0], logits, top_k, renorm, g, norm).float()
-        if not torch.allclose(got, reference, rtol=0.05, atol=0.05 * reference.abs().max()):
-            print(f"T={x.shape[0]} {g}: wrong result")
-            continue
+    if x.shape[0] <= GEMV_SWEEP_MAX_TOKENS:
+        timings += _time_gemv_kernels(x, gate_up, down, logits, top_k, renorm, reference)
+    return sorted(timings, key=lambda r: r["us"])
 
-        def run_gemv(g: MoeGemvConfig = g) -> None:
+
+def _time_gemv_kernels(
+    x: torch.Tensor, gate_up: list[torch.Tensor], down: list[torch.Tensor],
+    logits: torch.Tensor, top_k: int, renorm: bool, reference: torch.Tensor,
+) -> list[dict]:  # fmt: skip
+    """The small-batch kernels: each gate/up candidate and each down candidate timed on its
+    own (µs per layer, no GB/s: each reads its share of the experts), checked together with
+    the other kernel's config in use; the sum of the two in-use kernels as "in use"."""
+    # x has unit RMS (`main`): a norm of weight 1 and eps 0 leaves it as the reference has it.
+    norm = InputNorm(torch.ones(x.shape[1], device=x.device, dtype=x.dtype), 0.0, None)
+    h = experts_gate_up_gemv(x, gate_up[0], logits, top_k, MOE_GEMV_CONFIG, norm)
+    timings, in_use_us = [], 0.0
+    for kind, candidates in (("gate_up", GATE_UP_CANDIDATES), ("down", DOWN_CANDIDATES)):
+        for g in candidates:
+            up_config, down_config = (
+                (g, MOE_GEMV_CONFIG) if kind == "gate_up" else (MOE_GEMV_CONFIG, g)
+            )
+            got = experts_down_gemv(
+                experts_gate_up_gemv(x, gate_up[0], logits, top_k, up_config, norm),
+                down[0], logits, top_k, renorm, down_config,
+            ).float()  # fmt: skip
+            if not torch.allclose(got, reference, rtol=0.05, atol=0.05 * reference.abs().max()):
+                print(f"T={x.shape[0]} {kind} {g}: wrong result")
+                continue
+
+            def run(g: MoeGemvConfig = g, kind: str = kind) -> None:
+                for gu, dn in zip(gate_up, down, strict=True):
+                    if kind == "gate_up":
+                        experts_gate_up_gemv(x, gu, logits, top_k, g, norm)
+                    else:
+                        experts_down_gemv(h, dn, logits, top_k, renorm, g)
+
+            us = 1e6 * median_graph_seconds(run) / len(gate_up)
+            if g == MOE_GEMV_CONFIG and x.shape[0] <= GEMV_MAX_TOKENS:
+                in_use_us += us
+            timings.append({"config": str(g), "kernel": kind, "us": us, "in_use": False})
+            print(f"T={x.shape[0]} {kind} {us:.2f} us {g}")
+    for g in COMBOS:
+
+        def both(g: MoeGemvConfig = g) -> None:
             for gu, dn in zip(gate_up, down, strict=True):
                 experts_gemv(x, gu, dn, logits, top_k, renorm, g, norm)
 
-        us = 1e6 * median_graph_seconds(run_gemv) / len(gate_up)
-        in_use = x.shape[0] <= GEMV_MAX_TOKENS and g == MOE_GEMV_CONFIG
-        timings.append({"config": str(g), "us": us, "in_use": in_use,
-                        "GBps": touched_bytes / us / 1e3})  # fmt: skip
-    return sorted(timings, key=lambda r: r["us"])
+        got = experts_gemv(x, gate_up[0], down[0], logits, top_k, renorm, g, norm).float()
+        if not torch.allclose(got, reference, rtol=0.05, atol=0.05 * reference.abs().max()):
+            print(f"T={x.shape[0]} both {g}: wrong result")
+            continue
+        us = 1e6 * median_graph_seconds(both) / len(gate_up)
+        timings.append({"config": str(g), "kernel": "both", "us": us, "in_use": False})
+        print(f"T={x.shape[0]} both {us:.2f} us {g}")
+    if in_use_us:
+        timings.append({"config": "gemv in use (both kernels)", "us": in_use_us, "in_use": True,
+                        "GBps": 0.0})  # fmt: skip
+    return timings
 
 
 def main() -> None:
@@ -161,7 +224,8 @@ def main() -> None:
             x, gate_up, down, logits[0], k, moe.norm_topk_prob, table
         )
         results.append(row)
-        best, mine = timings[0], next((r for r in timings if r["in_use"]), None)
+        best = next(r for r in timings if "kernel" not in r)
+        mine = next((r for r in timings if r["in_use"]), None)
         print(
             f"T={t}: route+sort kernel {row['route_kernel_us']:.1f} us, torch "
             f"{row['route_torch_us']:.1f} us | experts ({row['experts_touched']} touched) best "

@@ -146,16 +146,19 @@ def _rms_norm_f64(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
 
 # Tiles that leave a partial step of both reductions (80 = 2 x 32 + 16, 40 = 2 x 16 + 8).
-SMALL_GEMV = MoeGemvConfig(8, 32, down_block_k=16)
+SMALL_GEMV = MoeGemvConfig(8, 32, down_block_k=16, down_block_n=8)
+# All of a token's experts per gate/up program; down rows not dividing the hidden size (80).
+SLOTS_GEMV = MoeGemvConfig(4, 32, down_block_k=16, slots=True, down_block_n=32, down_num_warps=2)
 
 
+@pytest.mark.parametrize("config", [SMALL_GEMV, SLOTS_GEMV], ids=["pairs", "slots"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("tokens", "num_experts", "top_k"),
     [(1, 8, 1), (GEMV_MAX_TOKENS, 8, 2), (3, 12, 3), (1, 16, 8), (1, 128, 8), (2, 3, 3)],
 )
 def test_small_batch_gemv_experts_route_and_match_float64(
-    dtype, tokens, num_experts, top_k
+    dtype, tokens, num_experts, top_k, config
 ) -> None:
     """Routing inside the kernels (softmax, top-k, renormalisation) and the experts, against
     torch's routing and float64 products; 128 experts as qwen3-30b-a3b, 3 of 3 (every expert
@@ -163,15 +166,18 @@ def test_small_batch_gemv_experts_route_and_match_float64(
     hidden, inter = 80, 40
     x, gate_up, down, logits = _problem(tokens, num_experts, hidden, inter, dtype, seed=top_k)
     renormalize = top_k > 1
-    out = experts_gemv(x, gate_up, down, logits, top_k, renormalize, SMALL_GEMV)
+    out = experts_gemv(x, gate_up, down, logits, top_k, renormalize, config)
     assert out.shape == (tokens, hidden) and out.dtype == dtype
     weights, ids = select_experts(logits.double(), top_k, renormalize)
     _close(out, _experts_f64(x, gate_up, down, weights, ids), dtype)
 
 
+@pytest.mark.parametrize("config", [SMALL_GEMV, SLOTS_GEMV], ids=["pairs", "slots"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("tokens", "top_k"), [(1, 1), (3, 2), (1, 8)])
-def test_small_batch_gemv_experts_apply_the_rms_norm(dtype, tokens: int, top_k: int) -> None:
+def test_small_batch_gemv_experts_apply_the_rms_norm(
+    dtype, tokens: int, top_k: int, config: MoeGemvConfig
+) -> None:
     """With `norm`, x is the RMSNorm's input: the gate/up kernel norms it as it loads it."""
     hidden, inter = 80, 40
     x, gate_up, down, logits = _problem(tokens, 16, hidden, inter, dtype, seed=tokens)
@@ -179,7 +185,7 @@ def test_small_batch_gemv_experts_apply_the_rms_norm(dtype, tokens: int, top_k: 
     norm_w = (1 + 0.3 * torch.randn(hidden, generator=gen)).to(DEVICE, dtype)
     x = 3.0 * x + 0.5  # a scale far from 1: a missing norm shows
     norm = InputNorm(norm_w, 1e-6, None)
-    out = experts_gemv(x, gate_up, down, logits, top_k, True, SMALL_GEMV, norm)
+    out = experts_gemv(x, gate_up, down, logits, top_k, True, config, norm)
     weights, ids = select_experts(logits.double(), top_k, True)
     normed = _rms_norm_f64(x, norm_w, 1e-6)
     _close(out, _experts_f64(normed, gate_up, down, weights, ids), dtype)
@@ -187,8 +193,11 @@ def test_small_batch_gemv_experts_apply_the_rms_norm(dtype, tokens: int, top_k: 
         experts_gemv(x, gate_up, down, logits, top_k, True, SMALL_GEMV, InputNorm(norm_w, 1e-6, x))
 
 
-@pytest.mark.parametrize("top_k", [1, 2, 8])
-def test_small_batch_gemv_ties_pick_the_lowest_expert_ids(top_k: int) -> None:
+@pytest.mark.parametrize("config", [SMALL_GEMV, SLOTS_GEMV], ids=["pairs", "slots"])
+@pytest.mark.parametrize("top_k", [1, 2, 3, 8])
+def test_small_batch_gemv_ties_pick_the_lowest_expert_ids(
+    top_k: int, config: MoeGemvConfig
+) -> None:
     """Equal router logits: the lowest expert ids win (as `select_experts`' topk), with equal
     weights; every other expert's weights are NaN, so reading one would show."""
     experts, hidden, inter = 16, 32, 24
@@ -198,7 +207,7 @@ def test_small_batch_gemv_ties_pick_the_lowest_expert_ids(top_k: int) -> None:
     for start in (top_k, 8 + top_k):
         gate_up[start : start + 8 - top_k] = float("nan")
         down[start : start + 8 - top_k] = float("nan")
-    out = experts_gemv(x, gate_up, down, logits, top_k, False, SMALL_GEMV)
+    out = experts_gemv(x, gate_up, down, logits, top_k, False, config)
     first = torch.arange(top_k)
     ids = torch.stack([first, first + 8]).to(torch.int32)
     weights = torch.softmax(logits.double().cpu(), dim=-1).gather(1, ids.long())

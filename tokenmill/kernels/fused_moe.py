@@ -283,6 +283,61 @@ def _gate_up_gemv_kernel(
 
 
 @triton.jit
+def _gate_up_slots_kernel(
+    x_ptr, w_ptr, out_ptr, logits_ptr, norm_w_ptr, eps, hidden, inter, num_experts,
+    stride_x, stride_we, stride_wn, stride_out, stride_logits,
+    TOP_K: tl.constexpr, EXPERTS: tl.constexpr, SLOTS: tl.constexpr, NORM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """`_gate_up_gemv_kernel` with one token per program row: the token is routed once and
+    each step loads the same `BLOCK_N` gate and up rows of all of its k experts (`SLOTS` = k
+    rounded up to a power of 2), the next step's loads issued before this one is summed.
+    Unlike the down kernel it cannot load before its wait: the router logits come from the
+    kernel just before."""
+    pdl_wait(USE_PDL)  # the router logits and x come from the kernels just before
+    token = tl.program_id(0)
+    ids, _ = _top_experts(
+        logits_ptr, token, num_experts, stride_logits, TOP_K, False, EXPERTS, SLOTS
+    )
+    slots = tl.arange(0, SLOTS)
+    slot_ok = slots < TOP_K
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    ks = tl.arange(0, BLOCK_K)
+    g_ptrs = (w_ptr + ids.to(tl.int64)[:, None, None] * stride_we
+              + cols[None, :, None].to(tl.int64) * stride_wn + ks[None, None, :])  # fmt: skip
+    u_ptrs = g_ptrs + inter * stride_wn
+    rows_ok = slot_ok[:, None, None] & col_ok[None, :, None]
+    g_next = tl.load(g_ptrs, mask=rows_ok & (ks < hidden)[None, None, :], other=0.0)
+    u_next = tl.load(u_ptrs, mask=rows_ok & (ks < hidden)[None, None, :], other=0.0)
+    x_row = x_ptr + token.to(tl.int64) * stride_x
+    gate = tl.zeros((SLOTS, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((SLOTS, BLOCK_N), dtype=tl.float32)
+    sumsq = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        g = g_next
+        u = u_next
+        k_next = k0 + BLOCK_K
+        next_ok = rows_ok & (ks < hidden - k_next)[None, None, :]
+        g_next = tl.load(g_ptrs + k_next, mask=next_ok, other=0.0)
+        u_next = tl.load(u_ptrs + k_next, mask=next_ok, other=0.0)
+        k_ok = ks < hidden - k0
+        x = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+        if NORM:
+            sumsq += x * x
+            x = x * tl.load(norm_w_ptr + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+        gate += tl.sum(g.to(tl.float32) * x[None, None, :], axis=2)
+        up += tl.sum(u.to(tl.float32) * x[None, None, :], axis=2)
+    if NORM:
+        scale = tl.rsqrt(tl.sum(sumsq, axis=0) / hidden + eps)
+        gate *= scale
+        up *= scale
+    h = gate / (1.0 + tl.exp(-gate)) * up
+    out = out_ptr + (token * TOP_K + slots)[:, None].to(tl.int64) * stride_out + cols[None, :]
+    tl.store(out, h.to(out_ptr.dtype.element_ty), mask=slot_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _down_gemv_kernel(
     h_ptr, w_ptr, out_ptr, logits_ptr, hidden, inter, num_experts,
     stride_h, stride_we, stride_wn, stride_out, stride_logits,
@@ -340,32 +395,67 @@ def experts_gemv(
 ) -> torch.Tensor:
     """The MoE feed-forward of a few tokens in two launches, routing included and no sort:
     each program of the gate/up kernel routes its token by `router_logits` `[T, E]` (softmax,
-    top-k, renormalised when `renormalize`) and reads its (token, expert) pair's rows; the
+    top-k, renormalised when `renormalize`) and reads its (token, expert) pairs' rows; the
     down kernel routes again and sums each token's top k. With `norm` (an RMSNorm's weight
     and eps, no residual), `x` is the norm's input and the gate/up kernel applies it."""
+    _check_rows_contiguous(x, gate_up, down)
+    h = experts_gate_up_gemv(x, gate_up, router_logits, top_k, config, norm)
+    return experts_down_gemv(h, down, router_logits, top_k, renormalize, config)
+
+
+def experts_gate_up_gemv(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    router_logits: torch.Tensor,
+    top_k: int,
+    config: MoeGemvConfig,
+    norm: InputNorm | None = None,
+) -> torch.Tensor:
+    """`experts_gemv`'s first launch: `silu(gate) * up` of each (token, expert) pair, `[T *
+    top_k, I]`, row `t * top_k + j` for token t's j-th expert."""
     num_tokens, hidden = x.shape
     num_experts = router_logits.shape[1]
-    inter = down.shape[2]
-    _check_rows_contiguous(x, gate_up, down)
+    inter = gate_up.shape[1] // 2
     if norm is not None and norm.residual is not None:
         raise ValueError("experts_gemv norms x itself: add the residual to x before")
-    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    h = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return h
+    meta = {"TOP_K": top_k, "EXPERTS": triton.next_power_of_2(num_experts),
+            "SLOTS": triton.next_power_of_2(top_k), "NORM": norm is not None,
+            "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "num_warps": config.num_warps,
+            **pdl_options(x.device)}  # fmt: skip
+    args = (x, gate_up, h, router_logits, norm.weight if norm is not None else x,
+            norm.eps if norm is not None else 0.0, hidden, inter, num_experts, x.stride(0),
+            gate_up.stride(0), gate_up.stride(1), h.stride(0), router_logits.stride(0))  # fmt: skip
+    kernel, rows = _gate_up_gemv_kernel, num_tokens * top_k
+    if config.slots:
+        kernel, rows = _gate_up_slots_kernel, num_tokens
+    kernel[(rows, triton.cdiv(inter, config.block_n))](*args, **meta)
+    return h
+
+
+def experts_down_gemv(
+    h: torch.Tensor,
+    down: torch.Tensor,
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    config: MoeGemvConfig,
+) -> torch.Tensor:
+    """`experts_gemv`'s second launch: each token's top-k weighted sum of `W_down[e] h[pair]`
+    over its pairs' rows of `h` (`experts_gate_up_gemv`'s output), `[T, H]`."""
+    num_tokens, num_experts = router_logits.shape
+    hidden, inter = down.shape[1], down.shape[2]
+    out = torch.empty(num_tokens, hidden, dtype=h.dtype, device=h.device)
     if num_tokens == 0:
         return out
-    h = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
-    meta = {"TOP_K": top_k, "EXPERTS": triton.next_power_of_2(num_experts),
-            "SLOTS": triton.next_power_of_2(top_k), "BLOCK_N": config.block_n,
-            "num_warps": config.num_warps, **pdl_options(x.device)}  # fmt: skip
-    _gate_up_gemv_kernel[(num_tokens * top_k, triton.cdiv(inter, config.block_n))](
-        x, gate_up, h, router_logits, norm.weight if norm is not None else x,
-        norm.eps if norm is not None else 0.0, hidden, inter, num_experts, x.stride(0),
-        gate_up.stride(0), gate_up.stride(1), h.stride(0), router_logits.stride(0),
-        NORM=norm is not None, BLOCK_K=config.block_k, **meta,
-    )  # fmt: skip
-    _down_gemv_kernel[(num_tokens, triton.cdiv(hidden, config.block_n))](
+    _down_gemv_kernel[(num_tokens, triton.cdiv(hidden, config.down_block_n))](
         h, down, out, router_logits, hidden, inter, num_experts, h.stride(0), down.stride(0),
-        down.stride(1), out.stride(0), router_logits.stride(0), RENORMALIZE=renormalize,
-        BLOCK_K=config.down_block_k, **meta,
+        down.stride(1), out.stride(0), router_logits.stride(0), TOP_K=top_k,
+        RENORMALIZE=renormalize, EXPERTS=triton.next_power_of_2(num_experts),
+        SLOTS=triton.next_power_of_2(top_k), BLOCK_N=config.down_block_n,
+        BLOCK_K=config.down_block_k, num_warps=config.down_num_warps, **pdl_options(h.device),
     )  # fmt: skip
     return out
 

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.activation import silu_mul
-from tokenmill.kernels.pdl import pdl_options, pdl_wait
+from tokenmill.kernels.pdl import pdl_options, pdl_wait, prefetch_l2
 
 
 class MatmulTile(NamedTuple):
@@ -74,17 +74,6 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_l2(ptrs, nbytes, mask):
-    """Ask L2 for `nbytes` (a multiple of 16) from each of `ptrs` (16-byte aligned) where
-    `mask`: one bulk prefetch per element, nothing loaded into registers (sm_90 and newer)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $3; mov.b32 $0, 0; }",
-        "=r,l,r,r", [ptrs, mask.to(tl.int32), nbytes], dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
 def _invariant_matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, piece,
     piece_bytes,
@@ -112,7 +101,7 @@ def _invariant_matmul_kernel(
         pieces = tl.arange(0, PIECES)
         starts = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + pieces[None, :] * piece
         mask = tl.broadcast_to((n_mask & (pid_m == 0))[:, None], [BLOCK_N, PIECES])
-        _prefetch_l2(starts, piece_bytes, mask)
+        prefetch_l2(starts, piece_bytes, mask)
     pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):

@@ -102,28 +102,39 @@ class MoeKernelConfig:
 
 @dataclass(frozen=True)
 class MoeGemvConfig:
-    """Tiles of the small-batch expert kernels (`fused_moe.experts_gemv`): `block_n` output
-    rows of a weight per program, `block_k` of the reduction per step; the down kernel reads
-    the same rows of all of a token's experts at once, `down_block_k` of each per step."""
+    """Tiles of the small-batch expert kernels (`fused_moe.experts_gemv`). Gate/up: `block_n`
+    output rows of an expert per program, `block_k` of the reduction per step, one (token,
+    expert) pair per program, or with `slots` all of a token's experts per program (routed
+    once, `top_k` times the bytes in flight). Down: `down_block_n` rows of all of a token's
+    experts per program, `down_block_k` of each per step. `num_warps` / `down_num_warps`:
+    Triton's, per kernel."""
 
     block_n: int
     block_k: int
     num_warps: int = 4
     down_block_k: int = 128
+    slots: bool = False
+    down_block_n: int = 4
+    down_num_warps: int = 4
 
     def __post_init__(self) -> None:
-        for name, size in (("block_n", self.block_n), ("block_k", self.block_k),
-                           ("down_block_k", self.down_block_k)):  # fmt: skip
+        for name in ("block_n", "block_k", "num_warps", "down_block_k", "down_block_n",
+                     "down_num_warps"):  # fmt: skip
+            size = getattr(self, name)
             if size < 1 or size & (size - 1):
                 raise ValueError(f"MoeGemvConfig.{name} must be a power of 2, got {size}")
 
 
-# Four rows of 1,024 per program (the best of benchmarks/moe_sweep.py's candidates on the H200
-# for one token of qwen3-30b-a3b, session 11: 31.7 us per layer for both expert kernels, against
-# 39.3 us for eight rows of 512). The down kernel reads the same rows of all of a token's
-# experts at once, 128 of each per load: one expert at a time (8 KB per load, 16 loads in a
-# row) it was latency-bound (B1 3.51 ms per token; 3.33 ms with all at once).
-MOE_GEMV_CONFIG = MoeGemvConfig(block_n=4, block_k=1024, num_warps=4)
+# Gate/up: all 8 experts of a token per program, 2 rows of each, 256 of the reduction per step;
+# down: 8 rows of all of a token's experts per program, 128 of each per step, 8 warps
+# (`benchmarks/moe_sweep.py` on the H200, qwen3-30b-a3b, session 19: both kernels 28.1 us a
+# layer at one token vs 30.8 for session 11's 4 rows of 1,024 per (token, expert) pair; 86.0 vs
+# 96.3 at four tokens; each (token, expert) pair on its own, the routing is done 8 times a
+# token). The down kernel reads the same rows of all of a token's experts at once: one expert
+# at a time it was latency-bound (B1 3.51 ms per token; 3.33 ms with all at once, session 11).
+MOE_GEMV_CONFIG = MoeGemvConfig(
+    block_n=2, block_k=256, slots=True, down_block_n=8, down_block_k=128, down_num_warps=8
+)
 
 
 # Tiles by batch size (tokens): the smallest entry >= the batch applies (the last one beyond).
