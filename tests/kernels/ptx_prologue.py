@@ -44,7 +44,7 @@ INT64_KERNELS = {"decode_inputs"}  # every pointer of these is int64
 # Index pointers (INT_PTRS) of these are int64: the kernel takes int32 or int64 ones.
 INT64_INDEX_KERNELS = {"invariant_int64_index"}
 FLOAT_SCALARS = {"eps", "qk_scale"}
-UNALIGNED = FLOAT_SCALARS | {"M", "window", "SPLITS", "split", "piece"}
+UNALIGNED = FLOAT_SCALARS | {"M", "window", "SPLITS", "split"}
 # Constexprs of each kernel (USE_PDL is set for all), as the decode path of a
 # qwen3-like layer uses them.
 KERNELS = {
@@ -68,9 +68,8 @@ KERNELS = {
         PREFETCH=2, DEFER=False, DOT=True, IEEE=False)),
     **{name: (_invariant_matmul_kernel, dict(
         HAS_BIAS=not swiglu, IEEE=False, SWIGLU=swiglu, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128,
-        GROUP_M=8, PIECES=pieces)) for name, swiglu, pieces in (
-            ("invariant_matmul", False, 0), ("invariant_matmul_swiglu", True, 0),
-            ("invariant_matmul_prefetch", False, 8))},
+        GROUP_M=8)) for name, swiglu in (
+            ("invariant_matmul", False), ("invariant_matmul_swiglu", True))},
     "add_rms_norm": (_add_rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=1024)),
     "rope_store": (_rope_store_kernel, dict(HQ=16, HKV=8, D=128, BLOCK_G=2, QK_NORM=True)),
     "silu_and_mul": (_silu_and_mul_kernel, dict(BLOCK=1024)),
@@ -83,10 +82,7 @@ KERNELS = {
     "moe_down_gemv": (_down_gemv_kernel, dict(
         TOP_K=8, RENORMALIZE=True, EXPERTS=128, SLOTS=8, BLOCK_N=8, BLOCK_K=128)),
 }  # fmt: skip
-# Global loads, stores and atomics, and L2 prefetches (inside an inline-asm block).
-MEMORY_OP = re.compile(
-    r"^\s*(?:\{.*?)?(?:@%?\w+\s+)?((?:ld|st|atom|red)\.global\S*|cp\.async\.bulk\.prefetch\S*)"
-)
+MEMORY_OP = re.compile(r"^\s*(?:@%\w+\s+)?((?:ld|st|atom|red)\.global\S*)")
 
 
 def _type(name: str, int64: bool, int64_index: bool = False) -> str:

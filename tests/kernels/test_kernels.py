@@ -6,6 +6,7 @@ run compiled. Tolerances: float32 ~1e-5 relative, bfloat16 ~1e-2.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -25,10 +26,10 @@ from tokenmill.kernels.attention import (  # noqa: E402
 )
 from tokenmill.kernels.gemv import GemvConfig, InputNorm, gemv, norm_gemv  # noqa: E402
 from tokenmill.kernels.invariant_matmul import (  # noqa: E402
-    PREFETCH_BYTES,
+    PDL_MAX_WEIGHT_BYTES,
     MatmulTile,
     invariant_matmul,
-    prefetch_columns,
+    product_pdl_options,
 )
 from tokenmill.kernels.norm import rms_norm  # noqa: E402
 from tokenmill.kernels.rope_store import rope_and_store  # noqa: E402
@@ -219,19 +220,15 @@ def test_invariant_matmul(dtype: torch.dtype, m: int, tile: MatmulTile | None) -
         assert torch.equal(out, alone)
 
 
-@pytest.mark.parametrize(
-    ("n", "k", "expected"),
-    [(4096, 1024, 1024), (1024, 3072, 3072), (6144, 4096, 1344), (151936, 1024, 0)],
-)
-def test_invariant_matmul_prefetches_what_fits_in_l2(n: int, k: int, expected: int) -> None:
-    """Before its PDL wait a product prefetches whole weights up to PREFETCH_BYTES (Qwen3-0.6B's
-    q/k/v and down), else the leading share of each row that fits, in whole 16-byte pieces
-    (Llama-3.1-8B's q/k/v), else nothing (an LM head); never from a misaligned weight."""
-    weight = torch.empty(n, k, dtype=torch.bfloat16, device="meta")
-    assert prefetch_columns(weight) == expected
-    assert n * prefetch_columns(weight) * 2 <= PREFETCH_BYTES
-    rows = torch.empty(4, 1025, dtype=torch.bfloat16)
-    assert prefetch_columns(rows[:, 1:]) == 0  # rows of 2050 bytes, not 16-byte aligned
+def test_invariant_matmul_launches_with_pdl_only_for_small_weights(monkeypatch) -> None:
+    """Small (latency-bound) products start under PDL; large ones, which ran slower so, do not."""
+    module = importlib.import_module("tokenmill.kernels.invariant_matmul")  # the package's name
+    monkeypatch.setattr(module, "pdl_options", lambda device: {"USE_PDL": True, "launch_pdl": True})
+    small = torch.empty(4096, 1024, dtype=torch.bfloat16, device="meta")  # Qwen3-0.6B's q/k/v
+    large = torch.empty(6144, 4096, dtype=torch.bfloat16, device="meta")  # Llama-3.1-8B's
+    assert 4096 * 1024 * 2 <= PDL_MAX_WEIGHT_BYTES < 6144 * 4096 * 2
+    assert product_pdl_options(small) == {"USE_PDL": True, "launch_pdl": True}
+    assert product_pdl_options(large) == {"USE_PDL": False, "launch_pdl": False}
 
 
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
@@ -585,8 +582,7 @@ def test_pdl_kernels_wait_before_touching_memory() -> None:
     (constant weights; CUDA-core and tensor-core variants), rotary + store (the step's
     positions and slots, the rotary tables), split decode (KV lengths, page table, K/V of
     earlier steps) and the MoE down GEMV (router logits of the kernel before the previous one,
-    expert weights) read before it, and the invariant matmul prefetches its weights into L2
-    before it (when asked to)."""
+    expert weights) read before it."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(
         [sys.executable, "-m", "tests.kernels.ptx_prologue"],
@@ -596,16 +592,13 @@ def test_pdl_kernels_wait_before_touching_memory() -> None:
     assert set(before_wait) >= {"decode_split", "decode_reduce", "verify_split", "gemv",
                                 "gemv_dot", "rope_store", "moe_gate_up_gemv", "moe_down_gemv",
                                 "moe_gate_up_slots",
-                                "invariant_matmul", "invariant_matmul_swiglu",
-                                "invariant_matmul_prefetch", "invariant",
+                                "invariant_matmul", "invariant_matmul_swiglu", "invariant",
                                 "invariant_int64_index", "invariant_merge"}  # fmt: skip
     reads_first = {"gemv", "gemv_dot", "rope_store", "decode_split", "decode_split_late",
                    "moe_down_gemv"}  # fmt: skip
     for name, ops in before_wait.items():
         if name in reads_first:
             assert ops and all(op.startswith("ld.global") for op in ops), (name, ops)
-        elif name == "invariant_matmul_prefetch":  # its weights into L2, nothing into registers
-            assert ops and all(op.startswith("cp.async.bulk.prefetch.L2") for op in ops), ops
         else:
             assert ops == [], (name, ops)
 

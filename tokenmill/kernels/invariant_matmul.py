@@ -17,10 +17,10 @@ in the same k order.
 The `swiglu` epilogue keeps that property because it is per element: it pairs interleaved
 gate/up columns into `silu(gate) * up` before the store.
 
-Under PDL (`kernels/pdl.py`) a product is placed while the kernel before it still runs; before
-its wait it asks L2 for its slice of W (constant: `cp.async.bulk.prefetch.L2`, no registers
-used), up to PREFETCH_BYTES of the weight in all, so a decode step's small products read their
-weights from L2 instead of waiting on HBM after the previous kernel ends.
+A product is launched with PDL (`kernels/pdl.py`) only when its weight is at most
+PDL_MAX_WEIGHT_BYTES: a small product is latency-bound and gains from starting while the kernel
+before it ends, while Llama-3.1-8B's products (34-235 MB) ran a deterministic decode step at
+7.08 ms under PDL against 4.93 ms without (H200, session 19).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.activation import silu_mul
-from tokenmill.kernels.pdl import pdl_options, pdl_wait, prefetch_l2
+from tokenmill.kernels.pdl import pdl_options, pdl_wait
 
 
 class MatmulTile(NamedTuple):
@@ -75,10 +75,9 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 @triton.jit
 def _invariant_matmul_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, piece,
-    piece_bytes,
+    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PIECES: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -97,11 +96,6 @@ def _invariant_matmul_kernel(
     n_mask = offs_n < N
     x_offs = offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-    if PIECES > 0:  # the first row tile's programs: PIECES pieces of each of their W rows
-        pieces = tl.arange(0, PIECES)
-        starts = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + pieces[None, :] * piece
-        mask = tl.broadcast_to((n_mask & (pid_m == 0))[:, None], [BLOCK_N, PIECES])
-        prefetch_l2(starts, piece_bytes, mask)
     pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
@@ -148,33 +142,24 @@ def invariant_matmul(
         return out
     tile = tile or choose_tile(m, n)
     grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n),)
-    pdl = pdl_options(x.device)
-    piece = prefetch_columns(weight) // PREFETCH_PIECES if pdl["USE_PDL"] else 0
+    pdl = product_pdl_options(weight)
     _invariant_matmul_kernel[grid](
         x, weight, bias if bias is not None else x, out, m, n, k,
-        x.stride(0), weight.stride(0), out.stride(0), piece, piece * weight.element_size(),
+        x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, SWIGLU=swiglu,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=8,
-        PIECES=PREFETCH_PIECES if piece else 0, num_warps=tile.num_warps,
-        num_stages=tile.num_stages, **pdl,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl,
     )  # fmt: skip
     return out
 
 
-# The most of a weight a product asks L2 for before its wait (the H200 has 50 MB of L2; this
-# and the weights of the kernel before it stay well inside), in PREFETCH_PIECES pieces a row.
-PREFETCH_BYTES = 16 << 20
-PREFETCH_PIECES = 8
+# The largest weight whose product launches with PDL (see the module docstring): Qwen3-0.6B's
+# products are 2-13 MB, Llama-3.1-8B's 34 MB and more.
+PDL_MAX_WEIGHT_BYTES = 16 << 20
 
 
-def prefetch_columns(weight: torch.Tensor) -> int:
-    """How many leading columns of each row of `weight` `[N, K]` a product prefetches into L2
-    before its PDL wait: all K when the weight fits in PREFETCH_BYTES, else the share of each
-    row that does; whole 16-byte pieces, PREFETCH_PIECES a row, on 16-byte-aligned rows; 0:
-    none."""
-    n, k = weight.shape
-    size = weight.element_size()
-    per_row = min(k, PREFETCH_BYTES // (n * size))
-    unit = PREFETCH_PIECES * 16 // size  # columns in PREFETCH_PIECES 16-byte pieces
-    aligned = weight.data_ptr() % 16 == 0 and (weight.stride(0) * size) % 16 == 0
-    return per_row // unit * unit if aligned else 0
+def product_pdl_options(weight: torch.Tensor) -> dict[str, bool]:
+    """`pdl_options` for a product with `weight`: off above PDL_MAX_WEIGHT_BYTES."""
+    if weight.numel() * weight.element_size() > PDL_MAX_WEIGHT_BYTES:
+        return {"USE_PDL": False, "launch_pdl": False}
+    return pdl_options(weight.device)

@@ -53,16 +53,3 @@ def pdl_wait(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(ptrs, nbytes, mask):
-    """Ask L2 for `nbytes` (a multiple of 16) from each of `ptrs` (16-byte aligned) where
-    `mask`: one bulk prefetch per element, nothing loaded into registers (sm_90 and newer:
-    call it only where `USE_PDL` holds). Before `pdl_wait` only for memory the previous kernel
-    does not write (weights)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $3; mov.b32 $0, 0; }",
-        "=r,l,r,r", [ptrs, mask.to(tl.int32), nbytes], dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
