@@ -4,9 +4,10 @@ For each batch size T: routing + sort (`route_and_align`, one program) against t
 (`select_experts` + `align_block_size`), and the two expert GEMMs under each candidate tile
 config (the table's and its neighbours), over distinct weight copies per layer (so weights
 stream from HBM as in a decode step). Prints µs per layer and the GB/s of the experts actually
-touched, and for small batches the GEMV kernels (`experts_gemv`) too, whose time includes the
-routing (each program routes its token) and the RMSNorm of the input: compare them with the
-grouped GEMMs' time plus the route+sort kernel's. Use it to revise
+touched. For small batches also the GEMV kernels (`experts_gemv`), whose time includes the
+routing (each program routes its token) and the RMSNorm of the input: each gate/up and down
+candidate on its own (µs only), then pairs of both in a step's order (µs and GB/s), to compare
+with the grouped GEMMs' time plus the route+sort kernel's. Use it to revise
 `moe_routing.MOE_CONFIGS`, `MOE_GEMV_CONFIG`, `fused_moe.GEMV_MAX_TOKENS` and
 `ROUTE_ALIGN_MAX_TOKENS`.
 
@@ -61,7 +62,7 @@ GATE_UP_CANDIDATES = (
     MoeGemvConfig(4, 256, num_warps=8, slots=True),
     MoeGemvConfig(2, 128, slots=True),
 )  # fmt: skip
-_DOWN_TILES = ((4, 128, 4), (2, 128, 4), (2, 256, 4), (4, 64, 4), (8, 64, 4), (8, 128, 8),
+_DOWN_TILES = ((4, 128, 4), (2, 128, 4), (2, 256, 4), (4, 64, 4), (8, 64, 4), (16, 128, 8),
                (1, 256, 4), (16, 64, 8))  # fmt: skip
 DOWN_CANDIDATES = (
     MOE_GEMV_CONFIG,
@@ -137,23 +138,34 @@ def _time_experts(
         timings.append({"config": str(c), "us": us, "in_use": in_use,
                         "GBps": touched_bytes / us / 1e3})  # fmt: skip
     if x.shape[0] <= GEMV_SWEEP_MAX_TOKENS:
-        timings += _time_gemv_kernels(x, gate_up, down, logits, top_k, renorm, reference)
+        timings += _time_gemv_kernels(
+            x, gate_up, down, logits, top_k, renorm, reference, touched_bytes
+        )
     return sorted(timings, key=lambda r: r["us"])
 
 
 def _time_gemv_kernels(
     x: torch.Tensor, gate_up: list[torch.Tensor], down: list[torch.Tensor],
     logits: torch.Tensor, top_k: int, renorm: bool, reference: torch.Tensor,
+    touched_bytes: int,
 ) -> list[dict]:  # fmt: skip
-    """The small-batch kernels: each gate/up candidate and each down candidate timed on its
-    own (µs per layer, no GB/s: each reads its share of the experts), checked together with
-    the other kernel's config in use; the sum of the two in-use kernels as "in use"."""
+    """The small-batch kernels: each gate/up and each down candidate timed on its own (µs per
+    layer, no GB/s: each reads its share of the experts), checked together with the other
+    kernel's config in use; then each of COMBOS, both kernels in a step's order ("both": µs
+    and GB/s; `MOE_GEMV_CONFIG`'s row is the one in use)."""
     # x has unit RMS (`main`): a norm of weight 1 and eps 0 leaves it as the reference has it.
     norm = InputNorm(torch.ones(x.shape[1], device=x.device, dtype=x.dtype), 0.0, None)
     h = experts_gate_up_gemv(x, gate_up[0], logits, top_k, MOE_GEMV_CONFIG, norm)
-    timings, in_use_us = [], 0.0
+
+    def wrong(got: torch.Tensor, label: str) -> bool:
+        bad = not torch.allclose(got, reference, rtol=0.05, atol=0.05 * reference.abs().max())
+        if bad:
+            print(f"T={x.shape[0]} {label}: wrong result")
+        return bad
+
+    timings = []
     for kind, candidates in (("gate_up", GATE_UP_CANDIDATES), ("down", DOWN_CANDIDATES)):
-        for g in candidates:
+        for g in dict.fromkeys(candidates):
             up_config, down_config = (
                 (g, MOE_GEMV_CONFIG) if kind == "gate_up" else (MOE_GEMV_CONFIG, g)
             )
@@ -161,8 +173,7 @@ def _time_gemv_kernels(
                 experts_gate_up_gemv(x, gate_up[0], logits, top_k, up_config, norm),
                 down[0], logits, top_k, renorm, down_config,
             ).float()  # fmt: skip
-            if not torch.allclose(got, reference, rtol=0.05, atol=0.05 * reference.abs().max()):
-                print(f"T={x.shape[0]} {kind} {g}: wrong result")
+            if wrong(got, f"{kind} {g}"):
                 continue
 
             def run(g: MoeGemvConfig = g, kind: str = kind) -> None:
@@ -173,26 +184,22 @@ def _time_gemv_kernels(
                         experts_down_gemv(h, dn, logits, top_k, renorm, g)
 
             us = 1e6 * median_graph_seconds(run) / len(gate_up)
-            if g == MOE_GEMV_CONFIG and x.shape[0] <= GEMV_MAX_TOKENS:
-                in_use_us += us
             timings.append({"config": str(g), "kernel": kind, "us": us, "in_use": False})
             print(f"T={x.shape[0]} {kind} {us:.2f} us {g}")
-    for g in COMBOS:
+    for g in dict.fromkeys(COMBOS):
 
         def both(g: MoeGemvConfig = g) -> None:
             for gu, dn in zip(gate_up, down, strict=True):
                 experts_gemv(x, gu, dn, logits, top_k, renorm, g, norm)
 
         got = experts_gemv(x, gate_up[0], down[0], logits, top_k, renorm, g, norm).float()
-        if not torch.allclose(got, reference, rtol=0.05, atol=0.05 * reference.abs().max()):
-            print(f"T={x.shape[0]} both {g}: wrong result")
+        if wrong(got, f"both {g}"):
             continue
         us = 1e6 * median_graph_seconds(both) / len(gate_up)
-        timings.append({"config": str(g), "kernel": "both", "us": us, "in_use": False})
+        in_use = g == MOE_GEMV_CONFIG and x.shape[0] <= GEMV_MAX_TOKENS
+        timings.append({"config": str(g), "kernel": "both", "us": us, "in_use": in_use,
+                        "GBps": touched_bytes / us / 1e3})  # fmt: skip
         print(f"T={x.shape[0]} both {us:.2f} us {g}")
-    if in_use_us:
-        timings.append({"config": "gemv in use (both kernels)", "us": in_use_us, "in_use": True,
-                        "GBps": 0.0})  # fmt: skip
     return timings
 
 
@@ -224,7 +231,7 @@ def main() -> None:
             x, gate_up, down, logits[0], k, moe.norm_topk_prob, table
         )
         results.append(row)
-        best = next(r for r in timings if "kernel" not in r)
+        best = next(r for r in timings if r.get("kernel", "both") == "both")  # whole layers
         mine = next((r for r in timings if r["in_use"]), None)
         print(
             f"T={t}: route+sort kernel {row['route_kernel_us']:.1f} us, torch "

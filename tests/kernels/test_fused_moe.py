@@ -147,8 +147,9 @@ def _rms_norm_f64(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
 # Tiles that leave a partial step of both reductions (80 = 2 x 32 + 16, 40 = 2 x 16 + 8).
 SMALL_GEMV = MoeGemvConfig(8, 32, down_block_k=16, down_block_n=8)
-# All of a token's experts per gate/up program; down rows not dividing the hidden size (80).
-SLOTS_GEMV = MoeGemvConfig(4, 32, down_block_k=16, slots=True, down_block_n=32, down_num_warps=2)
+# All of a token's experts per gate/up program; rows not dividing the intermediate (40) or the
+# hidden size (80).
+SLOTS_GEMV = MoeGemvConfig(16, 32, slots=True, down_block_n=32, down_block_k=16, down_num_warps=2)
 
 
 @pytest.mark.parametrize("config", [SMALL_GEMV, SLOTS_GEMV], ids=["pairs", "slots"])
@@ -200,7 +201,7 @@ def test_small_batch_gemv_ties_pick_the_lowest_expert_ids(
 ) -> None:
     """Equal router logits: the lowest expert ids win (as `select_experts`' topk), with equal
     weights; every other expert's weights are NaN, so reading one would show."""
-    experts, hidden, inter = 16, 32, 24
+    experts, hidden, inter = 16, 48, 22  # partial column blocks and reduction steps
     x, gate_up, down, _ = _problem(2, experts, hidden, inter, torch.float32, seed=4)
     logits = torch.zeros(2, experts, device=DEVICE)
     logits[1, 8:] = 1.0  # the second token: experts 8.. tie above the rest
@@ -287,6 +288,8 @@ def test_fused_moe_of_8192_tokens_with_table_configs(dtype: torch.dtype) -> None
 def test_kernel_config_rejects_bad_tiles() -> None:
     with pytest.raises(ValueError, match="block_k must be a power of 2"):
         MoeGemvConfig(8, 100)
+    with pytest.raises(ValueError, match="down_num_warps must be a power of 2"):
+        MoeGemvConfig(8, 32, down_num_warps=3)
     with pytest.raises(ValueError, match="block_n must be a power of 2 >= 32"):
         MoeKernelConfig(16, 16, 16)
     with pytest.raises(ValueError, match="block_m must be a power of 2 >= 16"):

@@ -29,7 +29,6 @@ from tokenmill.kernels.invariant_matmul import (  # noqa: E402
     PDL_MAX_WEIGHT_BYTES,
     MatmulTile,
     invariant_matmul,
-    product_pdl_options,
 )
 from tokenmill.kernels.norm import rms_norm  # noqa: E402
 from tokenmill.kernels.rope_store import rope_and_store  # noqa: E402
@@ -221,14 +220,25 @@ def test_invariant_matmul(dtype: torch.dtype, m: int, tile: MatmulTile | None) -
 
 
 def test_invariant_matmul_launches_with_pdl_only_for_small_weights(monkeypatch) -> None:
-    """Small (latency-bound) products start under PDL; large ones, which ran slower so, do not."""
-    module = importlib.import_module("tokenmill.kernels.invariant_matmul")  # the package's name
+    """Small (latency-bound) products start under PDL; large ones, which ran slower so, do not
+    (the launch's own options, spied on; meta tensors: nothing runs)."""
+    # The module itself: `tokenmill.kernels.invariant_matmul` as an attribute is the function
+    # the package re-exports under the module's name.
+    module = importlib.import_module("tokenmill.kernels.invariant_matmul")
+    launches: list[dict] = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(kwargs)
+
     monkeypatch.setattr(module, "pdl_options", lambda device: {"USE_PDL": True, "launch_pdl": True})
-    small = torch.empty(4096, 1024, dtype=torch.bfloat16, device="meta")  # Qwen3-0.6B's q/k/v
-    large = torch.empty(6144, 4096, dtype=torch.bfloat16, device="meta")  # Llama-3.1-8B's
-    assert 4096 * 1024 * 2 <= PDL_MAX_WEIGHT_BYTES < 6144 * 4096 * 2
-    assert product_pdl_options(small) == {"USE_PDL": True, "launch_pdl": True}
-    assert product_pdl_options(large) == {"USE_PDL": False, "launch_pdl": False}
+    monkeypatch.setattr(module, "_invariant_matmul_kernel", Spy())
+    # Qwen3-0.6B's q/k/v, a weight of exactly the bound, Llama-3.1-8B's q/k/v.
+    for n, k, pdl in ((4096, 1024, True), (PDL_MAX_WEIGHT_BYTES // 2048, 1024, True),
+                      (6144, 4096, False)):  # fmt: skip
+        x = torch.empty(1, k, dtype=torch.bfloat16, device="meta")
+        module.invariant_matmul(x, torch.empty(n, k, dtype=torch.bfloat16, device="meta"))
+        assert (launches[-1]["USE_PDL"], launches[-1]["launch_pdl"]) == (pdl, pdl), n
 
 
 @pytest.mark.parametrize("dtype", DOT_DTYPES)

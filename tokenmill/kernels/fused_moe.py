@@ -1,10 +1,11 @@
 """Fused mixture-of-experts: routing + token→expert sort in one kernel, then two grouped GEMMs.
 
 `fused_moe` runs an MoE feed-forward in two launches for a batch of up to `GEMV_MAX_TOKENS`
-tokens (`experts_gemv`: a GEMV per (token, expert) pair for gate/up and one per token for down,
-which also sums the token's top k; each program routes its token itself, from the router
-logits, and the gate/up kernel may apply the RMSNorm in front of the layer), and in four for a
-batch of up to `ROUTE_ALIGN_MAX_TOKENS` tokens: `_route_align_kernel` (softmax, top-k,
+tokens (`experts_gemv`: GEMVs per token, each program reading the same rows of all of its
+token's experts, for gate/up (per (token, expert) pair instead without `MoeGemvConfig.slots`)
+and for down, which also sums the token's top k; each program routes its token itself, from
+the router logits, and the gate/up kernel may apply the RMSNorm in front of the layer), and in
+four for a batch of up to `ROUTE_ALIGN_MAX_TOKENS` tokens: `_route_align_kernel` (softmax, top-k,
 renormalisation and the padded sort of `moe_routing.SortedPairs`, in one program),
 `_gate_up_kernel` (each row block is one expert's pairs: x @ W_gate^T and x @ W_up^T, then
 SiLU(gate) * up), `_down_kernel` (the product with W_down, scaled by the pair's routing
@@ -398,7 +399,6 @@ def experts_gemv(
     top-k, renormalised when `renormalize`) and reads its (token, expert) pairs' rows; the
     down kernel routes again and sums each token's top k. With `norm` (an RMSNorm's weight
     and eps, no residual), `x` is the norm's input and the gate/up kernel applies it."""
-    _check_rows_contiguous(x, gate_up, down)
     h = experts_gate_up_gemv(x, gate_up, router_logits, top_k, config, norm)
     return experts_down_gemv(h, down, router_logits, top_k, renormalize, config)
 
@@ -413,6 +413,7 @@ def experts_gate_up_gemv(
 ) -> torch.Tensor:
     """`experts_gemv`'s first launch: `silu(gate) * up` of each (token, expert) pair, `[T *
     top_k, I]`, row `t * top_k + j` for token t's j-th expert."""
+    _check_rows_contiguous(x, gate_up)
     num_tokens, hidden = x.shape
     num_experts = router_logits.shape[1]
     inter = gate_up.shape[1] // 2
@@ -447,6 +448,10 @@ def experts_down_gemv(
     over its pairs' rows of `h` (`experts_gate_up_gemv`'s output), `[T, H]`."""
     num_tokens, num_experts = router_logits.shape
     hidden, inter = down.shape[1], down.shape[2]
+    _check_rows_contiguous(h, down)
+    if h.shape != (num_tokens * top_k, inter):
+        raise ValueError(f"h must be [tokens * top_k, I] = {(num_tokens * top_k, inter)}, got "
+                         f"{tuple(h.shape)}")  # fmt: skip
     out = torch.empty(num_tokens, hidden, dtype=h.dtype, device=h.device)
     if num_tokens == 0:
         return out
@@ -460,8 +465,8 @@ def experts_down_gemv(
     return out
 
 
-def _check_rows_contiguous(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> None:
-    if gate_up.stride(2) != 1 or down.stride(2) != 1 or x.stride(1) != 1:
+def _check_rows_contiguous(x: torch.Tensor, *weights: torch.Tensor) -> None:
+    if x.stride(1) != 1 or any(w.stride(2) != 1 for w in weights):
         raise ValueError("the MoE kernels need x and the expert weights contiguous in their rows")
 
 

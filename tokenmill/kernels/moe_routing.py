@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-# Batches up to this many tokens skip the sort: GEMV kernels per (token, expert) pair
-# (`fused_moe.experts_gemv`), as the dense layers' GEMV for decode batches of 1-4 rows
-# (`benchmarks/moe_sweep.py` compares). Here, without triton, for the layer to ask.
+# Batches up to this many tokens skip the sort: GEMV kernels per token (gate/up per (token,
+# expert) pair without `MoeGemvConfig.slots`; `fused_moe.experts_gemv`), as the dense layers'
+# GEMV for decode batches of 1-4 rows (`benchmarks/moe_sweep.py` compares). Here, without
+# triton, for the layer to ask.
 GEMV_MAX_TOKENS = 4
 
 
@@ -112,9 +113,9 @@ class MoeGemvConfig:
     block_n: int
     block_k: int
     num_warps: int = 4
-    down_block_k: int = 128
     slots: bool = False
     down_block_n: int = 4
+    down_block_k: int = 128
     down_num_warps: int = 4
 
     def __post_init__(self) -> None:
@@ -125,12 +126,13 @@ class MoeGemvConfig:
                 raise ValueError(f"MoeGemvConfig.{name} must be a power of 2, got {size}")
 
 
-# Gate/up: all 8 experts of a token per program, 2 rows of each, 256 of the reduction per step;
-# down: 8 rows of all of a token's experts per program, 128 of each per step, 8 warps
-# (`benchmarks/moe_sweep.py` on the H200, qwen3-30b-a3b, session 19: both kernels 28.1 us a
-# layer at one token vs 30.8 for session 11's 4 rows of 1,024 per (token, expert) pair; 86.0 vs
-# 96.3 at four tokens; each (token, expert) pair on its own, the routing is done 8 times a
-# token). The down kernel reads the same rows of all of a token's experts at once: one expert
+# Gate/up: all 8 experts of a token per program (routed once, not once per pair), 2 rows of
+# each, 256 of the reduction per step; down: 8 rows of all of a token's experts per program,
+# 128 of each per step, 8 warps. `benchmarks/moe_sweep.py` on the H200, qwen3-30b-a3b, session
+# 19: gate/up alone 17.7 us a layer at one token vs 21.4 for session 11's 4 rows of 1,024 per
+# (token, expert) pair; the down tiles 4 x 128 and 8 x 128 within noise alone (10.6-11.2 us),
+# the pair 28.1 us with 8 x 128 vs 28.6 with 4 x 128 (30.8 before); 86.0 vs 96.3 at four
+# tokens. The down kernel reads the same rows of all of a token's experts at once: one expert
 # at a time it was latency-bound (B1 3.51 ms per token; 3.33 ms with all at once, session 11).
 MOE_GEMV_CONFIG = MoeGemvConfig(
     block_n=2, block_k=256, slots=True, down_block_n=8, down_block_k=128, down_num_warps=8

@@ -12,7 +12,9 @@ written earlier than that — weights and tables, the step's inputs (positions, 
 lengths, page table: written before the step's first layer), and K/V cached by earlier steps.
 Every kernel in `tokenmill/kernels` takes a `USE_PDL` constexpr, calls `pdl_wait` before its
 first store and its first read of the previous kernel's output, and is launched with
-`**pdl_options(device)`.
+`**pdl_options(device)` — or with both off together, as the deterministic mode's large products
+are (`invariant_matmul.product_pdl_options`). That keeps the rule: a kernel launched without
+PDL starts once the one before it has finished, and the next starts only after it has.
 """
 
 from __future__ import annotations
