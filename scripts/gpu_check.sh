@@ -57,8 +57,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-# The GPU image lacks msgspec, pyzmq, fastapi, ...: carry ../shared/device's wheels as .whl/
-# (run ../shared/device/prep-wheels.sh once, then `carry: [".whl"]`).
+# The GPU image lacks msgspec, pyzmq, fastapi, setproctitle, ...: carry them as .whl/ (run
+# ../shared/device/prep-wheels.sh once, add setproctitle's, which it leaves out: `pip download
+# setproctitle --no-deps --only-binary=:all: --python-version 3.12 --platform
+# manylinux2014_x86_64 -d .whl`; then `carry: [".whl"]`).
 if [[ -d .whl ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site:$PYTHONPATH"
