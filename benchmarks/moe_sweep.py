@@ -44,38 +44,27 @@ from tokenmill.kernels.moe_routing import (
 from tokenmill.observability.cuda_timing import median_graph_seconds
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
-# Gate/up candidates (one (token, expert) pair or, with slots, one token per program) and down
-# candidates (`down_*`); each kernel is timed on its own, so the best of each can be combined.
+# Gate/up candidates and down candidates (`down_*`); each kernel is timed on its own, so the
+# best of each can be combined.
 GATE_UP_CANDIDATES = (
     MOE_GEMV_CONFIG,
-    MoeGemvConfig(8, 512),
-    MoeGemvConfig(4, 512),
-    MoeGemvConfig(2, 1024),
-    MoeGemvConfig(8, 1024, num_warps=8),
-    MoeGemvConfig(16, 256),
-    MoeGemvConfig(1, 256, slots=True),
-    MoeGemvConfig(1, 512, slots=True),
-    MoeGemvConfig(2, 256, slots=True),
-    MoeGemvConfig(2, 512, slots=True),
-    MoeGemvConfig(2, 512, num_warps=8, slots=True),
-    MoeGemvConfig(4, 256, slots=True),
-    MoeGemvConfig(4, 256, num_warps=8, slots=True),
-    MoeGemvConfig(2, 128, slots=True),
+    *(MoeGemvConfig(n, k, num_warps=w)
+      for n, k, w in ((1, 256, 4), (1, 512, 4), (2, 128, 4), (2, 512, 4), (2, 512, 8),
+                      (4, 256, 4), (4, 256, 8), (4, 128, 4))),
 )  # fmt: skip
 _DOWN_TILES = ((4, 128, 4), (2, 128, 4), (2, 256, 4), (4, 64, 4), (8, 64, 4), (16, 128, 8),
                (1, 256, 4), (16, 64, 8))  # fmt: skip
 DOWN_CANDIDATES = (
     MOE_GEMV_CONFIG,
-    *(MoeGemvConfig(2, 256, slots=True, down_block_n=n, down_block_k=k, down_num_warps=w)
+    *(MoeGemvConfig(2, 256, down_block_n=n, down_block_k=k, down_num_warps=w)
       for n, k, w in _DOWN_TILES),
 )  # fmt: skip
 # Both kernels together (`experts_gemv`), as a step runs them one after the other.
 COMBOS = (
     MOE_GEMV_CONFIG,
-    MoeGemvConfig(4, 1024, down_block_n=4),
-    MoeGemvConfig(16, 256, down_block_n=8, down_num_warps=8),
-    MoeGemvConfig(2, 256, slots=True, down_block_n=4),
-)  # fmt: skip
+    MoeGemvConfig(2, 256, down_block_n=4),
+    MoeGemvConfig(4, 256, down_block_n=4),
+)
 GEMV_SWEEP_MAX_TOKENS = 8  # the GEMV path is timed up to here (used up to GEMV_MAX_TOKENS)
 EXTRA = (
     MoeKernelConfig(16, 32, 128, num_warps=4, num_stages=4),

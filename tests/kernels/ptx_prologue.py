@@ -24,11 +24,7 @@ from tokenmill.kernels.attention import (
     _prefill_kernel,
     _verify_split_kernel,
 )
-from tokenmill.kernels.fused_moe import (
-    _down_gemv_kernel,
-    _gate_up_gemv_kernel,
-    _gate_up_slots_kernel,
-)
+from tokenmill.kernels.fused_moe import _down_gemv_kernel, _gate_up_gemv_kernel
 from tokenmill.kernels.gemv import _gemv_kernel
 from tokenmill.kernels.graph_inputs import _decode_inputs_kernel
 from tokenmill.kernels.invariant_matmul import _invariant_matmul_kernel
@@ -76,8 +72,6 @@ KERNELS = {
     "decode_inputs": (_decode_inputs_kernel, dict(BLOCK_W=128)),
     "argmax": (_argmax_kernel, dict(CHUNKS=75, BLOCK=2048, BLOCK_C=128, TO_HOST=True)),
     "moe_gate_up_gemv": (_gate_up_gemv_kernel, dict(
-        TOP_K=8, EXPERTS=128, SLOTS=8, NORM=True, BLOCK_N=4, BLOCK_K=1024)),
-    "moe_gate_up_slots": (_gate_up_slots_kernel, dict(
         TOP_K=8, EXPERTS=128, SLOTS=8, NORM=True, BLOCK_N=2, BLOCK_K=256)),
     "moe_down_gemv": (_down_gemv_kernel, dict(
         TOP_K=8, RENORMALIZE=True, EXPERTS=128, SLOTS=8, BLOCK_N=8, BLOCK_K=128)),

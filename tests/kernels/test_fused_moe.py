@@ -147,12 +147,11 @@ def _rms_norm_f64(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
 # Tiles that leave a partial step of both reductions (80 = 2 x 32 + 16, 40 = 2 x 16 + 8).
 SMALL_GEMV = MoeGemvConfig(8, 32, down_block_k=16, down_block_n=8)
-# All of a token's experts per gate/up program; rows not dividing the intermediate (40) or the
-# hidden size (80).
-SLOTS_GEMV = MoeGemvConfig(16, 32, slots=True, down_block_n=32, down_block_k=16, down_num_warps=2)
+# Rows per program not dividing the intermediate (40) or the hidden size (80).
+ODD_GEMV = MoeGemvConfig(16, 32, down_block_n=32, down_block_k=16, down_num_warps=2)
 
 
-@pytest.mark.parametrize("config", [SMALL_GEMV, SLOTS_GEMV], ids=["pairs", "slots"])
+@pytest.mark.parametrize("config", [SMALL_GEMV, ODD_GEMV], ids=["small", "odd"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("tokens", "num_experts", "top_k"),
@@ -173,7 +172,7 @@ def test_small_batch_gemv_experts_route_and_match_float64(
     _close(out, _experts_f64(x, gate_up, down, weights, ids), dtype)
 
 
-@pytest.mark.parametrize("config", [SMALL_GEMV, SLOTS_GEMV], ids=["pairs", "slots"])
+@pytest.mark.parametrize("config", [SMALL_GEMV, ODD_GEMV], ids=["small", "odd"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("tokens", "top_k"), [(1, 1), (3, 2), (1, 8)])
 def test_small_batch_gemv_experts_apply_the_rms_norm(
@@ -194,7 +193,7 @@ def test_small_batch_gemv_experts_apply_the_rms_norm(
         experts_gemv(x, gate_up, down, logits, top_k, True, SMALL_GEMV, InputNorm(norm_w, 1e-6, x))
 
 
-@pytest.mark.parametrize("config", [SMALL_GEMV, SLOTS_GEMV], ids=["pairs", "slots"])
+@pytest.mark.parametrize("config", [SMALL_GEMV, ODD_GEMV], ids=["small", "odd"])
 @pytest.mark.parametrize("top_k", [1, 2, 3, 8])
 def test_small_batch_gemv_ties_pick_the_lowest_expert_ids(
     top_k: int, config: MoeGemvConfig

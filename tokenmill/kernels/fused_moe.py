@@ -2,18 +2,17 @@
 
 `fused_moe` runs an MoE feed-forward in two launches for a batch of up to `GEMV_MAX_TOKENS`
 tokens (`experts_gemv`: GEMVs per token, each program reading the same rows of all of its
-token's experts, for gate/up (per (token, expert) pair instead without `MoeGemvConfig.slots`)
-and for down, which also sums the token's top k; each program routes its token itself, from
-the router logits, and the gate/up kernel may apply the RMSNorm in front of the layer), and in
-four for a batch of up to `ROUTE_ALIGN_MAX_TOKENS` tokens: `_route_align_kernel` (softmax, top-k,
-renormalisation and the padded sort of `moe_routing.SortedPairs`, in one program),
-`_gate_up_kernel` (each row block is one expert's pairs: x @ W_gate^T and x @ W_up^T, then
-SiLU(gate) * up), `_down_kernel` (the product with W_down, scaled by the pair's routing
-weight) and the sum over the top-k slots. Each program of a GEMM reads only its block's
-expert, so a decode step reads the weights of the experts its tokens chose and nothing else.
-Larger batches route and sort with torch ops (`moe_routing`), which spread over the GPU. Every
-shape depends on the token count alone (no host syncs), so the whole of it runs inside CUDA
-graphs."""
+token's experts, for gate/up and for down, which also sums the token's top k; each program
+routes its token itself, from the router logits, and the gate/up kernel may apply the RMSNorm
+in front of the layer), and in four for a batch of up to `ROUTE_ALIGN_MAX_TOKENS` tokens:
+`_route_align_kernel` (softmax, top-k, renormalisation and the padded sort of
+`moe_routing.SortedPairs`, in one program), `_gate_up_kernel` (each row block is one expert's
+pairs: x @ W_gate^T and x @ W_up^T, then SiLU(gate) * up), `_down_kernel` (the product with
+W_down, scaled by the pair's routing weight) and the sum over the top-k slots. Each program of
+a GEMM reads only its block's expert, so a decode step reads the weights of the experts its
+tokens chose and nothing else. Larger batches route and sort with torch ops (`moe_routing`),
+which spread over the GPU. Every shape depends on the token count alone (no host syncs), so the
+whole of it runs inside CUDA graphs."""
 
 from __future__ import annotations
 
@@ -243,58 +242,16 @@ def _gate_up_gemv_kernel(
     TOP_K: tl.constexpr, EXPERTS: tl.constexpr, SLOTS: tl.constexpr, NORM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """Small batches, one pair per program row: routes its token (`_top_experts`), then
-    out[pair, cols] = silu(W_gate[e] x) * W_up[e] x for `BLOCK_N` columns of the pair's expert
-    e, as products summed over K slabs (no tensor-core tiles to fill). NORM: `x` is an
-    RMSNorm's input; the norm weight is applied as x is loaded and the row's RMS scale to the
-    finished sums (the normed input is never written out)."""
-    pdl_wait(USE_PDL)  # the router logits and x come from the kernels just before
-    pair = tl.program_id(0)
-    token = pair // TOP_K
-    ids, _ = _top_experts(
-        logits_ptr, token, num_experts, stride_logits, TOP_K, False, EXPERTS, SLOTS
-    )
-    expert = tl.sum(tl.where(tl.arange(0, SLOTS) == pair % TOP_K, ids, 0), axis=0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < inter
-    ks = tl.arange(0, BLOCK_K)
-    x_row = x_ptr + token.to(tl.int64) * stride_x
-    g_ptrs = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
-    u_ptrs = g_ptrs + inter * stride_wn
-    gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    up = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    sumsq = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        k_ok = ks < hidden - k0
-        x = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-        if NORM:
-            sumsq += x * x
-            x = x * tl.load(norm_w_ptr + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-        w_mask = col_ok[:, None] & k_ok[None, :]
-        g = tl.load(g_ptrs + k0, mask=w_mask, other=0.0).to(tl.float32)
-        u = tl.load(u_ptrs + k0, mask=w_mask, other=0.0).to(tl.float32)
-        gate += tl.sum(g * x[None, :], axis=1)
-        up += tl.sum(u * x[None, :], axis=1)
-    if NORM:
-        scale = tl.rsqrt(tl.sum(sumsq, axis=0) / hidden + eps)
-        gate *= scale
-        up *= scale
-    h = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + pair * stride_out + cols, h.to(out_ptr.dtype.element_ty), mask=col_ok)
-
-
-@triton.jit
-def _gate_up_slots_kernel(
-    x_ptr, w_ptr, out_ptr, logits_ptr, norm_w_ptr, eps, hidden, inter, num_experts,
-    stride_x, stride_we, stride_wn, stride_out, stride_logits,
-    TOP_K: tl.constexpr, EXPERTS: tl.constexpr, SLOTS: tl.constexpr, NORM: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
-    """`_gate_up_gemv_kernel` with one token per program row: the token is routed once and
-    each step loads the same `BLOCK_N` gate and up rows of all of its k experts (`SLOTS` = k
-    rounded up to a power of 2), the next step's loads issued before this one is summed.
-    Unlike the down kernel it cannot load before its wait: the router logits come from the
-    kernel just before."""
+    """Small batches, one token per program row: routes its token (`_top_experts`), then
+    out[pair, cols] = silu(W_gate[e] x) * W_up[e] x for `BLOCK_N` columns of each of the
+    token's k experts e (pair = token * k + slot), as products summed over K slabs (no
+    tensor-core tiles to fill). Each step loads the same rows of all k experts (`SLOTS` = k
+    rounded up to a power of 2), the next step's loads issued before this one is summed: one
+    (token, expert) pair per program, routing in each, ran 21.4 us a layer against 17.7 (H200,
+    qwen3-30b-a3b, one token). NORM: `x` is an RMSNorm's input; the norm weight is applied as x
+    is loaded and the row's RMS scale to the finished sums (the normed input is never written
+    out). Unlike the down kernel it cannot load before its wait: the router logits come from
+    the kernel just before."""
     pdl_wait(USE_PDL)  # the router logits and x come from the kernels just before
     token = tl.program_id(0)
     ids, _ = _top_experts(
@@ -429,10 +386,7 @@ def experts_gate_up_gemv(
     args = (x, gate_up, h, router_logits, norm.weight if norm is not None else x,
             norm.eps if norm is not None else 0.0, hidden, inter, num_experts, x.stride(0),
             gate_up.stride(0), gate_up.stride(1), h.stride(0), router_logits.stride(0))  # fmt: skip
-    kernel, rows = _gate_up_gemv_kernel, num_tokens * top_k
-    if config.slots:
-        kernel, rows = _gate_up_slots_kernel, num_tokens
-    kernel[(rows, triton.cdiv(inter, config.block_n))](*args, **meta)
+    _gate_up_gemv_kernel[(num_tokens, triton.cdiv(inter, config.block_n))](*args, **meta)
     return h
 
 

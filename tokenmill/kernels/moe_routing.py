@@ -17,10 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-# Batches up to this many tokens skip the sort: GEMV kernels per token (gate/up per (token,
-# expert) pair without `MoeGemvConfig.slots`; `fused_moe.experts_gemv`), as the dense layers'
-# GEMV for decode batches of 1-4 rows (`benchmarks/moe_sweep.py` compares). Here, without
-# triton, for the layer to ask.
+# Batches up to this many tokens skip the sort: GEMV kernels per token
+# (`fused_moe.experts_gemv`), as the dense layers' GEMV for decode batches of 1-4 rows
+# (`benchmarks/moe_sweep.py` compares). Here, without triton, for the layer to ask.
 GEMV_MAX_TOKENS = 4
 
 
@@ -103,17 +102,14 @@ class MoeKernelConfig:
 
 @dataclass(frozen=True)
 class MoeGemvConfig:
-    """Tiles of the small-batch expert kernels (`fused_moe.experts_gemv`). Gate/up: `block_n`
-    output rows of an expert per program, `block_k` of the reduction per step, one (token,
-    expert) pair per program, or with `slots` all of a token's experts per program (routed
-    once, `top_k` times the bytes in flight). Down: `down_block_n` rows of all of a token's
-    experts per program, `down_block_k` of each per step. `num_warps` / `down_num_warps`:
-    Triton's, per kernel."""
+    """Tiles of the small-batch expert kernels (`fused_moe.experts_gemv`), each program one
+    token's: gate/up `block_n` rows of each of its experts, `block_k` of the reduction per
+    step; down `down_block_n` rows of each, `down_block_k` per step. `num_warps` /
+    `down_num_warps`: Triton's, per kernel."""
 
     block_n: int
     block_k: int
     num_warps: int = 4
-    slots: bool = False
     down_block_n: int = 4
     down_block_k: int = 128
     down_num_warps: int = 4
@@ -126,16 +122,16 @@ class MoeGemvConfig:
                 raise ValueError(f"MoeGemvConfig.{name} must be a power of 2, got {size}")
 
 
-# Gate/up: all 8 experts of a token per program (routed once, not once per pair), 2 rows of
-# each, 256 of the reduction per step; down: 8 rows of all of a token's experts per program,
-# 128 of each per step, 8 warps. `benchmarks/moe_sweep.py` on the H200, qwen3-30b-a3b, session
-# 19: gate/up alone 17.7 us a layer at one token vs 21.4 for session 11's 4 rows of 1,024 per
-# (token, expert) pair; the down tiles 4 x 128 and 8 x 128 within noise alone (10.6-11.2 us),
-# the pair 28.1 us with 8 x 128 vs 28.6 with 4 x 128 (30.8 before); 86.0 vs 96.3 at four
-# tokens. The down kernel reads the same rows of all of a token's experts at once: one expert
-# at a time it was latency-bound (B1 3.51 ms per token; 3.33 ms with all at once, session 11).
+# Gate/up: 2 rows of each of a token's 8 experts per program, 256 of the reduction per step;
+# down: 8 rows of each per program, 128 per step, 8 warps. `benchmarks/moe_sweep.py` on the
+# H200, qwen3-30b-a3b, session 19: gate/up alone 17.7 us a layer at one token (21.4 for
+# session 11's kernel, one (token, expert) pair and 4 rows of 1,024 per program); the down
+# tiles 4 x 128 and 8 x 128 within noise alone (10.6-11.2 us), both kernels 28.1 us with 8 x
+# 128 vs 28.6 with 4 x 128 (30.8 before); 86.0 vs 96.3 at four tokens. Reading one expert at
+# a time, the down kernel was latency-bound (B1 3.51 ms per token; 3.33 ms with all of a
+# token's experts at once, session 11).
 MOE_GEMV_CONFIG = MoeGemvConfig(
-    block_n=2, block_k=256, slots=True, down_block_n=8, down_block_k=128, down_num_warps=8
+    block_n=2, block_k=256, down_block_n=8, down_block_k=128, down_num_warps=8
 )
 
 
