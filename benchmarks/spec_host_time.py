@@ -118,6 +118,45 @@ class PhaseTimer:
         self.ops.clear()
 
 
+class IdleGaps:
+    """Host seconds during which the device has nothing queued: from the read of the newest
+    launched step to the next step's device start (`LaunchedStep.start`). A step read after the
+    next one is launched (overlap scheduling) leaves no such gap; a verify step, read before
+    the next is scheduled, does: applying its tokens, proposing, planning, laying out and
+    packing the next step all happen in it."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.seconds = 0.0
+        self._newest: LaunchedStep | None = None
+        self._since: float | None = None
+        self._undo: list[tuple[str, Any]] = []
+
+    def install(self) -> None:
+        read, start = LaunchedStep.read, LaunchedStep.start
+        gaps = self
+
+        def timed_read(step: LaunchedStep) -> Any:
+            out = read(step)
+            if step is gaps._newest:
+                gaps._since = gaps.clock()
+            return out
+
+        def timed_start(step: LaunchedStep) -> None:
+            if step is not gaps._newest:  # its first start: the device's work begins here
+                if gaps._since is not None:
+                    gaps.seconds += gaps.clock() - gaps._since
+                gaps._since, gaps._newest = None, step
+            start(step)
+
+        self._undo = [("read", read), ("start", start)]
+        LaunchedStep.read, LaunchedStep.start = timed_read, timed_start  # type: ignore[method-assign]
+
+    def uninstall(self) -> None:
+        for name, original in self._undo:
+            setattr(LaunchedStep, name, original)
+
+
 def instrument(llm: LLM, timer: PhaseTimer) -> None:
     """Wrap the phases of one engine step of `llm`."""
     engine, runner = llm.engine, llm.engine.runner
@@ -194,7 +233,7 @@ def measure(
         oracle.teacher_force(llm.engine.scheduler)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     cuda = device == "cuda"
-    timed, seconds, launched, tokens = _run(llm, prompts, greedy, PhaseTimer(cuda))
+    timed, seconds, launched, tokens, idle = _run(llm, prompts, greedy, PhaseTimer(cuda))
     counted, *_ = _run(llm, prompts, greedy, PhaseTimer(cuda, count_ops=True))
     steps_run = len(launched)
     report_kernels = _kernel_us_per_step(llm, prompts, greedy, kernels) if kernels else {}
@@ -206,6 +245,9 @@ def measure(
         "ms_per_step": 1e3 * seconds / steps_run,
         # Outside the forward pass and the read (on the GPU, the read waits for the step).
         "host_ms_per_step": host,
+        # Host time while the device had nothing queued (`IdleGaps`): what overlapping the
+        # step with the next would save.
+        "idle_host_ms_per_step": 1e3 * idle / steps_run,
         "device_ms_per_step": 1e3 * sum(s.forward_seconds() for s in launched) / steps_run,
         "phase_ms_per_step": per_step,
         # The forward pass is left out: CUDA graphs replay it in one launch.
@@ -251,16 +293,20 @@ def _launches(llm: LLM, prompts: list[list[int]]) -> Iterator[list[LaunchedStep]
 
 def _run(
     llm: LLM, prompts: list[list[int]], params: SamplingParams, timer: PhaseTimer
-) -> tuple[PhaseTimer, float, list[LaunchedStep], int]:
-    """One generation under `timer`: the timer, its seconds, the steps launched, tokens."""
+) -> tuple[PhaseTimer, float, list[LaunchedStep], int, float]:
+    """One generation under `timer`: the timer, its seconds, the steps launched, tokens, and
+    the idle gaps' seconds (`IdleGaps`)."""
+    gaps = IdleGaps(timer.clock)
     with _launches(llm, prompts) as launched:
         instrument(llm, timer)
+        gaps.install()
         start = timer.clock()
         out = llm.generate(prompts, params, use_tqdm=False)
         seconds = timer.clock() - start
+        gaps.uninstall()
         timer.restore()
     tokens = sum(len(o.outputs[0].token_ids) for o in out)
-    return timer, seconds, launched, tokens
+    return timer, seconds, launched, tokens, gaps.seconds
 
 
 def main() -> None:
@@ -306,8 +352,8 @@ def main() -> None:
         row = [report[m]["phase_ms_per_step"].get(name, 0.0) for m in ("plain", "verify")]
         ops = [report[m]["torch_ops_per_step"].get(name, 0) for m in ("plain", "verify")]
         print(f"{name:22s} {row[0]:8.3f} {row[1]:8.3f}   {ops[0]:5.1f} / {ops[1]:5.1f}")
-    for label in ("host_ms_per_step", "device_ms_per_step", "ms_per_step", "tokens_per_step",
-                  "steps"):  # fmt: skip
+    for label in ("host_ms_per_step", "idle_host_ms_per_step", "device_ms_per_step",
+                  "ms_per_step", "tokens_per_step", "steps"):  # fmt: skip
         print(f"{label:22s} {report['plain'][label]:8.3f} {report['verify'][label]:8.3f}")
     for mode in ("plain", "verify"):
         for name, (us, launches) in report[mode]["kernel_us_per_step"].items():
