@@ -3,17 +3,18 @@
 Runs the demo model (or `--config` with dummy weights) greedily at batch `--batch`, plain and
 with B4's teacher-forced oracle proposer (`--rate`, k = `--k`, adaptive off unless
 `--adaptive`), and times every phase of an engine step by wrapping the methods that run it
-(exclusive times: a phase nested in another is not counted twice). On the CPU the times are
-CPU seconds of the engine's thread, torch on one thread, so that other processes on a shared
+(exclusive times: a phase nested in another is not counted twice). On the CPU the times are CPU
+seconds of the engine's thread, torch on one thread, so that other processes on a shared
 machine do not count; with `--device cuda`, wall seconds, and `read` includes waiting for the
 GPU. The model's forward pass (a graph replay on the GPU) is its own phase, so on the CPU,
 where it runs inside the launch, the other phases are the host time a GPU step would carry.
-`device_ms_per_step` is
-the launched steps' own time (CUDA events from launch to sampled tokens; on the CPU, the
-forward and sampling, wall time). `torch ops` counts the ATen operators the phases dispatch
-per step (on the GPU each is at least one kernel launch); the forward pass is left out of the
-count (CUDA graphs replay it). `--kernels N` (GPU) adds the N kernels with the most device time
-per step, plain and verify, from a third generation under the CUDA profiler.
+`device_ms_per_step` is the launched steps' own time (CUDA events from launch to sampled
+tokens; on the CPU, the forward and sampling, wall time). `idle_host_ms_per_step` is the host
+time while the device has nothing queued (`IdleGaps`, from a generation of its own). `torch
+ops` counts the ATen operators the phases dispatch per step (on the GPU each is at least one
+kernel launch); the forward pass is left out of the count (CUDA graphs replay it). `--kernels
+N` (GPU) adds the N kernels with the most device time per step, plain and verify, from a
+generation of its own under the CUDA profiler.
 
 python benchmarks/spec_host_time.py [--batch 1] [--steps 200] [--config DIR --device cuda]
 """
@@ -143,7 +144,7 @@ class IdleGaps:
             return out
 
         def timed_start(step: LaunchedStep) -> None:
-            if step is not gaps._newest:  # its first start: the device's work begins here
+            if not step._started:  # its first start: the device's work begins here
                 if gaps._since is not None:
                     gaps.seconds += gaps.clock() - gaps._since
                 gaps._since, gaps._newest = None, step
@@ -233,8 +234,9 @@ def measure(
         oracle.teacher_force(llm.engine.scheduler)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     cuda = device == "cuda"
-    timed, seconds, launched, tokens, idle = _run(llm, prompts, greedy, PhaseTimer(cuda))
+    timed, seconds, launched, tokens = _run(llm, prompts, greedy, PhaseTimer(cuda))
     counted, *_ = _run(llm, prompts, greedy, PhaseTimer(cuda, count_ops=True))
+    idle, idle_steps = _idle_seconds(llm, prompts, greedy, timed.clock)
     steps_run = len(launched)
     report_kernels = _kernel_us_per_step(llm, prompts, greedy, kernels) if kernels else {}
     per_step = {name: 1e3 * s / steps_run for name, s in sorted(timed.seconds.items())}
@@ -247,7 +249,7 @@ def measure(
         "host_ms_per_step": host,
         # Host time while the device had nothing queued (`IdleGaps`): what overlapping the
         # step with the next would save.
-        "idle_host_ms_per_step": 1e3 * idle / steps_run,
+        "idle_host_ms_per_step": 1e3 * idle / idle_steps,
         "device_ms_per_step": 1e3 * sum(s.forward_seconds() for s in launched) / steps_run,
         "phase_ms_per_step": per_step,
         # The forward pass is left out: CUDA graphs replay it in one launch.
@@ -293,20 +295,33 @@ def _launches(llm: LLM, prompts: list[list[int]]) -> Iterator[list[LaunchedStep]
 
 def _run(
     llm: LLM, prompts: list[list[int]], params: SamplingParams, timer: PhaseTimer
-) -> tuple[PhaseTimer, float, list[LaunchedStep], int, float]:
-    """One generation under `timer`: the timer, its seconds, the steps launched, tokens, and
-    the idle gaps' seconds (`IdleGaps`)."""
-    gaps = IdleGaps(timer.clock)
+) -> tuple[PhaseTimer, float, list[LaunchedStep], int]:
+    """One generation under `timer`: the timer, its seconds, the steps launched, tokens."""
     with _launches(llm, prompts) as launched:
         instrument(llm, timer)
-        gaps.install()
-        start = timer.clock()
-        out = llm.generate(prompts, params, use_tqdm=False)
-        seconds = timer.clock() - start
-        gaps.uninstall()
-        timer.restore()
+        try:
+            start = timer.clock()
+            out = llm.generate(prompts, params, use_tqdm=False)
+            seconds = timer.clock() - start
+        finally:
+            timer.restore()
     tokens = sum(len(o.outputs[0].token_ids) for o in out)
-    return timer, seconds, launched, tokens, gaps.seconds
+    return timer, seconds, launched, tokens
+
+
+def _idle_seconds(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams, clock: Callable[[], float]
+) -> tuple[float, int]:
+    """One generation with only `IdleGaps` installed (no phase timer's wrappers in the gaps):
+    the idle host seconds, and the steps launched."""
+    gaps = IdleGaps(clock)
+    with _launches(llm, prompts) as launched:
+        gaps.install()
+        try:
+            llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            gaps.uninstall()
+    return gaps.seconds, len(launched)
 
 
 def main() -> None:

@@ -133,6 +133,32 @@ def test_oracle_verdicts_follow_the_continuation_for_every_row_at_once() -> None
         assert oracle._verdicts(requests, num_samples) == expected
 
 
+@pytest.mark.parametrize("rate", [0.0, 0.5, 1.0])
+def test_oracle_proposals_count_their_right_drafts(rate: float) -> None:
+    """A proposal's drafts are the continuation from where each row is, each right with
+    probability `rate` (a wrong one is the right token + 1); the count kept for the verdicts
+    is the number before the first wrong one."""
+    import numpy as np
+
+    rng = np.random.default_rng(5)
+    prompts = [tuple(rng.integers(10, 90, 6).tolist()) for _ in range(16)]
+    continuations = {p: rng.integers(10, 90, 30).tolist() for p in prompts}
+    oracle = OracleProposer(4, continuations, rate, 100, seed=1)
+    done = rng.integers(0, 20, len(prompts))
+    rows = [np.array(p + tuple(continuations[p][:d])) for p, d in zip(prompts, done, strict=True)]
+    drafts = oracle.propose(rows, np.array([4, 2] * 8))
+    assert drafts.num_drafts.tolist() == [4, 2] * 8 and drafts.num_drafts.dtype == np.int64
+    for i, (prompt, d) in enumerate(zip(prompts, done.tolist(), strict=True)):
+        truth = np.array(continuations[prompt][d : d + 4])
+        right = drafts.token_ids[i] == truth
+        assert np.all(right | (drafts.token_ids[i] == (truth + 1) % 100))
+        wrong = np.flatnonzero(~right)
+        row = oracle.row_of[np.array(prompt, dtype=np.int64).tobytes()]
+        assert oracle.num_right[row] == (wrong[0] if len(wrong) else 4)
+    if rate in (0.0, 1.0):
+        assert oracle.num_right.tolist() == [int(rate) * 4] * 16
+
+
 def test_adaptive_replay_reports_the_policys_steps_at_given_costs() -> None:
     """benchmarks/adaptive_replay.py: with drafts that are always right and verifies as cheap
     as decodes, the policy verifies; the time it reports follows the given costs."""
