@@ -231,7 +231,10 @@ def test_invariant_matmul_launches_with_pdl_only_for_small_weights(monkeypatch) 
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launches.append(kwargs)
 
-    monkeypatch.setattr(module, "pdl_options", lambda device: {"USE_PDL": True, "launch_pdl": True})
+    def pdl_options(device: torch.device, wanted: bool = True) -> dict[str, bool]:
+        return {"USE_PDL": wanted, "launch_pdl": wanted}  # as on an sm_90 GPU
+
+    monkeypatch.setattr(module, "pdl_options", pdl_options)
     monkeypatch.setattr(module, "_invariant_matmul_kernel", Spy())
     # Qwen3-0.6B's q/k/v, a weight of exactly the bound, Llama-3.1-8B's q/k/v.
     for n, k, pdl in ((4096, 1024, True), (PDL_MAX_WEIGHT_BYTES // 2048, 1024, True),

@@ -379,14 +379,14 @@ def experts_gate_up_gemv(
     h = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return h
-    meta = {"TOP_K": top_k, "EXPERTS": triton.next_power_of_2(num_experts),
-            "SLOTS": triton.next_power_of_2(top_k), "NORM": norm is not None,
-            "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "num_warps": config.num_warps,
-            **pdl_options(x.device)}  # fmt: skip
-    args = (x, gate_up, h, router_logits, norm.weight if norm is not None else x,
-            norm.eps if norm is not None else 0.0, hidden, inter, num_experts, x.stride(0),
-            gate_up.stride(0), gate_up.stride(1), h.stride(0), router_logits.stride(0))  # fmt: skip
-    _gate_up_gemv_kernel[(num_tokens, triton.cdiv(inter, config.block_n))](*args, **meta)
+    _gate_up_gemv_kernel[(num_tokens, triton.cdiv(inter, config.block_n))](
+        x, gate_up, h, router_logits, norm.weight if norm is not None else x,
+        norm.eps if norm is not None else 0.0, hidden, inter, num_experts, x.stride(0),
+        gate_up.stride(0), gate_up.stride(1), h.stride(0), router_logits.stride(0),
+        TOP_K=top_k, EXPERTS=triton.next_power_of_2(num_experts),
+        SLOTS=triton.next_power_of_2(top_k), NORM=norm is not None, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, num_warps=config.num_warps, **pdl_options(x.device),
+    )  # fmt: skip
     return h
 
 

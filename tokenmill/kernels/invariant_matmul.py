@@ -159,6 +159,6 @@ PDL_MAX_WEIGHT_BYTES = 16 << 20
 
 def product_pdl_options(weight: torch.Tensor) -> dict[str, bool]:
     """`pdl_options` for a product with `weight`: off above PDL_MAX_WEIGHT_BYTES."""
-    if weight.numel() * weight.element_size() > PDL_MAX_WEIGHT_BYTES:
-        return {"USE_PDL": False, "launch_pdl": False}
-    return pdl_options(weight.device)
+    return pdl_options(
+        weight.device, weight.numel() * weight.element_size() <= PDL_MAX_WEIGHT_BYTES
+    )

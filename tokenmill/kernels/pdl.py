@@ -12,9 +12,10 @@ written earlier than that — weights and tables, the step's inputs (positions, 
 lengths, page table: written before the step's first layer), and K/V cached by earlier steps.
 Every kernel in `tokenmill/kernels` takes a `USE_PDL` constexpr, calls `pdl_wait` before its
 first store and its first read of the previous kernel's output, and is launched with
-`**pdl_options(device)` — or with both off together, as the deterministic mode's large products
-are (`invariant_matmul.product_pdl_options`). That keeps the rule: a kernel launched without
-PDL starts once the one before it has finished, and the next starts only after it has.
+`**pdl_options(device)` — or with both off together (`wanted=False`), as the deterministic
+mode's large products are (`invariant_matmul.product_pdl_options`). That keeps the rule: a
+kernel launched without PDL starts once the one before it has finished, and the next starts
+only after it has.
 """
 
 from __future__ import annotations
@@ -35,11 +36,11 @@ def set_pdl_enabled(enabled: bool) -> None:
     _enabled = enabled
 
 
-def pdl_options(device: torch.device) -> dict[str, bool]:
+def pdl_options(device: torch.device, wanted: bool = True) -> dict[str, bool]:
     """Launch options for a kernel on `device`: `USE_PDL` (its wait) and `launch_pdl` always
     together. On for CUDA compute capability >= 9.0 with compiled kernels (not Triton's
-    interpreter), unless turned off."""
-    on = _enabled and device.type == "cuda" and _supports_pdl(device)
+    interpreter), unless turned off, for all kernels or (`wanted`) for this one."""
+    on = wanted and _enabled and device.type == "cuda" and _supports_pdl(device)
     return {"USE_PDL": on, "launch_pdl": on}
 
 
