@@ -95,39 +95,53 @@ def test_long_prefill_takes_the_torch_sort_and_equals_transformers(moe_dirs) -> 
     assert out.outputs[0].token_ids == _hf_greedy(path, [prompt], MAX_TOKENS)[0]
 
 
-def test_bfloat16_moe_tracks_float32_transformers(tmp_path_factory) -> None:
+@pytest.mark.parametrize("max_num_seqs", [2, 256])
+def test_bfloat16_moe_tracks_float32_transformers(tmp_path_factory, max_num_seqs: int) -> None:
+    """bf16 output against the float32 reference, no worse than transformers' own bf16 forward
+    of the same sequences. max_num_seqs 2: decode steps of at most GEMV_MAX_TOKENS tokens (the
+    per-token expert GEMVs); 256: all six prompts at once (the sorted expert kernels)."""
     path = build_checkpoint(
         tmp_path_factory.mktemp("moe-bf16") / "qwen3_moe", "qwen3_moe", hidden_size=256,
         moe_intermediate_size=128, intermediate_size=512, num_hidden_layers=4,
         num_attention_heads=8, num_key_value_heads=2, num_experts=16, num_experts_per_tok=4,
     )  # fmt: skip
-    llm = LLM(str(path), device="cuda", dtype="bfloat16")
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", max_num_seqs=max_num_seqs)
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=0)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
-    # bfloat16 rounding can flip near-ties of the float32 reference (and, rarely, a token's
-    # choice of expert), so positions whose reference top-2 margin exceeds 0.1 nats must agree.
-    agree = total = clear_agree = clear = 0
-    errors = []
+    peer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    # bfloat16 rounding flips near-ties of the float32 reference, and now and then a token's
+    # choice of expert, which moves its logits well past a near-tie: transformers' bf16 forward
+    # of the same sequences disagrees at 0-2% of the positions whose reference top-2 margin
+    # exceeds 0.1 nats (H200, seeds 0-3), so the engine is held to the peer's rate there.
+    agree = total = clear_agree = clear = peer_clear_agree = 0
+    errors, peer_errors = [], []
     for prompt, out in zip(PROMPTS, outputs, strict=True):
         tokens = out.outputs[0].token_ids
+        ids = torch.tensor([prompt + tokens], device="cuda")
         with torch.no_grad():
-            logits = ref_model(torch.tensor([prompt + tokens], device="cuda")).logits[0].float()
-        ref = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+            ref = torch.log_softmax(ref_model(ids).logits[0, len(prompt) - 1 : -1].float(), -1)
+            bf16 = torch.log_softmax(peer(ids).logits[0, len(prompt) - 1 : -1].float(), -1)
         for i, token in enumerate(tokens):
             top2 = ref[i].topk(2).values
-            same = int(ref[i].argmax()) == token
+            best = int(ref[i].argmax())
             total += 1
-            agree += same
+            agree += best == token
             if top2[0] - top2[1] > 0.1:
                 clear += 1
-                clear_agree += same
+                clear_agree += best == token
+                peer_clear_agree += best == int(bf16[i].argmax())
             errors.append(abs(out.outputs[0].logprobs[i][token].logprob - ref[i, token].item()))
-    assert clear_agree / clear >= 0.99, f"top-1 agreement where clear: {clear_agree}/{clear}"
-    # Overall, near-ties count too, and a bfloat16 router also flips near-tied expert choices
-    # (measured on the H200: 364/384 = 94.8% overall while clear positions agreed >= 99%).
-    assert agree / total >= 0.93, f"top-1 agreement {agree}/{total}"
-    assert sorted(errors)[len(errors) // 2] < 0.05, "median log-probability error"
+            peer_errors.append(abs(bf16[i, token].item() - ref[i, token].item()))
+    assert clear_agree >= peer_clear_agree - 0.01 * clear, (
+        f"top-1 agreement where clear: {clear_agree}/{clear}, transformers bf16 "
+        f"{peer_clear_agree}/{clear}"
+    )
+    # Overall, near-ties count too (measured on the H200: 355-367 of 384, as transformers' bf16).
+    assert agree / total >= 0.9, f"top-1 agreement {agree}/{total}"
+    median = sorted(errors)[len(errors) // 2]
+    peer_median = sorted(peer_errors)[len(peer_errors) // 2]
+    assert median < min(0.05, 1.5 * peer_median), f"median |dlogprob| {median} vs {peer_median}"
 
 
 @pytest.mark.parametrize("tokens", [1, 3])
