@@ -63,9 +63,11 @@ KERNELS = {
         BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, SPLIT_K=1, GATED=True, NORM=False, HAS_RES=False,
         PREFETCH=2, DEFER=False, DOT=True, IEEE=False)),
     **{name: (_invariant_matmul_kernel, dict(
-        HAS_BIAS=not swiglu, IEEE=False, SWIGLU=swiglu, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128,
-        GROUP_M=8)) for name, swiglu in (
-            ("invariant_matmul", False), ("invariant_matmul_swiglu", True))},
+        HAS_BIAS=not swiglu, IEEE=False, SWIGLU=swiglu, CHUNKS=chunks, ACROSS=across,
+        BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=8)) for name, swiglu, chunks, across in (
+            ("invariant_matmul", False, 1, False), ("invariant_matmul_swiglu", True, 1, False),
+            ("invariant_matmul_across", True, 4, True),
+            ("invariant_matmul_loop", False, 2, False))},
     "add_rms_norm": (_add_rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=1024)),
     "rope_store": (_rope_store_kernel, dict(HQ=16, HKV=8, D=128, BLOCK_G=2, QK_NORM=True)),
     "silu_and_mul": (_silu_and_mul_kernel, dict(BLOCK=1024)),

@@ -26,9 +26,12 @@ from tokenmill.kernels.attention import (  # noqa: E402
 )
 from tokenmill.kernels.gemv import GemvConfig, InputNorm, gemv, norm_gemv  # noqa: E402
 from tokenmill.kernels.invariant_matmul import (  # noqa: E402
+    MIN_CHUNK,
     PDL_MAX_WEIGHT_BYTES,
     MatmulTile,
+    chunk_length,
     invariant_matmul,
+    k_chunks,
 )
 from tokenmill.kernels.norm import rms_norm  # noqa: E402
 from tokenmill.kernels.rope_store import rope_and_store  # noqa: E402
@@ -203,20 +206,39 @@ def test_gemv_rejects_bad_shapes() -> None:
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
 @pytest.mark.parametrize("m", [1, 5, 40])
 @pytest.mark.parametrize("tile", [None, MatmulTile(16, 16, 32, 4, 1), MatmulTile(32, 64, 64, 4, 2)])
-def test_invariant_matmul(dtype: torch.dtype, m: int, tile: MatmulTile | None) -> None:
-    """Ragged N and K (not multiples of the tiles), with a bias; on the GPU also the same bits
-    for each row alone (on the CPU the interpreter's `tl.dot` is a NumPy product per tile,
-    whose rounding follows the tile: bitwise invariance is checked on the GPU only, here and in
+@pytest.mark.parametrize("chunks", [None, 3])
+def test_invariant_matmul(
+    dtype: torch.dtype, m: int, tile: MatmulTile | None, chunks: int | None
+) -> None:
+    """Ragged N and K (not multiples of the tiles), with a bias; K in one chunk (the default
+    at this size) and in 3 (256, 256, 88 columns: a program per chunk up to ACROSS_MAX_ROWS
+    rows, all chunks in one program at 40); on the GPU also the same bits for each row alone
+    (on the CPU the interpreter's `tl.dot` is a NumPy product per tile, whose rounding follows
+    the tile: bitwise invariance is checked on the GPU only, here and in
     tests/gpu/determinism_cases.py)."""
     gen = torch.Generator().manual_seed(m)
-    x, w = _randn(m, 200, dtype=dtype, gen=gen), _randn(37, 200, dtype=dtype, gen=gen)
+    x, w = _randn(m, 600, dtype=dtype, gen=gen), _randn(37, 600, dtype=dtype, gen=gen)
     bias = _randn(37, dtype=dtype, gen=gen)
-    out = invariant_matmul(x, w, bias, tile)
+    out = invariant_matmul(x, w, bias, tile, chunks=chunks)
     assert out.dtype == dtype and out.shape == (m, 37)
     _close(out, x.double() @ w.double().T + bias.double(), dtype)
     if DEVICE == "cuda":
-        alone = torch.cat([invariant_matmul(x[i : i + 1], w, bias) for i in range(m)])
-        assert torch.equal(out, alone)
+        alone = [invariant_matmul(x[i : i + 1], w, bias, chunks=chunks) for i in range(m)]
+        assert torch.equal(out, torch.cat(alone))
+
+
+def test_invariant_matmul_chunks_follow_the_weight_alone() -> None:
+    """K's chunks at the products of Qwen3-0.6B and Llama-3.1-8B: the ones with few decode
+    tiles are cut (o, down: 64 tiles of 16 columns; q/k/v 128 of 32), none below MIN_CHUNK
+    columns, the LM heads and Llama's gate/up (enough tiles) not at all; every chunk a whole
+    number of every tile's K steps."""
+    shapes = {(4096, 1024): 2, (1024, 2048): 4, (6144, 1024): 2, (1024, 3072): 4,
+              (151936, 1024): 1, (6144, 4096): 2, (4096, 4096): 2, (28672, 4096): 1,
+              (4096, 14336): 2, (128256, 4096): 1}  # fmt: skip
+    assert {shape: k_chunks(*shape) for shape in shapes} == shapes
+    for (_, k), chunks in shapes.items():
+        length = chunk_length(k, chunks)
+        assert length % 256 == 0 and length >= MIN_CHUNK and -(-k // length) == chunks
 
 
 def test_invariant_matmul_launches_with_pdl_only_for_small_weights(monkeypatch) -> None:
@@ -246,14 +268,16 @@ def test_invariant_matmul_launches_with_pdl_only_for_small_weights(monkeypatch) 
 
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
 @pytest.mark.parametrize("tile", [None, MatmulTile(16, 16, 32, 4, 1), MatmulTile(32, 64, 64, 4, 2)])
-def test_invariant_matmul_swiglu_is_silu_and_mul_of_the_product(dtype, tile) -> None:
+@pytest.mark.parametrize("chunks", [None, 2])
+def test_invariant_matmul_swiglu_is_silu_and_mul_of_the_product(dtype, tile, chunks) -> None:
     """Interleaved gate/up rows with `swiglu`: `silu_and_mul` of the plain product (bitwise on
-    the GPU, where a product's elements do not depend on their column; ragged N)."""
+    the GPU, where a product's elements do not depend on their column; ragged N), K in one
+    chunk and in two (a program per chunk)."""
     gen = torch.Generator().manual_seed(3)
-    x, w = _randn(7, 200, dtype=dtype, gen=gen), _randn(2 * 45, 200, dtype=dtype, gen=gen)
-    interleaved = w.view(2, 45, 200).transpose(0, 1).reshape(90, 200)
-    out = invariant_matmul(x, interleaved, tile=tile, swiglu=True)
-    plain = silu_and_mul(invariant_matmul(x, w, tile=tile))
+    x, w = _randn(7, 300, dtype=dtype, gen=gen), _randn(2 * 45, 300, dtype=dtype, gen=gen)
+    interleaved = w.view(2, 45, 300).transpose(0, 1).reshape(90, 300)
+    out = invariant_matmul(x, interleaved, tile=tile, swiglu=True, chunks=chunks)
+    plain = silu_and_mul(invariant_matmul(x, w, tile=tile, chunks=chunks))
     assert out.shape == (7, 45)
     if DEVICE == "cuda":
         assert torch.equal(out, plain)
@@ -604,7 +628,8 @@ def test_pdl_kernels_wait_before_touching_memory() -> None:
     before_wait = json.loads(run.stdout)
     assert set(before_wait) >= {"decode_split", "decode_reduce", "verify_split", "gemv",
                                 "gemv_dot", "rope_store", "moe_gate_up_gemv", "moe_down_gemv",
-                                "invariant_matmul", "invariant_matmul_swiglu", "invariant",
+                                "invariant_matmul", "invariant_matmul_swiglu",
+                                "invariant_matmul_across", "invariant_matmul_loop", "invariant",
                                 "invariant_int64_index", "invariant_merge"}  # fmt: skip
     reads_first = {"gemv", "gemv_dot", "rope_store", "decode_split", "decode_split_late",
                    "moe_down_gemv"}  # fmt: skip

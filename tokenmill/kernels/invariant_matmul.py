@@ -1,18 +1,23 @@
 """Batch-invariant matmul for deterministic mode: `x [M, K] @ W[N, K]^T (+ b)` where a row's
 result does not depend on M.
 
-A row's output element is one accumulator chain: `acc = 0`, then `acc = mma(a[k:k+16],
-w[k:k+16], acc)` for k = 0, 16, 32, ... in order, over the whole of K, then the bias, then one
-rounding to the output dtype. Nothing else is ever done to it: no split of K (cuBLAS and the
-decode GEMV split K by the row count, and adding partial sums rounds differently from the
-chain), no reduction across programs. The tile shape (BLOCK_M, BLOCK_N, BLOCK_K) only decides
-which rows and columns a program holds and how many 16-wide steps of the chain one `tl.dot`
-issues, so it can follow M for speed (small tiles for decode, which is weight-bandwidth-bound;
-large ones for prefill) without changing any row's bits. That the tensor cores' MMA of one
-16-wide step rounds alike in every instruction shape Triton picks for these tiles (`mma.sync`
-for 16-row tiles, `wgmma` for 64 rows and more on Hopper) is checked on the GPU by
-`tests/gpu/determinism_cases.py linear`. float32 inputs use IEEE products (no TF32): FMAs
-in the same k order.
+K is cut into chunks by the weight's shape alone (`k_chunks`, never by M). In each chunk a
+row's output element is one accumulator chain: `acc = 0`, then `acc = mma(a[k:k+16],
+w[k:k+16], acc)` for k = chunk start, +16, +32, ... in order; the chunks' sums are added in
+chunk order to a zero float32 total, then the bias, then one rounding to the output dtype.
+Nothing else is ever done to it (cuBLAS and the decode GEMV split K by the row count, and
+partial sums added another way round differently). Where the chunks run is free: up to
+ACROSS_MAX_ROWS rows a program per (tile, chunk) writes its float32 sums and the tile's last
+program to finish adds them in order (decode: a weight with few column tiles, Qwen3-0.6B's o
+and down have 64 at 16 columns, streams through 4x the programs); longer products loop over
+the chunks in one program, the same additions. The tile shape (BLOCK_M, BLOCK_N, BLOCK_K)
+only decides which rows and columns a program holds and how many 16-wide steps of the chain
+one `tl.dot` issues (chunk lengths are multiples of every BLOCK_K), so it can follow M for
+speed (small tiles for decode, which is weight-bandwidth-bound; large ones for prefill)
+without changing any row's bits. That the tensor cores' MMA of one 16-wide step rounds alike
+in every instruction shape Triton picks for these tiles (`mma.sync` for 16-row tiles, `wgmma`
+for 64 rows and more on Hopper) is checked on the GPU by `tests/gpu/determinism_cases.py
+linear`. float32 inputs use IEEE products (no TF32): FMAs in the same k order.
 
 The `swiglu` epilogue keeps that property because it is per element: it pairs interleaved
 gate/up columns into `silu(gate) * up` before the store.
@@ -33,6 +38,16 @@ import triton.language as tl
 
 from tokenmill.kernels.activation import silu_mul
 from tokenmill.kernels.pdl import pdl_options, pdl_wait
+from tokenmill.kernels.tickets import ticket_buffer
+
+# K's chunks (`k_chunks`): enough for about two programs an SM of an H200 (132) at decode,
+# each chunk at least MIN_CHUNK columns; chunk lengths a multiple of CHUNK_ALIGN.
+DECODE_PROGRAMS = 256
+MIN_CHUNK = 512
+CHUNK_ALIGN = 256
+# Products of up to this many rows run a program per (tile, chunk): decode, where the tiles
+# alone are too few to keep HBM busy; longer ones loop over the chunks in each program.
+ACROSS_MAX_ROWS = 16
 
 
 class MatmulTile(NamedTuple):
@@ -74,11 +89,48 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _invariant_matmul_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, USE_PDL: tl.constexpr,
+def _chain(
+    x_ptr, x_offs, w_ptrs, m_mask, n_mask, offs_k, k_lo, k_hi, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
+    """One accumulator chain per element of the tile over K's columns [k_lo, k_hi), from zero."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        k_mask = offs_k < k_hi - k
+        a = tl.load(x_ptr + x_offs + k, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w_ptrs + k, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = _dot(a, b, acc, IEEE)
+    return acc
+
+
+@triton.jit
+def _finish(
+    acc, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, pid_n, N, stride_om,
+    HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The bias, one rounding to the output dtype, the SwiGLU epilogue, the store."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out = acc.to(out_ptr.dtype.element_ty)
+    if SWIGLU:  # columns (2j, 2j + 1) are (gate_j, up_j): SiLU-and-mul as `silu_and_mul` does
+        gate, up = tl.split(tl.reshape(out, [BLOCK_M, BLOCK_N // 2, 2]))
+        out = silu_mul(gate, up).to(out_ptr.dtype.element_ty)
+        offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        n_mask = offs_n < N // 2
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, out, mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _invariant_matmul_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, k_chunk, stride_xm,
+    stride_wn, stride_om, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SWIGLU: tl.constexpr,
+    CHUNKS: tl.constexpr, ACROSS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """CHUNKS > 1: K in chunks of `k_chunk` columns, a chain each, added in chunk order to a
+    zero total; ACROSS: a program per (tile, chunk), partial sums to `part_ptr` and the tile's
+    last program to finish (an atomic ticket) adds them, else one program runs them all."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -96,23 +148,55 @@ def _invariant_matmul_kernel(
     x_offs = offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     pdl_wait(USE_PDL)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        k_mask = offs_k < K - k
-        a = tl.load(x_ptr + x_offs + k, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = _dot(a, b, acc, IEEE)
-        w_ptrs += BLOCK_K
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    out = acc.to(out_ptr.dtype.element_ty)
-    if SWIGLU:  # columns (2j, 2j + 1) are (gate_j, up_j): SiLU-and-mul as `silu_and_mul` does
-        gate, up = tl.split(tl.reshape(out, [BLOCK_M, BLOCK_N // 2, 2]))
-        out = silu_mul(gate, up).to(out_ptr.dtype.element_ty)
-        offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        n_mask = offs_n < N // 2
-    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, out, mask=m_mask[:, None] & n_mask[None, :])
+    if CHUNKS == 1:
+        acc = _chain(x_ptr, x_offs, w_ptrs, m_mask, n_mask, offs_k, 0, K, IEEE, BLOCK_M,
+                     BLOCK_N, BLOCK_K)  # fmt: skip
+        _finish(acc, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, pid_n, N, stride_om,
+                HAS_BIAS, SWIGLU, BLOCK_M, BLOCK_N)  # fmt: skip
+    elif ACROSS:
+        chunk = tl.program_id(1)
+        k_lo = chunk * k_chunk
+        acc = _chain(x_ptr, x_offs, w_ptrs, m_mask, n_mask, offs_k, k_lo,
+                     tl.minimum(K, k_lo + k_chunk), IEEE, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+        part_offs = offs_m[:, None] * N + offs_n[None, :]
+        tile_mask = m_mask[:, None] & n_mask[None, :]
+        tl.store(part_ptr + chunk * M * N + part_offs, acc, mask=tile_mask)
+        tl.debug_barrier()  # every thread's partial is written before the ticket is taken
+        ticket = tl.atomic_add(ticket_ptr + pid, 1, sem="acq_rel")
+        if ticket == CHUNKS - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for c in range(CHUNKS):
+                total += tl.load(part_ptr + c * M * N + part_offs, mask=tile_mask, other=0.0,
+                                 cache_modifier=".cg")  # fmt: skip
+            _finish(total, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, pid_n, N,
+                    stride_om, HAS_BIAS, SWIGLU, BLOCK_M, BLOCK_N)  # fmt: skip
+            tl.atomic_xchg(ticket_ptr + pid, 0)
+    else:
+        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for c in range(CHUNKS):
+            k_hi = tl.minimum(K, (c + 1) * k_chunk)
+            total += _chain(x_ptr, x_offs, w_ptrs, m_mask, n_mask, offs_k, c * k_chunk, k_hi,
+                            IEEE, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+        _finish(total, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, pid_n, N, stride_om,
+                HAS_BIAS, SWIGLU, BLOCK_M, BLOCK_N)  # fmt: skip
+
+
+def k_chunks(n: int, k: int) -> int:
+    """How many chunks of K a product with a weight `[n, k]` sums separately (`chunk_length`
+    columns each, the last one shorter): set by the weight's shape alone, never by M. Chunks
+    are doubled while the decode tile (`choose_tile(1, n)`) leaves fewer than DECODE_PROGRAMS
+    programs and each chunk keeps at least MIN_CHUNK columns."""
+    programs = triton.cdiv(n, choose_tile(1, n).block_n)
+    chunks = 1
+    while programs * chunks < DECODE_PROGRAMS and k >= 2 * chunks * MIN_CHUNK:
+        chunks *= 2
+    return chunks
+
+
+def chunk_length(k: int, chunks: int) -> int:
+    """Columns per chunk when K is cut into `chunks`: K / chunks rounded up to CHUNK_ALIGN, a
+    multiple of every tile's BLOCK_K, so every tile's chain steps stop at the chunks' ends."""
+    return triton.cdiv(triton.cdiv(k, chunks), CHUNK_ALIGN) * CHUNK_ALIGN
 
 
 def invariant_matmul(
@@ -121,13 +205,17 @@ def invariant_matmul(
     bias: torch.Tensor | None = None,
     tile: MatmulTile | None = None,
     swiglu: bool = False,
+    chunks: int | None = None,
 ) -> torch.Tensor:
     """`x @ weight.T (+ bias)` for a 2-D `x` `[M, K]` and `weight` `[N, K]` (last dims
     contiguous), each row's bits independent of M and of `tile` (default: `choose_tile`).
 
     `swiglu`: W's rows interleave an MLP's gate and up projections (gate j, up j, ...), and the
     result is `silu(gate) * up` `[M, N / 2]`: bitwise `silu_and_mul` of the plain product with
-    de-interleaved rows, without writing and reading that product."""
+    de-interleaved rows, without writing and reading that product.
+
+    `chunks`: K's chunks (default `k_chunks`; a row's bits depend on it, so pass the same for
+    every M). Up to ACROSS_MAX_ROWS rows, each chunk runs in programs of its own."""
     (m, k), n = x.shape, weight.shape[0]
     if weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(
@@ -140,14 +228,21 @@ def invariant_matmul(
     if m == 0:
         return out
     tile = tile or choose_tile(m, n)
-    grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n),)
-    pdl = product_pdl_options(weight)
-    _invariant_matmul_kernel[grid](
-        x, weight, bias if bias is not None else x, out, m, n, k,
+    if CHUNK_ALIGN % tile.block_k:
+        raise ValueError(f"a tile's block_k must divide {CHUNK_ALIGN}, got {tile.block_k}")
+    k_chunk = chunk_length(k, chunks or k_chunks(n, k))
+    num_chunks = triton.cdiv(k, k_chunk)
+    across = num_chunks > 1 and m <= ACROSS_MAX_ROWS
+    tiles = triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n)
+    part = torch.empty((num_chunks, m, n), dtype=torch.float32, device=x.device) if across else out
+    _invariant_matmul_kernel[(tiles, num_chunks if across else 1)](
+        x, weight, bias if bias is not None else x, out, part,
+        ticket_buffer(x.device, tiles if across else 0), m, n, k, k_chunk,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, SWIGLU=swiglu,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=8,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl,
+        CHUNKS=num_chunks, ACROSS=across, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k, GROUP_M=8, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **product_pdl_options(weight),
     )  # fmt: skip
     return out
 

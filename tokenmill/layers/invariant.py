@@ -9,9 +9,10 @@ differs for every M tried, `tests/determinism/test_invariant_ops.py`). Determini
   multiplied as one batched product of identical `[TILE_ROWS, K] x [K, N]` shapes, so every
   row goes through the same kernel with the same blocking, wherever it sits in its tile.
 - **CUDA**: `kernels.invariant_matmul`, a Triton matmul whose every output element is one
-  accumulator chain over the whole of K in a fixed order, whatever the tile (chosen by M for
-  speed). cuBLAS is not usable here even without split-K: on an H200 it picks its kernel by
-  the row count at real model shapes, and rows round differently in different batches
+  accumulator chain per chunk of K (chunks set by the weight's shape), the chunks added in
+  order, whatever the tile and wherever the chunks run (both chosen by M for speed). cuBLAS
+  is not usable here even without split-K: on an H200 it picks its kernel by the row count
+  at real model shapes, and rows round differently in different batches
   (session 12). cuBLAS products left in the mode (the torch attention backend's blocked
   attention) run with split-K and reduced-precision reductions off
   (`configure_invariant_cublas`).
