@@ -211,31 +211,33 @@ def test_invariant_matmul(
     dtype: torch.dtype, m: int, tile: MatmulTile | None, chunks: int | None
 ) -> None:
     """Ragged N and K (not multiples of the tiles), with a bias; K in one chunk (the default
-    at this size) and in 3 (256, 256, 88 columns: a program per chunk up to ACROSS_MAX_ROWS
-    rows, all chunks in one program at 40); on the GPU also the same bits for each row alone
-    (on the CPU the interpreter's `tl.dot` is a NumPy product per tile, whose rounding follows
-    the tile: bitwise invariance is checked on the GPU only, here and in
+    at this size) and in 3 (256, 256, 88 columns), each chunk in programs of its own and all
+    in one program; on the GPU also the same bits for each row alone (on the CPU the
+    interpreter's `tl.dot` is a NumPy product per tile, whose rounding follows the tile:
+    bitwise invariance is checked on the GPU only, here and in
     tests/gpu/determinism_cases.py)."""
     gen = torch.Generator().manual_seed(m)
     x, w = _randn(m, 600, dtype=dtype, gen=gen), _randn(37, 600, dtype=dtype, gen=gen)
     bias = _randn(37, dtype=dtype, gen=gen)
-    out = invariant_matmul(x, w, bias, tile, chunks=chunks)
-    assert out.dtype == dtype and out.shape == (m, 37)
-    _close(out, x.double() @ w.double().T + bias.double(), dtype)
+    outs = [invariant_matmul(x, w, bias, tile, chunks=chunks, across=a) for a in (True, False)]
+    for out in outs:
+        assert out.dtype == dtype and out.shape == (m, 37)
+        _close(out, x.double() @ w.double().T + bias.double(), dtype)
     if DEVICE == "cuda":
         alone = [invariant_matmul(x[i : i + 1], w, bias, chunks=chunks) for i in range(m)]
-        assert torch.equal(out, torch.cat(alone))
+        assert torch.equal(outs[0], torch.cat(alone)) and torch.equal(outs[1], outs[0])
 
 
 def test_invariant_matmul_chunks_follow_the_weight_alone() -> None:
-    """K's chunks at the products of Qwen3-0.6B and Llama-3.1-8B: the ones with few decode
-    tiles are cut (o, down: 64 tiles of 16 columns; q/k/v 128 of 32), none below MIN_CHUNK
-    columns, the LM heads and Llama's gate/up (enough tiles) not at all; every chunk a whole
-    number of every tile's K steps."""
-    shapes = {(4096, 1024): 2, (1024, 2048): 4, (6144, 1024): 2, (1024, 3072): 4,
+    """K's chunks at the bf16 products of Qwen3-0.6B (latency-bound, 4-13 MB: one chunk) and
+    Llama-3.1-8B: those with few decode tiles cut in two (q/k/v 192 tiles of 32 columns, o and
+    down 128), none below MIN_CHUNK columns, the LM head and gate/up (enough tiles) not at all;
+    every chunk a whole number of every tile's K steps."""
+    shapes = {(4096, 1024): 1, (1024, 2048): 1, (6144, 1024): 1, (1024, 3072): 1,
               (151936, 1024): 1, (6144, 4096): 2, (4096, 4096): 2, (28672, 4096): 1,
               (4096, 14336): 2, (128256, 4096): 1}  # fmt: skip
-    assert {shape: k_chunks(*shape) for shape in shapes} == shapes
+    assert {shape: k_chunks(*shape, itemsize=2) for shape in shapes} == shapes
+    assert k_chunks(1024, 16384, itemsize=2) == 4  # 64 tiles of 16 columns
     for (_, k), chunks in shapes.items():
         length = chunk_length(k, chunks)
         assert length % 256 == 0 and length >= MIN_CHUNK and -(-k // length) == chunks
@@ -272,11 +274,11 @@ def test_invariant_matmul_launches_with_pdl_only_for_small_weights(monkeypatch) 
 def test_invariant_matmul_swiglu_is_silu_and_mul_of_the_product(dtype, tile, chunks) -> None:
     """Interleaved gate/up rows with `swiglu`: `silu_and_mul` of the plain product (bitwise on
     the GPU, where a product's elements do not depend on their column; ragged N), K in one
-    chunk and in two (a program per chunk)."""
+    chunk and in two (all in one program against a program per chunk)."""
     gen = torch.Generator().manual_seed(3)
     x, w = _randn(7, 300, dtype=dtype, gen=gen), _randn(2 * 45, 300, dtype=dtype, gen=gen)
     interleaved = w.view(2, 45, 300).transpose(0, 1).reshape(90, 300)
-    out = invariant_matmul(x, interleaved, tile=tile, swiglu=True, chunks=chunks)
+    out = invariant_matmul(x, interleaved, tile=tile, swiglu=True, chunks=chunks, across=False)
     plain = silu_and_mul(invariant_matmul(x, w, tile=tile, chunks=chunks))
     assert out.shape == (7, 45)
     if DEVICE == "cuda":

@@ -2,22 +2,23 @@
 result does not depend on M.
 
 K is cut into chunks by the weight's shape alone (`k_chunks`, never by M). In each chunk a
-row's output element is one accumulator chain: `acc = 0`, then `acc = mma(a[k:k+16],
-w[k:k+16], acc)` for k = chunk start, +16, +32, ... in order; the chunks' sums are added in
-chunk order to a zero float32 total, then the bias, then one rounding to the output dtype.
-Nothing else is ever done to it (cuBLAS and the decode GEMV split K by the row count, and
-partial sums added another way round differently). Where the chunks run is free: up to
-ACROSS_MAX_ROWS rows a program per (tile, chunk) writes its float32 sums and the tile's last
-program to finish adds them in order (decode: a weight with few column tiles, Qwen3-0.6B's o
-and down have 64 at 16 columns, streams through 4x the programs); longer products loop over
-the chunks in one program, the same additions. The tile shape (BLOCK_M, BLOCK_N, BLOCK_K)
-only decides which rows and columns a program holds and how many 16-wide steps of the chain
-one `tl.dot` issues (chunk lengths are multiples of every BLOCK_K), so it can follow M for
-speed (small tiles for decode, which is weight-bandwidth-bound; large ones for prefill)
-without changing any row's bits. That the tensor cores' MMA of one 16-wide step rounds alike
-in every instruction shape Triton picks for these tiles (`mma.sync` for 16-row tiles, `wgmma`
-for 64 rows and more on Hopper) is checked on the GPU by `tests/gpu/determinism_cases.py
-linear`. float32 inputs use IEEE products (no TF32): FMAs in the same k order.
+row's output element is one accumulator chain: `acc = 0`, then `acc = mma(a[k:k+16], w[k:k+16],
+acc)` for k = chunk start, +16, +32, ... in order; the chunks' sums are added in chunk order to
+a zero float32 total, then the bias, then one rounding to the output dtype. Nothing else is
+ever done to it (cuBLAS and the decode GEMV split K by the row count, and partial sums added
+another way round differently). Where the chunks run is free: while the tiles are too few to
+fill the GPU, a program per (tile, chunk) writes its float32 sums and the tile's last program
+to finish adds them in order (decode, and up to a few hundred rows: a large weight with few
+column tiles, Llama-3.1-8B's o and down have 128 at 32 columns, streams through 2x the
+programs); otherwise each program loops over its tile's chunks, the same additions. The tile
+shape (BLOCK_M, BLOCK_N, BLOCK_K) only decides which rows and columns a program holds and how
+many 16-wide steps of the chain one `tl.dot` issues (chunk lengths are multiples of every
+BLOCK_K), so it can follow M for speed (small tiles for decode, which is weight-bandwidth-
+bound; large ones for prefill) without changing any row's bits. That the tensor cores' MMA of
+one 16-wide step rounds alike in every instruction shape Triton picks for these tiles
+(`mma.sync` for 16-row tiles, `wgmma` for 64 rows and more on Hopper) is checked on the GPU by
+`tests/gpu/determinism_cases.py linear`. float32 inputs use IEEE products (no TF32): FMAs in
+the same k order.
 
 The `swiglu` epilogue keeps that property because it is per element: it pairs interleaved
 gate/up columns into `silu(gate) * up` before the store.
@@ -40,14 +41,15 @@ from tokenmill.kernels.activation import silu_mul
 from tokenmill.kernels.pdl import pdl_options, pdl_wait
 from tokenmill.kernels.tickets import ticket_buffer
 
-# K's chunks (`k_chunks`): enough for about two programs an SM of an H200 (132) at decode,
-# each chunk at least MIN_CHUNK columns; chunk lengths a multiple of CHUNK_ALIGN.
+# The largest weight whose product launches with PDL (see the module docstring): Qwen3-0.6B's
+# layers' are 4-13 MB (o 4, q/k/v 8, down 6.3, gate/up 12.6), Llama-3.1-8B's 34 MB and more.
+PDL_MAX_WEIGHT_BYTES = 16 << 20
+# K's chunks of a larger weight (`k_chunks`): enough for about two programs an SM of an H200
+# (132) at decode, each chunk at least MIN_CHUNK columns; chunk lengths a multiple of
+# CHUNK_ALIGN.
 DECODE_PROGRAMS = 256
 MIN_CHUNK = 512
 CHUNK_ALIGN = 256
-# Products of up to this many rows run a program per (tile, chunk): decode, where the tiles
-# alone are too few to keep HBM busy; longer ones loop over the chunks in each program.
-ACROSS_MAX_ROWS = 16
 
 
 class MatmulTile(NamedTuple):
@@ -181,11 +183,16 @@ def _invariant_matmul_kernel(
                 HAS_BIAS, SWIGLU, BLOCK_M, BLOCK_N)  # fmt: skip
 
 
-def k_chunks(n: int, k: int) -> int:
-    """How many chunks of K a product with a weight `[n, k]` sums separately (`chunk_length`
-    columns each, the last one shorter): set by the weight's shape alone, never by M. Chunks
-    are doubled while the decode tile (`choose_tile(1, n)`) leaves fewer than DECODE_PROGRAMS
-    programs and each chunk keeps at least MIN_CHUNK columns."""
+def k_chunks(n: int, k: int, itemsize: int) -> int:
+    """How many chunks of K a product with a weight `[n, k]` of `itemsize`-byte elements sums
+    separately (`chunk_length` columns each, the last one shorter): set by the weight alone,
+    never by M. A weight of at most PDL_MAX_WEIGHT_BYTES is one chunk: its product is
+    latency-bound, and more programs with a reduction after them did not help it (Qwen3-0.6B's,
+    B1 832 tok/s split vs 850 whole, H200). Larger ones double their chunks while the decode
+    tile (`choose_tile(1, n)`) leaves fewer than DECODE_PROGRAMS programs and each chunk keeps
+    at least MIN_CHUNK columns (Llama-3.1-8B's B1: 216 tok/s, 202 whole in session 19)."""
+    if n * k * itemsize <= PDL_MAX_WEIGHT_BYTES:
+        return 1
     programs = triton.cdiv(n, choose_tile(1, n).block_n)
     chunks = 1
     while programs * chunks < DECODE_PROGRAMS and k >= 2 * chunks * MIN_CHUNK:
@@ -206,6 +213,7 @@ def invariant_matmul(
     tile: MatmulTile | None = None,
     swiglu: bool = False,
     chunks: int | None = None,
+    across: bool | None = None,
 ) -> torch.Tensor:
     """`x @ weight.T (+ bias)` for a 2-D `x` `[M, K]` and `weight` `[N, K]` (last dims
     contiguous), each row's bits independent of M and of `tile` (default: `choose_tile`).
@@ -215,7 +223,9 @@ def invariant_matmul(
     de-interleaved rows, without writing and reading that product.
 
     `chunks`: K's chunks (default `k_chunks`; a row's bits depend on it, so pass the same for
-    every M). Up to ACROSS_MAX_ROWS rows, each chunk runs in programs of its own."""
+    every M). `across`: each chunk in programs of its own, the tile's last one adding them
+    (default: while the tiles are fewer than DECODE_PROGRAMS), else all of a tile's chunks in
+    one program; the same bits either way."""
     (m, k), n = x.shape, weight.shape[0]
     if weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(
@@ -230,10 +240,10 @@ def invariant_matmul(
     tile = tile or choose_tile(m, n)
     if CHUNK_ALIGN % tile.block_k:
         raise ValueError(f"a tile's block_k must divide {CHUNK_ALIGN}, got {tile.block_k}")
-    k_chunk = chunk_length(k, chunks or k_chunks(n, k))
+    k_chunk = chunk_length(k, chunks or k_chunks(n, k, weight.element_size()))
     num_chunks = triton.cdiv(k, k_chunk)
-    across = num_chunks > 1 and m <= ACROSS_MAX_ROWS
     tiles = triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n)
+    across = num_chunks > 1 and (tiles < DECODE_PROGRAMS if across is None else across)
     part = torch.empty((num_chunks, m, n), dtype=torch.float32, device=x.device) if across else out
     _invariant_matmul_kernel[(tiles, num_chunks if across else 1)](
         x, weight, bias if bias is not None else x, out, part,
@@ -245,11 +255,6 @@ def invariant_matmul(
         **product_pdl_options(weight),
     )  # fmt: skip
     return out
-
-
-# The largest weight whose product launches with PDL (see the module docstring): Qwen3-0.6B's
-# layers' are 4-13 MB (o 4, q/k/v 8, down 6.3, gate/up 12.6), Llama-3.1-8B's 34 MB and more.
-PDL_MAX_WEIGHT_BYTES = 16 << 20
 
 
 def product_pdl_options(weight: torch.Tensor) -> dict[str, bool]:
