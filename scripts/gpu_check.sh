@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call (see ../shared/device/README.md).
 # Usage on the device:
-#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|moeprofile|structured|b4|b4adaptive|spechost|tp|conformance|hostkv|startup|vl|det|detsweep|all]
+#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|moeprofile|structured|b4|b4adaptive|spechost|verifyfusion|tp|conformance|hostkv|startup|vl|det|detsweep|all]
 # (gputests = the GPU engine tests and the GEMV, decode and rotary kernel tests + profile + B1;
 #  moe = the mixture-of-experts GPU and kernel tests (moetests), B1/B2 qwen3-30b-a3b with the
 #  transformers peer (moebench);
@@ -24,6 +24,10 @@
 #  a verify step (oracle a = 0.8, k = 4) by phase, host ms vs the steps' device ms, the 16
 #  kernels with the most device time per plain and verify step, and for
 #  llama-3.1-8b with adaptive speculation too (its policy's share of the verify step's host time);
+#  verifyfusion = issue 19: spec_host_time.py on qwen3-0.6b at batch 1 (a = 0.8, k = 4) with the
+#  tuning's GEMV choices, then benchmarks/verify_fused_gemv.py, the same with the 8-row bucket
+#  of normed and gated layers forced to fused tensor-core GEMVs (each with a tuning cache of its
+#  own): a verify step's device time with and without its norm and SiLU kernels;
 #  hostkv = the host KV tier (issue 28): its GPU tests, then benchmarks/host_kv_agent.py on
 #  llama-3.1-8b shapes: reload vs recompute of a 16,000-token prefix, and the agent workload with
 #  a 32k-token device KV pool, without and with a 32 GB pinned host tier, same run;
@@ -200,6 +204,14 @@ if [[ "$what" == spechost ]]; then  # where a verify step's time goes: host phas
   echo "spec_host_time llama-3.1-8b batch 1, adaptive:" >> "$table"
   python3 benchmarks/spec_host_time.py --config "$models/llama-3.1-8b" --device cuda --steps 256 \
     --adaptive 2>&1 | tee "$out/spechost-llama-3.1-8b-adaptive.log" | tail -17 >> "$table"
+fi
+if [[ "$what" == verifyfusion ]]; then
+  for probe in spec_host_time verify_fused_gemv; do
+    echo "$probe qwen3-0.6b batch 1:" >> "$table"
+    XDG_CACHE_HOME="/tmp/tm-$probe" python3 "benchmarks/$probe.py" --config "$models/qwen3-0.6b" \
+      --device cuda --steps 256 --kernels 16 2>&1 | tee "$out/$probe.log" | grep -E \
+      "M<=8|_ms_per_step|tokens_per_step" >> "$table"
+  done
 fi
 if [[ "$what" == tp ]]; then
   python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py 2>&1 | tee "$out/pytest-tp.log" | tail -5
