@@ -10,6 +10,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_LOGPROBS = 20
+# The sampler computes in float32, where a temperature or repetition penalty beyond these
+# bounds overflows (logits / 1e-38 and 1e39 are infinite; -inf / inf is NaN): NaN weights then
+# sample token 0 whatever the model says. Temperatures below MIN_TEMPERATURE are greedy (as in
+# vLLM: the distribution is the argmax already); other values outside the bounds are refused.
+MIN_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 1e6
+MIN_REPETITION_PENALTY = 1e-6
+MAX_REPETITION_PENALTY = 1e6
+# A top_p this small keeps only the most likely token (whose probability is at least
+# 1 / vocabulary size), i.e. it is greedy; below float32's smallest number it would round to 0
+# and keep no token at all.
+MIN_TOP_P = 1e-8
 # Integers travel between processes as msgpack (64-bit at most); seeds are unsigned, as torch's.
 MAX_INT = 2**63 - 1
 MAX_SEED = 2**64 - 1
@@ -83,10 +95,10 @@ _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "struc
 class SamplingParams:
     """Per-request sampling settings, mirroring vLLM's `SamplingParams`.
 
-    temperature 0 means greedy. `seed` makes a sampled request reproducible whatever else runs in
-    the same batch. Penalties follow OpenAI (presence/frequency, on generated tokens) and
-    transformers (repetition, on prompt and generated tokens). Every bad value raises `ValueError`
-    naming the field.
+    temperature 0 (below 1e-5) means greedy. `seed` makes a sampled request reproducible whatever
+    else runs in the same batch. Penalties follow OpenAI (presence/frequency, on generated tokens)
+    and transformers (repetition, on prompt and generated tokens). Every bad value raises
+    `ValueError` naming the field.
     """
 
     n: int = 1
@@ -122,8 +134,8 @@ class SamplingParams:
             self.n,
         )
         _check(
-            _is_number(self.temperature) and self.temperature >= 0,
-            "temperature must be >= 0",
+            _is_number(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
+            f"temperature must be in [0, {MAX_TEMPERATURE:g}]",
             self.temperature,
         )
         _check(
@@ -146,8 +158,10 @@ class SamplingParams:
             value = getattr(self, name)
             _check(_is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2]", value)
         _check(
-            _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
-            "repetition_penalty must be > 0",
+            _is_number(self.repetition_penalty)
+            and MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+            f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+            f"{MAX_REPETITION_PENALTY:g}]",
             self.repetition_penalty,
         )
         _check(
@@ -201,8 +215,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when the next token is always the most likely one."""
-        return self.temperature == 0 or self.top_k == 1
+        """True when the next token is always the most likely one: temperature below
+        MIN_TEMPERATURE, top_k 1 or top_p below MIN_TOP_P."""
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1 or self.top_p < MIN_TOP_P
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,9 @@ BAD_COMPLETIONS = [
     ({"seed": True}, "seed"),
     ({"max_tokens": "4"}, "max_tokens"),
     ({"temperature": True}, "temperature"),
+    # beyond the sampler's float32 range: NaN weights sampled token 0 (were HTTP 200s)
+    ({"temperature": 1e39}, "temperature"),
+    ({"repetition_penalty": 1e-40}, "repetition_penalty"),
     # unpaired surrogates (were HTTP 500s)
     ({"prompt": "a\ud800b"}, "prompt"),
     ({"prompt": ["ok", "\udfff"]}, "prompt"),

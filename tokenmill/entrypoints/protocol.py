@@ -46,6 +46,9 @@ from tokenmill.entrypoints.schema_types import (
 from tokenmill.entrypoints.tool_parsers import ToolParser, get_tool_parser
 from tokenmill.sampling_params import (
     MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    MAX_TEMPERATURE,
+    MIN_REPETITION_PENALTY,
     SamplingDefaults,
     SamplingParams,
     StructuredOutputsParams,
@@ -121,7 +124,7 @@ class _SamplingRequest(_Strict):
 
     model: Text | None = None
     n: count_type(ge=1) = 1  # type: ignore[valid-type]
-    temperature: float | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: count_type(ge=0, le=MAX_SEED) | None = None  # type: ignore[valid-type]
     presence_penalty: float | None = Field(None, ge=-2, le=2)
@@ -135,7 +138,9 @@ class _SamplingRequest(_Strict):
     # vLLM-compatible extensions
     top_k: count_type(ge=-1, le=MAX_INT64) | None = None  # type: ignore[valid-type]
     min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0)
+    repetition_penalty: float | None = Field(
+        None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY
+    )
     min_tokens: count_type(ge=0) = 0  # type: ignore[valid-type]
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
