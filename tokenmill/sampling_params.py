@@ -25,6 +25,13 @@ MIN_TOP_P = 1e-8
 # Integers travel between processes as msgpack (64-bit at most); seeds are unsigned, as torch's.
 MAX_INT = 2**63 - 1
 MAX_SEED = 2**64 - 1
+# A constraint is parsed in every process it crosses (the API server's event loop and the
+# engine core's scheduler thread included) and compiled on the engine's one compile thread;
+# both costs grow with its length and, for JSON, with the square of its nesting (a 286 kB
+# schema of 150-deep objects took 18 s to parse, one 1,000 deep minutes). OpenAI allows 10
+# levels of objects in a schema, about 20-40 levels of JSON.
+MAX_STRUCTURED_CHARS = 128 * 1024
+MAX_STRUCTURED_DEPTH = 64
 
 
 @dataclass
@@ -36,7 +43,9 @@ class StructuredOutputsParams:
     `grammar`: an EBNF grammar (xgrammar's dialect, rule `root`); `json_object`: any JSON object;
     `structural_tag`: an xgrammar structural tag (dict or JSON text; tool calls use it). JSON is
     generated compactly (no free whitespace), so even a model that rambles ends its document. An
-    invalid schema, regex, grammar or tag raises `ValueError` naming the field.
+    invalid schema, regex, grammar or tag raises `ValueError` naming the field, as does one longer
+    than MAX_STRUCTURED_CHARS (as JSON text) or, for JSON, nested deeper than
+    MAX_STRUCTURED_DEPTH.
     """
 
     json: str | dict[str, Any] | None = None
@@ -47,11 +56,11 @@ class StructuredOutputsParams:
     structural_tag: str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        kinds = [name for name in _STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
+        kinds = [name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
         if len(kinds) != 1:
             raise ValueError(
                 "structured_outputs must set exactly one of "
-                f"{', '.join(_STRUCTURED_KINDS)}, got {kinds or 'none'}"
+                f"{', '.join(STRUCTURED_KINDS)}, got {kinds or 'none'}"
             )
         kind = kinds[0]
         value = getattr(self, kind)
@@ -66,18 +75,30 @@ class StructuredOutputsParams:
         elif kind in ("json", "structural_tag"):
             message = f"structured_outputs.{kind} must be a dict or JSON text"
             _check(isinstance(value, str | dict), message, value)
+            if isinstance(value, dict):
+                # Before `spec`: json.dumps recurses, and a deep dict raises RecursionError.
+                _check_depth(f"structured_outputs.{kind}", value)
         else:
             message = f"structured_outputs.{kind} must be a non-empty string"
             _check(isinstance(value, str) and value, message, value)
+        spec = self.spec
+        if len(spec) > MAX_STRUCTURED_CHARS:
+            raise ValueError(
+                f"structured_outputs.{kind} is {len(spec)} characters long"
+                f"{'' if isinstance(value, str) else ' as JSON text'}, more than the "
+                f"{MAX_STRUCTURED_CHARS} a constraint may have"
+            )
+        if isinstance(value, str) and kind in ("json", "structural_tag"):
+            _check_depth(f"structured_outputs.{kind}", value)  # after the length: it scans it
         # Imported here: xgrammar is loaded only by processes that see a constrained request.
         from tokenmill.structured.grammar import check_grammar
 
-        check_grammar(self.kind, self.spec)
+        check_grammar(kind, spec)
 
     @property
     def kind(self) -> str:
         """Which constraint is set: json, regex, choice, grammar, json_object or structural_tag."""
-        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
     @property
     def spec(self) -> str:
@@ -88,7 +109,60 @@ class StructuredOutputsParams:
         return "" if value is True else value
 
 
-_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+def _check_depth(name: str, value: str | dict[str, Any]) -> None:
+    """Raise `ValueError` naming `name` if the JSON document `value` (text or parsed) nests
+    deeper than MAX_STRUCTURED_DEPTH."""
+    depth = json_depth(value, MAX_STRUCTURED_DEPTH)
+    if depth > MAX_STRUCTURED_DEPTH:
+        raise ValueError(
+            f"{name} nests more than {MAX_STRUCTURED_DEPTH} levels of objects and arrays deep; "
+            "flatten it (e.g. with $defs and $ref)"
+        )
+
+
+def json_depth(value: Any, limit: int) -> int:
+    """How deep objects and arrays nest in a JSON document, as text or parsed (a scalar is 0),
+    counted without recursion; stops counting once past `limit`. Text need not be valid JSON:
+    its brackets outside strings are counted."""
+    if isinstance(value, str):
+        return _text_depth(value, limit)
+    deepest = 0
+    stack = [(value, 1)] if isinstance(value, dict | list) else []
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            break
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return deepest
+
+
+def _text_depth(text: str, limit: int) -> int:
+    deepest = depth = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > limit:
+                    break
+        elif char in "]}":
+            depth -= 1
+    return deepest
 
 
 @dataclass

@@ -69,6 +69,9 @@ def _healthy(server: ServerHandle) -> bool:
 
 
 HUGE = 2**64
+DEEP_SCHEMA: dict = {"type": "string"}
+for _ in range(40):
+    DEEP_SCHEMA = {"type": "object", "properties": {"a": DEEP_SCHEMA}}
 BAD_COMPLETIONS = [
     # integers outside what the engine represents (were HTTP 500s)
     ({"max_tokens": HUGE}, "max_tokens"),
@@ -119,6 +122,32 @@ BAD_COMPLETIONS = [
     ),
     ({"structured_outputs": {"regex": "("}}, "structured_outputs"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
+    # an invalid schema names the field the client sent (was `structured_outputs`)
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "?"}},
+            }
+        },
+        "response_format",
+    ),
+    # constraints whose parsing cost is unbounded (a 1,000-deep schema blocked the event loop
+    # for minutes): too deep, too long
+    (
+        {"structured_outputs": {"json": '{"type": "array", "items": ' * 100 + "{}" + "}" * 100}},
+        "structured_outputs",
+    ),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": DEEP_SCHEMA},
+            }
+        },
+        "response_format",
+    ),
+    ({"structured_outputs": {"regex": "a" * 200_000}}, "structured_outputs"),
 ]
 
 
@@ -143,6 +172,14 @@ BAD_CHATS = [
             "tool_choice": {"type": "function", "function": {"name": "g"}},
         },
         "tool_choice",
+    ),
+    # a function's parameters that are no JSON schema name `tools` (was `structured_outputs`)
+    (
+        {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "?"}}}],
+            "tool_choice": "required",
+        },
+        "tools",
     ),
 ]
 
