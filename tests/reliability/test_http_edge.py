@@ -157,11 +157,38 @@ def test_bad_completion_is_400_naming_the_field(client: httpx.Client, patch, par
     _assert_error(_post(client, "/v1/completions", body), 400, param)
 
 
+BIG_ARGS = json.dumps({"x": "y" * MAX_PROMPT_BYTES})
 BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "a\ud800"}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "text": "x"}]}]}, "messages"),
     ({"messages": [{"role": "user", "content": "x" * (MAX_PROMPT_BYTES + 1)}]}, "messages"),
+    # text a chat template renders besides the contents counts too (it was tokenized first,
+    # seconds per megabyte while the tokenizer worker's other requests waited)
+    ({"messages": [{"role": "user", "content": "hi", "name": "x" * MAX_PROMPT_BYTES}]}, "messages"),
+    (
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"function": {"name": "f", "arguments": BIG_ARGS}}],
+                },
+            ]
+        },
+        "messages",
+    ),
+    (
+        {
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {"name": "f", "description": "x" * MAX_PROMPT_BYTES},
+                }
+            ]
+        },
+        "tools",
+    ),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
     ({"logprobs": "yes"}, "logprobs"),

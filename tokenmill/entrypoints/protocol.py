@@ -205,7 +205,7 @@ class _SamplingRequest(_Strict):
                 f"the {limits.max_n} one request may start (--max-n)",
             )
         if isinstance(self, ChatCompletionRequest):
-            _check_chat_size(self.messages, limits)
+            _check_chat_size(self.messages, limits, self.tools)
         return self
 
     @property
@@ -458,11 +458,31 @@ def _too_many_bytes(what: str, size: int, limits: RequestLimits) -> str:
     )
 
 
-def _check_chat_size(messages: list[ChatMessage], limits: RequestLimits) -> None:
-    """The chat template only adds text, so contents beyond the byte limit cannot fit."""
-    size = sum(_utf8_bytes(m.text()) for m in messages)
+def _check_chat_size(
+    messages: list[ChatMessage], limits: RequestLimits, tools: list[ToolDefinition] | None = None
+) -> None:
+    """The chat template only adds text to what it renders: the messages' contents, names and
+    tool calls, and the tools offered (as JSON), so a chat of more bytes than the limit cannot
+    fit. Checked before the tokenizer worker renders and tokenizes it (seconds for megabytes,
+    while the worker's other requests wait)."""
+    size = sum(_message_bytes(m) for m in messages)
     if size > limits.max_prompt_bytes:
-        raise limit_error("messages", _too_many_bytes("the messages' content", size, limits))
+        raise limit_error("messages", _too_many_bytes("the messages' text", size, limits))
+    if tools:
+        rendered = [t.model_dump(exclude_none=True) for t in tools]
+        size += _utf8_bytes(json.dumps(rendered, ensure_ascii=False))
+        if size > limits.max_prompt_bytes:
+            raise limit_error(
+                "tools", _too_many_bytes("the messages' text and tools", size, limits)
+            )
+
+
+def _message_bytes(message: ChatMessage) -> int:
+    """The bytes of the text a chat template may render of `message` (images aside)."""
+    texts = [message.text(), message.name or "", message.tool_call_id or ""]
+    for call in message.tool_calls or []:
+        texts += [call.id or "", call.function.name, call.function.arguments]
+    return sum(_utf8_bytes(t) for t in texts)
 
 
 def request_models(limits: RequestLimits) -> RequestModels:
