@@ -224,6 +224,7 @@ def test_bad_bodies_get_openai_errors(client: httpx.Client) -> None:
     _assert_error(client.post("/v1/completions", json=["a list"]), 400)
     _assert_error(_post(client, "/tokenize", {"prompt": "\ud800"}), 400, "prompt")
     _assert_error(client.post("/tokenize", json={}), 400, "prompt")
+    _assert_error(client.post("/tokenize", json={"messages": []}), 400, "messages")  # was prompt
     _assert_error(client.post("/detokenize", json={"tokens": [512]}), 400, "tokens")
     _assert_error(client.post("/detokenize", json={"tokens": [True]}), 400, "tokens")
     assert _assert_error(client.get("/v1/nothing"), 404)["type"] == "NotFoundError"

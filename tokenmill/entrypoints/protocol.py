@@ -391,7 +391,7 @@ class TokenizeRequest(_Strict):
 
     model: Text | None = None
     prompt: Text | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool = True
 
     @model_validator(mode="after")
@@ -547,7 +547,7 @@ def request_models(limits: RequestLimits) -> RequestModels:
             TokenizeRequest,
             model=model,
             prompt=(prompt_text() | None, None),
-            messages=(list[message] | None, None),
+            messages=(Annotated[list[message], Field(min_length=1)] | None, None),
         ),
         detokenize=derive(DetokenizeRequest, model=model, tokens=(list[token_id], ...)),
     )
