@@ -10,9 +10,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_LOGPROBS = 20
+# The sampler computes in float32, where a temperature or repetition penalty beyond these
+# bounds overflows (logits / 1e-38 and 1e39 are infinite; -inf / inf is NaN): NaN weights then
+# sample token 0 whatever the model says. Temperatures below MIN_TEMPERATURE are greedy (as in
+# vLLM: the distribution is the argmax already); other values outside the bounds are refused.
+MIN_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 1e6
+MIN_REPETITION_PENALTY = 1e-6
+MAX_REPETITION_PENALTY = 1e6
+# A top_p this small keeps only the most likely token (whose probability is at least
+# 1 / vocabulary size), i.e. it is greedy; below float32's smallest number it would round to 0
+# and keep no token at all.
+MIN_TOP_P = 1e-8
 # Integers travel between processes as msgpack (64-bit at most); seeds are unsigned, as torch's.
 MAX_INT = 2**63 - 1
 MAX_SEED = 2**64 - 1
+# A constraint is parsed in every process it crosses (the API server's event loop and the
+# engine core's scheduler thread included) and compiled on the engine's one compile thread;
+# both costs grow with its length and, for JSON, with the square of its nesting (a 286 kB
+# schema of 150-deep objects took 18 s to parse, one 1,000 deep minutes). OpenAI allows 10
+# levels of objects in a schema, about 20-40 levels of JSON.
+MAX_STRUCTURED_CHARS = 128 * 1024
+MAX_STRUCTURED_DEPTH = 64
 
 
 @dataclass
@@ -24,7 +43,9 @@ class StructuredOutputsParams:
     `grammar`: an EBNF grammar (xgrammar's dialect, rule `root`); `json_object`: any JSON object;
     `structural_tag`: an xgrammar structural tag (dict or JSON text; tool calls use it). JSON is
     generated compactly (no free whitespace), so even a model that rambles ends its document. An
-    invalid schema, regex, grammar or tag raises `ValueError` naming the field.
+    invalid schema, regex, grammar or tag raises `ValueError` naming the field, as does one longer
+    than MAX_STRUCTURED_CHARS (as JSON text) or, for JSON, nested deeper than
+    MAX_STRUCTURED_DEPTH.
     """
 
     json: str | dict[str, Any] | None = None
@@ -35,11 +56,11 @@ class StructuredOutputsParams:
     structural_tag: str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        kinds = [name for name in _STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
+        kinds = [name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
         if len(kinds) != 1:
             raise ValueError(
                 "structured_outputs must set exactly one of "
-                f"{', '.join(_STRUCTURED_KINDS)}, got {kinds or 'none'}"
+                f"{', '.join(STRUCTURED_KINDS)}, got {kinds or 'none'}"
             )
         kind = kinds[0]
         value = getattr(self, kind)
@@ -54,18 +75,30 @@ class StructuredOutputsParams:
         elif kind in ("json", "structural_tag"):
             message = f"structured_outputs.{kind} must be a dict or JSON text"
             _check(isinstance(value, str | dict), message, value)
+            if isinstance(value, dict):
+                # Before `spec`: json.dumps recurses, and a deep dict raises RecursionError.
+                _check_depth(f"structured_outputs.{kind}", value)
         else:
             message = f"structured_outputs.{kind} must be a non-empty string"
             _check(isinstance(value, str) and value, message, value)
+        spec = self.spec
+        if len(spec) > MAX_STRUCTURED_CHARS:
+            raise ValueError(
+                f"structured_outputs.{kind} is {len(spec)} characters long"
+                f"{'' if isinstance(value, str) else ' as JSON text'}, more than the "
+                f"{MAX_STRUCTURED_CHARS} a constraint may have"
+            )
+        if isinstance(value, str) and kind in ("json", "structural_tag"):
+            _check_depth(f"structured_outputs.{kind}", value)  # after the length: it scans it
         # Imported here: xgrammar is loaded only by processes that see a constrained request.
         from tokenmill.structured.grammar import check_grammar
 
-        check_grammar(self.kind, self.spec)
+        check_grammar(kind, spec)
 
     @property
     def kind(self) -> str:
         """Which constraint is set: json, regex, choice, grammar, json_object or structural_tag."""
-        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
     @property
     def spec(self) -> str:
@@ -76,17 +109,70 @@ class StructuredOutputsParams:
         return "" if value is True else value
 
 
-_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+def _check_depth(name: str, value: str | dict[str, Any]) -> None:
+    """Raise `ValueError` naming `name` if the JSON document `value` (text or parsed) nests
+    deeper than MAX_STRUCTURED_DEPTH."""
+    depth = json_depth(value, MAX_STRUCTURED_DEPTH)
+    if depth > MAX_STRUCTURED_DEPTH:
+        raise ValueError(
+            f"{name} nests more than {MAX_STRUCTURED_DEPTH} levels of objects and arrays deep; "
+            "flatten it (e.g. with $defs and $ref)"
+        )
+
+
+def json_depth(value: Any, limit: int) -> int:
+    """How deep objects and arrays nest in a JSON document, as text or parsed (a scalar is 0),
+    counted without recursion; stops counting once past `limit`. Text need not be valid JSON:
+    its brackets outside strings are counted."""
+    if isinstance(value, str):
+        return _text_depth(value, limit)
+    deepest = 0
+    stack = [(value, 1)] if isinstance(value, dict | list) else []
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            break
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return deepest
+
+
+def _text_depth(text: str, limit: int) -> int:
+    deepest = depth = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > limit:
+                    break
+        elif char in "]}":
+            depth -= 1
+    return deepest
 
 
 @dataclass
 class SamplingParams:
     """Per-request sampling settings, mirroring vLLM's `SamplingParams`.
 
-    temperature 0 means greedy. `seed` makes a sampled request reproducible whatever else runs in
-    the same batch. Penalties follow OpenAI (presence/frequency, on generated tokens) and
-    transformers (repetition, on prompt and generated tokens). Every bad value raises `ValueError`
-    naming the field.
+    temperature 0 (below 1e-5) means greedy. `seed` makes a sampled request reproducible whatever
+    else runs in the same batch. Penalties follow OpenAI (presence/frequency, on generated tokens)
+    and transformers (repetition, on prompt and generated tokens). Every bad value raises
+    `ValueError` naming the field.
     """
 
     n: int = 1
@@ -122,8 +208,8 @@ class SamplingParams:
             self.n,
         )
         _check(
-            _is_number(self.temperature) and self.temperature >= 0,
-            "temperature must be >= 0",
+            _is_number(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
+            f"temperature must be in [0, {MAX_TEMPERATURE:g}]",
             self.temperature,
         )
         _check(
@@ -146,8 +232,10 @@ class SamplingParams:
             value = getattr(self, name)
             _check(_is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2]", value)
         _check(
-            _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
-            "repetition_penalty must be > 0",
+            _is_number(self.repetition_penalty)
+            and MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+            f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+            f"{MAX_REPETITION_PENALTY:g}]",
             self.repetition_penalty,
         )
         _check(
@@ -201,8 +289,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when the next token is always the most likely one."""
-        return self.temperature == 0 or self.top_k == 1
+        """True when the next token is always the most likely one: temperature below
+        MIN_TEMPERATURE, top_k 1 or top_p below MIN_TOP_P."""
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1 or self.top_p < MIN_TOP_P
 
 
 @dataclass(frozen=True)

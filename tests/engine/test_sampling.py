@@ -63,8 +63,12 @@ def test_unseeded_requests_differ_between_samples(llm: LLM) -> None:
         SamplingParams(temperature=1.0, top_k=1, max_tokens=12, ignore_eos=True),
         SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=12, ignore_eos=True),
         SamplingParams(temperature=1.0, min_p=1.0, max_tokens=12, ignore_eos=True),
+        # Below float32's range: once sampled token 0 from NaN weights (logits / 1e-40 are
+        # infinite; top_p 1e-46 rounds to 0 and kept no token).
+        SamplingParams(temperature=1e-40, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_p=1e-46, max_tokens=12, ignore_eos=True),
     ],
-    ids=["top_k_1", "top_p_tiny", "min_p_1"],
+    ids=["top_k_1", "top_p_tiny", "min_p_1", "temperature_under_float32", "top_p_under_float32"],
 )
 def test_filters_that_keep_one_token_are_greedy(llm: LLM, llama_dir: Path, params) -> None:
     out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids

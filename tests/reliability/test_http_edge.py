@@ -69,6 +69,9 @@ def _healthy(server: ServerHandle) -> bool:
 
 
 HUGE = 2**64
+DEEP_SCHEMA: dict = {"type": "string"}
+for _ in range(40):
+    DEEP_SCHEMA = {"type": "object", "properties": {"a": DEEP_SCHEMA}}
 BAD_COMPLETIONS = [
     # integers outside what the engine represents (were HTTP 500s)
     ({"max_tokens": HUGE}, "max_tokens"),
@@ -92,6 +95,9 @@ BAD_COMPLETIONS = [
     ({"seed": True}, "seed"),
     ({"max_tokens": "4"}, "max_tokens"),
     ({"temperature": True}, "temperature"),
+    # beyond the sampler's float32 range: NaN weights sampled token 0 (were HTTP 200s)
+    ({"temperature": 1e39}, "temperature"),
+    ({"repetition_penalty": 1e-40}, "repetition_penalty"),
     # unpaired surrogates (were HTTP 500s)
     ({"prompt": "a\ud800b"}, "prompt"),
     ({"prompt": ["ok", "\udfff"]}, "prompt"),
@@ -116,6 +122,32 @@ BAD_COMPLETIONS = [
     ),
     ({"structured_outputs": {"regex": "("}}, "structured_outputs"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
+    # an invalid schema names the field the client sent (was `structured_outputs`)
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "?"}},
+            }
+        },
+        "response_format",
+    ),
+    # constraints whose parsing cost is unbounded (a 1,000-deep schema blocked the event loop
+    # for minutes): too deep, too long
+    (
+        {"structured_outputs": {"json": '{"type": "array", "items": ' * 100 + "{}" + "}" * 100}},
+        "structured_outputs",
+    ),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": DEEP_SCHEMA},
+            }
+        },
+        "response_format",
+    ),
+    ({"structured_outputs": {"regex": "a" * 200_000}}, "structured_outputs"),
 ]
 
 
@@ -125,11 +157,38 @@ def test_bad_completion_is_400_naming_the_field(client: httpx.Client, patch, par
     _assert_error(_post(client, "/v1/completions", body), 400, param)
 
 
+BIG_ARGS = json.dumps({"x": "y" * MAX_PROMPT_BYTES})
 BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "a\ud800"}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "text": "x"}]}]}, "messages"),
     ({"messages": [{"role": "user", "content": "x" * (MAX_PROMPT_BYTES + 1)}]}, "messages"),
+    # text a chat template renders besides the contents counts too (it was tokenized first,
+    # seconds per megabyte while the tokenizer worker's other requests waited)
+    ({"messages": [{"role": "user", "content": "hi", "name": "x" * MAX_PROMPT_BYTES}]}, "messages"),
+    (
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"function": {"name": "f", "arguments": BIG_ARGS}}],
+                },
+            ]
+        },
+        "messages",
+    ),
+    (
+        {
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {"name": "f", "description": "x" * MAX_PROMPT_BYTES},
+                }
+            ]
+        },
+        "tools",
+    ),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
     ({"logprobs": "yes"}, "logprobs"),
@@ -140,6 +199,14 @@ BAD_CHATS = [
             "tool_choice": {"type": "function", "function": {"name": "g"}},
         },
         "tool_choice",
+    ),
+    # a function's parameters that are no JSON schema name `tools` (was `structured_outputs`)
+    (
+        {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "?"}}}],
+            "tool_choice": "required",
+        },
+        "tools",
     ),
 ]
 
@@ -157,6 +224,7 @@ def test_bad_bodies_get_openai_errors(client: httpx.Client) -> None:
     _assert_error(client.post("/v1/completions", json=["a list"]), 400)
     _assert_error(_post(client, "/tokenize", {"prompt": "\ud800"}), 400, "prompt")
     _assert_error(client.post("/tokenize", json={}), 400, "prompt")
+    _assert_error(client.post("/tokenize", json={"messages": []}), 400, "messages")  # was prompt
     _assert_error(client.post("/detokenize", json={"tokens": [512]}), 400, "tokens")
     _assert_error(client.post("/detokenize", json={"tokens": [True]}), 400, "tokens")
     assert _assert_error(client.get("/v1/nothing"), 404)["type"] == "NotFoundError"

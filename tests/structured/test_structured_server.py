@@ -150,7 +150,7 @@ def test_vllm_structured_outputs_field(client: openai.OpenAI, stream: bool) -> N
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"response_format": BAD_SCHEMA}, "structured_outputs.json is invalid"),
+        ({"response_format": BAD_SCHEMA}, "response_format.json_schema.schema is invalid"),
         ({"extra_body": {"structured_outputs": {"regex": "(("}}}, "structured_outputs.regex is"),
         ({"extra_body": {"structured_outputs": {"regex": "a", "choice": ["a"]}}}, "exactly one of"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},

@@ -25,6 +25,10 @@ BAD = [
     ("presence_penalty", 2.5),
     ("frequency_penalty", -3),
     ("repetition_penalty", 0),
+    # Beyond float32's range in the sampler (NaN weights)
+    ("repetition_penalty", 1e-40),
+    ("repetition_penalty", 1e39),
+    ("temperature", 1e39),
     ("max_tokens", 0),
     ("max_tokens", -5),
     ("min_tokens", -1),
@@ -58,6 +62,10 @@ def test_defaults_are_valid_and_greedy_is_derived() -> None:
     assert not SamplingParams().greedy
     assert SamplingParams(temperature=0).greedy
     assert SamplingParams(top_k=1).greedy
+    # Too small for float32 arithmetic, and the argmax already: greedy.
+    assert SamplingParams(temperature=1e-40).greedy
+    assert SamplingParams(top_p=1e-46).greedy
+    assert not SamplingParams(temperature=0.01, top_p=0.01).greedy
 
 
 def test_defaults_fill_only_the_settings_a_request_leaves_unset() -> None:

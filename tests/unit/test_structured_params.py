@@ -3,10 +3,13 @@ ValueError naming it (checked by parsing, as the compile would)."""
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import pytest
 
 from tokenmill import SamplingParams, StructuredOutputsParams
+from tokenmill.sampling_params import MAX_STRUCTURED_CHARS, MAX_STRUCTURED_DEPTH, json_depth
 
 
 @pytest.mark.parametrize(
@@ -48,3 +51,63 @@ def test_params_cross_processes_as_msgpack() -> None:
     params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
     assert decoded == params
+
+
+def _nested_arrays(depth: int) -> dict:
+    schema: dict = {}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def _as_text(depth: int) -> str:
+    return '{"type": "array", "items": ' * depth + "{}" + "}" * depth
+
+
+def test_json_depth_counts_objects_and_arrays_of_text_or_parsed_documents() -> None:
+    assert json_depth({"a": [1, {"b": []}]}, 10) == 4
+    assert json_depth('{"a": "[[[{", "b": [1, {"c": "\\"["}]}', 10) == 3  # strings skipped
+    assert json_depth("3", 10) == json_depth(3, 10) == 0
+    assert json_depth("[" * 10**6, 5) == 6  # stops once past the limit
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        # Parsing cost grows with the square of the nesting (1,000 levels took minutes in the
+        # API server's event loop); a dict this deep made json.dumps raise RecursionError.
+        {"json": _nested_arrays(MAX_STRUCTURED_DEPTH)},
+        {"json": _nested_arrays(5000)},
+        {"json": _as_text(MAX_STRUCTURED_DEPTH)},
+        {"structural_tag": "[" * 100_000},
+    ],
+    ids=["dict", "deep-dict", "text", "tag-text"],
+)
+def test_constraints_nested_too_deep_are_refused_at_once(kwargs: dict) -> None:
+    kind = next(iter(kwargs))
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=f"structured_outputs.{kind} nests more than 64 levels"):
+        StructuredOutputsParams(**kwargs)
+    assert time.monotonic() - started < 1
+
+
+def test_constraints_nested_within_the_limit_are_accepted() -> None:
+    depth = MAX_STRUCTURED_DEPTH // 2 - 1  # two JSON levels per array schema
+    assert StructuredOutputsParams(json=_nested_arrays(depth)).kind == "json"
+    assert StructuredOutputsParams(json=_as_text(depth)).kind == "json"
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"regex": "a" * (MAX_STRUCTURED_CHARS + 1)},
+        {"grammar": 'root ::= "' + "a" * MAX_STRUCTURED_CHARS + '"'},
+        {"choice": ["word"] * MAX_STRUCTURED_CHARS},
+        {"json": {"enum": ["v"] * MAX_STRUCTURED_CHARS}},
+    ],
+    ids=["regex", "grammar", "choice", "json"],
+)
+def test_constraints_over_the_length_limit_are_refused(kwargs: dict) -> None:
+    kind = next(iter(kwargs))
+    with pytest.raises(ValueError, match=f"structured_outputs.{kind} is .* characters long"):
+        StructuredOutputsParams(**kwargs)

@@ -620,7 +620,9 @@ async def _serve_generation(
     if state.shutting_down or not state.healthy:
         return error_response(503, state.client.failure or "the server is not ready")
     try:
-        params = body.sampling_params(state.config.sampling_defaults)
+        # Off the event loop: a structured-output constraint is parsed here (xgrammar, without
+        # the GIL), up to half a second for the largest one allowed.
+        params = await asyncio.to_thread(body.sampling_params, state.config.sampling_defaults)
         requests = _tokenize_requests(body, params)
     except ValueError as exc:
         return error_response(400, str(exc), _param_of(str(exc)))

@@ -7,13 +7,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
 from tokenmill.entrypoints.schema_types import StrictModel, Text, text_type
 from tokenmill.entrypoints.tool_parsers import FunctionTool, ToolParser
-from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.sampling_params import STRUCTURED_KINDS, StructuredOutputsParams
 
 # OpenAI: a-z, A-Z, 0-9, underscores and dashes, at most 64
 FunctionName = text_type(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
@@ -95,7 +96,21 @@ def response_constraint(
     spec = response_format.json_schema
     if spec is None or spec.json_schema is None:
         raise ValueError("response_format.json_schema.schema is required for type json_schema")
-    return StructuredOutputsParams(json=spec.json_schema)
+    schema = spec.json_schema
+    field = "response_format.json_schema.schema"
+    return _naming(field, lambda: StructuredOutputsParams(json=schema))
+
+
+def _naming(field: str, build: Callable[[], StructuredOutputsParams]) -> StructuredOutputsParams:
+    """`build()`, its errors naming `field`, the request field the client sent, instead of the
+    `structured_outputs` field it became (an error's first word is its `param`)."""
+    try:
+        return build()
+    except ValueError as exc:
+        message = str(exc)
+        for kind in sorted(STRUCTURED_KINDS, key=len, reverse=True):  # json_object before json
+            message = message.replace(f"structured_outputs.{kind}", field, 1)
+        raise ValueError(message) from None
 
 
 def function_tools(tools: list[ToolDefinition] | None) -> list[FunctionTool]:
@@ -130,8 +145,8 @@ def tool_constraint(
                 f"tool_choice names function {name!r}, which is not among the tools "
                 f"({', '.join(t.name for t in offered)})"
             )
-        return parser.constraint(chosen, parallel=False)
-    return parser.constraint(offered, parallel)
+        return _naming("tools", lambda: parser.constraint(chosen, parallel=False))
+    return _naming("tools", lambda: parser.constraint(offered, parallel))
 
 
 def _choice_text(choice: ToolChoice) -> str:

@@ -46,6 +46,9 @@ from tokenmill.entrypoints.schema_types import (
 from tokenmill.entrypoints.tool_parsers import ToolParser, get_tool_parser
 from tokenmill.sampling_params import (
     MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    MAX_TEMPERATURE,
+    MIN_REPETITION_PENALTY,
     SamplingDefaults,
     SamplingParams,
     StructuredOutputsParams,
@@ -121,7 +124,7 @@ class _SamplingRequest(_Strict):
 
     model: Text | None = None
     n: count_type(ge=1) = 1  # type: ignore[valid-type]
-    temperature: float | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: count_type(ge=0, le=MAX_SEED) | None = None  # type: ignore[valid-type]
     presence_penalty: float | None = Field(None, ge=-2, le=2)
@@ -135,7 +138,9 @@ class _SamplingRequest(_Strict):
     # vLLM-compatible extensions
     top_k: count_type(ge=-1, le=MAX_INT64) | None = None  # type: ignore[valid-type]
     min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0)
+    repetition_penalty: float | None = Field(
+        None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY
+    )
     min_tokens: count_type(ge=0) = 0  # type: ignore[valid-type]
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
@@ -200,7 +205,7 @@ class _SamplingRequest(_Strict):
                 f"the {limits.max_n} one request may start (--max-n)",
             )
         if isinstance(self, ChatCompletionRequest):
-            _check_chat_size(self.messages, limits)
+            _check_chat_size(self.messages, limits, self.tools)
         return self
 
     @property
@@ -386,7 +391,7 @@ class TokenizeRequest(_Strict):
 
     model: Text | None = None
     prompt: Text | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool = True
 
     @model_validator(mode="after")
@@ -453,11 +458,31 @@ def _too_many_bytes(what: str, size: int, limits: RequestLimits) -> str:
     )
 
 
-def _check_chat_size(messages: list[ChatMessage], limits: RequestLimits) -> None:
-    """The chat template only adds text, so contents beyond the byte limit cannot fit."""
-    size = sum(_utf8_bytes(m.text()) for m in messages)
+def _check_chat_size(
+    messages: list[ChatMessage], limits: RequestLimits, tools: list[ToolDefinition] | None = None
+) -> None:
+    """The chat template only adds text to what it renders: the messages' contents, names and
+    tool calls, and the tools offered (as JSON), so a chat of more bytes than the limit cannot
+    fit. Checked before the tokenizer worker renders and tokenizes it (seconds for megabytes,
+    while the worker's other requests wait)."""
+    size = sum(_message_bytes(m) for m in messages)
     if size > limits.max_prompt_bytes:
-        raise limit_error("messages", _too_many_bytes("the messages' content", size, limits))
+        raise limit_error("messages", _too_many_bytes("the messages' text", size, limits))
+    if tools:
+        rendered = [t.model_dump(exclude_none=True) for t in tools]
+        size += _utf8_bytes(json.dumps(rendered, ensure_ascii=False))
+        if size > limits.max_prompt_bytes:
+            raise limit_error(
+                "tools", _too_many_bytes("the messages' text and tools", size, limits)
+            )
+
+
+def _message_bytes(message: ChatMessage) -> int:
+    """The bytes of the text a chat template may render of `message` (images aside)."""
+    texts = [message.text(), message.name or "", message.tool_call_id or ""]
+    for call in message.tool_calls or []:
+        texts += [call.id or "", call.function.name, call.function.arguments]
+    return sum(_utf8_bytes(t) for t in texts)
 
 
 def request_models(limits: RequestLimits) -> RequestModels:
@@ -522,7 +547,7 @@ def request_models(limits: RequestLimits) -> RequestModels:
             TokenizeRequest,
             model=model,
             prompt=(prompt_text() | None, None),
-            messages=(list[message] | None, None),
+            messages=(Annotated[list[message], Field(min_length=1)] | None, None),
         ),
         detokenize=derive(DetokenizeRequest, model=model, tokens=(list[token_id], ...)),
     )
