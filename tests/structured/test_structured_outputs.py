@@ -79,6 +79,18 @@ def test_ebnf_grammar_outputs_parse(llm: LLM) -> None:
             eval(out.text)  # balanced and well formed
 
 
+def test_a_grammar_no_token_can_start_is_refused_before_anything_runs(llm: LLM) -> None:
+    """A grammar whose rules only recurse passes the syntax check but allows no first token,
+    not even the end: `generate` raises naming the field, and the good prompt of the same call
+    is not left queued in the engine."""
+    bad = SamplingParams(structured_outputs=StructuredOutputsParams(grammar="root ::= root"))
+    message = "structured_outputs.grammar matches no text this model's tokenizer can produce"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        llm.generate(["Hello", "The cat"], [SamplingParams(max_tokens=2), bad], use_tqdm=False)
+    assert not list(llm.engine.request_ids())
+    assert llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+
+
 def test_json_object_outputs_are_json_objects_or_cut_by_length(llm: LLM) -> None:
     outputs = _sample(llm, StructuredOutputsParams(json_object=True), max_tokens=120)
     for out in outputs:

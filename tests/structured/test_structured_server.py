@@ -165,6 +165,22 @@ def test_bad_constraints_are_400(client: openai.OpenAI, kwargs: dict, message: s
         _chat(client, 0, **kwargs)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("grammar", ["root ::= root", 'root ::= x\nx ::= x "a"'])
+def test_grammar_no_token_can_start_is_400(
+    client: openai.OpenAI, grammar: str, stream: bool
+) -> None:
+    """Syntax checks pass these grammars (rules that only recurse: no string ever ends them),
+    so the engine finds out when it compiles them: a 400 naming the field, streamed or not,
+    then the server serves the next request (they used to end as 200s with finish_reason
+    error)."""
+    message = "structured_outputs.grammar matches no text this model's tokenizer can produce"
+    with pytest.raises(openai.BadRequestError, match=re.escape(message)) as caught:
+        _chat(client, 0, stream=stream, extra_body={"structured_outputs": {"grammar": grammar}})
+    assert caught.value.body["param"] == "structured_outputs"
+    assert _chat(client, 0, max_tokens=2).choices[0].finish_reason == "length"
+
+
 def _check_call(call, tools: list[dict]) -> dict:
     (tool,) = [t for t in tools if t["function"]["name"] == call.function.name]
     arguments = json.loads(call.function.arguments)

@@ -31,6 +31,7 @@ from tokenmill.ipc.messages import (
     ShutdownRequest,
     SpecDecodeCounts,
     VisionEncoderCounts,
+    param_of,
 )
 from tokenmill.ipc.process import init_child
 from tokenmill.ipc.sockets import Addresses, encode, pull, push, request_id_of
@@ -202,7 +203,12 @@ class EngineCoreLoop:
                 self.engine.abort_request(rid, FinishReason.ERROR)
                 self.errors.append(RequestError(rid, "internal engine error", status=500))
             return
-        self.deltas.extend(_delta(o) for o in outputs)
+        for out in outputs:
+            if out.error is None:
+                self.deltas.append(_delta(out))
+            else:  # refused after it was accepted: a 400 for the client, not a finish
+                error = RequestError(out.request_id, out.error, param=param_of(out.error))
+                self.errors.append(error)
 
     def _publish(self) -> None:
         step = EngineStep(self.new_requests, self.deltas, self.errors, self._stats())

@@ -47,7 +47,7 @@ import sys
 import time
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from tokenmill.batch import FinishReason, Logprob, Request, SchedulerOutput, StepPlan
@@ -91,6 +91,9 @@ class EngineOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     metrics: RequestMetrics | None = None  # set when finished
+    # Set when the request failed on its own input after it was accepted (a constraint that
+    # compiles to a grammar no token can start): the message for the client, a 400.
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -264,10 +267,15 @@ class EngineCore:
         for req, future in self._compiling:
             if not future.done():
                 still.append((req, future))
-            elif future.exception() is not None:
-                logger.error("grammar of %s failed: %s", req.request_id, future.exception())
+            elif (exc := future.exception()) is not None:
                 req.finish(FinishReason.ERROR)
-                outputs.append(self._retire(req))
+                out = self._retire(req)
+                if isinstance(exc, ValueError):  # the constraint's own fault: the client's
+                    logger.info("request %s refused: %s", req.request_id, exc)
+                    out = replace(out, error=str(exc))
+                else:
+                    logger.error("grammar of %s failed: %s", req.request_id, exc)
+                outputs.append(out)
             else:
                 req.grammar = RequestGrammar(future.result())
                 self.scheduler.add_request(req)

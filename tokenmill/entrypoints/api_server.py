@@ -625,7 +625,7 @@ async def _serve_generation(
         params = await asyncio.to_thread(body.sampling_params, state.config.sampling_defaults)
         requests = _tokenize_requests(body, params)
     except ValueError as exc:
-        return error_response(400, str(exc), _param_of(str(exc)))
+        return error_response(400, str(exc), messages.param_of(str(exc)))
     sequences = params.n * len(requests)
     if (overloaded := _shed(state, sequences)) is not None:
         return overloaded
@@ -703,13 +703,6 @@ def _tokenize_requests(
         tools = body.template_tools()
         return [messages.TokenizeRequest("", params, messages=chat, tools=tools)]
     return [messages.TokenizeRequest("", params, prompt=p) for p in body.prompts()]
-
-
-def _param_of(message: str) -> str | None:
-    """The field a validation message names (SamplingParams messages start with it, or with a
-    path into it: `response_format.json_schema.schema ...` names `response_format`)."""
-    word = message.split(" ", 1)[0].rstrip(":").split(".", 1)[0]
-    return word if word.isidentifier() else None
 
 
 async def _collect(

@@ -175,6 +175,9 @@ class LLM:
             request_id = str(next(self._ids))
             result = RequestOutput(request_id, text, ids, [])
             prepared.append((result, prepare(request_id, ids, p, limits), inputs))
+            if p.structured_outputs is not None:
+                # Compiled now (the engine reuses it): a constraint no token can start raises.
+                self.engine.grammar_compiler.submit(p.structured_outputs).result()
         for result, engine_requests, inputs in prepared:
             for index, child in enumerate(engine_requests):
                 logprobs = [] if child.params.logprobs is not None else None

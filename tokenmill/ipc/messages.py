@@ -179,6 +179,13 @@ class NewRequest(msgspec.Struct):
     params: SamplingParams
 
 
+def param_of(message: str) -> str | None:
+    """The request field a validation message names (SamplingParams messages start with it, or
+    with a path into it: `response_format.json_schema.schema ...` names `response_format`)."""
+    word = message.split(" ", 1)[0].rstrip(":").split(".", 1)[0]
+    return word if word.isidentifier() else None
+
+
 class RequestError(msgspec.Struct):
     """A request the engine or a tokenizer refused; `status` is the HTTP status to return."""
 

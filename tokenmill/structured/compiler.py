@@ -66,6 +66,11 @@ class GrammarCompiler:
         self.num_compiled += 1
         self.compile_seconds += seconds
         logger.debug("compiled a %s grammar in %.1f ms", kind, seconds * 1e3)
+        if not can_start(compiled):
+            raise ValueError(
+                f"structured_outputs.{kind} matches no text this model's tokenizer can produce "
+                "(its first token allows nothing, not even the end)"
+            )
         return compiled
 
     def _tokenizer_info(self) -> xgr.TokenizerInfo:
@@ -80,6 +85,17 @@ class GrammarCompiler:
     def shutdown(self) -> None:
         """Stop the background thread (pending compiles are cancelled)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def can_start(compiled: xgr.CompiledGrammar) -> bool:
+    """Whether a generation under `compiled` has a first token (the end counts: a grammar of
+    the empty string allows the stop token). A grammar that allows none, e.g. `root ::= root`
+    or a regex of characters no token holds, passes every syntax check and would fail the
+    request at its first sampled token."""
+    matcher = xgr.GrammarMatcher(compiled)
+    bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    matcher.fill_next_token_bitmask(bitmask)
+    return bool(bitmask.any())
 
 
 def grammar_vocab_size(tokenizer_size: int, model_vocab_size: int, stop_ids: Sequence[int]) -> int:
