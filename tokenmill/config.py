@@ -799,10 +799,18 @@ class EngineArgs:
         root = Path(self.model)
         arch, top, cfg = read_checkpoint_config(root)
         vision = arch in _VISION_ARCHITECTURES
+        positions = int(cfg.get("max_position_embeddings", 4096))
+        if self.max_model_len is not None and self.max_model_len > positions:
+            # The rotary tables (and the model's training) end there: a longer sequence would
+            # fail in the middle of a step, not here.
+            raise ValueError(
+                f"max_model_len must be <= the model's max_position_embeddings ({positions}), "
+                f"got {self.max_model_len}"
+            )
         return ServedModel(
             path=str(root),
             vocab_size=int(cfg["vocab_size"]),
-            max_model_len=self.max_model_len or int(cfg.get("max_position_embeddings", 4096)),
+            max_model_len=self.max_model_len or positions,
             vision=VisionConfig.from_hf(top, cfg) if vision else None,
             sampling_defaults=load_sampling_defaults(self.generation_config, self.model),
             images=ImageLimits(

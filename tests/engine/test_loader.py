@@ -95,6 +95,8 @@ def test_bad_engine_options_name_the_field(llama_dir: Path) -> None:
         ({"scheduling_policy": "random"}, "policy"),
         ({"load_format": "pt"}, "load_format"),
         ({"num_pages": 4, "page_size": 4, "max_model_len": 100}, "max_model_len"),
+        # Beyond the rotary tables: the first long prompt would crash a step (IndexError).
+        ({"max_model_len": 2048}, "max_model_len must be <= the model's max_position_emb"),
     ]:
         with pytest.raises(ValueError, match=field):
             LLM(str(llama_dir), device="cpu", **kwargs)
