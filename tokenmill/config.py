@@ -621,6 +621,26 @@ class EngineConfig:
         return self.served_model.context_limits
 
 
+def check_device(device: str) -> str:
+    """`device` if the engine can run there: "cpu", or "cuda"/"cuda:N" naming a visible GPU;
+    else `ValueError` naming the field (not torch's error in the middle of loading)."""
+    import torch
+
+    kind, colon, index = device.partition(":") if isinstance(device, str) else ("", "", "")
+    if kind not in ("cpu", "cuda") or (colon and (kind == "cpu" or not index.isdigit())):
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
+    if kind == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device is {device!r}, but no CUDA device is visible; use cpu")
+        if int(index or 0) >= count:
+            raise ValueError(
+                f"device is {device!r}, but {count} CUDA device(s) are visible "
+                f"(cuda:0..cuda:{count - 1})"
+            )
+    return device
+
+
 def _default(value: int | None, default: int) -> int:
     return default if value is None else value
 
@@ -823,7 +843,8 @@ class EngineArgs:
         served = self.create_served_model()
         import torch
 
-        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = check_device(self.device) if self.device else None
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         # A GPU's step is cheap next to its host time only when it is large: the batch and
         # chunk sizes vLLM and SGLang default to on data-centre GPUs; a CPU's steps are slow.
         gpu = device.startswith("cuda")

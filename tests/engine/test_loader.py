@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.conftest import hf_greedy, hf_logprobs
 from tokenmill import LLM, SamplingParams
+from tokenmill.config import DEMO_MODEL_DIR
 
 PROMPT = list(range(30, 50))
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -100,3 +101,16 @@ def test_bad_engine_options_name_the_field(llama_dir: Path) -> None:
     ]:
         with pytest.raises(ValueError, match=field):
             LLM(str(llama_dir), device="cpu", **kwargs)
+
+
+@pytest.mark.parametrize("device", ["tpu", "meta", "cpu:1", "cuda:x", "cuda:99"])
+def test_a_device_the_engine_cannot_use_is_named(llama_dir: Path, device: str) -> None:
+    """Refused before loading, not torch's error from the middle of it."""
+    with pytest.raises(ValueError, match=f"device .*{device!r}"):
+        LLM(str(llama_dir), device=device)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_a_gpu_is_named() -> None:
+    with pytest.raises(ValueError, match="device is 'cuda', but no CUDA device is visible"):
+        LLM(str(DEMO_MODEL_DIR), device="cuda")
