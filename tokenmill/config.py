@@ -252,8 +252,15 @@ def read_checkpoint_config(root: Path) -> tuple[str, dict[str, Any], dict[str, A
     cfg_file = root / "config.json"
     if not cfg_file.is_file():
         raise ValueError(f"model directory {str(root)!r} has no config.json")
-    top = json.loads(cfg_file.read_text())
+    try:
+        top = json.loads(cfg_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read {cfg_file}: {exc}") from None
+    if not isinstance(top, dict):
+        raise ValueError(f"{cfg_file} must hold a JSON object, got {type(top).__name__}")
     archs = top.get("architectures") or []
+    if not isinstance(archs, list):
+        archs = [archs]
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise ValueError(
@@ -261,7 +268,37 @@ def read_checkpoint_config(root: Path) -> tuple[str, dict[str, Any], dict[str, A
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     cfg = {**top, **top.get("text_config", {})} if arch in _VISION_ARCHITECTURES else top
+    for key in _REQUIRED_POSITIVE:
+        config_int(cfg, key, cfg_file, required=key in _REQUIRED_KEYS)
+    if "rms_norm_eps" in cfg and not _positive_number(cfg["rms_norm_eps"]):
+        raise ValueError(
+            f"{cfg_file}: rms_norm_eps must be a number > 0, got {cfg['rms_norm_eps']!r}"
+        )
     return arch, top, cfg
+
+
+# config.json fields every checkpoint needs; with the optional ones, each an integer >= 1.
+_REQUIRED_KEYS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"
+)  # fmt: skip
+_REQUIRED_POSITIVE = (*_REQUIRED_KEYS, "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def config_int(cfg: dict[str, Any], key: str, cfg_file: Path, required: bool) -> int | None:
+    """config.json's integer `key` (>= 1); `ValueError` naming it if it is missing (and
+    `required`), not a positive integer, or null where required."""
+    value = cfg.get(key)
+    if value is None:
+        if required:
+            raise ValueError(f"{cfg_file} has no {key}")
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{cfg_file}: {key} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _positive_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
 
 
 @dataclass(frozen=True)

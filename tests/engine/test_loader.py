@@ -114,3 +114,57 @@ def test_a_device_the_engine_cannot_use_is_named(llama_dir: Path, device: str) -
 def test_cuda_without_a_gpu_is_named() -> None:
     with pytest.raises(ValueError, match="device is 'cuda', but no CUDA device is visible"):
         LLM(str(DEMO_MODEL_DIR), device="cuda")
+
+
+def _with_config(llama_dir: Path, target: Path, **changes: object) -> Path:
+    shutil.copytree(llama_dir, target)
+    config = json.loads((target / "config.json").read_text())
+    config.update(changes)
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"num_hidden_layers": 0}, "num_hidden_layers must be an integer >= 1, got 0"),
+        ({"vocab_size": "512"}, "vocab_size must be an integer >= 1, got '512'"),
+        ({"vocab_size": None}, "has no vocab_size"),
+        ({"max_position_embeddings": 0}, "max_position_embeddings must be an integer >= 1"),
+        ({"rms_norm_eps": -1}, "rms_norm_eps must be a number > 0, got -1"),
+    ],
+)
+def test_absurd_config_values_are_named(
+    llama_dir: Path, tmp_path: Path, changes: dict[str, object], message: str
+) -> None:
+    """Not a ZeroDivisionError or KeyError while loading, nor a model that outputs garbage."""
+    with pytest.raises(ValueError, match=message):
+        LLM(str(_with_config(llama_dir, tmp_path / "bad", **changes)), device="cpu")
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("config.json", b"{not json", "cannot read .*config.json"),
+        ("config.json", b"[1, 2]", "config.json must hold a JSON object, got list"),
+        ("model.safetensors", b"garbage" * 10, "cannot read checkpoint file .*model.safetensors"),
+        ("model.safetensors.index.json", b"{}", "cannot read .*index.json: needs a JSON weight_m"),
+    ],
+)
+def test_corrupt_checkpoint_files_are_named(
+    llama_dir: Path, tmp_path: Path, name: str, content: bytes, message: str
+) -> None:
+    target = tmp_path / "corrupt"
+    shutil.copytree(llama_dir, target)
+    (target / name).write_bytes(content)
+    with pytest.raises(ValueError, match=message):
+        LLM(str(target), device="cpu")
+
+
+def test_a_truncated_checkpoint_file_is_named(llama_dir: Path, tmp_path: Path) -> None:
+    target = tmp_path / "truncated"
+    shutil.copytree(llama_dir, target)
+    data = (target / "model.safetensors").read_bytes()
+    (target / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="cannot read checkpoint file .*incomplete metadata"):
+        LLM(str(target), device="cpu")

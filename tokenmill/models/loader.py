@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from tokenmill.config import ModelConfig
@@ -82,12 +82,25 @@ def _init_dummy(model: nn.Module, seed: int) -> None:
             param.data.normal_(0.0, 0.02, generator=gen)
 
 
+def _open_safetensors(path: Path) -> Any:
+    """`safe_open` of one checkpoint file; `ValueError` naming it if it is not a safetensors
+    file (corrupt or truncated), not safetensors' own error."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"cannot read checkpoint file {path}: {exc}") from None
+
+
 def checkpoint_files(root: Path) -> list[Path]:
     """The safetensors files of a checkpoint: those listed by the index, or all `*.safetensors`."""
     index = root / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = [root / name for name in sorted(set(weight_map.values()))]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted({str(name) for name in weight_map.values()})
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"cannot read {index}: needs a JSON weight_map ({e!r})") from None
+        files = [root / name for name in names]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise ValueError(f"checkpoint index lists missing files: {', '.join(missing)}")
@@ -150,7 +163,7 @@ def _load_safetensors(model: nn.Module, root: Path, tied: bool, tp: TPGroup) -> 
         tensors = [
             (name, CheckpointTensor(f.get_slice(name)))
             for path in checkpoint_files(root)
-            for f in [files.enter_context(safe_open(str(path), framework="pt"))]
+            for f in [files.enter_context(_open_safetensors(path))]
             for name in f.keys()  # noqa: SIM118 - safe_open is not a mapping
         ]
         # Each tensor goes to parameter entries of its own: the copies need no lock.
