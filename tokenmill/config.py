@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import types
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 from tokenmill.intake import ContextLimits
 from tokenmill.models.registry import MODEL_REGISTRY
@@ -845,6 +846,7 @@ class EngineArgs:
         """What the api server and its tokenizer workers need of `create_engine_config`'s
         result (its `served_model`), resolved without importing torch; checks the options it
         reads (and the dtype's name) as `create_engine_config` does, which checks the rest."""
+        self._check_types()
         if not self.model:
             raise ValueError("model must be a checkpoint directory, got ''")
         if self.load_format not in ("auto", "dummy"):
@@ -874,6 +876,39 @@ class EngineArgs:
                 self.max_images_per_prompt, self.max_image_bytes, self.max_image_pixels
             ),
         )
+
+    def _check_types(self) -> None:
+        """Each int, float, bool and str option has its type (a float an int too), an int
+        one fits 64 bits: `ValueError` naming the field, not a `TypeError` (or a float page
+        size) deep in start-up. `dtype` may be a `torch.dtype`, checked by `parse_dtype`."""
+        import typing
+
+        hints = typing.get_type_hints(EngineArgs)
+        for f in fields(self):
+            value = getattr(self, f.name)
+            hint = hints[f.name]
+            optional = isinstance(hint, types.UnionType) and type(None) in get_args(hint)
+            if (optional and value is None) or f.name == "dtype":
+                continue
+            kinds = set(get_args(hint)) - {type(None)} if optional else {hint}
+            if kinds == {bool}:
+                ok = isinstance(value, bool)
+            elif kinds == {int}:
+                ok = isinstance(value, int) and not isinstance(value, bool)
+                ok = ok and -(2**63) <= value < 2**63
+            elif kinds == {float}:
+                ok = isinstance(value, int | float) and not isinstance(value, bool)
+            elif kinds == {str}:  # a directory may be a Path
+                ok = isinstance(value, str | os.PathLike)
+            else:
+                continue
+            if not ok:
+                (kind,) = kinds
+                name = {bool: "True or False", int: "an integer", float: "a number"}
+                raise ValueError(
+                    f"{f.name} must be {name.get(kind, 'a string')}, got {value!r}"
+                    + (" (past 64 bits)" if type(value) is int and kind is int else "")
+                )
 
     def create_engine_config(self) -> EngineConfig:
         """Validate the options and resolve defaults into an `EngineConfig`."""

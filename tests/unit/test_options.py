@@ -132,3 +132,29 @@ def test_auto_dtype_on_a_cpu_is_float32_unless_it_multiplies_bf16(
     assert args.create_engine_config().model.dtype == expected
     args = EngineArgs(model=str(DEMO_MODEL_DIR), device="cpu", dtype="bfloat16")
     assert args.create_engine_config().model.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("page_size", "16", "page_size must be an integer, got '16'"),
+        ("num_pages", 1.5, "num_pages must be an integer, got 1.5"),  # was a torch.zeros TypeError
+        ("max_num_seqs", True, "max_num_seqs must be an integer, got True$"),
+        ("seed", 2**70, "seed must be an integer, got 1180591620717411303424 \\(past 64 bits\\)"),
+        ("gpu_memory_utilization", "0.5", "gpu_memory_utilization must be a number, got '0.5'"),
+        ("enforce_eager", 1, "enforce_eager must be True or False, got 1"),
+        ("tokenizer", 5, "tokenizer must be a string, got 5"),
+    ],
+)
+def test_engine_args_of_the_wrong_type_name_the_field(
+    field: str, value: object, message: str
+) -> None:
+    """Checked before anything is read, not a TypeError from a comparison deep in start-up."""
+    args = EngineArgs(model=str(DEMO_MODEL_DIR), device="cpu", **{field: value})
+    with pytest.raises(ValueError, match=message):
+        args.create_engine_config()
+
+
+def test_a_model_directory_may_be_a_path() -> None:
+    config = EngineArgs(model=DEMO_MODEL_DIR, device="cpu").create_engine_config()  # type: ignore[arg-type]
+    assert config.model.path == str(DEMO_MODEL_DIR)
