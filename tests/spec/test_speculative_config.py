@@ -59,6 +59,12 @@ def test_none_and_configs_pass_through() -> None:
         ('{"method": "medusa", "num_speculative_tokens": 2}', "speculative_config.method"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
         ('{"method": "ngram", "num_speculative_tokens": true}', "num_speculative_tokens"),
+        # Not a 512 GB draft-token buffer allocated at start-up:
+        (
+            '{"method": "ngram", "num_speculative_tokens": 1000000000}',
+            "num_speculative_tokens must be an integer in [1, 64]",
+        ),
+        ('{"method": ["ngram"], "num_speculative_tokens": 2}', "speculative_config.method"),
         ('{"method": "ngram"}', "num_speculative_tokens is required"),
         ('{"num_speculative_tokens": 2}', "method is required"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "k": 3}', "unknown field(s) 'k'"),

@@ -15,6 +15,9 @@ from tokenmill.spec.proposer import PROPOSERS
 DEFAULT_PROMPT_LOOKUP = 5
 
 _PREFIX = "speculative_config"
+# Most tokens one request may draft per step: buffers of max_num_seqs x k are allocated at
+# start-up, and acceptance decays geometrically, so more is only memory.
+MAX_SPECULATIVE_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -41,11 +44,11 @@ class SpeculativeConfig:
     adaptive: bool = True
 
     def __post_init__(self) -> None:
-        if self.method not in PROPOSERS:
+        if not isinstance(self.method, str) or self.method not in PROPOSERS:
             raise ValueError(
                 f"{_PREFIX}.method must be one of {', '.join(PROPOSERS)}, got {self.method!r}"
             )
-        _check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=1)
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"{_PREFIX}.adaptive must be true or false, got {self.adaptive!r}")
         if self.method == "ngram":
@@ -174,6 +177,12 @@ def _tokenizer_vocabulary(root: Path) -> dict[str, int] | None:
     return vocab
 
 
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{_PREFIX}.{name} must be an integer >= {minimum}, got {value!r}")
+def _check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> None:
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or value < minimum
+        or (maximum is not None and value > maximum)
+    ):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{_PREFIX}.{name} must be an integer {bound}, got {value!r}")
