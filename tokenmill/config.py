@@ -9,7 +9,7 @@ import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, get_args
+from typing import TYPE_CHECKING, Any, get_args, get_type_hints
 
 from tokenmill.intake import ContextLimits
 from tokenmill.models.registry import MODEL_REGISTRY
@@ -881,9 +881,7 @@ class EngineArgs:
         """Each int, float, bool and str option has its type (a float an int too), an int
         one fits 64 bits: `ValueError` naming the field, not a `TypeError` (or a float page
         size) deep in start-up. `dtype` may be a `torch.dtype`, checked by `parse_dtype`."""
-        import typing
-
-        hints = typing.get_type_hints(EngineArgs)
+        hints = get_type_hints(EngineArgs)
         for f in fields(self):
             value = getattr(self, f.name)
             hint = hints[f.name]
