@@ -659,9 +659,10 @@ class EngineConfig:
         return self.served_model.context_limits
 
 
-def check_device(device: str) -> str:
-    """`device` if the engine can run there: "cpu", or "cuda"/"cuda:N" naming a visible GPU;
-    else `ValueError` naming the field (not torch's error in the middle of loading)."""
+def check_device(device: str, devices: int = 1) -> str:
+    """`device` if the engine can run there: "cpu", or "cuda"/"cuda:N" with the `devices` GPUs
+    from N on visible (tensor parallelism's ranks use N, N + 1, ...); else `ValueError` naming
+    the field (not torch's error in the middle of loading)."""
     import torch
 
     kind, colon, index = device.partition(":") if isinstance(device, str) else ("", "", "")
@@ -669,13 +670,14 @@ def check_device(device: str) -> str:
         raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
     if kind == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise ValueError(f"device is {device!r}, but no CUDA device is visible; use cpu")
-        if int(index or 0) >= count:
-            raise ValueError(
-                f"device is {device!r}, but {count} CUDA device(s) are visible "
-                f"(cuda:0..cuda:{count - 1})"
-            )
+        first = int(index or 0)
+        if first + devices > count:
+            needs = f"cuda:{first}"
+            if devices > 1:
+                needs += f"..cuda:{first + devices - 1} (tensor_parallel_size={devices})"
+            visible = f"{count} CUDA device(s) are" if count else "no CUDA device is"
+            raise ValueError(f"device is {device!r}: the engine needs {needs}, but {visible} "
+                             f"visible{'' if count else '; use cpu'}")  # fmt: skip
     return device
 
 
@@ -913,8 +915,10 @@ class EngineArgs:
         served = self.create_served_model()
         import torch
 
-        device = check_device(self.device) if self.device else None
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = check_device(
+            self.device or ("cuda" if torch.cuda.is_available() else "cpu"),
+            max(1, self.tensor_parallel_size),
+        )
         # A GPU's step is cheap next to its host time only when it is large: the batch and
         # chunk sizes vLLM and SGLang default to on data-centre GPUs; a CPU's steps are slow.
         gpu = device.startswith("cuda")
@@ -953,7 +957,7 @@ class EngineArgs:
                     "(it reads no images); use method ngram"
                 )
         parallel = ParallelConfig(self.tensor_parallel_size)
-        self._check_parallel(parallel, model, device, speculative is not None)
+        self._check_parallel(parallel, model, speculative is not None)
         return EngineConfig(
             model=model,
             cache=CacheConfig(
@@ -982,24 +986,14 @@ class EngineArgs:
         )
 
     def _check_parallel(
-        self, parallel: ParallelConfig, model: ModelConfig, device: str, speculative: bool
+        self, parallel: ParallelConfig, model: ModelConfig, speculative: bool
     ) -> None:
-        """Refuse a tensor-parallel size the model, the devices or the other options do not
-        allow (a `ValueError` naming `tensor_parallel_size`)."""
+        """Refuse a tensor-parallel size the model or the other options do not allow (a
+        `ValueError` naming `tensor_parallel_size`; `check_device` checks the devices)."""
         tp = parallel.tensor_parallel_size
         if tp == 1:
             return
         check_tensor_parallel(model, tp)
-        if device.startswith("cuda"):
-            import torch
-
-            first = int(device.partition(":")[2] or 0)
-            count = torch.cuda.device_count()
-            if first + tp > count:
-                raise ValueError(
-                    f"tensor_parallel_size={tp} needs devices cuda:{first}..cuda:{first + tp - 1}, "
-                    f"but {count} CUDA device(s) are visible"
-                )
         unsupported = {
             "speculative_config": speculative,
             "host_kv_cache_bytes": bool(self.host_kv_cache_bytes),

@@ -71,12 +71,15 @@ def test_metric_definitions_on_a_server_with_known_timings(stand_in: str) -> Non
     spec = WorkloadSpec("random", num_sessions=4, input_len=8, output_len=CHUNKS)
     report = asyncio.run(run_serve_bench(_args(stand_in, spec, slo_ttft=1.0, slo_itl=0.5)))
     assert report["completed"] == 4 and report["failed"] == 0
-    assert FIRST_DELAY <= report["ttft_s"]["p50"] < FIRST_DELAY + 0.3
+    # TTFT ends at the first chunk: at least the chunks' gaps before the end (a bound that a
+    # loaded machine, delaying the stand-in's first chunk, does not break; 0.79 s seen).
+    assert report["ttft_s"]["p50"] >= FIRST_DELAY
     assert GAP * 0.9 <= report["itl_s"]["p50"] < GAP + 0.1
     assert len([g for r in report["records"] for g in r["itl"]]) == 4 * (CHUNKS - 1)
     for r in report["records"]:
         assert r["output_tokens"] == CHUNKS
         assert r["e2e"] >= FIRST_DELAY + (CHUNKS - 1) * GAP
+        assert r["ttft"] <= r["e2e"] - (CHUNKS - 1) * GAP * 0.9
         tpot = (r["e2e"] - r["ttft"]) / (CHUNKS - 1)
         assert GAP * 0.9 <= tpot < GAP + 0.1
     assert report["output_throughput"] == pytest.approx(4 * CHUNKS / report["elapsed_s"])

@@ -112,7 +112,8 @@ def test_a_device_the_engine_cannot_use_is_named(llama_dir: Path, device: str) -
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_without_a_gpu_is_named() -> None:
-    with pytest.raises(ValueError, match="device is 'cuda', but no CUDA device is visible"):
+    message = "device is 'cuda': the engine needs cuda:0, but no CUDA device is visible"
+    with pytest.raises(ValueError, match=message):
         LLM(str(DEMO_MODEL_DIR), device="cuda")
 
 
