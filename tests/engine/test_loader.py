@@ -169,3 +169,21 @@ def test_a_truncated_checkpoint_file_is_named(llama_dir: Path, tmp_path: Path) -
     (target / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match="cannot read checkpoint file .*incomplete metadata"):
         LLM(str(target), device="cpu")
+
+
+def test_inputs_of_the_wrong_type_are_named(llama_dir: Path) -> None:
+    """`generate` and `chat` refuse what is not a prompt, a conversation or SamplingParams with
+    a `ValueError` saying what they take (these were TypeErrors and AttributeErrors from deep
+    inside), before anything is queued."""
+    llm = LLM(str(llama_dir), device="cpu", max_model_len=256)
+    for prompts in (5, None, [5.0], [[1, 2], 3]):
+        with pytest.raises(ValueError, match="prompt"):
+            llm.generate(prompts, use_tqdm=False)
+    with pytest.raises(ValueError, match="sampling_params must be a SamplingParams"):
+        llm.generate(["a"], "x", use_tqdm=False)
+    for messages in ("hi", [["hi"]], [{"role": "user", "content": "hi"}, "x"]):
+        with pytest.raises(ValueError, match="messages must be a list of message dicts"):
+            llm.chat(messages, use_tqdm=False)
+    assert not list(llm.engine.request_ids())
+    (out,) = llm.generate((1, 2, 3), SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 2

@@ -68,9 +68,14 @@ class LLM:
         Without `sampling_params`, every prompt runs with `get_default_sampling_params()`.
         """
         if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+            isinstance(prompts, list | tuple) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
+        if not isinstance(prompts, list | tuple):
+            raise ValueError(
+                "prompts must be a string, a list of token ids or a list of those, got "
+                f"{type(prompts).__name__}"
+            )
         token_ids = [encode_prompt(self.tokenizer, p) for p in prompts]
         texts = [p if isinstance(p, str) else None for p in prompts]
         return self._run(token_ids, texts, sampling_params, use_tqdm)
@@ -87,7 +92,12 @@ class LLM:
         "text", "text": ...}` and images, as `{"type": "image_url", "image_url": {"url":
         "data:image/png;base64,..."}}` or `{"type": "image", "image": PIL_IMAGE_OR_PATH}`.
         """
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        one = isinstance(messages, list) and bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if one else messages
+        if not isinstance(conversations, list) or not all(
+            isinstance(c, list) and all(isinstance(m, dict) for m in c) for c in conversations
+        ):
+            raise ValueError("messages must be a list of message dicts or a list of those lists")
         rendered = [render_chat(self.tokenizer, c, self.images) for c in conversations]
         token_ids = [ids for ids, _ in rendered]
         images = [inputs for _, inputs in rendered]
@@ -211,6 +221,10 @@ class LLM:
             return [self.get_default_sampling_params()] * count
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * count
+        if not isinstance(sampling_params, list | tuple) or not all(
+            isinstance(p, SamplingParams) for p in sampling_params
+        ):
+            raise ValueError("sampling_params must be a SamplingParams or a list of them")
         if len(sampling_params) != count:
             raise ValueError(
                 f"sampling_params has {len(sampling_params)} entries for {count} prompts"
