@@ -187,3 +187,15 @@ def test_inputs_of_the_wrong_type_are_named(llama_dir: Path) -> None:
     assert not list(llm.engine.request_ids())
     (out,) = llm.generate((1, 2, 3), SamplingParams(max_tokens=2), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 2
+
+
+@pytest.mark.parametrize(
+    "option", [{"num_pages": 10**12}, {"kv_cache_memory_bytes": 10**15},
+               {"host_kv_cache_bytes": 10**15}],
+)  # fmt: skip
+def test_a_kv_cache_larger_than_memory_is_named(llama_dir: Path, option: dict) -> None:
+    """A pool the machine cannot hold is refused naming the option, before it is allocated
+    (it was the allocator's RuntimeError or MemoryError halfway through start-up)."""
+    (field,) = option
+    with pytest.raises(ValueError, match=f"{field}: a KV cache of .* GiB does not fit"):
+        LLM(str(llama_dir), device="cpu", **option)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 import weakref
 from collections.abc import Callable
@@ -326,15 +327,22 @@ class ModelRunner:
                 f"host_kv_cache_bytes={budget} is less than one KV page ({per_page} bytes); "
                 "raise it or set 0 to turn the host tier off"
             )
+        _check_fits(budget, "host_kv_cache_bytes", host_memory_bytes(), "host memory")
         return budget // per_page
 
     def _num_pages(self) -> int:
         cfg = self.config
         per_page = self._bytes_per_page()
-        if cfg.cache.num_pages is not None:
-            pages = cfg.cache.num_pages
-        elif cfg.cache.kv_cache_memory_bytes is not None:
-            pages = cfg.cache.kv_cache_memory_bytes // per_page
+        if cfg.cache.num_pages is not None or cfg.cache.kv_cache_memory_bytes is not None:
+            if cfg.cache.num_pages is not None:
+                pages, field = cfg.cache.num_pages, "num_pages"
+            else:
+                pages, field = cfg.cache.kv_cache_memory_bytes // per_page, "kv_cache_memory_bytes"
+            if self.device.type == "cuda":
+                where, room = f"free on {self.device}", torch.cuda.mem_get_info(self.device)[0]
+            else:
+                where, room = "host memory", host_memory_bytes()
+            _check_fits(pages * per_page, field, room, where)
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             pages = int(free * cfg.runner.gpu_memory_utilization) // per_page
@@ -578,3 +586,21 @@ class ModelRunner:
             slot_mapping=slots,
         )
         return ids, positions, inputs, logits_index
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's physical memory (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_fits(wanted: int, field: str, room: int | None, where: str) -> None:
+    """A `ValueError` naming `field` when a KV pool of `wanted` bytes exceeds `room` (None:
+    unknown, not checked), instead of the allocator's error halfway through start-up."""
+    if room is not None and wanted > room:
+        raise ValueError(
+            f"{field}: a KV cache of {wanted / 2**30:.1f} GiB does not fit in the "
+            f"{room / 2**30:.1f} GiB {where}"
+        )
