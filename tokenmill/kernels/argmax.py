@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.pdl import pdl_options, pdl_wait
-from tokenmill.kernels.tickets import ticket_buffer
+from tokenmill.kernels.tickets import last_to_arrive, reset_ticket, ticket_buffer
 
 BLOCK = 2048  # vocabulary entries per program
 
@@ -34,9 +34,7 @@ def _argmax_kernel(
     index = chunk * BLOCK + tl.argmax(x, axis=0, tie_break_left=True)
     tl.store(part_val_ptr + row * CHUNKS + chunk, best)
     tl.store(part_idx_ptr + row * CHUNKS + chunk, index)
-    tl.debug_barrier()  # the partial is written before the ticket is taken
-    ticket = tl.atomic_add(ticket_ptr + row, 1, sem="acq_rel")
-    if ticket == CHUNKS - 1:
+    if last_to_arrive(ticket_ptr, row, CHUNKS):
         c = tl.arange(0, BLOCK_C)
         mask = c < CHUNKS
         vals = tl.load(part_val_ptr + row * CHUNKS + c, mask=mask, other=float("-inf"),
@@ -47,7 +45,7 @@ def _argmax_kernel(
         tl.store(tokens_ptr + row, winner.to(tl.int64))
         if TO_HOST:  # pinned host memory, mapped: no device-to-host copy after the kernel
             tl.store(host_ptr + row, winner.to(tl.int64))
-        tl.atomic_xchg(ticket_ptr + row, 0)
+        reset_ticket(ticket_ptr, row)
 
 
 def argmax_rows(

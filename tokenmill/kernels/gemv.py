@@ -17,7 +17,7 @@ import triton.language as tl
 
 from tokenmill.kernels.gemv_config import GemvConfig, InputNorm
 from tokenmill.kernels.pdl import pdl_options, pdl_wait
-from tokenmill.kernels.tickets import ticket_buffer
+from tokenmill.kernels.tickets import last_to_arrive, reset_ticket, ticket_buffer
 
 MAX_M = 8
 # A `dot` config's rows are padded to a tensor-core tile's height.
@@ -145,9 +145,7 @@ def _gemv_kernel(
         tl.store(part_ptr + pid_k * M * N + part_offs, acc, mask=out_mask)
         if NORM:  # every column block stores the same value for this slice
             tl.store(ss_ptr + pid_k * M + offs_m, sumsq, mask=m_mask)
-        tl.debug_barrier()  # every thread's partial is written before the ticket is taken
-        ticket = tl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel")
-        if ticket == SPLIT_K - 1:
+        if last_to_arrive(ticket_ptr, pid_n, SPLIT_K):
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             total_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
             for s in range(SPLIT_K):
@@ -161,7 +159,7 @@ def _gemv_kernel(
             if NORM:
                 total = total * tl.rsqrt(total_ss / K + eps)[:, None]
             tl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(ticket_ptr + pid_n, 0)
+            reset_ticket(ticket_ptr, pid_n)
 
 
 def dot_normed_ok(dtype: torch.dtype) -> bool:

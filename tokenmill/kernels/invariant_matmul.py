@@ -39,7 +39,7 @@ import triton.language as tl
 
 from tokenmill.kernels.activation import silu_mul
 from tokenmill.kernels.pdl import pdl_options, pdl_wait
-from tokenmill.kernels.tickets import ticket_buffer
+from tokenmill.kernels.tickets import last_to_arrive, reset_ticket, ticket_buffer
 
 # The largest weight whose product launches with PDL (see the module docstring): Qwen3-0.6B's
 # layers' are 4-13 MB (o 4, q/k/v 8, down 6.3, gate/up 12.6), Llama-3.1-8B's 34 MB and more.
@@ -163,16 +163,14 @@ def _invariant_matmul_kernel(
         part_offs = offs_m[:, None] * N + offs_n[None, :]
         tile_mask = m_mask[:, None] & n_mask[None, :]
         tl.store(part_ptr + chunk * M * N + part_offs, acc, mask=tile_mask)
-        tl.debug_barrier()  # every thread's partial is written before the ticket is taken
-        ticket = tl.atomic_add(ticket_ptr + pid, 1, sem="acq_rel")
-        if ticket == CHUNKS - 1:
+        if last_to_arrive(ticket_ptr, pid, CHUNKS):
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for c in range(CHUNKS):
                 total += tl.load(part_ptr + c * M * N + part_offs, mask=tile_mask, other=0.0,
                                  cache_modifier=".cg")  # fmt: skip
             _finish(total, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, pid_n, N,
                     stride_om, HAS_BIAS, SWIGLU, BLOCK_M, BLOCK_N)  # fmt: skip
-            tl.atomic_xchg(ticket_ptr + pid, 0)
+            reset_ticket(ticket_ptr, pid)
     else:
         total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for c in range(CHUNKS):
