@@ -270,7 +270,7 @@ def read_checkpoint_config(root: Path) -> tuple[str, dict[str, Any], dict[str, A
         )
     cfg = {**top, **top.get("text_config", {})} if arch in _VISION_ARCHITECTURES else top
     for key in _REQUIRED_POSITIVE:
-        config_int(cfg, key, cfg_file, required=key in _REQUIRED_KEYS)
+        _check_config_int(cfg, key, cfg_file, required=key in _REQUIRED_KEYS)
     if "rms_norm_eps" in cfg and not _positive_number(cfg["rms_norm_eps"]):
         raise ValueError(
             f"{cfg_file}: rms_norm_eps must be a number > 0, got {cfg['rms_norm_eps']!r}"
@@ -285,17 +285,16 @@ _REQUIRED_KEYS = (
 _REQUIRED_POSITIVE = (*_REQUIRED_KEYS, "num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
-def config_int(cfg: dict[str, Any], key: str, cfg_file: Path, required: bool) -> int | None:
-    """config.json's integer `key` (>= 1); `ValueError` naming it if it is missing (and
-    `required`), not a positive integer, or null where required."""
+def _check_config_int(cfg: dict[str, Any], key: str, cfg_file: Path, required: bool) -> None:
+    """`ValueError` naming config.json's `key` if it is missing or null (and `required`) or
+    not an integer >= 1."""
     value = cfg.get(key)
     if value is None:
         if required:
             raise ValueError(f"{cfg_file} has no {key}")
-        return None
+        return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{cfg_file}: {key} must be an integer >= 1, got {value!r}")
-    return value
 
 
 def _positive_number(value: object) -> bool:

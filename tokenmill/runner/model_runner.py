@@ -330,19 +330,24 @@ class ModelRunner:
         _check_fits(budget, "host_kv_cache_bytes", host_memory_bytes(), "host memory")
         return budget // per_page
 
+    def _check_pool_fits(self, wanted: int, field: str) -> None:
+        """A KV pool of `wanted` bytes, sized by `field`, must fit this device's free memory
+        (the host's physical memory on the CPU)."""
+        if self.device.type == "cuda":
+            where, room = f"free on {self.device}", torch.cuda.mem_get_info(self.device)[0]
+        else:
+            where, room = "host memory", host_memory_bytes()
+        _check_fits(wanted, field, room, where)
+
     def _num_pages(self) -> int:
         cfg = self.config
         per_page = self._bytes_per_page()
-        if cfg.cache.num_pages is not None or cfg.cache.kv_cache_memory_bytes is not None:
-            if cfg.cache.num_pages is not None:
-                pages, field = cfg.cache.num_pages, "num_pages"
-            else:
-                pages, field = cfg.cache.kv_cache_memory_bytes // per_page, "kv_cache_memory_bytes"
-            if self.device.type == "cuda":
-                where, room = f"free on {self.device}", torch.cuda.mem_get_info(self.device)[0]
-            else:
-                where, room = "host memory", host_memory_bytes()
-            _check_fits(pages * per_page, field, room, where)
+        if cfg.cache.num_pages is not None:
+            pages = cfg.cache.num_pages
+            self._check_pool_fits(pages * per_page, "num_pages")
+        elif cfg.cache.kv_cache_memory_bytes is not None:
+            pages = cfg.cache.kv_cache_memory_bytes // per_page
+            self._check_pool_fits(pages * per_page, "kv_cache_memory_bytes")
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             pages = int(free * cfg.runner.gpu_memory_utilization) // per_page
