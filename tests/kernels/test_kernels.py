@@ -20,8 +20,13 @@ triton = pytest.importorskip("triton")
 
 from tokenmill.kernels.activation import silu_and_mul  # noqa: E402
 from tokenmill.kernels.attention import (  # noqa: E402
+    PREFILL_TILES,
+    SHORT_PREFILL_TILES,
+    WIDE_PREFILL_TILES,
+    PrefillTiles,
     decode_attention,
     prefill_attention,
+    prefill_tiles,
     verify_attention,
 )
 from tokenmill.kernels.gemv import GemvConfig, InputNorm, gemv, norm_gemv  # noqa: E402
@@ -387,17 +392,28 @@ def _attention_reference(q, k, v, q_pos, scale, window):
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(4, 4, 64), (8, 2, 64), (4, 1, 128)])
 @pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("window", [None, 20])
-def test_prefill_attention_with_prefix(dtype, hq, hkv, d, page, window) -> None:
+@pytest.mark.parametrize("tiles", [None, PrefillTiles(128, 128, 8, 2)])
+def test_prefill_attention_with_prefix(dtype, hq, hkv, d, page, window, tiles) -> None:
     gen = torch.Generator().manual_seed(hq + d + page)
-    q_lens, prefixes = [37, 1, 70, 5], [0, 12, 30, 0]
+    # the last: query tiles after whole key blocks (unmasked) and with the diagonal's
+    q_lens, prefixes = [37, 1, 70, 5, 100], [0, 12, 30, 0, 150]
     kv_lens = [q + p for q, p in zip(q_lens, prefixes, strict=True)]
     k, v, table = _paged_setup(kv_lens, page, hkv, d, dtype, gen)
     q = _randn(sum(q_lens), hq, d, dtype=dtype, gen=gen)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device=DEVICE)
     kv = torch.tensor(kv_lens, device=DEVICE)
     scale = d**-0.5
-    out = prefill_attention(q, k, v, cu, kv, table, max(q_lens), page, scale, window)
+    out = prefill_attention(q, k, v, cu, kv, table, max(q_lens), page, scale, window, tiles)
     _check_last_tokens_attention(out, q, k, v, table, cu, kv_lens, page, scale, window, dtype)
+
+
+def test_prefill_tiles_follow_the_batch() -> None:
+    """Wide tiles only when every sequence fills most of one (a decode row would be padded to
+    128 rows over its whole context), small ones when no query is longer than 32 tokens."""
+    assert prefill_tiles([2048, 128, 8192]) == WIDE_PREFILL_TILES
+    assert prefill_tiles([2048, 1, 1]) == PREFILL_TILES
+    assert prefill_tiles([127, 33]) == PREFILL_TILES
+    assert prefill_tiles([1, 32, 5]) == SHORT_PREFILL_TILES
 
 
 def _check_last_tokens_attention(out, q, k, v, table, cu, kv_lens, page, scale, window, dtype):

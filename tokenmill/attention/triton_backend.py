@@ -15,6 +15,7 @@ from tokenmill.kernels.attention import (
     invariant_attention,
     invariant_scratch,
     prefill_attention,
+    prefill_tiles,
     sm_count,
     verify_attention,
 )
@@ -122,6 +123,7 @@ class TritonAttentionBackend(FusedStoreBackend):
         self._inputs = inputs
         self._decode = inputs.is_decode
         self._max_q_len = max(inputs.query_lens_cpu)
+        self._tiles = prefill_tiles(inputs.query_lens_cpu)
         cfg = self.model
         group = cfg.num_heads // cfg.num_kv_heads
         self._verify = not self._decode and verifies_split_kv(self._max_q_len, group, cfg.head_dim)
@@ -156,7 +158,7 @@ class TritonAttentionBackend(FusedStoreBackend):
             )  # fmt: skip
         return prefill_attention(
             q, k_cache, v_cache, inputs.cu_query_lens, inputs.kv_lens, inputs.page_table,
-            self._max_q_len, ps, self.scale, window,
+            self._max_q_len, ps, self.scale, window, self._tiles,
         )  # fmt: skip
 
     def _scratch(self, q: torch.Tensor, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,7 @@ in slot `page_table[seq, p // page_size] * page_size + p % page_size`.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -44,28 +45,14 @@ def _attend_block(q, k, v, keep, m_i, l_i, acc, qk_scale):
 
 
 @triton.jit
-def _attend_causal(
-    q, q_pos, lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh, offs_d, qk_scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HKV: tl.constexpr,
-    D: tl.constexpr, HAS_WINDOW: tl.constexpr,
-):  # fmt: skip
-    """Output rows of queries `q` (at positions `q_pos`) over key/value head `kvh`'s keys
-    `lo .. hi`, causal (and windowed), folded in blocks of BLOCK_N."""
-    _, l_i, acc = _attend_causal_parts(
-        q, q_pos, lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh, offs_d,
-        qk_scale, BLOCK_M, BLOCK_N, PAGE, HKV, D, HAS_WINDOW,
-    )  # fmt: skip
-    return acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-
-
-@triton.jit
 def _attend_causal_parts(
     q, q_pos, lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh, offs_d, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HKV: tl.constexpr,
     D: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):  # fmt: skip
-    """`_attend_causal` before normalising: the running max, normaliser and unnormalised output
-    (a split of the keys, merged with the others by the reduce kernel)."""
+    """Rows of queries `q` (at positions `q_pos`) over key/value head `kvh`'s keys `lo .. hi`,
+    causal (and windowed), before normalising: the running max, normaliser and unnormalised
+    output (a split of the keys, merged with the others by the reduce kernel)."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -83,7 +70,26 @@ def _fold_causal(
 ):  # fmt: skip
     """Fold key blocks `lo .. hi` (causal, windowed) into the softmax state (`m_i`, `l_i`,
     `acc`)."""
-    for start in range(lo, hi, BLOCK_N):
+    return _fold_causal_from(
+        m_i, l_i, acc, q, q_pos, lo, lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr, page_row,
+        kvh, offs_d, qk_scale, BLOCK_N, PAGE, HKV, D, HAS_WINDOW,
+    )  # fmt: skip
+
+
+@triton.jit
+def _fold_causal_from(
+    m_i, l_i, acc, q, q_pos, lo, masked_lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr,
+    page_row, kvh, offs_d, qk_scale, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    HKV: tl.constexpr, D: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):  # fmt: skip
+    """`_fold_causal`, the blocks `lo .. masked_lo` seen whole by every query (none masked: the
+    same bits, fewer instructions) before the masked ones `masked_lo .. hi`."""
+    for start in range(lo, masked_lo, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        k = _kv_block(k_cache_ptr, page_row, offs_n, offs_n < hi, kvh, offs_d, PAGE, HKV, D)
+        v = _kv_block(v_cache_ptr, page_row, offs_n, offs_n < hi, kvh, offs_d, PAGE, HKV, D)
+        m_i, l_i, acc = _attend_block(q, k, v, True, m_i, l_i, acc, qk_scale)
+    for start in range(masked_lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         valid = offs_n < kv_len
         k = _kv_block(k_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
@@ -129,7 +135,7 @@ def _prefill_kernel(
     pdl_wait(USE_PDL)
     seq = tl.program_id(0)
     h = tl.program_id(1)
-    mblk = tl.program_id(2)
+    mblk = tl.num_programs(2) - 1 - tl.program_id(2)  # the longest query tiles start first
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
     if mblk * BLOCK_M >= q_len:
@@ -146,17 +152,53 @@ def _prefill_kernel(
     page_row = page_table_ptr + seq.to(tl.int64) * stride_pt
     hi = tl.minimum(kv_len, prefix + (mblk + 1) * BLOCK_M)
     lo = 0
+    masked_lo = 0  # blocks before it are whole for every query of the tile
     if HAS_WINDOW:
         lo = tl.maximum(prefix + mblk * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
-    out = _attend_causal(
-        q, q_pos, lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh, offs_d,
-        qk_scale, BLOCK_M, BLOCK_N, PAGE, HKV, D, HAS_WINDOW,
+        masked_lo = lo
+    else:
+        masked_lo = (prefix + mblk * BLOCK_M + 1) // BLOCK_N * BLOCK_N
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    _, l_i, acc = _fold_causal_from(
+        m_i, l_i, acc, q, q_pos, lo, masked_lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr,
+        page_row, kvh, offs_d, qk_scale, BLOCK_N, PAGE, HKV, D, HAS_WINDOW,
     )  # fmt: skip
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         out_ptr + rows[:, None] * (HQ * D) + h * D + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty),
         mask=m_mask[:, None],
     )
+
+
+class PrefillTiles(NamedTuple):
+    """The prefill kernel's tile: query rows and keys per block, warps, pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Measured on the H200 (benchmarks/prefill_attention.py, docs/perf-notes.md session 21): 128 x
+# 128 tiles prefill long prompts fastest, but a batch that also holds decode rows or short
+# chunks pads each of them to a whole tile over its whole context (the data workload ran 10%
+# slower with them than with 64 x 64); a tile of 64 rows is mostly padding for queries of at
+# most 32 tokens.
+WIDE_PREFILL_TILES = PrefillTiles(128, 128, 8, 2)
+PREFILL_TILES = PrefillTiles(64, 64, 4, 3)
+SHORT_PREFILL_TILES = PrefillTiles(16, 64, 4, 2)
+WIDE_MIN_Q_LEN = 128
+
+
+def prefill_tiles(query_lens: list[int]) -> PrefillTiles:
+    """The prefill kernel's tile for a batch whose sequences have `query_lens` query tokens:
+    wide when every sequence fills most of one, narrow when none has more than 32."""
+    if min(query_lens) >= WIDE_MIN_Q_LEN:
+        return WIDE_PREFILL_TILES
+    return PREFILL_TILES if max(query_lens) > 32 else SHORT_PREFILL_TILES
 
 
 def prefill_attention(
@@ -170,20 +212,24 @@ def prefill_attention(
     page_size: int,
     scale: float,
     window: int | None,
+    tiles: PrefillTiles | None = None,
 ) -> torch.Tensor:
     """Causal attention for `q` `[T, Hq, D]` (sequences laid out by `cu_q`) over paged K/V.
 
     Each sequence's queries are its last `q_len` positions; its first `kv_len - q_len`
-    positions are a cached prefix every query sees.
+    positions are a cached prefix every query sees. `tiles`: `prefill_tiles` of the batch
+    (default: by the longest query alone).
     """
-    block_m = 64 if max_q_len > 32 else 16
+    if tiles is None:
+        tiles = PREFILL_TILES if max_q_len > 32 else SHORT_PREFILL_TILES
     _tokens, hq, d = q.shape
     out = torch.empty_like(q)
-    _prefill_kernel[(kv_lens.shape[0], hq, triton.cdiv(max_q_len, block_m))](
+    _prefill_kernel[(kv_lens.shape[0], hq, triton.cdiv(max_q_len, tiles.block_m))](
         q, k_cache, v_cache, out, cu_q, kv_lens, page_table, page_table.stride(0),
         scale * _LOG2E, window or 0,
-        HQ=hq, HKV=k_cache.shape[-2], D=d, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=64,
-        HAS_WINDOW=window is not None, num_warps=4, num_stages=2, **pdl_options(q.device),
+        HQ=hq, HKV=k_cache.shape[-2], D=d, PAGE=page_size, BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, HAS_WINDOW=window is not None, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, **pdl_options(q.device),
     )  # fmt: skip
     return out
 
