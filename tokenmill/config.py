@@ -858,6 +858,7 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         root = Path(self.model)
         arch, top, cfg = read_checkpoint_config(root)
+        self._check_tokenizer_dir()
         vision = arch in _VISION_ARCHITECTURES
         positions = int(cfg.get("max_position_embeddings", 4096))
         if self.max_model_len is not None and self.max_model_len > positions:
@@ -877,6 +878,17 @@ class EngineArgs:
                 self.max_images_per_prompt, self.max_image_bytes, self.max_image_pixels
             ),
         )
+
+    def _check_tokenizer_dir(self) -> None:
+        """A `tokenizer` directory given must hold tokenizer files: a mistyped path would
+        otherwise serve the model without a tokenizer (text prompts refused one by one)."""
+        from tokenmill.tokenization.tokenizer import has_tokenizer
+
+        if self.tokenizer is not None and not has_tokenizer(self.tokenizer):
+            raise ValueError(
+                f"tokenizer must be a directory holding tokenizer files (tokenizer.json, "
+                f"tokenizer_config.json or tokenizer.model), got {self.tokenizer!r}"
+            )
 
     def _check_types(self) -> None:
         """Each int, float, bool and str option has its type (a float an int too), an int

@@ -24,6 +24,9 @@ MAX_REPETITION_PENALTY = 1e6
 MIN_TOP_P = 1e-8
 # Integers travel between processes as msgpack (64-bit at most); seeds are unsigned, as torch's.
 MAX_INT = 2**63 - 1
+# Most choices one request may have: each is a sequence of its own (a request object, KV pages,
+# a slot in the batch), so `n` is bounded like every other input (the server's --max-n too).
+MAX_N = 4096
 MAX_SEED = 2**64 - 1
 # A constraint is parsed in every process it crosses (the API server's event loop and the
 # engine core's scheduler thread included) and compiled on the engine's one compile thread;
@@ -203,8 +206,8 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _check(
-            _is_int(self.n) and 1 <= self.n <= MAX_INT,
-            "n must be an integer >= 1 and < 2**63",
+            _is_int(self.n) and 1 <= self.n <= MAX_N,
+            f"n must be an integer in [1, {MAX_N}]",
             self.n,
         )
         _check(

@@ -12,6 +12,7 @@ from tokenmill.sampling_params import SamplingDefaults
 BAD = [
     ("n", 0),
     ("n", 1.5),
+    ("n", 4097),  # each choice is a sequence: bounded (MAX_N)
     ("temperature", -0.1),
     ("temperature", math.nan),
     ("temperature", "hot"),

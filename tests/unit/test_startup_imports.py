@@ -72,6 +72,7 @@ def test_the_served_model_is_the_engine_configurations(
         ({"max_model_len": 0}, "max_model_len must be >= 1"),
         ({"max_image_bytes": -1}, "max_image_bytes must be >= 0"),
         ({"load_format": "gguf"}, "load_format must be auto or dummy"),
+        ({"tokenizer": "/no/such/tokenizer"}, "tokenizer must be a directory holding"),
     ],
 )
 def test_the_served_model_refuses_what_the_engine_configuration_refuses(

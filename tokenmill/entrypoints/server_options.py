@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 
 from tokenmill.config import option
+from tokenmill.sampling_params import MAX_N
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -113,6 +114,8 @@ class ServerOptions:
         for name, value in positive.items():
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.max_n > MAX_N:
+            raise ValueError(f"max_n must be <= {MAX_N} (the bound of n), got {self.max_n}")
         if self.max_stop < 0 or self.retry_after_s < 0:
             raise ValueError(
                 f"max_stop and retry_after_s must be >= 0, got {self.max_stop}, "
