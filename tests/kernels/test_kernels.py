@@ -409,8 +409,10 @@ def test_prefill_attention_with_prefix(dtype, hq, hkv, d, page, window, tiles) -
 
 def test_prefill_tiles_follow_the_batch() -> None:
     """Wide tiles only when every sequence fills most of one (a decode row would be padded to
-    128 rows over its whole context), small ones when no query is longer than 32 tokens."""
+    128 rows over its whole context) and the batch has enough tokens to fill the GPU with
+    them, small ones when no query is longer than 32 tokens."""
     assert prefill_tiles([2048, 128, 8192]) == WIDE_PREFILL_TILES
+    assert prefill_tiles([512]) == PREFILL_TILES  # too few programs of 128 rows
     assert prefill_tiles([2048, 1, 1]) == PREFILL_TILES
     assert prefill_tiles([127, 33]) == PREFILL_TILES
     assert prefill_tiles([1, 32, 5]) == SHORT_PREFILL_TILES

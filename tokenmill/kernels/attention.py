@@ -191,12 +191,16 @@ WIDE_PREFILL_TILES = PrefillTiles(128, 128, 8, 2)
 PREFILL_TILES = PrefillTiles(64, 64, 4, 3)
 SHORT_PREFILL_TILES = PrefillTiles(16, 64, 4, 2)
 WIDE_MIN_Q_LEN = 128
+# ... and only for batches of this many query tokens: a 512-token prompt alone would give 16
+# heads 64 programs of 128 rows, half the SMs (the measured batches had 8k-32k tokens).
+WIDE_MIN_TOKENS = 4096
 
 
 def prefill_tiles(query_lens: list[int]) -> PrefillTiles:
     """The prefill kernel's tile for a batch whose sequences have `query_lens` query tokens:
-    wide when every sequence fills most of one, narrow when none has more than 32."""
-    if min(query_lens) >= WIDE_MIN_Q_LEN:
+    wide when every sequence fills most of one and there are enough of them, narrow when none
+    has more than 32."""
+    if min(query_lens) >= WIDE_MIN_Q_LEN and sum(query_lens) >= WIDE_MIN_TOKENS:
         return WIDE_PREFILL_TILES
     return PREFILL_TILES if max(query_lens) > 32 else SHORT_PREFILL_TILES
 
