@@ -126,9 +126,28 @@ def _split_result(m_i, l_i, acc):
 
 
 @triton.jit
+def _store_split(
+    out, lse, rows, r_mask, split, SPLITS, out_ptr, mid_o_ptr, mid_lse_ptr, offs_d,
+    D: tl.constexpr,
+):  # fmt: skip
+    """A split's result for its (token, head) `rows`: the output itself when it is the only
+    split (the reduce kernel would return it bitwise), else the scratch the reduce kernel
+    merges."""
+    if SPLITS == 1:
+        out_offs = rows[:, None] * D + offs_d[None, :]
+        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None])
+    else:
+        row = rows * SPLITS + split
+        tl.store(mid_o_ptr + row[:, None] * D + offs_d[None, :], out, mask=r_mask[:, None])
+        tl.store(mid_lse_ptr + row, lse, mask=r_mask)
+
+
+# min_q_len (and the verify kernel's max_q_len) are plain arguments: a value of 1 would
+# otherwise compile a kernel of its own.
+@triton.jit(do_not_specialize=["min_q_len"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, kv_lens_ptr, page_table_ptr,
-    stride_pt, qk_scale, window,
+    stride_pt, qk_scale, window, min_q_len,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
@@ -138,7 +157,7 @@ def _prefill_kernel(
     mblk = tl.num_programs(2) - 1 - tl.program_id(2)  # the longest query tiles start first
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
-    if mblk * BLOCK_M >= q_len:
+    if mblk * BLOCK_M >= q_len or q_len < min_q_len:  # (shorter: the verify kernel's)
         return
     kv_len = tl.load(kv_lens_ptr + seq)
     prefix = kv_len - q_len
@@ -217,20 +236,23 @@ def prefill_attention(
     scale: float,
     window: int | None,
     tiles: PrefillTiles | None = None,
+    min_q_len: int = 1,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for `q` `[T, Hq, D]` (sequences laid out by `cu_q`) over paged K/V.
 
     Each sequence's queries are its last `q_len` positions; its first `kv_len - q_len`
     positions are a cached prefix every query sees. `tiles`: `prefill_tiles` of the batch
-    (default: by the longest query alone).
+    (default: by the longest query alone). Sequences of fewer than `min_q_len` query tokens
+    are left alone in `out` (a mixed batch's decode rows: `verify_attention` wrote them).
     """
     if tiles is None:
         tiles = PREFILL_TILES if max_q_len > 32 else SHORT_PREFILL_TILES
     _tokens, hq, d = q.shape
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     _prefill_kernel[(kv_lens.shape[0], hq, triton.cdiv(max_q_len, tiles.block_m))](
         q, k_cache, v_cache, out, cu_q, kv_lens, page_table, page_table.stride(0),
-        scale * _LOG2E, window or 0,
+        scale * _LOG2E, window or 0, min_q_len,
         HQ=hq, HKV=k_cache.shape[-2], D=d, PAGE=page_size, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, HAS_WINDOW=window is not None, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, **pdl_options(q.device),
@@ -432,8 +454,8 @@ def invariant_attention(
 # (`attention.triton_backend.decode_splits`), and a compile per count cost seconds of start-up.
 @triton.jit(do_not_specialize=["SPLITS"])
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, mid_o_ptr, mid_lse_ptr, kv_lens_ptr, page_table_ptr,
-    stride_pt, qk_scale, window, SPLITS,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, kv_lens_ptr,
+    page_table_ptr, stride_pt, qk_scale, window, SPLITS,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
     EARLY_KV: tl.constexpr, USE_PDL: tl.constexpr,
@@ -503,9 +525,10 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
         m_i = m_new
     lse, out = _split_result(m_i, l_i, acc)
-    row = (seq64 * HQ + heads) * SPLITS + split
-    tl.store(mid_o_ptr + row[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
-    tl.store(mid_lse_ptr + row, lse, mask=g_mask)
+    _store_split(
+        out, lse, seq64 * HQ + heads, g_mask, split, SPLITS, out_ptr, mid_o_ptr, mid_lse_ptr,
+        offs_d, D,
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["SPLITS"])
@@ -531,15 +554,16 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + (seq * HQ + h) * D + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
-@triton.jit(do_not_specialize=["SPLITS"])
+@triton.jit(do_not_specialize=["max_q_len", "SPLITS"])
 def _verify_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, mid_o_ptr, mid_lse_ptr, cu_q_ptr, kv_lens_ptr,
-    page_table_ptr, stride_pt, qk_scale, window, SPLITS,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, cu_q_ptr, kv_lens_ptr,
+    page_table_ptr, stride_pt, qk_scale, window, max_q_len, SPLITS,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # One program per (sequence, KV head, split): its rows are every (query token, head of the
     # KV head's group) of the sequence, so each K/V block is read once for all of them.
+    # Sequences of more than `max_q_len` query tokens are the prefill kernel's (mixed batches).
     pdl_wait(USE_PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -547,6 +571,8 @@ def _verify_split_kernel(
     group: tl.constexpr = HQ // HKV
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    if q_len > max_q_len:
+        return
     kv_len = tl.load(kv_lens_ptr + seq)
     split_len = tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_N) * BLOCK_N
     lo = split * split_len
@@ -563,9 +589,7 @@ def _verify_split_kernel(
         qk_scale, BLOCK_R, BLOCK_N, PAGE, HKV, D, HAS_WINDOW,
     )  # fmt: skip
     lse, out = _split_result(m_i, l_i, acc)
-    row = rows * SPLITS + split
-    tl.store(mid_o_ptr + row[:, None] * D + offs_d[None, :], out, mask=r_mask[:, None])
-    tl.store(mid_lse_ptr + row, lse, mask=r_mask)
+    _store_split(out, lse, rows, r_mask, split, SPLITS, out_ptr, mid_o_ptr, mid_lse_ptr, offs_d, D)
 
 
 @functools.cache
@@ -609,7 +633,7 @@ def decode_attention(
     if early_kv is None:
         early_kv = q.device.type != "cuda" or batch * hkv * splits <= sm_count(q.device)
     _decode_split_kernel[grid](
-        q, k_cache, v_cache, mid_o, mid_lse, kv_lens, page_table, page_table.stride(0),
+        q, k_cache, v_cache, out, mid_o, mid_lse, kv_lens, page_table, page_table.stride(0),
         scale * _LOG2E, window or 0, splits,
         HQ=hq, HKV=hkv, D=d, PAGE=page_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=64,
@@ -631,6 +655,7 @@ def verify_attention(
     window: int | None,
     mid_o: torch.Tensor,
     mid_lse: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a few query tokens per sequence (a speculative verify step: 1 + k
     each, at most `max_q_len`), laid out by `cu_q`, over the paged context: what
@@ -639,18 +664,20 @@ def verify_attention(
     The prefill kernel gives a sequence one program per query head, each reading the whole
     context alone; here a program per (sequence, KV head, split) reads its K/V blocks once for
     every query token and head of the group, and the splits (`mid_o.shape[2]`) are merged as in
-    `decode_attention`. `mid_o` `[>=T, Hq, S, D]` / `mid_lse` `[>=T, Hq, S]`: float32 scratch.
-    Tokens in no sequence (CUDA-graph padding) are left undefined.
+    `decode_attention`. `mid_o` `[>=T, Hq, S, D]` / `mid_lse` `[>=T, Hq, S]`: float32 scratch
+    (untouched with one split). Tokens in no sequence (CUDA-graph padding) are left undefined;
+    so are those of sequences with more than `max_q_len` (a mixed batch's prefills: the
+    prefill kernel writes them into the same `out`).
     """
     _, hq, d = q.shape
     hkv = k_cache.shape[-2]
     splits = mid_o.shape[2]
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     pdl = pdl_options(q.device)
     rows = max(16, triton.next_power_of_2(max_q_len * (hq // hkv)))
     _verify_split_kernel[(kv_lens.shape[0], hkv, splits)](
-        q, k_cache, v_cache, mid_o, mid_lse, cu_q, kv_lens, page_table, page_table.stride(0),
-        scale * _LOG2E, window or 0, splits,
+        q, k_cache, v_cache, out, mid_o, mid_lse, cu_q, kv_lens, page_table,
+        page_table.stride(0), scale * _LOG2E, window or 0, max_q_len, splits,
         HQ=hq, HKV=hkv, D=d, PAGE=page_size, BLOCK_R=rows, BLOCK_N=64,
         HAS_WINDOW=window is not None, num_warps=4, num_stages=2, **pdl,
     )  # fmt: skip
@@ -659,9 +686,12 @@ def verify_attention(
 
 def _merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Merge each (query token, head)'s split results in `mid_o` / `mid_lse` into `out`
-    `[T, Hq, D]` by their log-sum-exp (the second kernel of decode and verify attention)."""
+    `[T, Hq, D]` by their log-sum-exp (the second kernel of decode and verify attention; with
+    one split the split kernel wrote `out` itself)."""
     tokens, hq, d = out.shape
     splits = mid_o.shape[2]
+    if splits == 1:
+        return out
     _decode_reduce_kernel[(tokens, hq)](
         mid_o, mid_lse, out, splits, HQ=hq, D=d,
         BLOCK_S=max(MAX_SPLITS_BLOCK, triton.next_power_of_2(splits)), **pdl_options(out.device),
