@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call (see ../shared/device/README.md).
 # Usage on the device:
-#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|moeprofile|structured|b4|b4adaptive|spechost|verifyfusion|tp|conformance|hostkv|startup|vl|det|detsweep|all]
+#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|moeprofile|structured|b4|b4adaptive|spechost|verifyfusion|tp|conformance|hostkv|startup|vl|det|detsweep|prefillattn|all]
 # (gputests = the GPU engine tests and the GEMV, decode and rotary kernel tests + profile + B1;
 #  moe = the mixture-of-experts GPU and kernel tests (moetests), B1/B2 qwen3-30b-a3b with the
 #  transformers peer (moebench);
@@ -39,6 +39,8 @@
 #  det = deterministic mode (issue 30): its GPU tests, then B1 and B2 of qwen3-0.6b and
 #  llama-3.1-8b (engine args of b1/b2, no transformers peer) without and with
 #  `--engine-arg deterministic=true`, same run;
+#  prefillattn = benchmarks/prefill_attention.py --sweep: the prefill attention kernel alone on
+#  2k-32k prompts (paged K/V), every candidate tile, against torch SDPA and the matmul rate;
 #  detsweep = benchmarks/invariant_matmul_sweep.py: deterministic mode's matmul, each tile's rows
 #  bitwise against the row alone, and its time next to cuBLAS, weights streamed from HBM;
 #  conformance = `tokenmill eval conformance` of a bf16 server on llama-3.1-8b shapes with random
@@ -154,6 +156,10 @@ if [[ "$what" == moe || "$what" == moebench ]]; then
   bench qwen3-30b-a3b b1 "${kv[@]}" --engine-arg max_num_seqs=8
   bench qwen3-30b-a3b b2 --engine-arg kv_cache_memory_bytes=40000000000 --engine-arg max_num_seqs=256 \
     --engine-arg max_num_batched_tokens=8192 --engine-arg max_model_len=4096
+fi
+if [[ "$what" == prefillattn ]]; then
+  python3 benchmarks/prefill_attention.py --sweep 2>&1 | tee "$out/prefill-attention.log" \
+    | grep -E "TFLOP/s" >> "$table"
 fi
 if [[ "$what" == moesweep ]]; then
   python3 benchmarks/moe_sweep.py --config "$models/qwen3-30b-a3b" --out "$out/moe-sweep.json" \

@@ -47,6 +47,10 @@ NOT_RUN = {
     "PYTHONPATH=$PWD python benchmarks/long_prompts.py": (
         "a GPU-sized workload (scripts/gpu_check.sh startup runs it)"
     ),
+    "PYTHONPATH=$PWD python benchmarks/prefill_attention.py": (
+        "the compiled kernel and SDPA's flash kernel on a CUDA GPU (scripts/gpu_check.sh "
+        "prefillattn runs it; tests/kernels checks the kernel's tiles on the CPU)"
+    ),
     "tokenmill bench serve ...": "options elided (...): the command above it runs",
     'tokenmill serve --model DIR --api-key "$KEY"': (
         "a second server on the same port (the api key: tests/reliability/test_http_edge.py)"
