@@ -64,6 +64,25 @@ def test_unknown_architecture_is_a_clear_error(llama_dir: Path, tmp_path: Path) 
         LLM(str(target))
 
 
+def test_extra_tensors_are_one_warning(llama_dir: Path, tmp_path: Path, caplog) -> None:
+    """Tensors the model has no parameter for (another model's heads, say) are named in one
+    warning, and the model loads and generates as without them."""
+    target = tmp_path / "extra"
+    shutil.copytree(llama_dir, target)
+    tensors = load_file(target / "model.safetensors")
+    for i in range(10):
+        tensors[f"mtp.layers.{i}.weight"] = torch.zeros(2, 2)
+    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with caplog.at_level("WARNING"):
+        extra = LLM(str(target), dtype="float32").generate([[3, 4, 5]], greedy, use_tqdm=False)
+    warnings = [r.getMessage() for r in caplog.records if "checkpoint tensors" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith("ignoring 10 checkpoint tensors")
+    assert "mtp.layers.0.weight" in warnings[0] and warnings[0].endswith(", ...")
+    plain = LLM(str(llama_dir), dtype="float32").generate([[3, 4, 5]], greedy, use_tqdm=False)
+    assert extra[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+
+
 def test_missing_weight_is_named(llama_dir: Path, tmp_path: Path) -> None:
     target = tmp_path / "partial"
     shutil.copytree(llama_dir, target)

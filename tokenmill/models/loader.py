@@ -136,6 +136,8 @@ def _load_safetensors(model: nn.Module, root: Path, tied: bool, tp: TPGroup) -> 
     experts: dict[str, str] = getattr(model, "expert_params", {})
     prefixes: dict[str, str] = getattr(model, "checkpoint_prefixes", {})
 
+    ignored: list[str] = []  # checkpoint tensors of no parameter (list.append: thread-safe)
+
     def load(name: str, tensor: TensorSource) -> set[str]:
         """Copy one checkpoint tensor; the parameter entries it filled."""
         name = _renamed(name, prefixes)
@@ -148,7 +150,7 @@ def _load_safetensors(model: nn.Module, root: Path, tied: bool, tp: TPGroup) -> 
                     target, shard = name.replace(fragment, ours), shard_id
                     break
         if target not in params:
-            logger.warning("ignoring checkpoint tensor %s (no such parameter)", name)
+            ignored.append(name)
             return set()
         param = params[target]
         module = model.get_submodule(target.rsplit(".", 1)[0])
@@ -170,6 +172,11 @@ def _load_safetensors(model: nn.Module, root: Path, tied: bool, tp: TPGroup) -> 
         with ThreadPoolExecutor(LOAD_THREADS) as pool:
             for entries in pool.map(lambda item: load(*item), tensors):
                 loaded |= entries
+    if ignored:
+        logger.warning(
+            "ignoring %d checkpoint tensors with no parameter in the model: %s%s",
+            len(ignored), ", ".join(sorted(ignored)[:8]), ", ..." if len(ignored) > 8 else "",
+        )  # fmt: skip
     expected = _expected_entries(model, params, stacked, tied)
     missing = sorted(expected - loaded)
     if missing:
