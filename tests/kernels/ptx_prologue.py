@@ -40,12 +40,12 @@ INT64_KERNELS = {"decode_inputs"}  # every pointer of these is int64
 # Index pointers (INT_PTRS) of these are int64: the kernel takes int32 or int64 ones.
 INT64_INDEX_KERNELS = {"invariant_int64_index"}
 FLOAT_SCALARS = {"eps", "qk_scale"}
-UNALIGNED = FLOAT_SCALARS | {"M", "window", "SPLITS", "split", "min_q_len", "max_q_len"}
+UNALIGNED = FLOAT_SCALARS | {"M", "window", "SPLITS", "split", "short_q_len"}
 # Constexprs of each kernel (USE_PDL is set for all), as the decode path of a
 # qwen3-like layer uses them.
 KERNELS = {
     "prefill": (_prefill_kernel, dict(
-        HQ=16, HKV=8, D=128, PAGE=16, BLOCK_M=64, BLOCK_N=64, HAS_WINDOW=False)),
+        HQ=16, HKV=8, D=128, PAGE=16, BLOCK_M=64, BLOCK_N=64, SHORT_R=16, HAS_WINDOW=False)),
     **{name: (_decode_split_kernel, dict(
         HQ=16, HKV=8, D=128, PAGE=16, BLOCK_G=16, BLOCK_N=64, HAS_WINDOW=False,
         EARLY_KV=early)) for name, early in (("decode_split", True), ("decode_split_late", False))},

@@ -486,9 +486,8 @@ def test_verify_attention_is_causal_attention_of_the_last_tokens(
 
 @pytest.mark.parametrize("window", [None, 40])
 def test_mixed_batch_short_rows_split_kv_long_rows_prefill(window) -> None:
-    """A prefill batch's short rows (decodes, a verify, a 5-token chunk) through
-    `verify_attention` with one split and sequences past `max_q_len` skipped, its longer ones
-    through the prefill kernel with `min_q_len` into the same output: causal attention."""
+    """The prefill kernel with `short_q_len`: a batch's short rows (decodes, a 5-token chunk)
+    as a verify step's programs, its longer ones as prefill tiles: causal attention."""
     hq, hkv, d, page, dtype = 8, 2, 64, 16, DOT_DTYPES[0]
     gen = torch.Generator().manual_seed(7)
     q_lens, prefixes = [1, 37, 1, 5, 70, 1], [20, 0, 140, 10, 30, 64]
@@ -497,9 +496,7 @@ def test_mixed_batch_short_rows_split_kv_long_rows_prefill(window) -> None:
     q = _randn(sum(q_lens), hq, d, dtype=dtype, gen=gen)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device=DEVICE)
     kv, scale = torch.tensor(kv_lens, device=DEVICE), d**-0.5
-    mid_o, mid_lse = torch.empty(1, hq, 1, d, device=DEVICE), torch.empty(1, hq, 1, device=DEVICE)
-    out = verify_attention(q, k, v, cu, kv, table, 5, page, scale, window, mid_o, mid_lse)
-    out = prefill_attention(q, k, v, cu, kv, table, 70, page, scale, window, None, 6, out)
+    out = prefill_attention(q, k, v, cu, kv, table, 70, page, scale, window, None, 5)
     _check_last_tokens_attention(out, q, k, v, table, cu, kv_lens, page, scale, window, dtype)
 
 
@@ -540,15 +537,15 @@ def test_triton_backend_engine_matches_transformers(checkpoints, family: str, mo
         max_num_batched_tokens=16,
     )  # fmt: skip
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    left = []  # the prefill kernel's min_q_len: the rows below it attended split-KV
+    short = []  # the prefill kernel's short_q_len: rows up to it attended as verify rows
     prefill = triton_backend.prefill_attention
     monkeypatch.setattr(
-        triton_backend, "prefill_attention", lambda *a: left.append(a[11]) or prefill(*a)
+        triton_backend, "prefill_attention", lambda *a: short.append(a[11]) or prefill(*a)
     )
     outputs = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(path, p, 10) for p in prompts]
     assert outputs[3].num_cached_tokens > 0  # shares 24 tokens with the second prompt
-    assert 2 in left and max(left) > 2  # decode rows beside chunks, and short prompts
+    assert 1 in short and max(short) > 1  # decode rows beside chunks, and short prompts
     # Alone in its batch, a sequence decodes the same tokens.
     single = llm.generate(prompts[2:3], greedy, use_tqdm=False)
     assert single[0].outputs[0].token_ids == outputs[2].outputs[0].token_ids

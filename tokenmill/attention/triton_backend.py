@@ -127,8 +127,8 @@ class TritonAttentionBackend(FusedStoreBackend):
         cfg = self.model
         group = cfg.num_heads // cfg.num_kv_heads
         self._verify = not self._decode and verifies_split_kv(self._max_q_len, group, cfg.head_dim)
-        # A prefill batch's short rows (decodes, verifies) attend split-KV as they would alone,
-        # not as a whole prefill tile each over their whole context.
+        # A prefill batch's short rows (decodes, verifies, short chunks) attend as in a verify
+        # step, a program per KV head, not as a prefill tile per query head each.
         short = max((q for q in lens if q <= VERIFY_MAX_Q_LEN), default=0)
         self._short_q_len = short if verifies_split_kv(short, group, cfg.head_dim) else 0
         self._tiles = prefill_tiles([q for q in lens if q > self._short_q_len] or lens)
@@ -161,17 +161,9 @@ class TritonAttentionBackend(FusedStoreBackend):
                 q, k_cache, v_cache, inputs.cu_query_lens, inputs.kv_lens, inputs.page_table,
                 self._max_q_len, ps, self.scale, window, mid_o, mid_lse,
             )  # fmt: skip
-        out = None
-        if self._short_q_len:  # one split: the output directly, no scratch per token
-            cfg = self.model
-            mid = self._mid_o[: cfg.num_heads * cfg.head_dim].view(1, cfg.num_heads, 1, -1)
-            out = verify_attention(
-                q, k_cache, v_cache, inputs.cu_query_lens, inputs.kv_lens, inputs.page_table,
-                self._short_q_len, ps, self.scale, window, mid, self._mid_lse[:1].view(1, 1, 1),
-            )  # fmt: skip
         return prefill_attention(
             q, k_cache, v_cache, inputs.cu_query_lens, inputs.kv_lens, inputs.page_table,
-            self._max_q_len, ps, self.scale, window, self._tiles, self._short_q_len + 1, out,
+            self._max_q_len, ps, self.scale, window, self._tiles, self._short_q_len,
         )  # fmt: skip
 
     def _scratch(self, q: torch.Tensor, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:

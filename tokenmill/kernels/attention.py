@@ -142,14 +142,14 @@ def _store_split(
         tl.store(mid_lse_ptr + row, lse, mask=r_mask)
 
 
-# min_q_len (and the verify kernel's max_q_len) are plain arguments: a value of 1 would
-# otherwise compile a kernel of its own.
-@triton.jit(do_not_specialize=["min_q_len"])
+# short_q_len is a plain argument: a value of 1 would otherwise compile a kernel of its own.
+@triton.jit(do_not_specialize=["short_q_len"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, kv_lens_ptr, page_table_ptr,
-    stride_pt, qk_scale, window, min_q_len,
+    stride_pt, qk_scale, window, short_q_len,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SHORT_R: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(USE_PDL)
     seq = tl.program_id(0)
@@ -157,7 +157,15 @@ def _prefill_kernel(
     mblk = tl.num_programs(2) - 1 - tl.program_id(2)  # the longest query tiles start first
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
-    if mblk * BLOCK_M >= q_len or q_len < min_q_len:  # (shorter: the verify kernel's)
+    if q_len <= short_q_len:  # a short row (SHORT_R > 0): one program per KV head, split-KV
+        if SHORT_R > 0 and tl.program_id(2) == 0 and h < HKV:  # (launched among the first)
+            _verify_program(
+                q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, out_ptr, out_ptr, kv_lens_ptr,
+                page_table_ptr, stride_pt, qk_scale, window, seq, q_start, q_len, h, 0, 1, HQ,
+                HKV, D, PAGE, SHORT_R, BLOCK_N, HAS_WINDOW,
+            )  # fmt: skip
+        return
+    if mblk * BLOCK_M >= q_len:
         return
     kv_len = tl.load(kv_lens_ptr + seq)
     prefix = kv_len - q_len
@@ -236,25 +244,28 @@ def prefill_attention(
     scale: float,
     window: int | None,
     tiles: PrefillTiles | None = None,
-    min_q_len: int = 1,
-    out: torch.Tensor | None = None,
+    short_q_len: int = 0,
 ) -> torch.Tensor:
     """Causal attention for `q` `[T, Hq, D]` (sequences laid out by `cu_q`) over paged K/V.
 
     Each sequence's queries are its last `q_len` positions; its first `kv_len - q_len`
     positions are a cached prefix every query sees. `tiles`: `prefill_tiles` of the batch
-    (default: by the longest query alone). Sequences of fewer than `min_q_len` query tokens
-    are left alone in `out` (a mixed batch's decode rows: `verify_attention` wrote them).
+    (default: by the longest query alone). Sequences of at most `short_q_len` query tokens (a
+    mixed batch's decodes and short chunks) get, instead of a tile per query head over their
+    whole context, one program per KV head whose rows are all their query tokens and heads of
+    the group, as `verify_attention`'s with one split, in the same launch.
     """
     if tiles is None:
         tiles = PREFILL_TILES if max_q_len > 32 else SHORT_PREFILL_TILES
     _tokens, hq, d = q.shape
-    out = torch.empty_like(q) if out is None else out
+    hkv = k_cache.shape[-2]
+    out = torch.empty_like(q)
+    short_rows = max(16, triton.next_power_of_2(short_q_len * (hq // hkv))) if short_q_len else 0
     _prefill_kernel[(kv_lens.shape[0], hq, triton.cdiv(max_q_len, tiles.block_m))](
         q, k_cache, v_cache, out, cu_q, kv_lens, page_table, page_table.stride(0),
-        scale * _LOG2E, window or 0, min_q_len,
-        HQ=hq, HKV=k_cache.shape[-2], D=d, PAGE=page_size, BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n, HAS_WINDOW=window is not None, num_warps=tiles.num_warps,
+        scale * _LOG2E, window or 0, short_q_len,
+        HQ=hq, HKV=hkv, D=d, PAGE=page_size, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        SHORT_R=short_rows, HAS_WINDOW=window is not None, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, **pdl_options(q.device),
     )  # fmt: skip
     return out
@@ -554,25 +565,36 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + (seq * HQ + h) * D + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
-@triton.jit(do_not_specialize=["max_q_len", "SPLITS"])
+@triton.jit(do_not_specialize=["SPLITS"])
 def _verify_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, cu_q_ptr, kv_lens_ptr,
-    page_table_ptr, stride_pt, qk_scale, window, max_q_len, SPLITS,
+    page_table_ptr, stride_pt, qk_scale, window, SPLITS,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    # One program per (sequence, KV head, split): its rows are every (query token, head of the
-    # KV head's group) of the sequence, so each K/V block is read once for all of them.
-    # Sequences of more than `max_q_len` query tokens are the prefill kernel's (mixed batches).
+    # One program per (sequence, KV head, split).
     pdl_wait(USE_PDL)
     seq = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    group: tl.constexpr = HQ // HKV
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
-    if q_len > max_q_len:
-        return
+    _verify_program(
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, kv_lens_ptr,
+        page_table_ptr, stride_pt, qk_scale, window, seq, q_start, q_len, tl.program_id(1),
+        tl.program_id(2), SPLITS, HQ, HKV, D, PAGE, BLOCK_R, BLOCK_N, HAS_WINDOW,
+    )  # fmt: skip
+
+
+@triton.jit
+def _verify_program(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, kv_lens_ptr,
+    page_table_ptr, stride_pt, qk_scale, window, seq, q_start, q_len, kvh, split, SPLITS,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):  # fmt: skip
+    """Split `split` of sequence `seq`'s keys for KV head `kvh`: its rows are every (query
+    token, head of the KV head's group) of the sequence, so each K/V block is read once for
+    all of them (`_store_split` writes the result)."""
+    group: tl.constexpr = HQ // HKV
     kv_len = tl.load(kv_lens_ptr + seq)
     split_len = tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_N) * BLOCK_N
     lo = split * split_len
@@ -655,7 +677,6 @@ def verify_attention(
     window: int | None,
     mid_o: torch.Tensor,
     mid_lse: torch.Tensor,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a few query tokens per sequence (a speculative verify step: 1 + k
     each, at most `max_q_len`), laid out by `cu_q`, over the paged context: what
@@ -665,19 +686,17 @@ def verify_attention(
     context alone; here a program per (sequence, KV head, split) reads its K/V blocks once for
     every query token and head of the group, and the splits (`mid_o.shape[2]`) are merged as in
     `decode_attention`. `mid_o` `[>=T, Hq, S, D]` / `mid_lse` `[>=T, Hq, S]`: float32 scratch
-    (untouched with one split). Tokens in no sequence (CUDA-graph padding) are left undefined;
-    so are those of sequences with more than `max_q_len` (a mixed batch's prefills: the
-    prefill kernel writes them into the same `out`).
+    (untouched with one split). Tokens in no sequence (CUDA-graph padding) are left undefined.
     """
     _, hq, d = q.shape
     hkv = k_cache.shape[-2]
     splits = mid_o.shape[2]
-    out = torch.empty_like(q) if out is None else out
+    out = torch.empty_like(q)
     pdl = pdl_options(q.device)
     rows = max(16, triton.next_power_of_2(max_q_len * (hq // hkv)))
     _verify_split_kernel[(kv_lens.shape[0], hkv, splits)](
         q, k_cache, v_cache, out, mid_o, mid_lse, cu_q, kv_lens, page_table,
-        page_table.stride(0), scale * _LOG2E, window or 0, max_q_len, splits,
+        page_table.stride(0), scale * _LOG2E, window or 0, splits,
         HQ=hq, HKV=hkv, D=d, PAGE=page_size, BLOCK_R=rows, BLOCK_N=64,
         HAS_WINDOW=window is not None, num_warps=4, num_stages=2, **pdl,
     )  # fmt: skip
