@@ -395,8 +395,9 @@ def _attention_reference(q, k, v, q_pos, scale, window):
 @pytest.mark.parametrize("tiles", [None, PrefillTiles(128, 128, 8, 2)])
 def test_prefill_attention_with_prefix(dtype, hq, hkv, d, page, window, tiles) -> None:
     gen = torch.Generator().manual_seed(hq + d + page)
-    # the last: query tiles after whole key blocks (unmasked) and with the diagonal's
-    q_lens, prefixes = [37, 1, 70, 5, 100], [0, 12, 30, 0, 150]
+    # the last three: query tiles after whole key blocks (unmasked) and with the diagonal's,
+    # starting one and two positions below a 64-key block's end
+    q_lens, prefixes = [37, 1, 70, 5, 100, 40, 5], [0, 12, 30, 0, 150, 62, 63]
     kv_lens = [q + p for q, p in zip(q_lens, prefixes, strict=True)]
     k, v, table = _paged_setup(kv_lens, page, hkv, d, dtype, gen)
     q = _randn(sum(q_lens), hq, d, dtype=dtype, gen=gen)
@@ -411,11 +412,27 @@ def test_prefill_tiles_follow_the_batch() -> None:
     """Wide tiles only when every sequence fills most of one (a decode row would be padded to
     128 rows over its whole context) and the batch has enough tokens to fill the GPU with
     them, small ones when no query is longer than 32 tokens."""
-    assert prefill_tiles([2048, 128, 8192]) == WIDE_PREFILL_TILES
-    assert prefill_tiles([512]) == PREFILL_TILES  # too few programs of 128 rows
-    assert prefill_tiles([2048, 1, 1]) == PREFILL_TILES
-    assert prefill_tiles([127, 33]) == PREFILL_TILES
-    assert prefill_tiles([1, 32, 5]) == SHORT_PREFILL_TILES
+    assert prefill_tiles([2048, 128, 8192], 128, 2) == WIDE_PREFILL_TILES
+    assert prefill_tiles([512], 128, 2) == PREFILL_TILES  # too few programs of 128 rows
+    assert prefill_tiles([2048, 1, 1], 128, 2) == PREFILL_TILES
+    assert prefill_tiles([127, 33], 128, 2) == PREFILL_TILES
+    assert prefill_tiles([1, 32, 5], 128, 2) == SHORT_PREFILL_TILES
+    # its K/V stages would not fit in shared memory: bf16 with head_dim 256, float32 with 128
+    assert prefill_tiles([8192] * 4, 256, 2) == prefill_tiles([8192] * 4, 128, 4) == PREFILL_TILES
+
+
+def test_prefill_tiles_fit_in_shared_memory() -> None:
+    """Compiled for sm_90, the tile `prefill_tiles` picks for long batches (with the largest
+    block of short rows) needs at most the 227 KiB of shared memory a Hopper SM gives one
+    program: Triton would refuse the launch (the 128 x 128 tile in bf16 with head_dim 256
+    needed 320 KiB)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.kernels.prefill_smem"],
+        env=env, capture_output=True, text=True, check=True, cwd=Path(__file__).parents[2],
+    )  # fmt: skip
+    shared = json.loads(run.stdout)
+    assert len(shared) == 3 and all(0 < b <= 227 * 1024 for b in shared.values()), shared
 
 
 def _check_last_tokens_attention(out, q, k, v, table, cu, kv_lens, page, scale, window, dtype):
@@ -484,19 +501,45 @@ def test_verify_attention_is_causal_attention_of_the_last_tokens(
     _check_last_tokens_attention(out, q, k, v, table, cu, kv_lens, page, scale, window, dtype)
 
 
-@pytest.mark.parametrize("window", [None, 40])
-def test_mixed_batch_short_rows_split_kv_long_rows_prefill(window) -> None:
-    """The prefill kernel with `short_q_len`: a batch's short rows (decodes, a 5-token chunk)
-    as a verify step's programs, its longer ones as prefill tiles: causal attention."""
-    hq, hkv, d, page, dtype = 8, 2, 64, 16, DOT_DTYPES[0]
-    gen = torch.Generator().manual_seed(7)
-    q_lens, prefixes = [1, 37, 1, 5, 70, 1], [20, 0, 140, 10, 30, 64]
+@pytest.mark.parametrize(
+    ("hq", "hkv", "d", "page", "short"), [(8, 2, 64, 16, 5), (16, 1, 128, 1, 4), (8, 2, 256, 16, 8)]
+)
+@pytest.mark.parametrize("window", [None, 30])
+@pytest.mark.parametrize("tiles", [None, PrefillTiles(128, 128, 8, 2)])
+def test_mixed_batch_short_rows_split_kv_long_rows_prefill(
+    hq, hkv, d, page, short, window, tiles
+) -> None:
+    """The prefill kernel with `short_q_len`: a batch's short rows (decodes, a chunk of exactly
+    `short` tokens; the largest group x head_dim `verifies_split_kv` allows) as a verify step's
+    programs, its longer ones (one of `short` + 1) as prefill tiles, a row of no tokens between
+    them: causal attention."""
+    dtype = DOT_DTYPES[0]
+    gen = torch.Generator().manual_seed(hq + d + short)
+    q_lens = [1, 37, 1, short, 70, 1, 0, short + 1]
+    prefixes = [20, 0, 140, 10, 30, 64, 10, 62]
     kv_lens = [q + p for q, p in zip(q_lens, prefixes, strict=True)]
     k, v, table = _paged_setup(kv_lens, page, hkv, d, dtype, gen)
     q = _randn(sum(q_lens), hq, d, dtype=dtype, gen=gen)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device=DEVICE)
     kv, scale = torch.tensor(kv_lens, device=DEVICE), d**-0.5
-    out = prefill_attention(q, k, v, cu, kv, table, 70, page, scale, window, None, 5)
+    out = prefill_attention(q, k, v, cu, kv, table, 70, page, scale, window, tiles, short)
+    _check_last_tokens_attention(out, q, k, v, table, cu, kv_lens, page, scale, window, dtype)
+
+
+@pytest.mark.parametrize("window", [None, 30])
+def test_wide_prefill_tiles_over_several_tiles_and_blocks(window) -> None:
+    """128 x 128 tiles over queries of several tiles each, whose tiles start one and two
+    positions below a key block's end (the first keys whole for every query, then the
+    diagonal's block): causal attention."""
+    hq, hkv, d, page, dtype = 4, 2, 64, 16, DOT_DTYPES[0]
+    gen = torch.Generator().manual_seed(11)
+    q_lens, prefixes = [300, 130, 40], [126, 127, 254]
+    kv_lens = [q + p for q, p in zip(q_lens, prefixes, strict=True)]
+    k, v, table = _paged_setup(kv_lens, page, hkv, d, dtype, gen)
+    q = _randn(sum(q_lens), hq, d, dtype=dtype, gen=gen)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device=DEVICE)
+    kv, scale = torch.tensor(kv_lens, device=DEVICE), d**-0.5
+    out = prefill_attention(q, k, v, cu, kv, table, 300, page, scale, window, WIDE_PREFILL_TILES)
     _check_last_tokens_attention(out, q, k, v, table, cu, kv_lens, page, scale, window, dtype)
 
 

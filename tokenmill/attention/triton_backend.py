@@ -131,7 +131,9 @@ class TritonAttentionBackend(FusedStoreBackend):
         # step, a program per KV head, not as a prefill tile per query head each.
         short = max((q for q in lens if q <= VERIFY_MAX_Q_LEN), default=0)
         self._short_q_len = short if verifies_split_kv(short, group, cfg.head_dim) else 0
-        self._tiles = prefill_tiles([q for q in lens if q > self._short_q_len] or lens)
+        self._tiles = prefill_tiles(
+            [q for q in lens if q > self._short_q_len] or lens, cfg.head_dim, cfg.dtype.itemsize
+        )
 
     def graph_safe(self) -> bool:
         return True

@@ -223,11 +223,19 @@ WIDE_MIN_Q_LEN = 128
 WIDE_MIN_TOKENS = 4096
 
 
-def prefill_tiles(query_lens: list[int]) -> PrefillTiles:
-    """The prefill kernel's tile for a batch whose sequences have `query_lens` query tokens:
-    wide when every sequence fills most of one and there are enough of them, narrow when none
+# The wide tile's K/V stages take 128 keys x head_dim x the element size each: within a Hopper
+# SM's shared memory (227 KiB) for up to 128 x 2 bytes a row (bf16 with head_dim 128: 160 KiB);
+# bf16 with head_dim 256, or float32 with 128, would need 320 / 256 KiB.
+WIDE_MAX_ROW_BYTES = 256
+
+
+def prefill_tiles(query_lens: list[int], head_dim: int, itemsize: int) -> PrefillTiles:
+    """The prefill kernel's tile for a batch whose sequences have `query_lens` query tokens,
+    heads of `head_dim` elements of `itemsize` bytes: wide when every sequence fills most of
+    one, there are enough of them and its stages fit in shared memory; narrow when no sequence
     has more than 32."""
-    if min(query_lens) >= WIDE_MIN_Q_LEN and sum(query_lens) >= WIDE_MIN_TOKENS:
+    wide_fits = head_dim * itemsize <= WIDE_MAX_ROW_BYTES
+    if wide_fits and min(query_lens) >= WIDE_MIN_Q_LEN and sum(query_lens) >= WIDE_MIN_TOKENS:
         return WIDE_PREFILL_TILES
     return PREFILL_TILES if max(query_lens) > 32 else SHORT_PREFILL_TILES
 

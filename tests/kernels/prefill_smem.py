@@ -1,0 +1,50 @@
+"""Compile the prefill kernel for sm_90 (no GPU needed) with the tile `prefill_tiles` picks for
+long batches, for each head_dim and element size, and print, as JSON, the shared memory each
+compile needs: Triton refuses a launch needing more than the SM has.
+
+Run by `test_prefill_tiles_fit_in_shared_memory` in a subprocess (the test session runs
+Triton's interpreter, under which kernels cannot be compiled).
+"""
+
+from __future__ import annotations
+
+import json
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from tests.kernels.ptx_prologue import INT_PTRS, UNALIGNED
+from tokenmill.attention.triton_backend import VERIFY_MAX_ACC
+from tokenmill.kernels.attention import _prefill_kernel, prefill_tiles
+
+# The largest of each kind: the wide tile in bf16 (head_dim 128) and in float32 (64), the
+# narrow one in float32 with head_dim 256 (the other cases need less; ~20 s a compile).
+CASES = [(128, 2), (64, 4), (256, 4)]
+
+
+def shared_bytes(head_dim: int, itemsize: int) -> int:
+    """Shared memory of the prefill kernel compiled with the long-batch tile for heads of
+    `head_dim` elements of `itemsize` bytes, with the largest short-row block it may take."""
+    tiles = prefill_tiles([8192] * 4, head_dim, itemsize)
+    element = "*bf16" if itemsize == 2 else "*fp32"
+    constexprs = dict(
+        HQ=32, HKV=8, D=head_dim, PAGE=16, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        SHORT_R=VERIFY_MAX_ACC // head_dim, HAS_WINDOW=False, USE_PDL=True,
+    )  # fmt: skip
+    kernel = _prefill_kernel
+    signature = {
+        n: "constexpr" if n in constexprs
+        else ("*i32" if n in INT_PTRS else element) if n.endswith("_ptr")
+        else "fp32" if n == "qk_scale" else "i32"
+        for n in kernel.arg_names
+    }  # fmt: skip
+    aligned = [n for n in kernel.arg_names if n not in constexprs and n not in UNALIGNED]
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    options = {"launch_pdl": True, "num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).metadata.shared
+
+
+if __name__ == "__main__":
+    print(json.dumps({f"{d},{size}": shared_bytes(d, size) for d, size in CASES}))
