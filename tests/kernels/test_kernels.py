@@ -421,17 +421,23 @@ def test_prefill_tiles_follow_the_batch() -> None:
     assert prefill_tiles([8192] * 4, 256, 2) == prefill_tiles([8192] * 4, 128, 4) == PREFILL_TILES
 
 
+def _compiled_report(module: str) -> dict:
+    """The JSON a module that compiles kernels for sm_90 prints, run outside Triton's
+    interpreter (which this session runs, and under which nothing compiles)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-m", module],
+        env=env, capture_output=True, text=True, check=True, cwd=Path(__file__).parents[2],
+    )  # fmt: skip
+    return json.loads(run.stdout)
+
+
 def test_prefill_tiles_fit_in_shared_memory() -> None:
     """Compiled for sm_90, the tile `prefill_tiles` picks for long batches (with the largest
     block of short rows) needs at most the 227 KiB of shared memory a Hopper SM gives one
     program: Triton would refuse the launch (the 128 x 128 tile in bf16 with head_dim 256
     needed 320 KiB)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, "-m", "tests.kernels.prefill_smem"],
-        env=env, capture_output=True, text=True, check=True, cwd=Path(__file__).parents[2],
-    )  # fmt: skip
-    shared = json.loads(run.stdout)
+    shared = _compiled_report("tests.kernels.prefill_smem")
     assert len(shared) == 3 and all(0 < b <= 227 * 1024 for b in shared.values()), shared
 
 
@@ -707,12 +713,7 @@ def test_pdl_kernels_wait_before_touching_memory() -> None:
     positions and slots, the rotary tables), split decode (KV lengths, page table, K/V of
     earlier steps) and the MoE down GEMV (router logits of the kernel before the previous one,
     expert weights) read before it."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, "-m", "tests.kernels.ptx_prologue"],
-        env=env, capture_output=True, text=True, check=True, cwd=Path(__file__).parents[2],
-    )  # fmt: skip
-    before_wait = json.loads(run.stdout)
+    before_wait = _compiled_report("tests.kernels.ptx_prologue")
     assert set(before_wait) >= {"decode_split", "decode_reduce", "verify_split", "gemv",
                                 "gemv_dot", "rope_store", "moe_gate_up_gemv", "moe_down_gemv",
                                 "invariant_matmul", "invariant_matmul_swiglu",
