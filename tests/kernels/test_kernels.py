@@ -549,6 +549,38 @@ def test_wide_prefill_tiles_over_several_tiles_and_blocks(window) -> None:
     _check_last_tokens_attention(out, q, k, v, table, cu, kv_lens, page, scale, window, dtype)
 
 
+@pytest.mark.parametrize(
+    ("lens", "group", "short", "verify", "tiles"),
+    [
+        ([1, 8, 500], 16, 0, False, PREFILL_TILES),  # 8 tokens x 16 heads: too many rows
+        ([1, 4, 500], 16, 4, False, PREFILL_TILES),
+        ([1, 3], 2, 3, True, SHORT_PREFILL_TILES),  # all short: a verify-like step
+        ([2, 4096, 4096], 2, 2, False, WIDE_PREFILL_TILES),  # tiles from the long rows
+        ([4096, 4096], 2, 0, False, WIDE_PREFILL_TILES),
+    ],
+)
+def test_triton_backend_plans_short_rows_and_tiles(
+    llama_dir, lens, group, short, verify, tiles
+) -> None:
+    """`plan`: a prefill batch's short rows (at most 8 tokens, within the verify kernel's
+    rows) are attended as verify rows, the tiles are chosen from the other rows."""
+    import dataclasses
+
+    from tokenmill.attention.backend import AttentionInputs
+    from tokenmill.attention.triton_backend import TritonAttentionBackend
+    from tokenmill.cache.kv_cache import KVCache
+    from tokenmill.config import ModelConfig
+
+    model = dataclasses.replace(
+        ModelConfig.from_pretrained(llama_dir, "bfloat16"), num_layers=1, num_heads=group,
+        num_kv_heads=1, head_dim=128,
+    )  # fmt: skip
+    backend = TritonAttentionBackend(model, KVCache.allocate(model, 2, 16, DEVICE), 4)
+    none = torch.zeros(0, dtype=torch.int64)
+    backend.plan(AttentionInputs(lens, lens, none, none, none, none))
+    assert (backend._short_q_len, backend._verify, backend._tiles) == (short, verify, tiles)
+
+
 def test_verify_attention_serves_short_queries_within_its_rows() -> None:
     from tokenmill.attention.triton_backend import verifies_split_kv
 
