@@ -65,7 +65,7 @@ def paged_case(hq: int, hkv: int, d: int, q_len: int, prefix: int, seqs: int) ->
     )  # fmt: skip
 
 
-def sdpa_ms(hq: int, hkv: int, d: int, q_len: int, prefix: int, seqs: int) -> float:
+def sdpa_ms(hq: int, hkv: int, d: int, q_len: int, seqs: int) -> float:
     """torch's SDPA (flash) on contiguous tensors, whole prompts only (no prefix)."""
     q = torch.randn(seqs, hq, q_len, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(seqs, hkv, q_len, d, device="cuda", dtype=torch.bfloat16)
@@ -98,7 +98,7 @@ def main() -> None:
                 print(f"{model} {name}: tiles {tile or 'default'} {ms:.3f} ms, {rate:.0f} "
                       f"TFLOP/s ({100 * rate / ceiling:.1f}% of the matmul rate)")  # fmt: skip
             if prefix == 0:
-                ms = sdpa_ms(hq, hkv, d, q_len, prefix, seqs)
+                ms = sdpa_ms(hq, hkv, d, q_len, seqs)
                 rate = flops / ms / 1e9
                 print(f"{model} {name}: torch SDPA {ms:.3f} ms, {rate:.0f} TFLOP/s "
                       f"({100 * rate / ceiling:.1f}%)")  # fmt: skip

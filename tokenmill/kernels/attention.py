@@ -46,19 +46,20 @@ def _attend_block(q, k, v, keep, m_i, l_i, acc, qk_scale):
 
 @triton.jit
 def _attend_causal_parts(
-    q, q_pos, lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh, offs_d, qk_scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HKV: tl.constexpr,
-    D: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    q, q_pos, lo, masked_lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh, offs_d,
+    qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    HKV: tl.constexpr, D: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):  # fmt: skip
     """Rows of queries `q` (at positions `q_pos`) over key/value head `kvh`'s keys `lo .. hi`,
-    causal (and windowed), before normalising: the running max, normaliser and unnormalised
-    output (a split of the keys, merged with the others by the reduce kernel)."""
+    causal (and windowed; blocks before `masked_lo` whole for every row), before normalising:
+    the running max, normaliser and unnormalised output (a split of the keys, merged with the
+    others by the reduce kernel)."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    return _fold_causal(
-        m_i, l_i, acc, q, q_pos, lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr, page_row,
-        kvh, offs_d, qk_scale, BLOCK_N, PAGE, HKV, D, HAS_WINDOW,
+    return _fold_causal_from(
+        m_i, l_i, acc, q, q_pos, lo, masked_lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr,
+        page_row, kvh, offs_d, qk_scale, BLOCK_N, PAGE, HKV, D, HAS_WINDOW,
     )  # fmt: skip
 
 
@@ -179,18 +180,14 @@ def _prefill_kernel(
     page_row = page_table_ptr + seq.to(tl.int64) * stride_pt
     hi = tl.minimum(kv_len, prefix + (mblk + 1) * BLOCK_M)
     lo = 0
-    masked_lo = 0  # blocks before it are whole for every query of the tile
+    # blocks before it are whole for every query of the tile (with a window: none)
+    masked_lo = (prefix + mblk * BLOCK_M + 1) // BLOCK_N * BLOCK_N
     if HAS_WINDOW:
         lo = tl.maximum(prefix + mblk * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
         masked_lo = lo
-    else:
-        masked_lo = (prefix + mblk * BLOCK_M + 1) // BLOCK_N * BLOCK_N
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
-    _, l_i, acc = _fold_causal_from(
-        m_i, l_i, acc, q, q_pos, lo, masked_lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr,
-        page_row, kvh, offs_d, qk_scale, BLOCK_N, PAGE, HKV, D, HAS_WINDOW,
+    _, l_i, acc = _attend_causal_parts(
+        q, q_pos, lo, masked_lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh,
+        offs_d, qk_scale, BLOCK_M, BLOCK_N, PAGE, HKV, D, HAS_WINDOW,
     )  # fmt: skip
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
@@ -229,6 +226,16 @@ WIDE_MIN_TOKENS = 4096
 WIDE_MAX_ROW_BYTES = 256
 
 
+def _narrow_tiles(max_q_len: int) -> PrefillTiles:
+    """The tile by the longest query alone: 64 rows, or 16 for queries of at most 32 tokens."""
+    return PREFILL_TILES if max_q_len > 32 else SHORT_PREFILL_TILES
+
+
+def _group_rows_block(q_len: int, num_heads: int, num_kv_heads: int) -> int:
+    """Rows of a program that takes `q_len` query tokens x a KV head's group of query heads."""
+    return max(16, triton.next_power_of_2(q_len * (num_heads // num_kv_heads)))
+
+
 def prefill_tiles(query_lens: list[int], head_dim: int, itemsize: int) -> PrefillTiles:
     """The prefill kernel's tile for a batch whose sequences have `query_lens` query tokens,
     heads of `head_dim` elements of `itemsize` bytes: wide when every sequence fills most of
@@ -237,7 +244,7 @@ def prefill_tiles(query_lens: list[int], head_dim: int, itemsize: int) -> Prefil
     wide_fits = head_dim * itemsize <= WIDE_MAX_ROW_BYTES
     if wide_fits and min(query_lens) >= WIDE_MIN_Q_LEN and sum(query_lens) >= WIDE_MIN_TOKENS:
         return WIDE_PREFILL_TILES
-    return PREFILL_TILES if max(query_lens) > 32 else SHORT_PREFILL_TILES
+    return _narrow_tiles(max(query_lens))
 
 
 def prefill_attention(
@@ -264,11 +271,11 @@ def prefill_attention(
     the group, as `verify_attention`'s with one split, in the same launch.
     """
     if tiles is None:
-        tiles = PREFILL_TILES if max_q_len > 32 else SHORT_PREFILL_TILES
+        tiles = _narrow_tiles(max_q_len)
     _tokens, hq, d = q.shape
     hkv = k_cache.shape[-2]
     out = torch.empty_like(q)
-    short_rows = max(16, triton.next_power_of_2(short_q_len * (hq // hkv))) if short_q_len else 0
+    short_rows = _group_rows_block(short_q_len, hq, hkv) if short_q_len else 0
     _prefill_kernel[(kv_lens.shape[0], hq, triton.cdiv(max_q_len, tiles.block_m))](
         q, k_cache, v_cache, out, cu_q, kv_lens, page_table, page_table.stride(0),
         scale * _LOG2E, window or 0, short_q_len,
@@ -615,7 +622,7 @@ def _verify_program(
     )
     page_row = page_table_ptr + seq.to(tl.int64) * stride_pt
     m_i, l_i, acc = _attend_causal_parts(
-        q, q_pos, lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh, offs_d,
+        q, q_pos, lo, lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh, offs_d,
         qk_scale, BLOCK_R, BLOCK_N, PAGE, HKV, D, HAS_WINDOW,
     )  # fmt: skip
     lse, out = _split_result(m_i, l_i, acc)
@@ -701,7 +708,7 @@ def verify_attention(
     splits = mid_o.shape[2]
     out = torch.empty_like(q)
     pdl = pdl_options(q.device)
-    rows = max(16, triton.next_power_of_2(max_q_len * (hq // hkv)))
+    rows = _group_rows_block(max_q_len, hq, hkv)
     _verify_split_kernel[(kv_lens.shape[0], hkv, splits)](
         q, k_cache, v_cache, out, mid_o, mid_lse, cu_q, kv_lens, page_table,
         page_table.stride(0), scale * _LOG2E, window or 0, splits,
