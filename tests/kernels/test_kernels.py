@@ -552,18 +552,22 @@ def test_wide_prefill_tiles_over_several_tiles_and_blocks(window) -> None:
 @pytest.mark.parametrize(
     ("lens", "group", "short", "verify", "tiles"),
     [
-        ([1, 8, 500], 16, 0, False, PREFILL_TILES),  # 8 tokens x 16 heads: too many rows
+        ([1, 8, 500], 16, 4, False, PREFILL_TILES),  # 8 tokens x 16 heads: too many rows
         ([1, 4, 500], 16, 4, False, PREFILL_TILES),
-        ([1, 3], 2, 3, True, SHORT_PREFILL_TILES),  # all short: a verify-like step
-        ([2, 4096, 4096], 2, 2, False, WIDE_PREFILL_TILES),  # tiles from the long rows
-        ([4096, 4096], 2, 0, False, WIDE_PREFILL_TILES),
+        ([1, 5, 64], 16, 4, False, PREFILL_TILES),  # tiles from rows 5 and 64
+        ([1, 3], 2, 8, True, SHORT_PREFILL_TILES),  # all short: a verify-like step
+        ([2, 4096, 4096], 2, 8, False, WIDE_PREFILL_TILES),  # tiles from the long rows
+        ([8, 4096, 4096], 2, 8, False, WIDE_PREFILL_TILES),
+        ([9, 4096, 4096], 2, 8, False, PREFILL_TILES),
+        ([4096, 4096], 2, 8, False, WIDE_PREFILL_TILES),
     ],
 )
 def test_triton_backend_plans_short_rows_and_tiles(
     llama_dir, lens, group, short, verify, tiles
 ) -> None:
     """`plan`: a prefill batch's short rows (at most 8 tokens, within the verify kernel's
-    rows) are attended as verify rows, the tiles are chosen from the other rows."""
+    rows: a bound of the model's, the same for every batch, so one kernel serves every mixed
+    batch) are attended as verify rows, the tiles are chosen from the other rows."""
     import dataclasses
 
     from tokenmill.attention.backend import AttentionInputs
@@ -618,15 +622,20 @@ def test_triton_backend_engine_matches_transformers(checkpoints, family: str, mo
         max_num_batched_tokens=16,
     )  # fmt: skip
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    short = []  # the prefill kernel's short_q_len: rows up to it attended as verify rows
+    # Each prefill launch's query lengths and short_q_len (rows up to it attended as verify rows)
+    launches = []
     prefill = triton_backend.prefill_attention
-    monkeypatch.setattr(
-        triton_backend, "prefill_attention", lambda *a: short.append(a[11]) or prefill(*a)
-    )
+
+    def recorded(*a):
+        launches.append((a[3].diff().tolist(), a[11]))
+        return prefill(*a)
+
+    monkeypatch.setattr(triton_backend, "prefill_attention", recorded)
     outputs = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(path, p, 10) for p in prompts]
     assert outputs[3].num_cached_tokens > 0  # shares 24 tokens with the second prompt
-    assert 1 in short and max(short) > 1  # decode rows beside chunks, and short prompts
+    assert {short for _, short in launches} == {8}  # one bound for the model: one kernel
+    assert any(1 in lens and max(lens) > 8 for lens, _ in launches)  # decode rows beside chunks
     # Alone in its batch, a sequence decodes the same tokens.
     single = llm.generate(prompts[2:3], greedy, use_tqdm=False)
     assert single[0].outputs[0].token_ids == outputs[2].outputs[0].token_ids

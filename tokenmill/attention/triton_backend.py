@@ -109,6 +109,15 @@ class TritonAttentionBackend(FusedStoreBackend):
         self._mid_o = torch.empty(most * model.num_heads * model.head_dim, dtype=torch.float32,
                                   device=device)  # fmt: skip
         self._mid_lse = torch.empty(most * model.num_heads, dtype=torch.float32, device=device)
+        # A prefill batch's short rows (decodes, verifies, short chunks) attend as in a verify
+        # step, a program per KV head, not as a prefill tile per query head each. The bound is
+        # the model's, not the batch's: each value would be a kernel of its own, compiled by the
+        # first mixed batch that needed it (seconds of a serving run).
+        group = model.num_heads // model.num_kv_heads
+        fits = [
+            q for q in range(1, VERIFY_MAX_Q_LEN + 1) if verifies_split_kv(q, group, model.head_dim)
+        ]
+        self._short_q_len = max(fits, default=0)
         # Deterministic decode batches split while one program per (sequence, KV head) would
         # leave most SMs idle.
         self._split_seqs = 0
@@ -127,10 +136,6 @@ class TritonAttentionBackend(FusedStoreBackend):
         cfg = self.model
         group = cfg.num_heads // cfg.num_kv_heads
         self._verify = not self._decode and verifies_split_kv(self._max_q_len, group, cfg.head_dim)
-        # A prefill batch's short rows (decodes, verifies, short chunks) attend as in a verify
-        # step, a program per KV head, not as a prefill tile per query head each.
-        short = max((q for q in lens if q <= VERIFY_MAX_Q_LEN), default=0)
-        self._short_q_len = short if verifies_split_kv(short, group, cfg.head_dim) else 0
         self._tiles = prefill_tiles(
             [q for q in lens if q > self._short_q_len] or lens, cfg.head_dim, cfg.dtype.itemsize
         )
