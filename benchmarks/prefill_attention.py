@@ -7,7 +7,13 @@ prefix, about 32k query tokens a batch. Each case is timed for the kernel's defa
 torch's SDPA (flash, contiguous K/V: the transformers peer's kernel) and the bf16 matmul rate
 measured in the same run (causal FLOPs: 4 x head_dim per query head and (query, key) pair).
 
-    python benchmarks/prefill_attention.py [--sweep]
+`--mixed`: the data workload's mixed steps instead (an 8,192-token chunk budget spent on two
+prompts, one after a 2,000-token prefix, beside 0-128 decode rows of 5,000-token contexts): the
+launch with the decode rows as short rows, the prefill rows alone, and the decode rows alone in
+the prefill kernel and in `decode_attention` (its split count for the batch), the decode rows'
+K/V bytes against the copy bandwidth measured in the same run.
+
+    python benchmarks/prefill_attention.py [--sweep] [--mixed]
 """
 
 from __future__ import annotations
@@ -65,6 +71,93 @@ def paged_case(hq: int, hkv: int, d: int, q_len: int, prefix: int, seqs: int) ->
     )  # fmt: skip
 
 
+def copy_tbps() -> float:
+    """Device-to-device copy bandwidth of 2 GiB (read + write), the decode rows' ceiling."""
+    a = torch.empty(2**30, device="cuda", dtype=torch.int16)
+    b = torch.empty_like(a)
+    ms = triton.testing.do_bench(lambda: b.copy_(a))
+    return 2 * a.numel() * 2 / ms / 1e9
+
+
+def mixed_case(hq: int, hkv: int, d: int, decode_rows: int, context: int = 5000) -> dict:
+    """Two prefill rows (3,000 query tokens after 2,000 cached, 5,192 from scratch) and
+    `decode_rows` rows of one query token after `context - 1` cached: one paged batch."""
+    q_lens = [3000, 5192] + [1] * decode_rows
+    kv_lens = [5000, 5192] + [context] * decode_rows
+    pages = [triton.cdiv(n, PAGE) for n in kv_lens]
+    width = max(pages)
+    order = torch.randperm(sum(pages), device="cuda", dtype=torch.int32)
+    table = torch.zeros(len(pages), width, device="cuda", dtype=torch.int32)
+    start = 0
+    for row, n in enumerate(pages):
+        table[row, :n] = order[start : start + n]
+        start += n
+    k = torch.randn(sum(pages) * PAGE, hkv, d, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device="cuda")
+    return dict(
+        q=torch.randn(sum(q_lens), hq, d, device="cuda", dtype=torch.bfloat16),
+        k_cache=k, v_cache=torch.randn_like(k), cu_q=cu.to(torch.int32),
+        kv_lens=torch.tensor(kv_lens, device="cuda", dtype=torch.int32), page_table=table,
+        max_q_len=max(q_lens), page_size=PAGE, scale=d**-0.5, window=None,
+    )  # fmt: skip
+
+
+def _rows(inputs: dict, first: int, last: int) -> dict:
+    """The batch `inputs` cut to its rows `first .. last - 1`."""
+    cu = inputs["cu_q"]
+    q = inputs["q"][int(cu[first]) : int(cu[last])]
+    lens = (cu[first + 1 : last + 1] - cu[first:last]).tolist()
+    return dict(
+        inputs, q=q, cu_q=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()],
+                                       device="cuda", dtype=torch.int32),
+        kv_lens=inputs["kv_lens"][first:last], page_table=inputs["page_table"][first:last],
+        max_q_len=max(lens),
+    )  # fmt: skip
+
+
+def mixed(models: list[str]) -> None:
+    """Time the data workload's mixed steps (`--mixed`)."""
+    from tokenmill.attention.triton_backend import decode_splits
+
+    bandwidth = copy_tbps()
+    print(f"copy bandwidth (read + write, 2 GiB): {bandwidth:.2f} TB/s")
+    for model in models:
+        hq, hkv, d = HEADS[model]
+        for n in (0, 32, 96, 128):
+            inputs = mixed_case(hq, hkv, d, n)
+            tiles = attention.prefill_tiles([3000, 5192], d, 2)
+            prefill = functools.partial(attention.prefill_attention, tiles=tiles)
+            whole = triton.testing.do_bench(functools.partial(prefill, **inputs, short_q_len=8))
+            alone = triton.testing.do_bench(functools.partial(prefill, **_rows(inputs, 0, 2)))
+            line = f"{model} {n} decode rows: one launch {whole:.3f} ms, prefill rows {alone:.3f}"
+            if n:
+                short = _rows(inputs, 2, 2 + n)
+                kv_bytes = 2 * n * 5000 * hkv * d * 2
+                in_prefill = triton.testing.do_bench(
+                    functools.partial(attention.prefill_attention, **short, short_q_len=8)
+                )
+                in_tiles = triton.testing.do_bench(
+                    functools.partial(prefill, **short, short_q_len=8)
+                )
+                splits = decode_splits(torch.device("cuda"), n, hkv)
+                mid_o = torch.empty(n, hq, splits, d, device="cuda", dtype=torch.float32)
+                mid_lse = torch.empty(n, hq, splits, device="cuda", dtype=torch.float32)
+                args = (short["q"], short["k_cache"], short["v_cache"], short["kv_lens"],
+                        short["page_table"], PAGE, d**-0.5, None, mid_o, mid_lse)  # fmt: skip
+                decode = triton.testing.do_bench(
+                    functools.partial(attention.decode_attention, *args)
+                )
+                line += (
+                    f"; decode rows alone: prefill kernel {in_prefill:.3f} ms "
+                    f"({kv_bytes / in_prefill / 1e9:.2f} TB/s), with {tiles} {in_tiles:.3f} ms "
+                    f"({kv_bytes / in_tiles / 1e9:.2f} TB/s), decode_attention ({splits} "
+                    f"splits) {decode:.3f} ms ({kv_bytes / decode / 1e9:.2f} TB/s)"
+                )
+            print(line)
+            del inputs
+            torch.cuda.empty_cache()
+
+
 def sdpa_ms(hq: int, hkv: int, d: int, q_len: int, seqs: int) -> float:
     """torch's SDPA (flash) on contiguous tensors, whole prompts only (no prefix)."""
     q = torch.randn(seqs, hq, q_len, d, device="cuda", dtype=torch.bfloat16)
@@ -79,7 +172,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time every tile in TILES")
     parser.add_argument("--models", nargs="+", default=list(HEADS), choices=list(HEADS))
+    parser.add_argument("--mixed", action="store_true", help="time mixed steps instead")
     args = parser.parse_args()
+    if args.mixed:
+        mixed(args.models)
+        return
     ceiling = matmul_tflops()
     print(f"matmul bf16 8192^3: {ceiling:.0f} TFLOP/s")
     tiles_arg = "tiles" in inspect.signature(attention.prefill_attention).parameters
