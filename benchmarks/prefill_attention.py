@@ -9,9 +9,9 @@ measured in the same run (causal FLOPs: 4 x head_dim per query head and (query, 
 
 `--mixed`: the data workload's mixed steps instead (an 8,192-token chunk budget spent on two
 prompts, one after a 2,000-token prefix, beside 0-128 decode rows of 5,000-token contexts): the
-launch with the decode rows as short rows, the prefill rows alone, and the decode rows alone in
-the prefill kernel and in `decode_attention` (its split count for the batch), the decode rows'
-K/V bytes against the copy bandwidth measured in the same run.
+step's launches with the decode rows as short rows, the prefill rows alone, and the decode rows
+alone in the prefill kernel and in `decode_attention` (its split count for the batch), the
+decode rows' K/V bytes against the copy bandwidth measured in the same run.
 
     python benchmarks/prefill_attention.py [--sweep] [--mixed]
 """
@@ -129,15 +129,12 @@ def mixed(models: list[str]) -> None:
             prefill = functools.partial(attention.prefill_attention, tiles=tiles)
             whole = triton.testing.do_bench(functools.partial(prefill, **inputs, short_q_len=8))
             alone = triton.testing.do_bench(functools.partial(prefill, **_rows(inputs, 0, 2)))
-            line = f"{model} {n} decode rows: one launch {whole:.3f} ms, prefill rows {alone:.3f}"
+            line = f"{model} {n} decode rows: the step {whole:.3f} ms, prefill rows {alone:.3f}"
             if n:
                 short = _rows(inputs, 2, 2 + n)
                 kv_bytes = 2 * n * 5000 * hkv * d * 2
                 in_prefill = triton.testing.do_bench(
                     functools.partial(attention.prefill_attention, **short, short_q_len=8)
-                )
-                in_tiles = triton.testing.do_bench(
-                    functools.partial(prefill, **short, short_q_len=8)
                 )
                 splits = decode_splits(torch.device("cuda"), n, hkv)
                 mid_o = torch.empty(n, hq, splits, d, device="cuda", dtype=torch.float32)
@@ -149,8 +146,7 @@ def mixed(models: list[str]) -> None:
                 )
                 line += (
                     f"; decode rows alone: prefill kernel {in_prefill:.3f} ms "
-                    f"({kv_bytes / in_prefill / 1e9:.2f} TB/s), with {tiles} {in_tiles:.3f} ms "
-                    f"({kv_bytes / in_tiles / 1e9:.2f} TB/s), decode_attention ({splits} "
+                    f"({kv_bytes / in_prefill / 1e9:.2f} TB/s), decode_attention ({splits} "
                     f"splits) {decode:.3f} ms ({kv_bytes / decode / 1e9:.2f} TB/s)"
                 )
             print(line)

@@ -1,6 +1,7 @@
 """Compile the prefill kernel for sm_90 (no GPU needed) with the tile `prefill_tiles` picks for
-long batches, for each head_dim and element size, and print, as JSON, the shared memory each
-compile needs: Triton refuses a launch needing more than the SM has.
+long batches, for each head_dim and element size, and its launch for short rows with the largest
+block of them, and print, as JSON, the shared memory each compile needs: Triton refuses a launch
+needing more than the SM has.
 
 Run by `test_prefill_tiles_fit_in_shared_memory` in a subprocess (the test session runs
 Triton's interpreter, under which kernels cannot be compiled).
@@ -16,21 +17,23 @@ from triton.compiler import ASTSource
 
 from tests.kernels.ptx_prologue import INT_PTRS, UNALIGNED
 from tokenmill.attention.triton_backend import VERIFY_MAX_ACC
-from tokenmill.kernels.attention import _prefill_kernel, prefill_tiles
+from tokenmill.kernels.attention import SHORT_PREFILL_TILES, _prefill_kernel, prefill_tiles
 
 # The largest of each kind: the wide tile in bf16 (head_dim 128) and in float32 (64), the
-# narrow one in float32 with head_dim 256 (the other cases need less; ~20 s a compile).
-CASES = [(128, 2), (64, 4), (256, 4)]
+# narrow one and the short rows' launch in float32 with head_dim 256 (the other cases need
+# less; ~20 s a compile).
+CASES = [(128, 2, False), (64, 4, False), (256, 4, False), (256, 4, True)]
 
 
-def shared_bytes(head_dim: int, itemsize: int) -> int:
+def shared_bytes(head_dim: int, itemsize: int, short: bool) -> int:
     """Shared memory of the prefill kernel compiled with the long-batch tile for heads of
-    `head_dim` elements of `itemsize` bytes, with the largest short-row block it may take."""
-    tiles = prefill_tiles([8192] * 4, head_dim, itemsize)
+    `head_dim` elements of `itemsize` bytes, or (`short`) for short rows, the largest block of
+    them."""
+    tiles = SHORT_PREFILL_TILES if short else prefill_tiles([8192] * 4, head_dim, itemsize)
     element = "*bf16" if itemsize == 2 else "*fp32"
     constexprs = dict(
         HQ=32, HKV=8, D=head_dim, PAGE=16, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        SHORT_R=VERIFY_MAX_ACC // head_dim, HAS_WINDOW=False, USE_PDL=True,
+        SHORT_R=VERIFY_MAX_ACC // head_dim if short else 0, HAS_WINDOW=False, USE_PDL=True,
     )  # fmt: skip
     kernel = _prefill_kernel
     signature = {
@@ -47,4 +50,8 @@ def shared_bytes(head_dim: int, itemsize: int) -> int:
 
 
 if __name__ == "__main__":
-    print(json.dumps({f"{d},{size}": shared_bytes(d, size) for d, size in CASES}))
+    print(
+        json.dumps(
+            {f"{d},{size},{short}": shared_bytes(d, size, short) for d, size, short in CASES}
+        )
+    )

@@ -433,12 +433,12 @@ def _compiled_report(module: str) -> dict:
 
 
 def test_prefill_tiles_fit_in_shared_memory() -> None:
-    """Compiled for sm_90, the tile `prefill_tiles` picks for long batches (with the largest
-    block of short rows) needs at most the 227 KiB of shared memory a Hopper SM gives one
-    program: Triton would refuse the launch (the 128 x 128 tile in bf16 with head_dim 256
-    needed 320 KiB)."""
+    """Compiled for sm_90, the tile `prefill_tiles` picks for long batches (and the launch for
+    short rows, with their largest block) needs at most the 227 KiB of shared memory a Hopper
+    SM gives one program: Triton would refuse the launch (the 128 x 128 tile in bf16 with
+    head_dim 256 needed 320 KiB)."""
     shared = _compiled_report("tests.kernels.prefill_smem")
-    assert len(shared) == 3 and all(0 < b <= 227 * 1024 for b in shared.values()), shared
+    assert len(shared) == 4 and all(0 < b <= 227 * 1024 for b in shared.values()), shared
 
 
 def _check_last_tokens_attention(out, q, k, v, table, cu, kv_lens, page, scale, window, dtype):
@@ -634,8 +634,10 @@ def test_triton_backend_engine_matches_transformers(checkpoints, family: str, mo
     outputs = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(path, p, 10) for p in prompts]
     assert outputs[3].num_cached_tokens > 0  # shares 24 tokens with the second prompt
-    assert {short for _, short in launches} == {8}  # one bound for the model: one kernel
-    assert any(1 in lens and max(lens) > 8 for lens, _ in launches)  # decode rows beside chunks
+    assert {short for _, short in launches} <= {0, 8}  # one bound for the model: one kernel
+    # decode rows beside chunks, with a launch of their own; none without short rows
+    assert any(1 in lens and max(lens) > 8 for lens, short in launches if short)
+    assert all(min(lens) > 8 for lens, short in launches if not short)
     # Alone in its batch, a sequence decodes the same tokens.
     single = llm.generate(prompts[2:3], greedy, use_tqdm=False)
     assert single[0].outputs[0].token_ids == outputs[2].outputs[0].token_ids

@@ -136,9 +136,10 @@ class TritonAttentionBackend(FusedStoreBackend):
         cfg = self.model
         group = cfg.num_heads // cfg.num_kv_heads
         self._verify = not self._decode and verifies_split_kv(self._max_q_len, group, cfg.head_dim)
-        self._tiles = prefill_tiles(
-            [q for q in lens if q > self._short_q_len] or lens, cfg.head_dim, cfg.dtype.itemsize
-        )
+        long = [q for q in lens if q > self._short_q_len]
+        self._tiles = prefill_tiles(long or lens, cfg.head_dim, cfg.dtype.itemsize)
+        # (no launch for short rows in a batch without any)
+        self._short_rows = self._short_q_len if len(long) < len(lens) else 0
 
     def graph_safe(self) -> bool:
         return True
@@ -170,7 +171,7 @@ class TritonAttentionBackend(FusedStoreBackend):
             )  # fmt: skip
         return prefill_attention(
             q, k_cache, v_cache, inputs.cu_query_lens, inputs.kv_lens, inputs.page_table,
-            self._max_q_len, ps, self.scale, window, self._tiles, self._short_q_len,
+            self._max_q_len, ps, self.scale, window, self._tiles, self._short_rows,
         )  # fmt: skip
 
     def _scratch(self, q: torch.Tensor, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -158,15 +158,17 @@ def _prefill_kernel(
     mblk = tl.num_programs(2) - 1 - tl.program_id(2)  # the longest query tiles start first
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
-    if q_len <= short_q_len:  # a short row (SHORT_R > 0): one program per KV head, split-KV
-        if SHORT_R > 0 and tl.program_id(2) == 0 and h < HKV:  # (launched among the first)
+    # A launch with SHORT_R > 0 attends the rows of at most short_q_len query tokens, one
+    # program per KV head (split-KV with one split); one without, the other rows.
+    if q_len <= short_q_len:
+        if SHORT_R > 0:
             _verify_program(
                 q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, out_ptr, out_ptr, kv_lens_ptr,
                 page_table_ptr, stride_pt, qk_scale, window, seq, q_start, q_len, h, 0, 1, HQ,
                 HKV, D, PAGE, SHORT_R, BLOCK_N, HAS_WINDOW,
             )  # fmt: skip
         return
-    if mblk * BLOCK_M >= q_len:
+    if SHORT_R > 0 or mblk * BLOCK_M >= q_len:
         return
     kv_len = tl.load(kv_lens_ptr + seq)
     prefix = kv_len - q_len
@@ -268,21 +270,32 @@ def prefill_attention(
     (default: by the longest query alone). Sequences of at most `short_q_len` query tokens (a
     mixed batch's decodes and short chunks) get, instead of a tile per query head over their
     whole context, one program per KV head whose rows are all their query tokens and heads of
-    the group, as `verify_attention`'s with one split, in the same launch.
+    the group, as `verify_attention`'s with one split, in a launch of their own before the
+    other rows' (in one launch, beside the long rows' tiles and in their shape, they streamed
+    K/V at two thirds of the rate they reach alone).
     """
     if tiles is None:
         tiles = _narrow_tiles(max_q_len)
     _tokens, hq, d = q.shape
     hkv = k_cache.shape[-2]
     out = torch.empty_like(q)
-    short_rows = _group_rows_block(short_q_len, hq, hkv) if short_q_len else 0
-    _prefill_kernel[(kv_lens.shape[0], hq, triton.cdiv(max_q_len, tiles.block_m))](
-        q, k_cache, v_cache, out, cu_q, kv_lens, page_table, page_table.stride(0),
-        scale * _LOG2E, window or 0, short_q_len,
-        HQ=hq, HKV=hkv, D=d, PAGE=page_size, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        SHORT_R=short_rows, HAS_WINDOW=window is not None, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages, **pdl_options(q.device),
-    )  # fmt: skip
+    common = (q, k_cache, v_cache, out, cu_q, kv_lens, page_table, page_table.stride(0),
+              scale * _LOG2E, window or 0, short_q_len)  # fmt: skip
+    shape = dict(HQ=hq, HKV=hkv, D=d, PAGE=page_size, HAS_WINDOW=window is not None,
+                 **pdl_options(q.device))  # fmt: skip
+    seqs = kv_lens.shape[0]
+    if short_q_len:
+        short = SHORT_PREFILL_TILES
+        _prefill_kernel[(seqs, hkv, 1)](
+            *common, **shape, BLOCK_M=short.block_m, BLOCK_N=short.block_n,
+            SHORT_R=_group_rows_block(short_q_len, hq, hkv), num_warps=short.num_warps,
+            num_stages=short.num_stages,
+        )  # fmt: skip
+    if max_q_len > short_q_len:
+        _prefill_kernel[(seqs, hq, triton.cdiv(max_q_len, tiles.block_m))](
+            *common, **shape, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, SHORT_R=0,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        )  # fmt: skip
     return out
 
 
