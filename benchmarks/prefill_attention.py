@@ -79,11 +79,16 @@ def copy_tbps() -> float:
     return 2 * a.numel() * 2 / ms / 1e9
 
 
-def mixed_case(hq: int, hkv: int, d: int, decode_rows: int, context: int = 5000) -> dict:
-    """Two prefill rows (3,000 query tokens after 2,000 cached, 5,192 from scratch) and
-    `decode_rows` rows of one query token after `context - 1` cached: one paged batch."""
-    q_lens = [3000, 5192] + [1] * decode_rows
-    kv_lens = [5000, 5192] + [context] * decode_rows
+# --mixed: the chunk's prefill rows (query tokens, cached prefix) and each decode row's context
+MIXED_PREFILLS = [(3000, 2000), (5192, 0)]
+DECODE_CONTEXT = 5000
+
+
+def mixed_case(hq: int, hkv: int, d: int, decode_rows: int) -> dict:
+    """The MIXED_PREFILLS rows and `decode_rows` rows of one query token after
+    `DECODE_CONTEXT - 1` cached: one paged batch."""
+    q_lens = [q for q, _ in MIXED_PREFILLS] + [1] * decode_rows
+    kv_lens = [q + p for q, p in MIXED_PREFILLS] + [DECODE_CONTEXT] * decode_rows
     pages = [triton.cdiv(n, PAGE) for n in kv_lens]
     width = max(pages)
     order = torch.randperm(sum(pages), device="cuda", dtype=torch.int32)
@@ -125,14 +130,14 @@ def mixed(models: list[str]) -> None:
         hq, hkv, d = HEADS[model]
         for n in (0, 32, 96, 128):
             inputs = mixed_case(hq, hkv, d, n)
-            tiles = attention.prefill_tiles([3000, 5192], d, 2)
+            tiles = attention.prefill_tiles([q for q, _ in MIXED_PREFILLS], d, 2)
             prefill = functools.partial(attention.prefill_attention, tiles=tiles)
             whole = triton.testing.do_bench(functools.partial(prefill, **inputs, short_q_len=8))
             alone = triton.testing.do_bench(functools.partial(prefill, **_rows(inputs, 0, 2)))
             line = f"{model} {n} decode rows: the step {whole:.3f} ms, prefill rows {alone:.3f}"
             if n:
                 short = _rows(inputs, 2, 2 + n)
-                kv_bytes = 2 * n * 5000 * hkv * d * 2
+                kv_bytes = 2 * n * DECODE_CONTEXT * hkv * d * 2
                 in_prefill = triton.testing.do_bench(
                     functools.partial(attention.prefill_attention, **short, short_q_len=8)
                 )
