@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -183,3 +184,35 @@ def test_gemv_choice_keeps_outputs() -> None:
     choices = [c for each in layers for c in each.gemv_choices.values()]
     assert all(c.config in GEMV_CANDIDATES for c in choices)
     assert all(c.fused for c in layers[0].gemv_choices.values())  # a plain input: no kernel
+
+
+def _compiled(kernels: list) -> int:  # type: ignore[type-arg]
+    """Compiled variants of the Triton `kernels` in this process's caches."""
+    return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
+
+
+def test_serving_after_start_up_compiles_no_attention_kernel(checkpoints) -> None:
+    """The runner's start-up warm-up compiles what a serving run's steps launch: mixed steps
+    (prompt chunks beside decode rows, whose short rows are a launch of their own) of varied
+    lengths, page-table widths and input offsets add no compiled attention or store kernel."""
+    from tokenmill.kernels.attention import (
+        _decode_split_kernel,
+        _prefill_kernel,
+        _verify_split_kernel,
+    )
+    from tokenmill.kernels.rope_store import _rope_store_kernel
+
+    kernels = [_prefill_kernel, _verify_split_kernel, _decode_split_kernel, _rope_store_kernel]
+    for k in kernels:  # earlier tests' compiles must not stand in for the warm-up's
+        k.device_caches.clear()
+    llm = LLM(str(checkpoints["qwen3"]), device="cuda", dtype="bfloat16",
+              max_num_batched_tokens=96, max_num_seqs=16)  # fmt: skip
+    before = _compiled(kernels)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 250) for _ in range(rng.randrange(2, 300))] for _ in range(24)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=rng.randrange(1, 12), ignore_eos=True)
+        for _ in prompts
+    ]
+    llm.generate(prompts, params, use_tqdm=False)
+    assert _compiled(kernels) == before

@@ -36,7 +36,9 @@ class TorchAttentionBackend(AttentionBackend):
     every token through `attention.blocked` instead of SDPA."""
 
     def plan(self, inputs: AttentionInputs) -> None:
-        self._slot_mapping = inputs.slot_mapping
+        # Tokens with a negative slot (padding, the start-up warm-up) write nothing.
+        self._stored = torch.nonzero(inputs.slot_mapping >= 0).squeeze(1)
+        self._slot_mapping = inputs.slot_mapping[self._stored]
         page_size = self.kv_cache.page_size
         if self.deterministic:
             self._blocked = plan_blocked(inputs, page_size)
@@ -103,8 +105,9 @@ class TorchAttentionBackend(AttentionBackend):
         if qk_norm is not None:
             q, k = qk_norm[0](q), qk_norm[1](k)
         q, k = rotary(positions, q, k)
-        self.kv_cache.k[layer].view(-1, *k.shape[1:])[self._slot_mapping] = k
-        self.kv_cache.v[layer].view(-1, *k.shape[1:])[self._slot_mapping] = v.view_as(k)
+        stored = self._stored
+        self.kv_cache.k[layer].view(-1, *k.shape[1:])[self._slot_mapping] = k[stored]
+        self.kv_cache.v[layer].view(-1, *k.shape[1:])[self._slot_mapping] = v.view_as(k)[stored]
         return q
 
     def attend(self, q: torch.Tensor, layer: int) -> torch.Tensor:

@@ -143,8 +143,10 @@ def _store_split(
         tl.store(mid_lse_ptr + row, lse, mask=r_mask)
 
 
-# short_q_len is a plain argument: a value of 1 would otherwise compile a kernel of its own.
-@triton.jit(do_not_specialize=["short_q_len"])
+# Arguments that change from step to step are plain, never specialised: a value of 1, or one
+# divisible by 16, would otherwise compile a kernel of its own inside a serving run (short_q_len;
+# stride_pt, the page table's width: the most pages any sequence of the batch needs).
+@triton.jit(do_not_specialize=["short_q_len", "stride_pt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, kv_lens_ptr, page_table_ptr,
     stride_pt, qk_scale, window, short_q_len,
@@ -314,7 +316,7 @@ def _merge_parts(m, den, acc, m_p, l_p, acc_p):
     return m_new, den, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pt"])
 def _invariant_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_ml_ptr, cu_q_ptr, kv_lens_ptr,
     page_table_ptr, stride_pt, qk_scale, window, split,
@@ -490,8 +492,9 @@ def invariant_attention(
 
 
 # SPLITS is a plain argument, never specialised: the split count follows the batch size
-# (`attention.triton_backend.decode_splits`), and a compile per count cost seconds of start-up.
-@triton.jit(do_not_specialize=["SPLITS"])
+# (`attention.triton_backend.decode_splits`), and a compile per count cost seconds of start-up;
+# stride_pt as in the prefill kernel.
+@triton.jit(do_not_specialize=["SPLITS", "stride_pt"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, kv_lens_ptr,
     page_table_ptr, stride_pt, qk_scale, window, SPLITS,
@@ -593,7 +596,7 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + (seq * HQ + h) * D + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
-@triton.jit(do_not_specialize=["SPLITS"])
+@triton.jit(do_not_specialize=["SPLITS", "stride_pt"])
 def _verify_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, cu_q_ptr, kv_lens_ptr,
     page_table_ptr, stride_pt, qk_scale, window, SPLITS,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from tokenmill.attention.backend import AttentionInputs, create_backend
+from tokenmill.attention.backend import AttentionBackend, AttentionInputs, create_backend
 from tokenmill.batch import StepPlan
 from tokenmill.cache.kv_cache import KVCache
 from tokenmill.config import EngineConfig, ModelConfig
@@ -301,6 +301,10 @@ class ModelRunner:
                 self.graphs.capture()
                 if self.spec is not None:
                     self.spec.capture_graphs(self.graphs)
+        if self.device.type == "cuda":
+            with self.startup.phase("warm_up"):
+                batches = warm_up_batches(config.scheduler.max_num_batched_tokens)
+                warm_up(self.model, self.attention, self.page_size, batches, self.device)
 
     def kv_tensors(self) -> list[torch.Tensor]:
         """Every KV tensor indexed by the page ids: the target's K and V per layer, then the
@@ -591,6 +595,45 @@ class ModelRunner:
             slot_mapping=slots,
         )
         return ids, positions, inputs, logits_index
+
+
+def warm_up_batches(max_tokens: int) -> list[list[int]]:
+    """Query lengths of the eager batches `warm_up` runs, each of at most `max_tokens` tokens:
+    a chunk filling the step beside a decode row, and a 64- and a 16-token prompt beside one
+    (a serving run's first mixed steps; each shape may be kernels of its own)."""
+    batches = [[max_tokens - 1, 1], [64, 1], [16, 1]]
+    return [lens for lens in batches if min(lens) > 0 and sum(lens) <= max_tokens]
+
+
+@torch.inference_mode()
+def warm_up(
+    model: torch.nn.Module,
+    attention: AttentionBackend,
+    page_size: int,
+    batches: list[list[int]],
+    device: torch.device,
+) -> None:
+    """Eager forward passes of `batches` (each a list of query lengths, no cached prefix) on
+    dummy inputs that write no KV, so that their kernels compile at start-up rather than
+    inside the first requests' steps (a mixed batch's short rows compiled a kernel of their
+    own in B2's measured run: ~1.6 s). Their attention reads page 0, whatever it holds."""
+    for lens in batches:
+        q_lens = torch.tensor(lens, dtype=torch.int64, device=device)
+        cu = torch.zeros(len(lens) + 1, dtype=torch.int64, device=device)
+        torch.cumsum(q_lens, 0, out=cu[1:])
+        total, pages = sum(lens), -(-max(lens) // page_size)
+        attention.plan(
+            AttentionInputs(
+                query_lens_cpu=lens,
+                kv_lens_cpu=lens,
+                cu_query_lens=cu,
+                kv_lens=q_lens,
+                page_table=torch.zeros(len(lens), pages, dtype=torch.int64, device=device),
+                slot_mapping=torch.full((total,), -1, dtype=torch.int64, device=device),
+            )
+        )
+        positions = torch.cat([torch.arange(n, device=device) for n in lens])
+        model(torch.zeros(total, dtype=torch.int64, device=device), positions, attention)
 
 
 def host_memory_bytes() -> int | None:

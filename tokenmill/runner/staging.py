@@ -16,6 +16,10 @@ import numpy as np
 import torch
 
 RING = 4
+# Each array starts a multiple of this many int64s into a block: 16 bytes, the alignment Triton
+# specialises pointer arguments on (an array starting anywhere would compile a step's kernels
+# again for each alignment its views happen to get: seconds inside a serving run).
+ALIGN = 2
 
 
 class HostStaging:
@@ -36,19 +40,20 @@ class HostStaging:
             self._record()
         else:  # the "copy" would be the buffer itself, which the ring reuses
             flat = flat.clone()
-        sizes = [a.size for a in arrays]
-        return [part.view(a.shape) for part, a in zip(flat.split(sizes), arrays, strict=True)]
+        starts, _ = _layout(arrays)
+        return [flat[s : s + a.size].view(a.shape) for s, a in zip(starts, arrays, strict=True)]
 
     def upload(self, array: np.ndarray, dst: torch.Tensor) -> None:
         """An int64 host array into the start of the device tensor `dst`, in one copy."""
-        dst[: array.size].copy_(self.stage([array]), non_blocking=True)
+        dst[: array.size].copy_(self.stage([array])[: array.size], non_blocking=True)
         if self._cuda:
             self._record()
 
     def stage(self, arrays: Sequence[np.ndarray]) -> torch.Tensor:
-        """The arrays flattened one after another into the next buffer of the ring (pinned on
-        CUDA), once the copy that last read it has run."""
-        total = sum(a.size for a in arrays)
+        """The arrays flattened one after another (each from a multiple of `ALIGN` elements)
+        into the next buffer of the ring (pinned on CUDA), once the copy that last read it has
+        run."""
+        starts, total = _layout(arrays)
         i = self._next = (self._next + 1) % RING
         event = self._copied[i]
         if event is not None:
@@ -60,13 +65,20 @@ class HostStaging:
                 buffer = buffer.pin_memory()
             self._buffers[i] = buffer
         staging = buffer.numpy()
-        offset = 0
-        for a in arrays:
-            staging[offset : offset + a.size] = a.reshape(-1)
-            offset += a.size
+        for start, a in zip(starts, arrays, strict=True):
+            staging[start : start + a.size] = a.reshape(-1)
         return buffer[:total]
 
     def _record(self) -> None:
         event = torch.cuda.Event()
         event.record()
         self._copied[self._next] = event
+
+
+def _layout(arrays: Sequence[np.ndarray]) -> tuple[list[int], int]:
+    """Each array's start in a block (a multiple of `ALIGN` elements) and the block's size."""
+    starts, end = [], 0
+    for a in arrays:
+        starts.append(end)
+        end += -(-a.size // ALIGN) * ALIGN
+    return starts, end

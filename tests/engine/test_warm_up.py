@@ -1,0 +1,47 @@
+"""The runner's start-up warm-up (`model_runner.warm_up`): eager mixed batches on dummy inputs,
+which must write no KV and leave the backend planning real steps as before."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")  # the Triton backend runs its kernels in the interpreter
+
+from tests.conftest import hf_greedy
+from tokenmill import LLM, SamplingParams
+from tokenmill.runner.model_runner import warm_up, warm_up_batches
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_warm_up_batches_fit_the_step_budget() -> None:
+    assert warm_up_batches(8192) == [[8191, 1], [64, 1], [16, 1]]
+    assert warm_up_batches(40) == [[39, 1], [16, 1]]
+    assert warm_up_batches(1) == []
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_warm_up_runs_mixed_batches_and_writes_no_kv(checkpoints, backend, monkeypatch) -> None:
+    path = checkpoints["qwen3"]
+    llm = LLM(str(path), device=DEVICE, dtype="float32", attention_backend=backend, page_size=4,
+              max_num_batched_tokens=40, enforce_eager=True)  # fmt: skip
+    runner = llm.engine.runner
+    cache = [*runner.kv_cache.k, *runner.kv_cache.v]
+    for t in cache:
+        t.fill_(0.5)
+    planned: list[list[int]] = []
+    plan = type(runner.attention).plan
+
+    def spy(self, inputs) -> None:  # type: ignore[no-untyped-def]
+        planned.append(list(inputs.query_lens_cpu))
+        plan(self, inputs)
+
+    monkeypatch.setattr(type(runner.attention), "plan", spy)
+    warm_up(runner.model, runner.attention, runner.page_size, warm_up_batches(40), runner.device)
+    assert planned == [[39, 1], [16, 1]]
+    assert all(bool((t == 0.5).all()) for t in cache)
+    prompt = list(range(3, 12))
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    out = llm.generate([prompt], greedy, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(path, prompt, 4)
