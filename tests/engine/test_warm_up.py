@@ -15,10 +15,12 @@ from tokenmill.runner.model_runner import warm_up, warm_up_batches
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def test_warm_up_batches_fit_the_step_budget() -> None:
-    assert warm_up_batches(8192) == [[8191, 1], [64, 1], [16, 1]]
-    assert warm_up_batches(40) == [[39, 1], [16, 1]]
-    assert warm_up_batches(1) == []
+def test_warm_up_batches_fit_the_step_budget_and_the_model_length() -> None:
+    assert warm_up_batches(8192, 40960) == [[8191, 1], [64, 1], [16, 1]]
+    assert warm_up_batches(8192, 4096) == [[4096, 4095, 1], [64, 1], [16, 1]]
+    assert warm_up_batches(40, 1024) == [[39, 1], [16, 1]]
+    assert warm_up_batches(40, 16) == [[16, 16, 7, 1], [16, 1]]
+    assert warm_up_batches(1, 1024) == []
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
@@ -38,8 +40,9 @@ def test_warm_up_runs_mixed_batches_and_writes_no_kv(checkpoints, backend, monke
         plan(self, inputs)
 
     monkeypatch.setattr(type(runner.attention), "plan", spy)
-    warm_up(runner.model, runner.attention, runner.page_size, warm_up_batches(40), runner.device)
-    assert planned == [[39, 1], [16, 1]]
+    batches = warm_up_batches(40, 16)  # rows of at most 16 tokens, as for a 16-token model
+    warm_up(runner.model, runner.attention, runner.page_size, batches, runner.device)
+    assert planned == [[16, 16, 7, 1], [16, 1]]
     assert all(bool((t == 0.5).all()) for t in cache)
     prompt = list(range(3, 12))
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

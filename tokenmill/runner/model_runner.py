@@ -303,7 +303,9 @@ class ModelRunner:
                     self.spec.capture_graphs(self.graphs)
         if self.device.type == "cuda":
             with self.startup.phase("warm_up"):
-                batches = warm_up_batches(config.scheduler.max_num_batched_tokens)
+                batches = warm_up_batches(
+                    config.scheduler.max_num_batched_tokens, config.max_model_len
+                )
                 warm_up(self.model, self.attention, self.page_size, batches, self.device)
 
     def kv_tensors(self) -> list[torch.Tensor]:
@@ -597,12 +599,19 @@ class ModelRunner:
         return ids, positions, inputs, logits_index
 
 
-def warm_up_batches(max_tokens: int) -> list[list[int]]:
-    """Query lengths of the eager batches `warm_up` runs, each of at most `max_tokens` tokens:
-    a chunk filling the step beside a decode row, and a 64- and a 16-token prompt beside one
-    (a serving run's first mixed steps; each shape may be kernels of its own)."""
-    batches = [[max_tokens - 1, 1], [64, 1], [16, 1]]
-    return [lens for lens in batches if min(lens) > 0 and sum(lens) <= max_tokens]
+def warm_up_batches(max_tokens: int, max_len: int) -> list[list[int]]:
+    """Query lengths of the eager batches `warm_up` runs, each of at most `max_tokens` tokens
+    in rows of at most `max_len` (no position past the model's): prompts filling the step
+    beside a decode row, and a 64- and a 16-token prompt beside one (a serving run's first
+    mixed steps; each shape may be kernels of its own)."""
+    fill = max_tokens - 1
+    prompts = [max_len] * (fill // max_len) + ([fill % max_len] if fill % max_len else [])
+    batches = [[*prompts, 1], [min(64, max_len), 1], [min(16, max_len), 1]]
+    kept: list[list[int]] = []
+    for lens in batches:
+        if len(lens) > 1 and min(lens) > 0 and sum(lens) <= max_tokens and lens not in kept:
+            kept.append(lens)
+    return kept
 
 
 @torch.inference_mode()
