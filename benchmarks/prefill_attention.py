@@ -7,13 +7,17 @@ prefix, about 32k query tokens a batch. Each case is timed for the kernel's defa
 torch's SDPA (flash, contiguous K/V: the transformers peer's kernel) and the bf16 matmul rate
 measured in the same run (causal FLOPs: 4 x head_dim per query head and (query, key) pair).
 
+`--decode`: `decode_attention` instead, over B2's decode batches (32, 143 and 256 rows of
+contexts uniform in 100-2,048 tokens) against the copy bandwidth; with `--sweep` every key
+block, stage count and warp count of its kernel, the three fastest printed.
+
 `--mixed`: the data workload's mixed steps instead (an 8,192-token chunk budget spent on two
 prompts, one after a 2,000-token prefix, beside 0-128 decode rows of 5,000-token contexts): the
 step's launches with the decode rows as short rows, the prefill rows alone, and the decode rows
 alone in the prefill kernel and in `decode_attention` (its split count for the batch), the
 decode rows' K/V bytes against the copy bandwidth measured in the same run.
 
-    python benchmarks/prefill_attention.py [--sweep] [--mixed]
+    python benchmarks/prefill_attention.py [--sweep] [--mixed | --decode]
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import inspect
+import itertools
 
 import torch
 import triton
@@ -84,24 +89,30 @@ MIXED_PREFILLS = [(3000, 2000), (5192, 0)]
 DECODE_CONTEXT = 5000
 
 
-def mixed_case(hq: int, hkv: int, d: int, decode_rows: int) -> dict:
-    """The MIXED_PREFILLS rows and `decode_rows` rows of one query token after
-    `DECODE_CONTEXT - 1` cached: one paged batch."""
-    q_lens = [q for q, _ in MIXED_PREFILLS] + [1] * decode_rows
-    kv_lens = [q + p for q, p in MIXED_PREFILLS] + [DECODE_CONTEXT] * decode_rows
+def paged_rows(kv_lens: list[int], hkv: int, d: int) -> tuple[torch.Tensor, ...]:
+    """Random bf16 K and V caches holding rows of `kv_lens` tokens in shuffled pages, and the
+    rows' page table."""
     pages = [triton.cdiv(n, PAGE) for n in kv_lens]
-    width = max(pages)
     order = torch.randperm(sum(pages), device="cuda", dtype=torch.int32)
-    table = torch.zeros(len(pages), width, device="cuda", dtype=torch.int32)
+    table = torch.zeros(len(pages), max(pages), device="cuda", dtype=torch.int32)
     start = 0
     for row, n in enumerate(pages):
         table[row, :n] = order[start : start + n]
         start += n
     k = torch.randn(sum(pages) * PAGE, hkv, d, device="cuda", dtype=torch.bfloat16)
+    return k, torch.randn_like(k), table
+
+
+def mixed_case(hq: int, hkv: int, d: int, decode_rows: int) -> dict:
+    """The MIXED_PREFILLS rows and `decode_rows` rows of one query token after
+    `DECODE_CONTEXT - 1` cached: one paged batch."""
+    q_lens = [q for q, _ in MIXED_PREFILLS] + [1] * decode_rows
+    kv_lens = [q + p for q, p in MIXED_PREFILLS] + [DECODE_CONTEXT] * decode_rows
+    k, v, table = paged_rows(kv_lens, hkv, d)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device="cuda")
     return dict(
         q=torch.randn(sum(q_lens), hq, d, device="cuda", dtype=torch.bfloat16),
-        k_cache=k, v_cache=torch.randn_like(k), cu_q=cu.to(torch.int32),
+        k_cache=k, v_cache=v, cu_q=cu.to(torch.int32),
         kv_lens=torch.tensor(kv_lens, device="cuda", dtype=torch.int32), page_table=table,
         max_q_len=max(q_lens), page_size=PAGE, scale=d**-0.5, window=None,
     )  # fmt: skip
@@ -159,6 +170,58 @@ def mixed(models: list[str]) -> None:
             torch.cuda.empty_cache()
 
 
+# --decode: B2's decode batches (context lengths uniform in DECODE_LENGTHS, seeded by the batch
+# size), and with --sweep the split-decode kernel's (key block, stages, warps) candidates.
+DECODE_BATCHES = (32, 143, 256)
+DECODE_LENGTHS = (100, 2048)
+DECODE_BLOCKS = list(itertools.product((32, 64, 128), (2, 3, 4), (4, 8)))
+
+
+def decode(models: list[str], sweep: bool) -> None:
+    """Time `decode_attention` over B2's context lengths (`--decode`) against the copy
+    bandwidth; with `sweep` every candidate in DECODE_BLOCKS, the three fastest printed."""
+    from tokenmill.attention.triton_backend import decode_splits
+
+    print(f"copy bandwidth (read + write, 2 GiB): {copy_tbps():.2f} TB/s")
+    for model in models:
+        hq, hkv, d = HEADS[model]
+        for batch in DECODE_BATCHES:
+            gen = torch.Generator().manual_seed(batch)
+            lens = torch.randint(DECODE_LENGTHS[0], DECODE_LENGTHS[1] + 1, (batch,), generator=gen)
+            k, v, table = paged_rows(lens.tolist(), hkv, d)
+            splits = decode_splits(torch.device("cuda"), batch, hkv)
+            mid_o = torch.empty(batch, hq, splits, d, device="cuda", dtype=torch.float32)
+            mid_lse = torch.empty(batch, hq, splits, device="cuda", dtype=torch.float32)
+            q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
+            args = (q, k, v, lens.to("cuda", torch.int32), table, PAGE, d**-0.5, None, mid_o,
+                    mid_lse)  # fmt: skip
+            kv_bytes = 2 * int(lens.sum()) * hkv * d * 2
+
+            def rate(ms: float, kv_bytes: int = kv_bytes) -> str:
+                return f"{ms * 1e3:.0f} us ({kv_bytes / ms / 1e9:.2f} TB/s)"
+
+            line = f"{model} batch {batch} ({splits} splits): {rate(_decode_ms(args, None))}"
+            if sweep:
+                ranked = sorted((_decode_ms(args, b), b) for b in DECODE_BLOCKS)
+                ranked = [(ms, b) for ms, b in ranked if ms < float("inf")]
+                line += "; fastest (key block, stages, warps): " + ", ".join(
+                    f"{b} {rate(ms)}" for ms, b in ranked[:3]
+                )
+            print(line)
+            del k, v
+            torch.cuda.empty_cache()
+
+
+def _decode_ms(args: tuple, blocks: tuple[int, int, int] | None) -> float:  # type: ignore[type-arg]
+    """Milliseconds of `decode_attention(*args)` with `blocks` (None: its own choice); inf
+    where the launch needs more shared memory than an SM has."""
+    run = functools.partial(attention.decode_attention, *args, blocks=blocks)
+    try:
+        return triton.testing.do_bench(run)
+    except triton.runtime.errors.OutOfResources:
+        return float("inf")
+
+
 def sdpa_ms(hq: int, hkv: int, d: int, q_len: int, seqs: int) -> float:
     """torch's SDPA (flash) on contiguous tensors, whole prompts only (no prefix)."""
     q = torch.randn(seqs, hq, q_len, d, device="cuda", dtype=torch.bfloat16)
@@ -171,12 +234,24 @@ def sdpa_ms(hq: int, hkv: int, d: int, q_len: int, seqs: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweep", action="store_true", help="also time every tile in TILES")
-    parser.add_argument("--models", nargs="+", default=list(HEADS), choices=list(HEADS))
+    parser.add_argument(
+        "--sweep", action="store_true",
+        help="also time every candidate: the tiles in TILES (with --decode: DECODE_BLOCKS)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--models", nargs="+", default=list(HEADS), choices=list(HEADS),
+        help="the models whose heads (query, key/value, head_dim) the cases take",
+    )  # fmt: skip
     parser.add_argument("--mixed", action="store_true", help="time mixed steps instead")
+    parser.add_argument(
+        "--decode", action="store_true", help="time decode_attention over B2's lengths instead"
+    )
     args = parser.parse_args()
     if args.mixed:
         mixed(args.models)
+        return
+    if args.decode:
+        decode(args.models, args.sweep)
         return
     ceiling = matmul_tflops()
     print(f"matmul bf16 8192^3: {ceiling:.0f} TFLOP/s")

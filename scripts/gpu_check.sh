@@ -40,7 +40,8 @@
 #  llama-3.1-8b (engine args of b1/b2, no transformers peer) without and with
 #  `--engine-arg deterministic=true`, same run;
 #  prefillattn = benchmarks/prefill_attention.py --sweep, then --mixed (qwen3-0.6b heads: a data
-#  workload's mixed step against its parts): the prefill attention kernel alone on
+#  workload's mixed step against its parts), then --decode --sweep (decode attention over B2's
+#  context lengths, every key block, stage and warp count): the prefill attention kernel alone on
 #  2k-32k prompts (paged K/V), every candidate tile, against torch SDPA and the matmul rate;
 #  detsweep = benchmarks/invariant_matmul_sweep.py: deterministic mode's matmul, each tile's rows
 #  bitwise against the row alone, and its time next to cuBLAS, weights streamed from HBM;
@@ -163,6 +164,8 @@ if [[ "$what" == prefillattn ]]; then
     | grep -E "TFLOP/s" >> "$table"
   python3 benchmarks/prefill_attention.py --mixed --models qwen3-0.6b 2>&1 \
     | tee "$out/prefill-attention-mixed.log" | grep -E "decode rows" >> "$table"
+  python3 benchmarks/prefill_attention.py --decode --sweep 2>&1 \
+    | tee "$out/decode-attention.log" | grep -E " batch " >> "$table"
 fi
 if [[ "$what" == moesweep ]]; then
   python3 benchmarks/moe_sweep.py --config "$models/qwen3-30b-a3b" --out "$out/moe-sweep.json" \

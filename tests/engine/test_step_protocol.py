@@ -11,6 +11,7 @@ import numpy as np
 from tokenmill.batch import Request, SamplingRows, ScheduledSeq, StepPlan
 from tokenmill.cache.cache_manager import CacheManager
 from tokenmill.config import SchedulerConfig
+from tokenmill.engine.engine_core import step_kind
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.runner.model_runner import lay_out
 from tokenmill.sampling_params import SamplingParams
@@ -122,3 +123,20 @@ def test_lay_out_samples_the_last_positions_of_each_row() -> None:
 def _offsets(out):  # type: ignore[no-untyped-def]
     assert out.plan is not None
     return zip(out.seqs, out.plan.sample_offsets.tolist(), strict=True)
+
+
+def test_step_kinds_tell_prefill_mixed_and_decode_steps() -> None:
+    """`step_kind` (the device time by kind in the engine's stats): prompt chunks only, a chunk
+    beside a decode row, decode rows only."""
+    sched = _scheduler(budget=8)
+    a, b = _request("a", [10, 11, 12]), _request("b", list(range(20, 30)))
+    sched.add_request(a)
+    sched.add_request(b)
+    kinds = []
+    for _ in range(3):
+        batch = sched.schedule()
+        kinds.append(step_kind(batch))
+        sampled = sum(s.num_samples for s in batch.seqs)
+        sched.update(batch, [4] * sampled, [None] * sampled)
+    # 3 + 5 tokens (both prompts' chunks); a decodes beside b's last 5; both decode.
+    assert kinds == ["prefill", "mixed", "decode"]

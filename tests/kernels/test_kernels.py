@@ -494,6 +494,29 @@ def test_split_kv_decode(dtype, hq, hkv, d, page, window, early_kv) -> None:
         _close(out[i : i + 1], ref, dtype)
 
 
+@pytest.mark.parametrize("blocks", [(32, 3, 8), (128, 2, 4)])
+def test_split_kv_decode_with_a_sweeps_blocks(blocks) -> None:
+    """`decode_attention` with the (key block, stages, warps) a sweep passes: the same
+    attention (contexts of several such blocks, one split and two)."""
+    hq, hkv, d, page, dtype = 8, 2, 64, 16, DOT_DTYPES[0]
+    gen = torch.Generator().manual_seed(blocks[0])
+    kv_lens = [1, 77, 300, 33]
+    k, v, table = _paged_setup(kv_lens, page, hkv, d, dtype, gen)
+    q = _randn(len(kv_lens), hq, d, dtype=dtype, gen=gen)
+    kv, scale = torch.tensor(kv_lens, device=DEVICE), d**-0.5
+    for splits in (1, 2):
+        mid_o = torch.empty(len(kv_lens), hq, splits, d, device=DEVICE)
+        mid_lse = torch.empty(len(kv_lens), hq, splits, device=DEVICE)
+        out = decode_attention(q, k, v, kv, table, page, scale, None, mid_o, mid_lse, False,
+                               blocks)  # fmt: skip
+        for i, n in enumerate(kv_lens):
+            ref = _attention_reference(
+                q[i : i + 1], _gather(k, table, i, n, page), _gather(v, table, i, n, page),
+                torch.tensor([n - 1], device=DEVICE), scale, None,
+            )  # fmt: skip
+            _close(out[i : i + 1], ref, dtype)
+
+
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(4, 4, 64), (8, 2, 64), (16, 2, 128)])
 @pytest.mark.parametrize("page", [1, 16])

@@ -181,8 +181,13 @@ def _b2(llm: LLM, prompts: list[list[int]], outputs: list[int]) -> dict[str, flo
         stats.step_seconds.total,
         stats.forward_seconds.total,
     )
+    by_kind = {k: (h.count, h.total) for k, h in stats.forward_seconds_by_kind.items()}
     elapsed = _timed(lambda: llm.generate(prompts, params, use_tqdm=False))
     steps = stats.step_seconds.count - steps
+    kinds = {}
+    for kind, (count, total) in by_kind.items():
+        h = stats.forward_seconds_by_kind[kind]
+        kinds[kind] = {"steps": h.count - count, "device_s": h.total - total}
     total_in = sum(len(p) for p in prompts)
     return {
         "elapsed_s": elapsed,
@@ -195,6 +200,8 @@ def _b2(llm: LLM, prompts: list[list[int]], outputs: list[int]) -> dict[str, flo
         # forward runs on the host, so there the host time includes it.
         "host_ms_per_step": 1e3 * (stats.step_seconds.total - host) / max(steps, 1),
         "device_busy_fraction": (stats.forward_seconds.total - device) / elapsed,
+        # Steps and their device time by kind (prefill-only, mixed, decode-only).
+        "steps_by_kind": kinds,
     }
 
 
@@ -275,13 +282,25 @@ def summary_rows(report: dict[str, Any]) -> list[str]:
         else "no roofline on the CPU"
     )
     if report["workload"] in ("b6", "data"):
-        return [long_prompts_row(report["workload"], name, ours)]
+        return [long_prompts_row(report["workload"], name, ours), steps_row(ours)]
     return [
         f"B2 {name}: tokenmill {ours['output_tok_s']:.0f} output tok/s, "
         f"{ours['total_tok_s']:.0f} total tok/s in {ours['elapsed_s']:.1f} s ({roofline}; "
         f"host {ours['host_ms_per_step']:.2f} ms/step, device busy "
-        f"{100 * ours['device_busy_fraction']:.0f}%); {peer_text}"
+        f"{100 * ours['device_busy_fraction']:.0f}%); {peer_text}",
+        steps_row(ours),
     ]
+
+
+def steps_row(result: dict[str, Any]) -> str:
+    """The measured run's steps by kind: how many, and the device time of each on average."""
+    cells = [
+        f"{kind if kind == 'mixed' else kind + '-only'} {k['steps']} "
+        f"({1e3 * k['device_s'] / k['steps']:.2f} ms)"
+        for kind, k in result["steps_by_kind"].items()
+        if k["steps"]
+    ]
+    return "  steps: " + ", ".join(cells) + " of device time each"
 
 
 def long_prompts_row(workload: str, name: str, result: dict[str, Any]) -> str:

@@ -244,6 +244,8 @@ def _histograms(engine: EngineCore) -> dict[str, Histogram]:
         "model_forward_seconds": engine.stats.forward_seconds,
         "iteration_tokens_total": engine.stats.iteration_tokens,
     }
+    for kind, histogram in engine.stats.forward_seconds_by_kind.items():
+        histograms[f"model_forward_seconds_{kind}_steps"] = histogram
     if engine.config.speculative is not None:
         histograms["spec_decode_chosen_drafts"] = engine.scheduler.spec_stats.chosen_drafts
     return histograms

@@ -100,6 +100,24 @@ class EngineOutput:
         return self.finish_reason is not None
 
 
+# A step's kind: only prefill rows (prompt chunks), prefill rows beside decode rows, or only
+# decode rows (decodes and speculative verifies).
+STEP_KINDS = ("prefill", "mixed", "decode")
+
+
+def step_kind(batch: SchedulerOutput) -> str:
+    """The kind (`STEP_KINDS`) of a step: a row is a prefill row when it computes more tokens
+    than it samples (a prompt chunk), a decode row otherwise (a decode, a verify)."""
+    prefill = sum(1 for s in batch.seqs if s.num_new_tokens > s.num_samples)
+    if prefill == len(batch.seqs):
+        return "prefill"
+    return "mixed" if prefill else "decode"
+
+
+def _seconds_histogram() -> Histogram:
+    return Histogram.new(STEP_SECONDS_BUCKETS)
+
+
 @dataclass
 class EngineCounters:
     """Cumulative engine-side statistics (the metrics endpoint reads them)."""
@@ -107,8 +125,13 @@ class EngineCounters:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     finished: Counter[str] = field(default_factory=Counter)  # requests, by finish reason
-    step_seconds: Histogram = field(default_factory=lambda: Histogram.new(STEP_SECONDS_BUCKETS))
-    forward_seconds: Histogram = field(default_factory=lambda: Histogram.new(STEP_SECONDS_BUCKETS))
+    step_seconds: Histogram = field(default_factory=_seconds_histogram)
+    forward_seconds: Histogram = field(default_factory=_seconds_histogram)
+    # The same device time by the step's kind (`step_kind`): what mixed steps cost beside
+    # prefill-only and decode-only ones.
+    forward_seconds_by_kind: dict[str, Histogram] = field(
+        default_factory=lambda: {kind: _seconds_histogram() for kind in STEP_KINDS}
+    )
     iteration_tokens: Histogram = field(default_factory=lambda: Histogram.new(TOKEN_COUNT_BUCKETS))
 
 
@@ -431,7 +454,9 @@ class EngineCore:
         wait_start = time.perf_counter()
         sampled = step.launched.read()
         self._waited += time.perf_counter() - wait_start
-        self.stats.forward_seconds.observe(step.launched.forward_seconds())
+        seconds = step.launched.forward_seconds()
+        self.stats.forward_seconds.observe(seconds)
+        self.stats.forward_seconds_by_kind[step_kind(step.batch)].observe(seconds)
         tokens = sampled.token_ids if sampled is not None else []
         logprobs = sampled.logprobs if sampled is not None else []
         touched = self.scheduler.update(step.batch, tokens, logprobs)

@@ -679,6 +679,7 @@ def decode_attention(
     mid_o: torch.Tensor,
     mid_lse: torch.Tensor,
     early_kv: bool | None = None,
+    blocks: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """One query per sequence (`q` `[B, Hq, D]`) attending to its whole paged context.
 
@@ -686,6 +687,7 @@ def decode_attention(
     log-sum-exp; `mid_o` `[>=B, Hq, S, D]` and `mid_lse` `[>=B, Hq, S]` are float32 scratch.
     Sequences with `kv_len == 0` (CUDA-graph padding) produce zeros. `early_kv` (default: when
     the grid fits in one wave of the GPU) loads each split's first K/V block before the PDL wait.
+    `blocks`: (key block, stages, warps) instead of `decode_blocks`' choice (a sweep's).
     """
     batch, hq, d = q.shape
     hkv = k_cache.shape[-2]
@@ -696,13 +698,14 @@ def decode_attention(
     grid = (batch, hkv, splits)
     if early_kv is None:
         early_kv = q.device.type != "cuda" or batch * hkv * splits <= sm_count(q.device)
-    block_n, stages = decode_blocks(d, q.element_size(), early_kv)
+    block_n, stages, warps = blocks or (*decode_blocks(d, q.element_size(), early_kv), 4)
     _decode_split_kernel[grid](
         q, k_cache, v_cache, out, mid_o, mid_lse, kv_lens, page_table, page_table.stride(0),
         scale * _LOG2E, window or 0, splits,
         HQ=hq, HKV=hkv, D=d, PAGE=page_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        HAS_WINDOW=window is not None, EARLY_KV=early_kv, num_warps=4, num_stages=stages, **pdl,
+        HAS_WINDOW=window is not None, EARLY_KV=early_kv, num_warps=warps, num_stages=stages,
+        **pdl,
     )  # fmt: skip
     return _merge_splits(mid_o, mid_lse, out)
 

@@ -108,6 +108,12 @@ class _EngineCollector(Collector):
         docs = {
             "scheduler_step_seconds": "Host time of one engine step (not waiting for the GPU).",
             "model_forward_seconds": "Device time of one forward pass and its sampling.",
+            "model_forward_seconds_prefill_steps": "model_forward_seconds of steps with only "
+            "prefill rows (prompt chunks).",
+            "model_forward_seconds_mixed_steps": "model_forward_seconds of steps with prefill "
+            "rows beside decode rows.",
+            "model_forward_seconds_decode_steps": "model_forward_seconds of steps with only "
+            "decode rows (decodes, speculative verifies).",
             "iteration_tokens_total": "Tokens processed per engine step.",
             "spec_decode_chosen_drafts": "Drafts verified per request and step, of requests "
             "with drafts to offer (0: adaptive speculation left them out).",
