@@ -15,11 +15,15 @@ from tokenmill.runner.model_runner import warm_up, warm_up_batches
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+SHORT = [[q, 1] for q in range(2, 9)]  # short prompts (the verify kernel's row blocks)
+
+
 def test_warm_up_batches_fit_the_step_budget_and_the_model_length() -> None:
-    assert warm_up_batches(8192, 40960) == [[8191, 1], [64, 1], [16, 1]]
-    assert warm_up_batches(8192, 4096) == [[4096, 4095, 1], [64, 1], [16, 1]]
-    assert warm_up_batches(40, 1024) == [[39, 1], [16, 1]]
-    assert warm_up_batches(40, 16) == [[16, 16, 7, 1], [16, 1]]
+    assert warm_up_batches(8192, 40960) == [[8191, 1], [64, 1], [16, 1], *SHORT]
+    assert warm_up_batches(8192, 4096) == [[4096, 4095, 1], [64, 1], [16, 1], *SHORT]
+    assert warm_up_batches(40, 1024) == [[39, 1], [16, 1], *SHORT]
+    assert warm_up_batches(40, 16) == [[16, 16, 7, 1], [16, 1], *SHORT]
+    assert warm_up_batches(40, 4) == [[4] * 9 + [3, 1], [4, 1], [2, 1], [3, 1]]
     assert warm_up_batches(1, 1024) == []
 
 
@@ -42,7 +46,7 @@ def test_warm_up_runs_mixed_batches_and_writes_no_kv(checkpoints, backend, monke
     monkeypatch.setattr(type(runner.attention), "plan", spy)
     batches = warm_up_batches(40, 16)  # rows of at most 16 tokens, as for a 16-token model
     warm_up(runner.model, runner.attention, runner.page_size, batches, runner.device)
-    assert planned == [[16, 16, 7, 1], [16, 1]]
+    assert planned == [[16, 16, 7, 1], [16, 1], *SHORT]
     assert all(bool((t == 0.5).all()) for t in cache)
     prompt = list(range(3, 12))
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

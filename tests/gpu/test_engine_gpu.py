@@ -193,8 +193,9 @@ def _compiled(kernels: list) -> int:  # type: ignore[type-arg]
 
 def test_serving_after_start_up_compiles_no_attention_kernel(checkpoints) -> None:
     """The runner's start-up warm-up compiles what a serving run's steps launch: mixed steps
-    (prompt chunks beside decode rows, whose short rows are a launch of their own) of varied
-    lengths, page-table widths and input offsets add no compiled attention or store kernel."""
+    (prompt chunks beside decode rows, whose short rows are a launch of their own; short
+    prompts beside decode rows, through the verify kernel) of varied lengths, page-table widths
+    and input offsets add no compiled attention or store kernel."""
     from tokenmill.kernels.attention import (
         _decode_split_kernel,
         _prefill_kernel,
@@ -209,7 +210,10 @@ def test_serving_after_start_up_compiles_no_attention_kernel(checkpoints) -> Non
               max_num_batched_tokens=96, max_num_seqs=16)  # fmt: skip
     before = _compiled(kernels)
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, 250) for _ in range(rng.randrange(2, 300))] for _ in range(24)]
+    # The last 8 are short (2-8 tokens), admitted as earlier ones finish: steps whose longest
+    # row is such a prompt beside decode rows (the verify kernel's path).
+    lens = [rng.randrange(2, 300) for _ in range(16)] + [rng.randrange(2, 9) for _ in range(8)]
+    prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in lens]
     params = [
         SamplingParams(temperature=0, max_tokens=rng.randrange(1, 12), ignore_eos=True)
         for _ in prompts

@@ -40,7 +40,7 @@ INT64_KERNELS = {"decode_inputs"}  # every pointer of these is int64
 # Index pointers (INT_PTRS) of these are int64: the kernel takes int32 or int64 ones.
 INT64_INDEX_KERNELS = {"invariant_int64_index"}
 FLOAT_SCALARS = {"eps", "qk_scale"}
-UNALIGNED = FLOAT_SCALARS | {"M", "window", "SPLITS", "split", "short_q_len"}
+UNALIGNED = FLOAT_SCALARS | {"M", "window", "SPLITS", "split", "short_q_len", "stride_pt"}
 # Constexprs of each kernel (USE_PDL is set for all), as the decode path of a
 # qwen3-like layer uses them.
 KERNELS = {

@@ -307,6 +307,9 @@ class ModelRunner:
                     config.scheduler.max_num_batched_tokens, config.max_model_len
                 )
                 warm_up(self.model, self.attention, self.page_size, batches, self.device)
+                if self.spec is not None and (drafter := self.spec.drafter) is not None:
+                    # The draft model mirrors every eager step: its heads, its kernels.
+                    warm_up(drafter.model, drafter.attention, self.page_size, batches, self.device)
 
     def kv_tensors(self) -> list[torch.Tensor]:
         """Every KV tensor indexed by the page ids: the target's K and V per layer, then the
@@ -602,11 +605,13 @@ class ModelRunner:
 def warm_up_batches(max_tokens: int, max_len: int) -> list[list[int]]:
     """Query lengths of the eager batches `warm_up` runs, each of at most `max_tokens` tokens
     in rows of at most `max_len` (no position past the model's): prompts filling the step
-    beside a decode row, and a 64- and a 16-token prompt beside one (a serving run's first
-    mixed steps; each shape may be kernels of its own)."""
+    beside a decode row, a 64- and a 16-token prompt beside one, and each of 2 to 8 tokens
+    beside one (a serving run's first mixed steps; each shape may be kernels of its own: the
+    Triton backend's prefill tiles, its short rows' launch, its verify kernel's row blocks)."""
     fill = max_tokens - 1
     prompts = [max_len] * (fill // max_len) + ([fill % max_len] if fill % max_len else [])
     batches = [[*prompts, 1], [min(64, max_len), 1], [min(16, max_len), 1]]
+    batches += [[min(q, max_len), 1] for q in range(2, 9)]
     kept: list[list[int]] = []
     for lens in batches:
         if len(lens) > 1 and min(lens) > 0 and sum(lens) <= max_tokens and lens not in kept:
