@@ -17,6 +17,7 @@ from triton.compiler import ASTSource
 from tokenmill.kernels.activation import _silu_and_mul_kernel
 from tokenmill.kernels.argmax import _argmax_kernel
 from tokenmill.kernels.attention import (
+    _decode_reduce_kernel,
     _decode_split_kernel,
     _invariant_kernel,
     _invariant_merge_kernel,
@@ -52,6 +53,7 @@ KERNELS = {
         HQ=16, HKV=8, D=128, PAGE=16, BLOCK_M=16, BLOCK_N=64, CHUNK=4, PARTS=16,
         HAS_WINDOW=False)) for name in ("invariant", "invariant_int64_index")},
     "invariant_merge": (_invariant_merge_kernel, dict(HQ=16, D=128, PARTS=16, BLOCK_H=16)),
+    "decode_reduce": (_decode_reduce_kernel, dict(HQ=16, D=128, BLOCK_S=16)),
     "verify_split": (_verify_split_kernel, dict(
         HQ=16, HKV=8, D=128, PAGE=16, BLOCK_R=16, BLOCK_N=64, HAS_WINDOW=False)),
     "gemv": (_gemv_kernel, dict(

@@ -791,7 +791,7 @@ def test_pdl_kernels_wait_before_touching_memory() -> None:
     earlier steps) and the MoE down GEMV (router logits of the kernel before the previous one,
     expert weights) read before it."""
     before_wait = _compiled_report("tests.kernels.ptx_prologue")
-    assert set(before_wait) >= {"decode_split", "verify_split", "gemv",
+    assert set(before_wait) >= {"decode_split", "decode_reduce", "verify_split", "gemv",
                                 "gemv_dot", "rope_store", "moe_gate_up_gemv", "moe_down_gemv",
                                 "invariant_matmul", "invariant_matmul_swiglu",
                                 "invariant_matmul_across", "invariant_matmul_loop", "invariant",

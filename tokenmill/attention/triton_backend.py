@@ -10,6 +10,7 @@ from tokenmill.attention.backend import AttentionBackend, AttentionInputs, QKNor
 from tokenmill.cache.kv_cache import KVCache
 from tokenmill.config import ModelConfig
 from tokenmill.kernels.attention import (
+    MAX_SPLITS_BLOCK,
     decode_attention,
     invariant_attention,
     invariant_scratch,
@@ -22,8 +23,8 @@ from tokenmill.kernels.rope_store import rope_and_store
 from tokenmill.layers.rotary import RotaryEmbedding
 
 # Decode splits each context into at most this many chunks, processed in parallel and merged
-# (each split more a partial result to write and merge).
-MAX_DECODE_SPLITS = 16
+# (the merge kernel's block: one compile serves every count).
+MAX_DECODE_SPLITS = MAX_SPLITS_BLOCK
 # Enough split-decode programs for this many per SM: below, the GPU's bandwidth is not used.
 PROGRAMS_PER_SM = 4
 # Batches whose sequences have at most this many query tokens each (speculative verify steps

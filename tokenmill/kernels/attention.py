@@ -14,7 +14,6 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.pdl import pdl_options, pdl_wait
-from tokenmill.kernels.tickets import last_to_arrive, reset_ticket, ticket_buffer
 
 _LOG2E = 1.4426950408889634
 
@@ -54,7 +53,7 @@ def _attend_causal_parts(
     """Rows of queries `q` (at positions `q_pos`) over key/value head `kvh`'s keys `lo .. hi`,
     causal (and windowed; blocks before `masked_lo` whole for every row), before normalising:
     the running max, normaliser and unnormalised output (a split of the keys, merged with the
-    others by the split kernels' last program, `_merge_when_last`)."""
+    others by the reduce kernel)."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -122,7 +121,7 @@ def _group_rows(
 @triton.jit
 def _split_result(m_i, l_i, acc):
     """A split's normalised output and base-2 log-sum-exp of its scores (-inf where a row saw
-    no position in it), as `_merge_when_last` merges them."""
+    no position in it), as the reduce kernel merges them."""
     lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
     return lse, acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
 
@@ -133,7 +132,8 @@ def _store_split(
     D: tl.constexpr,
 ):  # fmt: skip
     """A split's result for its (token, head) `rows`: the output itself when it is the only
-    split (a merge would return it bitwise), else the scratch `_merge_when_last` merges."""
+    split (the reduce kernel would return it bitwise), else the scratch the reduce kernel
+    merges."""
     if SPLITS == 1:
         out_offs = rows[:, None] * D + offs_d[None, :]
         tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None])
@@ -141,39 +141,6 @@ def _store_split(
         row = rows * SPLITS + split
         tl.store(mid_o_ptr + row[:, None] * D + offs_d[None, :], out, mask=r_mask[:, None])
         tl.store(mid_lse_ptr + row, lse, mask=r_mask)
-
-
-@triton.jit
-def _merge_when_last(
-    out_ptr, mid_o_ptr, mid_lse_ptr, ticket_ptr, ticket, rows, r_mask, SPLITS, offs_d,
-    D: tl.constexpr,
-):  # fmt: skip
-    """After a split stored its partial result for `rows` (SPLITS > 1): the last of the SPLITS
-    programs sharing arrival ticket `ticket` merges every split's partial into the output, as
-    a reduce kernel would (the largest log-sum-exp, then the weighted mean), in the launch
-    instead of a kernel of its own (one launch fewer a layer), and hands the ticket back."""
-    if last_to_arrive(ticket_ptr, ticket, SPLITS):
-        first = rows * SPLITS
-        m = tl.full(rows.shape, float("-inf"), tl.float32)
-        for s in range(SPLITS):
-            lse = tl.load(mid_lse_ptr + first + s, mask=r_mask, other=float("-inf"),
-                          cache_modifier=".cg")  # fmt: skip
-            m = tl.maximum(m, lse)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        total = tl.zeros(rows.shape, tl.float32)
-        acc = tl.zeros([rows.shape[0], D], tl.float32)
-        for s in range(SPLITS):
-            lse = tl.load(mid_lse_ptr + first + s, mask=r_mask, other=float("-inf"),
-                          cache_modifier=".cg")  # fmt: skip
-            w = tl.math.exp2(lse - m_safe)
-            part = tl.load(mid_o_ptr + (first + s)[:, None] * D + offs_d[None, :],
-                           mask=r_mask[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
-            total += w
-            acc += part * w[:, None]
-        out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
-        tl.store(out_ptr + rows[:, None] * D + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=r_mask[:, None])  # fmt: skip
-        reset_ticket(ticket_ptr, ticket)
 
 
 # Arguments that change from step to step are plain, never specialised: a value of 1, or one
@@ -529,7 +496,7 @@ def invariant_attention(
 # stride_pt as in the prefill kernel.
 @triton.jit(do_not_specialize=["SPLITS", "stride_pt"])
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, ticket_ptr, kv_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, kv_lens_ptr,
     page_table_ptr, stride_pt, qk_scale, window, SPLITS,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -600,21 +567,39 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
         m_i = m_new
     lse, out = _split_result(m_i, l_i, acc)
-    rows = seq64 * HQ + heads
     _store_split(
-        out, lse, rows, g_mask, split, SPLITS, out_ptr, mid_o_ptr, mid_lse_ptr, offs_d, D
+        out, lse, seq64 * HQ + heads, g_mask, split, SPLITS, out_ptr, mid_o_ptr, mid_lse_ptr,
+        offs_d, D,
     )  # fmt: skip
-    if SPLITS > 1:
-        _merge_when_last(
-            out_ptr, mid_o_ptr, mid_lse_ptr, ticket_ptr, seq * HKV + kvh, rows, g_mask, SPLITS,
-            offs_d, D,
-        )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["SPLITS"])
+def _decode_reduce_kernel(
+    mid_o_ptr, mid_lse_ptr, out_ptr, SPLITS, HQ: tl.constexpr, D: tl.constexpr,
+    BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_wait(USE_PDL)
+    seq = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, D)
+    row = (seq * HQ + h) * SPLITS + offs_s
+    lse = tl.load(mid_lse_ptr + row, mask=offs_s < SPLITS, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(lse - m_safe)
+    parts = tl.load(
+        mid_o_ptr + row[:, None] * D + offs_d[None, :], mask=(offs_s < SPLITS)[:, None], other=0.0
+    )
+    total = tl.sum(w, axis=0)
+    out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + (seq * HQ + h) * D + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["SPLITS", "stride_pt"])
 def _verify_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, ticket_ptr, cu_q_ptr,
-    kv_lens_ptr, page_table_ptr, stride_pt, qk_scale, window, SPLITS,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, cu_q_ptr, kv_lens_ptr,
+    page_table_ptr, stride_pt, qk_scale, window, SPLITS,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
@@ -623,17 +608,11 @@ def _verify_split_kernel(
     seq = tl.program_id(0)
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
-    kvh = tl.program_id(1)
-    rows, r_mask = _verify_program(
+    _verify_program(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, kv_lens_ptr,
-        page_table_ptr, stride_pt, qk_scale, window, seq, q_start, q_len, kvh,
+        page_table_ptr, stride_pt, qk_scale, window, seq, q_start, q_len, tl.program_id(1),
         tl.program_id(2), SPLITS, HQ, HKV, D, PAGE, BLOCK_R, BLOCK_N, HAS_WINDOW,
     )  # fmt: skip
-    if SPLITS > 1:
-        _merge_when_last(
-            out_ptr, mid_o_ptr, mid_lse_ptr, ticket_ptr, seq * HKV + kvh, rows, r_mask, SPLITS,
-            tl.arange(0, D), D,
-        )  # fmt: skip
 
 
 @triton.jit
@@ -645,7 +624,7 @@ def _verify_program(
 ):  # fmt: skip
     """Split `split` of sequence `seq`'s keys for KV head `kvh`: its rows are every (query
     token, head of the KV head's group) of the sequence, so each K/V block is read once for
-    all of them (`_store_split` writes the result); returns those rows and their mask."""
+    all of them (`_store_split` writes the result)."""
     group: tl.constexpr = HQ // HKV
     kv_len = tl.load(kv_lens_ptr + seq)
     split_len = tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_N) * BLOCK_N
@@ -664,7 +643,6 @@ def _verify_program(
     )  # fmt: skip
     lse, out = _split_result(m_i, l_i, acc)
     _store_split(out, lse, rows, r_mask, split, SPLITS, out_ptr, mid_o_ptr, mid_lse_ptr, offs_d, D)
-    return rows, r_mask
 
 
 @functools.cache
@@ -672,6 +650,10 @@ def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of CUDA `device`: programs of the split-decode kernel that run
     at once, one per SM."""
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# The reduce kernel's block of splits: one compile serves every split count up to it.
+MAX_SPLITS_BLOCK = 16
 
 
 def decode_blocks(head_dim: int, itemsize: int, early_kv: bool) -> tuple[int, int]:
@@ -701,10 +683,8 @@ def decode_attention(
 ) -> torch.Tensor:
     """One query per sequence (`q` `[B, Hq, D]`) attending to its whole paged context.
 
-    The context is cut into `mid_o.shape[2]` splits processed in parallel, which the last of a
-    (sequence, KV head)'s split programs to finish merges by their log-sum-exp (an arrival
-    ticket each, `kernels.tickets`); `mid_o` `[>=B, Hq, S, D]` and `mid_lse` `[>=B, Hq, S]` are
-    float32 scratch.
+    The context is cut into `mid_o.shape[2]` splits processed in parallel, then merged by their
+    log-sum-exp; `mid_o` `[>=B, Hq, S, D]` and `mid_lse` `[>=B, Hq, S]` are float32 scratch.
     Sequences with `kv_len == 0` (CUDA-graph padding) produce zeros. `early_kv` (default: when
     the grid fits in one wave of the GPU) loads each split's first K/V block before the PDL wait.
     `blocks`: (key block, stages, warps) instead of `decode_blocks`' choice (a sweep's).
@@ -719,16 +699,15 @@ def decode_attention(
     if early_kv is None:
         early_kv = q.device.type != "cuda" or batch * hkv * splits <= sm_count(q.device)
     block_n, stages, warps = blocks or (*decode_blocks(d, q.element_size(), early_kv), 4)
-    tickets = ticket_buffer(q.device, batch * hkv if splits > 1 else 0)
     _decode_split_kernel[grid](
-        q, k_cache, v_cache, out, mid_o, mid_lse, tickets, kv_lens, page_table,
-        page_table.stride(0), scale * _LOG2E, window or 0, splits,
+        q, k_cache, v_cache, out, mid_o, mid_lse, kv_lens, page_table, page_table.stride(0),
+        scale * _LOG2E, window or 0, splits,
         HQ=hq, HKV=hkv, D=d, PAGE=page_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         HAS_WINDOW=window is not None, EARLY_KV=early_kv, num_warps=warps, num_stages=stages,
         **pdl,
     )  # fmt: skip
-    return out
+    return _merge_splits(mid_o, mid_lse, out)
 
 
 def verify_attention(
@@ -761,12 +740,25 @@ def verify_attention(
     out = torch.empty_like(q)
     pdl = pdl_options(q.device)
     rows = _group_rows_block(max_q_len, hq, hkv)
-    seqs = kv_lens.shape[0]
-    tickets = ticket_buffer(q.device, seqs * hkv if splits > 1 else 0)
-    _verify_split_kernel[(seqs, hkv, splits)](
-        q, k_cache, v_cache, out, mid_o, mid_lse, tickets, cu_q, kv_lens, page_table,
+    _verify_split_kernel[(kv_lens.shape[0], hkv, splits)](
+        q, k_cache, v_cache, out, mid_o, mid_lse, cu_q, kv_lens, page_table,
         page_table.stride(0), scale * _LOG2E, window or 0, splits,
         HQ=hq, HKV=hkv, D=d, PAGE=page_size, BLOCK_R=rows, BLOCK_N=64,
         HAS_WINDOW=window is not None, num_warps=4, num_stages=2, **pdl,
+    )  # fmt: skip
+    return _merge_splits(mid_o, mid_lse, out)
+
+
+def _merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Merge each (query token, head)'s split results in `mid_o` / `mid_lse` into `out`
+    `[T, Hq, D]` by their log-sum-exp (the second kernel of decode and verify attention; with
+    one split the split kernel wrote `out` itself)."""
+    tokens, hq, d = out.shape
+    splits = mid_o.shape[2]
+    if splits == 1:
+        return out
+    _decode_reduce_kernel[(tokens, hq)](
+        mid_o, mid_lse, out, splits, HQ=hq, D=d,
+        BLOCK_S=max(MAX_SPLITS_BLOCK, triton.next_power_of_2(splits)), **pdl_options(out.device),
     )  # fmt: skip
     return out
