@@ -310,6 +310,7 @@ class ModelRunner:
                 if self.spec is not None and (drafter := self.spec.drafter) is not None:
                     # The draft model mirrors every eager step: its heads, its kernels.
                     warm_up(drafter.model, drafter.attention, self.page_size, batches, self.device)
+                self.sampler.warm_up(self.model_config.vocab_size, self.model_config.dtype)
 
     def kv_tensors(self) -> list[torch.Tensor]:
         """Every KV tensor indexed by the page ids: the target's K and V per layer, then the

@@ -252,6 +252,19 @@ class Sampler:
 
     def __init__(self, device: torch.device, seed: int) -> None:
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.device = device
+
+    def warm_up(self, vocab_size: int, dtype: torch.dtype) -> None:
+        """Compile the device argmax the sampling paths launch, at start-up rather than in the
+        first request's step: rows in the logits' `dtype` with the tokens also written to the
+        host (greedy) and without (speculative verification), and float32 rows (penalties,
+        temperatures, logprobs). Nothing off CUDA."""
+        if self.device.type != "cuda":
+            return
+        logits = torch.zeros(2, vocab_size, dtype=dtype, device=self.device)
+        argmax_rows(logits, host_out=torch.empty(2, dtype=torch.int64, pin_memory=True))
+        _greedy(logits)
+        _greedy(logits.float())
 
     def __call__(
         self, logits: torch.Tensor, batch: SamplingBatch, out: torch.Tensor | None = None
