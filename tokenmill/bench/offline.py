@@ -181,13 +181,13 @@ def _b2(llm: LLM, prompts: list[list[int]], outputs: list[int]) -> dict[str, flo
         stats.step_seconds.total,
         stats.forward_seconds.total,
     )
-    by_kind = {k: (h.count, h.total) for k, h in stats.forward_seconds_by_kind.items()}
+    before = {k: (h.count, h.total) for k, h in stats.forward_seconds_by_kind.items()}
     elapsed = _timed(lambda: llm.generate(prompts, params, use_tqdm=False))
     steps = stats.step_seconds.count - steps
-    kinds = {}
-    for kind, (count, total) in by_kind.items():
-        h = stats.forward_seconds_by_kind[kind]
-        kinds[kind] = {"steps": h.count - count, "device_s": h.total - total}
+    kinds = {
+        k: {"steps": h.count - before[k][0], "device_s": h.total - before[k][1]}
+        for k, h in stats.forward_seconds_by_kind.items()
+    }
     total_in = sum(len(p) for p in prompts)
     return {
         "elapsed_s": elapsed,
