@@ -45,9 +45,9 @@ class _ReplayingGraphRunner(CudaGraphRunner):
         return _Replay(plan, forward, logits), logits
 
 
-def _graphed_llm(path, **engine_args) -> LLM:  # type: ignore[no-untyped-def]
+def _graphed_llm(path, capture: bool = True, **engine_args) -> LLM:  # type: ignore[no-untyped-def]
     """An LLM whose runner replays stand-in graphs (decode batches up to 4 rows, prefills up to
-    16 tokens) on the CPU."""
+    16 tokens) on the CPU; `capture=False` leaves them all pending (background capture)."""
     llm = LLM(str(path), device=DEVICE, dtype="float32", attention_backend="triton", page_size=4,
               enforce_eager=True, **engine_args)  # fmt: skip
     runner = llm.engine.runner
@@ -56,7 +56,8 @@ def _graphed_llm(path, **engine_args) -> LLM:  # type: ignore[no-untyped-def]
                                  device=runner.device)  # fmt: skip
     graphs = _ReplayingGraphRunner(runner.model, runner.attention, 4, max_pages, runner.device,
                                    runner._tokens, max_prefill_tokens=16)  # fmt: skip
-    graphs.capture()
+    if capture:
+        graphs.capture()
     assert graphs.prefill_sizes == [16]
     runner.graphs = graphs
     return llm
@@ -102,3 +103,29 @@ def test_graph_batch_with_a_non_sampling_row(checkpoints, monkeypatch) -> None:
     outputs = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(path, p, 5) for p in prompts]
     assert any(sampling < rows for sampling, rows in shapes), shapes
+
+
+def test_background_capture_before_the_step_that_needs_it(checkpoints) -> None:
+    """Background capture: a step whose graph is pending captures it first (after reading the
+    step in flight: a capture needs the device idle), so every decode step here replays one;
+    idle, a step captures the next pending graph and launches nothing. A capture's warm-up pass
+    runs on the packed input blocks, which hold the last real step's rows (their slots, at
+    another graph size's offsets): it must write no K/V over the requests'."""
+    path = checkpoints["llama"]
+    llm = _graphed_llm(path, capture=False)
+    runner = llm.engine.runner
+    assert runner.graphs_pending == 4  # prefill 16; decode 4, 2, 1
+    assert llm.engine.step() == []  # idle: the next pending graph
+    assert runner.graphs_pending == 3
+    prompts = [*PROMPTS, [7, 8, 9, 10, 11]]
+    lengths = [9, 3, 6, 8]  # rows finish one by one: decode batches of 4, 3, 2 and 1
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    _Replay.replays = 0
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    expected = [hf_greedy(path, p, n) for p, n in zip(prompts, lengths, strict=True)]
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert _Replay.replays >= max(lengths) - 1  # every decode step; the prefill batch eager
+    assert runner.graphs_pending == 0
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == (
+        expected
+    )

@@ -107,6 +107,30 @@ def test_a_second_start_reads_the_tuning_cache_and_measures_nothing(
     )
 
 
+def test_background_capture_equals_start_up_capture(checkpoints) -> None:
+    """Graphs captured in the background (each before the first step that runs it, the rest
+    while idle) give the tokens of graphs captured at start-up. Rows finish one by one, so the
+    graphs of smaller batches are captured after larger ones ran: a capture's warm-up passes
+    must not write K/V at the slots the last real step left in the packed inputs."""
+    path = str(checkpoints["llama"])
+    params = [SamplingParams(temperature=0, max_tokens=4 + 5 * i, ignore_eos=True)
+              for i in range(len(PROMPTS))]  # fmt: skip
+    start_up = LLM(path, device="cuda", dtype="float32").generate(PROMPTS, params, use_tqdm=False)
+    expected = [o.outputs[0].token_ids for o in start_up]
+    llm = LLM(path, device="cuda", dtype="float32", cuda_graph_capture="background")
+    runner = llm.engine.runner
+    pending = runner.graphs_pending
+    assert pending > 0
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == (
+        expected
+    )
+    assert runner.graphs_pending < pending
+    while runner.graphs_pending:
+        assert llm.engine.step() == []  # idle: one graph a step
+    again = llm.generate(PROMPTS, params, use_tqdm=False)  # prefix hits, every graph captured
+    assert [o.outputs[0].token_ids for o in again] == expected
+
+
 def test_cuda_graph_batch_sizes_match_eager(checkpoints) -> None:
     path = str(checkpoints["qwen3"])
     prompts = [[5 + i, 9, 11 + i] for i in range(37)]  # 37 decodes: padded to a graph of 48

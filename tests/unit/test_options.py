@@ -37,6 +37,7 @@ from tokenmill.models.registry import MODEL_REGISTRY, model_class
         ("attention_backend", "cudnn"),
         ("cuda_graph_max_bs", 0),
         ("cuda_graph_max_prefill_tokens", -1),
+        ("cuda_graph_capture", "lazy"),
     ],
 )
 def test_runner_config_rejects_bad_values_by_name(field: str, value: object) -> None:
@@ -51,6 +52,26 @@ def test_engine_args_reach_the_runner_config(llama_dir) -> None:  # type: ignore
     assert config.runner.attention_backend == "torch"  # the CPU default
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         EngineArgs(model=str(llama_dir), gpu_memory_utilization=2.0).create_engine_config()
+
+
+def test_cuda_graph_capture_defaults_to_background_only_for_a_server(llama_dir) -> None:  # type: ignore[no-untyped-def]
+    """Offline engines capture at start-up; `tokenmill serve`'s engine core (`for_server`) in
+    the background, unless speculation or several devices need the graphs at start-up or the
+    option is given; background capture with speculation is refused by name."""
+    args = EngineArgs(model=str(llama_dir), device="cpu")
+    assert args.create_engine_config().runner.cuda_graph_capture == "startup"
+    assert args.for_server().create_engine_config().runner.cuda_graph_capture == "background"
+    given = EngineArgs(model=str(llama_dir), device="cpu", cuda_graph_capture="startup")
+    assert given.for_server().cuda_graph_capture == "startup"
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    speculative = EngineArgs(model=str(llama_dir), device="cpu", speculative_config=spec)
+    assert speculative.for_server().create_engine_config().runner.cuda_graph_capture == "startup"
+    with pytest.raises(ValueError, match="cuda_graph_capture"):
+        EngineArgs(model=str(llama_dir), device="cpu", speculative_config=spec,
+                   cuda_graph_capture="background").create_engine_config()  # fmt: skip
+    with pytest.raises(ValueError, match="cuda_graph_capture"):
+        soon = EngineArgs(model=str(llama_dir), device="cpu", cuda_graph_capture="soon")
+        soon.create_engine_config()
 
 
 def test_the_attention_backend_names_are_the_registry() -> None:

@@ -59,7 +59,7 @@ def run_engine_core(
     if isinstance(config, EngineArgs):
         with startup.phase("engine_config"):  # CUDA's driver starts here (device detection)
             try:
-                config = config.create_engine_config()
+                config = config.for_server().create_engine_config()
             except ValueError as exc:  # the server, resolving the same arguments, says why
                 logger.error("engine core exits: %s", exc)
                 sys.exit(1)
@@ -104,10 +104,13 @@ class EngineCoreLoop:
         self._publish()  # the first stats tell the api server the model is loaded
         last_publish = time.monotonic()
         while self.running:
-            busy = self.engine.has_unfinished()
+            # Idle with CUDA graphs still to capture (background capture), a step captures one.
+            busy = self.engine.has_unfinished() or self.engine.runner.graphs_pending > 0
             if self.inputs.poll(0 if busy else int(IDLE_STATS_INTERVAL_S * 1000)):
                 self._drain_inputs()
-            if self.running and self.engine.has_unfinished():
+            if self.running and (
+                self.engine.has_unfinished() or self.engine.runner.graphs_pending > 0
+            ):
                 self._step()
             if (
                 self.deltas

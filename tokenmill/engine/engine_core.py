@@ -69,6 +69,7 @@ from tokenmill.spec.adaptive import step_seconds
 from tokenmill.vision.inputs import ImageInput, MultimodalPrompt, multimodal_prompt
 
 if TYPE_CHECKING:
+    from tokenmill.runner.cuda_graphs import GraphKey
     from tokenmill.structured.compiler import GrammarCompiler
     from tokenmill.structured.matcher import BitmaskFiller, RequestGrammar
 
@@ -375,6 +376,13 @@ class EngineCore:
             applied, previous = self._apply(previous), None
             read_first = True
         batch = self.scheduler.schedule(previous.unread if previous is not None else None)
+        capture = self._graph_to_capture(batch) if self.runner.graphs_pending else None
+        if capture is not None:  # it needs the device idle: the step in flight is read first
+            if previous is not None:
+                outputs += self._finish(previous)
+                previous = None
+            self.runner.capture_pending_graph(capture)
+            self._newest = None  # the capture is no step's cost
         launched: LaunchedStep | None = None
         if batch.plan is not None:
             grammar_mask = None
@@ -421,6 +429,14 @@ class EngineCore:
             self._measure(*self._before_newest, self._newest)
             self._before_newest = None
         return outputs
+
+    def _graph_to_capture(self, batch: SchedulerOutput) -> GraphKey | None:
+        """Background capture (`RunnerConfig.cuda_graph_capture`): the pending CUDA graph
+        `batch` would run, captured before it launches; idle, the next pending one; else None
+        (a step of a size whose graph is not captured runs eagerly)."""
+        if batch.plan is not None:
+            return self.runner.pending_graph_for(batch.plan)
+        return None if self._compiling else self.runner.next_pending_graph()
 
     def _measure(self, step: InFlight, sync: bool, following: InFlight | None) -> None:
         """Tell adaptive speculation what a decode or verify step of its size (the query tokens

@@ -1,6 +1,7 @@
-"""CUDA graphs captured at start-up: decode steps over a ladder of padded batch sizes,
-speculative verify steps over the same ladder times their query lengths, and one-sequence
-prefills over a ladder of padded prompt lengths."""
+"""CUDA graphs of decode steps over a ladder of padded batch sizes, speculative verify steps over
+the same ladder times their query lengths, and one-sequence prefills over a ladder of padded
+prompt lengths: all captured at start-up, or one at a time between steps after it (`capture_next`,
+the server's background capture), a step of a size with no graph yet running eagerly."""
 
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ logger = logging.getLogger(__name__)
 # The prefill block's header: cu_query_lens (2), the row whose logits are returned (1), KV length.
 _HEADER = 4
 T = TypeVar("T")
+# A graph: ("decode", batch size), ("prefill", tokens) or ("verify", (rows, tokens per row)).
+GraphKey = tuple[str, int | tuple[int, int]]
 
 
 def batch_size_ladder(max_bs: int) -> list[int]:
@@ -186,35 +189,87 @@ class CudaGraphRunner:
         self.prefill_logits: dict[int, torch.Tensor] = {}
         self.verify_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
+        # Graphs to capture, in order: each ladder largest first (smaller graphs reuse the
+        # memory of the larger ones), prefill lengths, verify keys, decode sizes.
+        self._pending: dict[GraphKey, Callable[[], None]] = {
+            **{("prefill", t): partial(self._capture_prefill, t)
+               for t in reversed(self.prefill_sizes)},
+            **{("verify", key): partial(self._capture_verify, key)
+               for key in sorted(self.verify_keys, key=lambda k: -k[0] * k[1])},
+            **{("decode", bs): partial(self._capture_decode, bs) for bs in reversed(self.sizes)},
+        }  # fmt: skip
+        self._capture_seconds = 0.0
+
+    def capture(self) -> None:
+        """Capture every graph not captured yet."""
+        while (key := self.next_pending()) is not None:
+            self.capture_next(key)
+
+    def next_pending(self) -> GraphKey | None:
+        """The next graph to capture, in order, or None."""
+        return next(iter(self._pending), None)
+
+    @property
+    def pending(self) -> int:
+        """How many graphs are still to capture."""
+        return len(self._pending)
+
+    def pending_key(self, rows: int, query_lens: np.ndarray) -> GraphKey | None:
+        """The pending graph a step of `rows` rows with these query lengths would run (a
+        decode batch's size, a one-sequence prefill's length), or None."""
+        if (query_lens == 1).all() and rows <= self.max_bs:
+            key: GraphKey = ("decode", self.padded_size(rows))
+        elif rows == 1 and 1 < query_lens[0] <= self.max_prefill:
+            key = ("prefill", _fitting(self.prefill_sizes, int(query_lens[0])))
+        else:
+            return None
+        return key if key in self._pending else None
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture one graph per ladder size (log the total time)."""
+    def capture_next(self, key: GraphKey) -> None:
+        """Capture the pending graph `key` (the device must be idle: no step in flight). Logs
+        the total capture time after the last one."""
         start = time.perf_counter()
-        for t in reversed(self.prefill_sizes):  # largest first: smaller ones reuse its memory
-            plan, forward = partial(self._plan_prefill, t), partial(self._forward_prefill, t)
-            self.prefill_graphs[t], self.prefill_logits[t] = self._capture(plan, forward)
-        if self.verify_keys:
+        self._reset_inputs()
+        self._pending.pop(key)()
+        self._capture_seconds += time.perf_counter() - start
+        if not self._pending:
+            logger.info(
+                "captured %d CUDA graphs in %.1f s: decode batch sizes %d..%d, verify (rows, "
+                "tokens per row) %s, prefill lengths %s",
+                len(self.sizes) + len(self.prefill_sizes) + len(self.verify_keys),
+                self._capture_seconds,
+                self.sizes[0],
+                self.sizes[-1],
+                f"{self.verify_keys[0]}..{self.verify_keys[-1]}" if self.verify_keys else "none",
+                f"{self.prefill_sizes[0]}..{self.max_prefill}" if self.prefill_sizes else "none",
+            )
+
+    def _reset_inputs(self) -> None:
+        """The packed input blocks as at start-up, so that a capture's warm-up passes write no
+        K/V: the blocks of the last real steps hold their rows' slots, which a graph of
+        another size would read at other offsets."""
+        for block in (self.decode_block, self.verify_block, self.prefill_block):
+            block.zero_()
+        t = self.max_prefill
+        self.prefill_block[_HEADER + 2 * t : _HEADER + 3 * t] = -1
+
+    def _capture_prefill(self, t: int) -> None:
+        plan, forward = partial(self._plan_prefill, t), partial(self._forward_prefill, t)
+        self.prefill_graphs[t], self.prefill_logits[t] = self._capture(plan, forward)
+
+    def _capture_verify(self, key: tuple[int, int]) -> None:
+        if self.verify_hidden is None:
             # One static output for every verify graph, outside the graphs' pool.
             weight = self.model.lm_head.weight
             most = max(bs * q for bs, q in self.verify_keys)
             self.verify_hidden = weight.new_empty(most, weight.shape[1])
-        for key in sorted(self.verify_keys, key=lambda k: -k[0] * k[1]):
-            plan, forward = partial(self._plan_verify, *key), partial(self._forward_verify, *key)
-            self.verify_graphs[key], _ = self._capture(plan, forward)
-        for bs in reversed(self.sizes):
-            plan, forward = partial(self._plan, bs), partial(self._forward, bs)
-            self.graphs[bs], self.logits[bs] = self._capture(plan, forward)
-        logger.info(
-            "captured %d CUDA graphs in %.1f s: decode batch sizes %d..%d, verify (rows, "
-            "tokens per row) %s, prefill lengths %s",
-            len(self.sizes) + len(self.prefill_sizes) + len(self.verify_keys),
-            time.perf_counter() - start,
-            self.sizes[0],
-            self.sizes[-1],
-            f"{self.verify_keys[0]}..{self.verify_keys[-1]}" if self.verify_keys else "none",
-            f"{self.prefill_sizes[0]}..{self.max_prefill}" if self.prefill_sizes else "none",
-        )
+        plan, forward = partial(self._plan_verify, *key), partial(self._forward_verify, *key)
+        self.verify_graphs[key], _ = self._capture(plan, forward)
+
+    def _capture_decode(self, bs: int) -> None:
+        plan, forward = partial(self._plan, bs), partial(self._forward, bs)
+        self.graphs[bs], self.logits[bs] = self._capture(plan, forward)
 
     def _capture(
         self, plan: Callable[[], None], forward: Callable[[], torch.Tensor]
@@ -281,8 +336,13 @@ class CudaGraphRunner:
         return self.model.compute_logits(hidden[row]) if self.with_logits else hidden
 
     def padded_size(self, batch: int) -> int:
-        """The smallest captured batch size that holds `batch` sequences."""
+        """The smallest ladder size that holds `batch` sequences (its graph may be pending)."""
         return _fitting(self.sizes, batch)
+
+    def serves_decode(self, batch: int) -> bool:
+        """Whether a decode batch of `batch` sequences has a graph: its size's (a larger
+        captured one while that one is pending would compute more rows than planned)."""
+        return batch <= self.max_bs and self.padded_size(batch) in self.graphs
 
     def pack_decode(
         self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, kv_lens: np.ndarray,
@@ -330,7 +390,11 @@ class CudaGraphRunner:
     def serves_prefill(self, num_tokens: int, num_pages: int) -> bool:
         """Whether a one-sequence prefill of `num_tokens` new tokens over `num_pages` pages of
         context has a graph."""
-        return 1 < num_tokens <= self.max_prefill and num_pages <= self.page_table.shape[1]
+        return (
+            1 < num_tokens <= self.max_prefill
+            and num_pages <= self.page_table.shape[1]
+            and _fitting(self.prefill_sizes, num_tokens) in self.prefill_graphs
+        )
 
     def pack_prefill(
         self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, kv_len: int,

@@ -42,7 +42,7 @@ from tokenmill.runner.tp_workers import TPWorkers, rank_device, share_cpu_thread
 from tokenmill.tuning_cache import open_tuning_cache
 
 if TYPE_CHECKING:
-    from tokenmill.runner.cuda_graphs import CudaGraphRunner
+    from tokenmill.runner.cuda_graphs import CudaGraphRunner, GraphKey
     from tokenmill.runner.encoder_cache import EncoderCache
     from tokenmill.spec.proposer import Drafts
 
@@ -297,10 +297,11 @@ class ModelRunner:
                 self.model, self.attention, max_bs, max_pages, self.device, self._tokens,
                 max_prefill, 1 + k, config.scheduler.max_num_batched_tokens, drafts,
             )  # fmt: skip
-            with self.startup.phase("cuda_graphs"):
-                self.graphs.capture()
-                if self.spec is not None:
-                    self.spec.capture_graphs(self.graphs)
+            if config.runner.cuda_graph_capture == "startup":
+                with self.startup.phase("cuda_graphs"):
+                    self.graphs.capture()
+                    if self.spec is not None:
+                        self.spec.capture_graphs(self.graphs)
         if self.device.type == "cuda":
             with self.startup.phase("warm_up"):
                 batches = warm_up_batches(
@@ -311,6 +312,27 @@ class ModelRunner:
                     # The draft model mirrors every eager step: its heads, its kernels.
                     warm_up(drafter.model, drafter.attention, self.page_size, batches, self.device)
                 self.sampler.warm_up(self.model_config.vocab_size, self.model_config.dtype)
+
+    @property
+    def graphs_pending(self) -> int:
+        """CUDA graphs not captured yet (background capture)."""
+        return self.graphs.pending if self.graphs is not None else 0
+
+    def pending_graph_for(self, plan: StepPlan) -> GraphKey | None:
+        """Background capture: the pending graph `plan`'s step would run, or None."""
+        if self.graphs is None or not self.graphs.pending or plan.images:
+            return None
+        return self.graphs.pending_key(plan.num_rows, plan.query_lens)
+
+    def next_pending_graph(self) -> GraphKey | None:
+        """The next CUDA graph to capture in the background, or None."""
+        return self.graphs.next_pending() if self.graphs is not None else None
+
+    def capture_pending_graph(self, key: GraphKey) -> None:
+        """Capture the pending CUDA graph `key`, with no step in flight (its steps ran
+        eagerly until now)."""
+        assert self.graphs is not None
+        self.graphs.capture_next(key)
 
     def kv_tensors(self) -> list[torch.Tensor]:
         """Every KV tensor indexed by the page ids: the target's K and V per layer, then the
@@ -412,7 +434,7 @@ class ModelRunner:
         ids: torch.Tensor | None = None
         verify = self._verify_graph(plan) if graphs is not None else None
         launched.num_computed_tokens = len(host.input_ids)
-        if graphs is not None and host.is_decode and len(host.kv_lens) <= graphs.max_bs:
+        if graphs is not None and host.is_decode and graphs.serves_decode(len(host.kv_lens)):
             path = "decode"
             logits = self._run_graph(host, launched)
             launched.num_computed_tokens = graphs.padded_size(len(host.kv_lens))
