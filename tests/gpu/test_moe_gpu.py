@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.gpu.bf16_tracking import track
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import ModelConfig
 from tokenmill.kernels.fused_moe import ROUTE_ALIGN_MAX_TOKENS
@@ -108,39 +109,18 @@ def test_bfloat16_moe_tracks_float32_transformers(tmp_path_factory, max_num_seqs
     llm = LLM(str(path), device="cuda", dtype="bfloat16", max_num_seqs=max_num_seqs)
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=0)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
-    ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
-    peer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     # bfloat16 rounding flips near-ties of the float32 reference, and now and then a token's
     # choice of expert, which moves its logits well past a near-tie: transformers' bf16 forward
     # of the same sequences disagrees at 0-2% of the positions whose reference top-2 margin
     # exceeds 0.1 nats (H200, seeds 0-3), so the engine is held to the peer's rate there.
-    agree = total = clear_agree = clear = peer_clear_agree = 0
-    errors, peer_errors = [], []
-    for prompt, out in zip(PROMPTS, outputs, strict=True):
-        tokens = out.outputs[0].token_ids
-        ids = torch.tensor([prompt + tokens], device="cuda")
-        with torch.no_grad():
-            ref = torch.log_softmax(ref_model(ids).logits[0, len(prompt) - 1 : -1].float(), -1)
-            bf16 = torch.log_softmax(peer(ids).logits[0, len(prompt) - 1 : -1].float(), -1)
-        for i, token in enumerate(tokens):
-            top2 = ref[i].topk(2).values
-            best = int(ref[i].argmax())
-            total += 1
-            agree += best == token
-            if top2[0] - top2[1] > 0.1:
-                clear += 1
-                clear_agree += best == token
-                peer_clear_agree += best == int(bf16[i].argmax())
-            errors.append(abs(out.outputs[0].logprobs[i][token].logprob - ref[i, token].item()))
-            peer_errors.append(abs(bf16[i, token].item() - ref[i, token].item()))
-    assert clear_agree >= peer_clear_agree - 0.01 * clear, (
-        f"top-1 agreement where clear: {clear_agree}/{clear}, transformers bf16 "
-        f"{peer_clear_agree}/{clear}"
+    t = track(path, PROMPTS, outputs)
+    assert t.clear_agree >= t.peer_clear_agree - 0.01 * t.clear, (
+        f"top-1 agreement where clear: {t.clear_agree}/{t.clear}, transformers bf16 "
+        f"{t.peer_clear_agree}/{t.clear}"
     )
     # Overall, near-ties count too (measured on the H200: 355-367 of 384, as transformers' bf16).
-    assert agree / total >= 0.9, f"top-1 agreement {agree}/{total}"
-    median = sorted(errors)[len(errors) // 2]
-    peer_median = sorted(peer_errors)[len(peer_errors) // 2]
+    assert t.agree / t.total >= 0.9, f"top-1 agreement {t.agree}/{t.total}"
+    median, peer_median = t.median_error, t.peer_median_error
     assert median < min(0.05, 1.5 * peer_median), f"median |dlogprob| {median} vs {peer_median}"
 
 
