@@ -381,8 +381,10 @@ class EngineCore:
             if previous is not None:
                 outputs += self._finish(previous)
                 previous = None
+            captured = time.perf_counter()
             self.runner.capture_pending_graph(capture)
-            self._newest = None  # the capture is no step's cost
+            self._waited += time.perf_counter() - captured  # not the step's host time
+            self._newest = None  # nor any step's cost
         launched: LaunchedStep | None = None
         if batch.plan is not None:
             grammar_mask = None
