@@ -129,3 +129,26 @@ def test_background_capture_before_the_step_that_needs_it(checkpoints) -> None:
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == (
         expected
     )
+
+
+def test_a_failed_background_capture_leaves_its_steps_eager(checkpoints, monkeypatch) -> None:
+    """A graph whose capture fails while serving is dropped: its batch size runs eagerly, with
+    the same tokens, and the other graphs are still captured."""
+    path = checkpoints["llama"]
+    llm = _graphed_llm(path, capture=False)
+    runner = llm.engine.runner
+    capture = _ReplayingGraphRunner._capture
+
+    def failing(self, plan, forward):  # type: ignore[no-untyped-def]
+        if plan.func.__name__ == "_plan" and plan.args == (2,):  # the decode graph of 2 rows
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return capture(self, plan, forward)
+
+    monkeypatch.setattr(_ReplayingGraphRunner, "_capture", failing)
+    prompts = [*PROMPTS, [7, 8, 9, 10, 11]]
+    lengths = [9, 3, 6, 8]  # decode batches of 4, 3, 2 and 1
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    expected = [hf_greedy(path, p, n) for p, n in zip(prompts, lengths, strict=True)]
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert 2 not in runner.graphs.graphs and {1, 4} <= set(runner.graphs.graphs)

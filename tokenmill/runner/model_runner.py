@@ -330,9 +330,13 @@ class ModelRunner:
 
     def capture_pending_graph(self, key: GraphKey) -> None:
         """Capture the pending CUDA graph `key`, with no step in flight (its steps ran
-        eagerly until now)."""
+        eagerly until now). A capture that fails while serving costs speed, never requests:
+        its steps stay eager."""
         assert self.graphs is not None
-        self.graphs.capture_next(key)
+        try:
+            self.graphs.capture_next(key)
+        except RuntimeError as exc:  # torch's capture errors (e.g. a forbidden CUDA call)
+            logger.warning("CUDA graph %s not captured (%s): its steps run eagerly", key, exc)
 
     def kv_tensors(self) -> list[torch.Tensor]:
         """Every KV tensor indexed by the page ids: the target's K and V per layer, then the
