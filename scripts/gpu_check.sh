@@ -288,6 +288,11 @@ if [[ "$what" == startup ]]; then
       grep -hE "GEMV kernel chosen|captured [0-9]+ CUDA graphs" "$out/startup-$m-$kind.log" \
         | sed "s/^/  $m $kind: /" >> "$table" || true
     done
+    # The cold tuning's seconds: building and checking the candidates vs timing them.
+    awk -v m="$m" '/built and checked in/ {
+        for (i = 1; i <= NF; i++) { if ($i == "checked") c += $(i + 2); if ($i == "timed") t += $(i + 2) }
+      } END { if (c + t > 0) printf "  %s cold: GEMV tuning builds %.1f s, timing %.1f s\n", m, c, t }' \
+      "$out/startup-$m-cold.log" >> "$table"
   done
   # What each process's imports cost here (cumulative microseconds, the 12 largest): the api
   # server's (beside which the engine core starts) and the engine core's.

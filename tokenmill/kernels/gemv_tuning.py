@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import hashlib
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -226,12 +227,20 @@ def fastest_gemv(
     ticket_buffer(w0.device, 0)
     if w0.is_cuda:
         triton.runtime.driver.active.get_current_device()
+    start = time.perf_counter()
     with ThreadPoolExecutor(max(1, min(threads, len(candidates)))) as pool:
         checked = list(pool.map(correct, candidates))
+    compiled = time.perf_counter()
     best, best_s = None, MARGIN * cublas_s
     for choice in (c for c, ok in zip(candidates, checked, strict=True) if ok):
         if (s := seconds(choice)) < best_s:
             best, best_s = choice, s
+    # What a cold start's tuning spends where (the compiles, or timing every layer's weight).
+    logger.info(
+        "GEMM %dx%d (%s input), M<=%d: %d candidates built and checked in %.2f s, timed in "
+        "%.2f s", w0.shape[0], w0.shape[1], kind, rows, len(candidates), compiled - start,
+        time.perf_counter() - compiled,
+    )  # fmt: skip
     return best, (best_s if best else cublas_s), cublas_s
 
 
