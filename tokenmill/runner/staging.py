@@ -34,25 +34,24 @@ class HostStaging:
 
     def to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """The arrays on the device, as views of one copied block, each in its own shape."""
-        flat = self.stage(arrays)
+        flat, starts = self.stage(arrays)
         if self._cuda:
             flat = flat.to(self.device, non_blocking=True)
             self._record()
         else:  # the "copy" would be the buffer itself, which the ring reuses
             flat = flat.clone()
-        starts, _ = _layout(arrays)
         return [flat[s : s + a.size].view(a.shape) for s, a in zip(starts, arrays, strict=True)]
 
     def upload(self, array: np.ndarray, dst: torch.Tensor) -> None:
         """An int64 host array into the start of the device tensor `dst`, in one copy."""
-        dst[: array.size].copy_(self.stage([array])[: array.size], non_blocking=True)
+        dst[: array.size].copy_(self.stage([array])[0][: array.size], non_blocking=True)
         if self._cuda:
             self._record()
 
-    def stage(self, arrays: Sequence[np.ndarray]) -> torch.Tensor:
+    def stage(self, arrays: Sequence[np.ndarray]) -> tuple[torch.Tensor, list[int]]:
         """The arrays flattened one after another (each from a multiple of `ALIGN` elements)
         into the next buffer of the ring (pinned on CUDA), once the copy that last read it has
-        run."""
+        run; and each array's start in it."""
         starts, total = _layout(arrays)
         i = self._next = (self._next + 1) % RING
         event = self._copied[i]
@@ -67,7 +66,7 @@ class HostStaging:
         staging = buffer.numpy()
         for start, a in zip(starts, arrays, strict=True):
             staging[start : start + a.size] = a.reshape(-1)
-        return buffer[:total]
+        return buffer[:total], starts
 
     def _record(self) -> None:
         event = torch.cuda.Event()
