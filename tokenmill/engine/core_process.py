@@ -104,13 +104,10 @@ class EngineCoreLoop:
         self._publish()  # the first stats tell the api server the model is loaded
         last_publish = time.monotonic()
         while self.running:
-            # Idle with CUDA graphs still to capture (background capture), a step captures one.
-            busy = self.engine.has_unfinished() or self.engine.runner.graphs_pending > 0
+            busy = self._has_work()
             if self.inputs.poll(0 if busy else int(IDLE_STATS_INTERVAL_S * 1000)):
                 self._drain_inputs()
-            if self.running and (
-                self.engine.has_unfinished() or self.engine.runner.graphs_pending > 0
-            ):
+            if self.running and self._has_work():
                 self._step()
             if (
                 self.deltas
@@ -122,6 +119,11 @@ class EngineCoreLoop:
         self._publish()
         self.engine.runner.close()
         self.ctx.destroy(linger=1000)
+
+    def _has_work(self) -> bool:
+        """Requests to step, or CUDA graphs still to capture (background capture: an idle
+        step captures one)."""
+        return self.engine.has_unfinished() or self.engine.runner.graphs_pending > 0
 
     def _drain_inputs(self) -> None:
         while True:
