@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import runpy
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -29,32 +30,36 @@ _tuned = gemv_tuning.fastest_gemv
 
 
 def fused_dot_gemv(
-    weights: list[torch.Tensor], rows: int, kind: gemv_tuning.InputKind, threads: int = 1
-) -> tuple[gemv_tuning.GemvChoice | None, float, float]:
+    weights: list[torch.Tensor],
+    buckets: Sequence[int],
+    kind: gemv_tuning.InputKind,
+    threads: int = 1,
+) -> gemv_tuning.BucketTimings:
     """`fastest_gemv`, except that the BUCKET rows of a normed or gated layer take the fastest
     fused tensor-core candidate; prints both choices."""
-    choice, seconds, cublas = _tuned(weights, rows, kind, threads)
-    if rows != BUCKET or kind == "plain":
-        return choice, seconds, cublas
-    w0 = weights[0]
-    x = torch.randn(rows, w0.shape[1] * (2 if kind == "gated" else 1), dtype=w0.dtype,
+    chosen = _tuned(weights, buckets, kind, threads)
+    if BUCKET not in chosen or kind == "plain":
+        return chosen
+    choice, seconds, cublas = chosen[BUCKET]
+    w0, timed = weights[0], gemv_tuning.timed_weights(weights)
+    x = torch.randn(BUCKET, w0.shape[1] * (2 if kind == "gated" else 1), dtype=w0.dtype,
                     device=w0.device)  # fmt: skip
-    residual = torch.randn(rows, w0.shape[1], dtype=w0.dtype, device=w0.device)
+    residual = torch.randn(BUCKET, w0.shape[1], dtype=w0.dtype, device=w0.device)
     norm = InputNorm(torch.ones(w0.shape[1], dtype=w0.dtype, device=w0.device), 1e-6, residual)
 
     def run(w: torch.Tensor, config: GemvConfig) -> torch.Tensor:
         return norm_gemv(x, w, config, norm)[0] if kind == "normed" else gemv(x, w, config, True)
 
     times = {
-        config: median_graph_seconds(lambda c=config: [run(w, c) for w in weights])
+        config: median_graph_seconds(lambda c=config: [run(w, c) for w in timed]) / len(timed)
         for config in gemv_tuning.GEMV_CANDIDATES
-        if config.dot and config.serves(rows)
+        if config.dot and config.serves(BUCKET)
     }
     best = min(times, key=times.__getitem__)
-    us = 1e6 / len(weights)
-    tuned = f"tuned {choice or 'cuBLAS'} {seconds * us:.1f} us, cuBLAS {cublas * us:.1f}"
-    print(f"{tuple(w0.shape)} {kind} M<={rows}: {tuned}; forced {best} {times[best] * us:.1f} us")
-    return gemv_tuning.GemvChoice(best, True), times[best], cublas
+    tuned = f"tuned {choice or 'cuBLAS'} {seconds * 1e6:.1f} us, cuBLAS {cublas * 1e6:.1f}"
+    forced = f"forced {best} {times[best] * 1e6:.1f} us"
+    print(f"{tuple(w0.shape)} {kind} M<={BUCKET}: {tuned}; {forced}")
+    return {**chosen, BUCKET: (gemv_tuning.GemvChoice(best, True), times[best], cublas)}
 
 
 if __name__ == "__main__":

@@ -290,7 +290,7 @@ if [[ "$what" == startup ]]; then
     done
     # The cold tuning's seconds: building and checking the candidates vs timing them.
     awk -v m="$m" '/built and checked in/ {
-        for (i = 1; i <= NF; i++) { if ($i == "checked") c += $(i + 2); if ($i == "timed") t += $(i + 2) }
+        for (i = 1; i <= NF; i++) { if ($i == "checked") c += $(i + 2); if ($i == "weights") t += $(i + 2) }
       } END { if (c + t > 0) printf "  %s cold: GEMV tuning builds %.1f s, timing %.1f s\n", m, c, t }' \
       "$out/startup-$m-cold.log" >> "$table"
   done

@@ -24,6 +24,7 @@ class Tracking:
 
     total: int = 0
     agree: int = 0
+    peer_agree: int = 0
     clear: int = 0
     clear_agree: int = 0
     peer_clear_agree: int = 0
@@ -56,6 +57,7 @@ def track(path: Path, prompts: list[list[int]], outputs: list[RequestOutput]) ->
             best = int(ref[i].argmax())
             t.total += 1
             t.agree += best == token
+            t.peer_agree += best == int(bf16[i].argmax())
             if top2[0] - top2[1] > CLEAR_MARGIN:
                 t.clear += 1
                 t.clear_agree += best == token

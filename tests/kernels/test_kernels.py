@@ -725,11 +725,12 @@ def test_gemv_choice_takes_the_fastest_correct_candidate(monkeypatch, kind: str)
         for fused in ((True,) if kind == "plain" else (True, False))
     ]
     times = [1.0] + [0.98] * len(choices)  # within the margin of cuBLAS: not worth it
-    assert gemv_tuning.fastest_gemv(weights, 1, kind) == (None, 1.0, 1.0)
+    # Seconds per weight: the fake times are of both weights.
+    assert gemv_tuning.fastest_gemv(weights, [1], kind) == {1: (None, 0.5, 0.5)}
     calls.clear()
     pick = len(choices) - 1
     times = [1.0] + [0.98] * pick + [0.5]
-    assert gemv_tuning.fastest_gemv(weights, 1, kind) == (choices[pick], 0.5, 1.0)
+    assert gemv_tuning.fastest_gemv(weights, [1], kind) == {1: (choices[pick], 0.25, 0.5)}
     assert choices[pick].fused == (kind == "plain")
 
 
@@ -761,10 +762,26 @@ def test_gemv_candidates_checked_on_threads_keep_their_order(monkeypatch) -> Non
         gemv_tuning.GemvChoice(c, True) for c in gemv_tuning.GEMV_CANDIDATES
         if c.serves(1) and c.block_k == 512
     ]  # fmt: skip
-    choice, seconds, cublas = gemv_tuning.fastest_gemv(weights, 1, "gated", threads=4)
+    chosen = gemv_tuning.fastest_gemv(weights, [1], "gated", threads=4)
     assert len(threads) > 1
     assert len(timed) == 1 + len(correct)  # cuBLAS, then each correct candidate once
-    assert (choice, seconds, cublas) == (correct[-1], falling[len(correct)], 1.0)
+    assert chosen == {1: (correct[-1], falling[len(correct)] / 2, 0.5)}  # per weight (2)
+
+
+def test_gemv_timing_streams_enough_weights_not_every_layer() -> None:
+    """A candidate is timed on enough of a shape's weights to stream TIMED_BYTES a replay
+    (never fewer than 2), not on every layer's: llama-3.1-8b's 32 MLP weights of 235 MB each
+    cost 12 s of one cold start's tuning."""
+    from tokenmill.kernels.gemv_tuning import TIMED_BYTES, timed_weights
+
+    mlp = [torch.empty(28672, 4096, dtype=torch.bfloat16, device="meta") for _ in range(32)]
+    assert timed_weights(mlp) == mlp[:3]  # 3 x 235 MB >= 512 MiB
+    small = [torch.empty(1024, 2048, dtype=torch.bfloat16, device="meta") for _ in range(200)]
+    count = len(timed_weights(small))
+    assert count * 1024 * 2048 * 2 >= TIMED_BYTES > (count - 1) * 1024 * 2048 * 2
+    assert timed_weights(small[:28]) == small[:28]  # qwen3-0.6b's 28 layers: all of them
+    huge = [torch.empty(2**20, 2**12, dtype=torch.bfloat16, device="meta") for _ in range(4)]
+    assert timed_weights(huge) == huge[:2]
 
 
 def test_gemv_candidate_check_rejects_wrong_or_failing_kernels(caplog) -> None:

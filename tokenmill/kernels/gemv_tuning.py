@@ -1,8 +1,8 @@
 """Start-up tuning of the GEMV kernel: for each weight shape, input kind and row bucket, the
 launch config (if any) that matches cuBLAS and beats it, measured on this GPU.
 
-The choice is made per shape over every weight of that shape, timed in a CUDA graph (weights
-streamed from memory, as in a decode step). A kernel may absorb its layer's input transform:
+The choice is made per shape, timed in a CUDA graph over enough weights of that shape to stream
+them from memory, as in a decode step. A kernel may absorb its layer's input transform:
 SwiGLU (`"gated"`) or residual-add + RMSNorm (`"normed"`); the tuning also times the GEMV behind
 the transform's own kernel, and keeps whichever of the three is fastest. The layers
 (`layers/linear.py`) hold the result and call the kernel. With a `TuningCache` each shape's
@@ -60,6 +60,10 @@ GEMV_CANDIDATES = (
     GemvConfig(16, 256, 4, num_warps=4, prefetch=2, dot=True),
     GemvConfig(32, 256, 1, num_warps=4, prefetch=2, dot=True),
 )
+# Bytes of weights a candidate's timing streams per replay: many times any L2 cache, so the
+# weights come from memory as in a decode step, without timing every layer's (a cold start of
+# llama-3.1-8b timed 32 x 235 MB of MLP weights per replay: 11.9 s for one bucket, session 25).
+TIMED_BYTES = 512 * 2**20
 # A candidate must beat cuBLAS by this factor to be chosen (timing noise is a few percent).
 MARGIN = 0.97
 # Part of a cached choice's key: choices made among other candidates, buckets or margin are stale.
@@ -94,8 +98,10 @@ class GemvTiming:
     cublas_us: float
 
 
-# `fastest_gemv`'s signature: (weights of one shape, rows, input kind) -> (choice, s, cuBLAS s).
-Measure = Callable[[list[torch.Tensor], int, InputKind], tuple[GemvChoice | None, float, float]]
+# `fastest_gemv`'s signature: (weights of one shape, row buckets, input kind) -> for each bucket
+# (choice, seconds per weight, cuBLAS's seconds per weight).
+BucketTimings = dict[int, tuple[GemvChoice | None, float, float]]
+Measure = Callable[[list[torch.Tensor], Sequence[int], InputKind], BucketTimings]
 
 
 def choose_gemv_configs(
@@ -138,10 +144,10 @@ def _shape_timings(
            "settings": _SETTINGS}  # fmt: skip
     if cache is not None and (found := cache.load(name, key, _decode_timings)) is not None:
         return found, True
-    timings = {}
-    for bucket in GEMV_BUCKETS:
-        choice, seconds, cublas = measure(group, bucket, kind)
-        timings[bucket] = GemvTiming(choice, 1e6 * seconds / len(group), 1e6 * cublas / len(group))
+    timings = {
+        bucket: GemvTiming(choice, 1e6 * seconds, 1e6 * cublas)
+        for bucket, (choice, seconds, cublas) in measure(group, GEMV_BUCKETS, kind).items()
+    }
     if cache is not None:
         cache.store(name, key, _encode_timings(timings))
     return timings, False
@@ -174,41 +180,54 @@ def _decode_timings(value: Any) -> dict[int, GemvTiming]:
     return timings
 
 
-def fastest_gemv(
-    weights: list[torch.Tensor], rows: int, kind: InputKind, threads: int = 1
-) -> tuple[GemvChoice | None, float, float]:
-    """The candidate (None: cuBLAS) that runs `rows` x every weight fastest, with its seconds
-    and cuBLAS's: one whose first product matches cuBLAS's and beats it by the margin. Each
-    layer runs its input kernel (SwiGLU, or add + RMSNorm) before cuBLAS or an unfused GEMV.
+def timed_weights(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The weights of a shape whose GEMVs a candidate's timing runs: enough to stream
+    `TIMED_BYTES` from memory per replay (at least 2), not necessarily every layer's."""
+    size = weights[0].numel() * weights[0].element_size()
+    return weights[: max(2, -(-TIMED_BYTES // size))]
 
-    The candidates' first products, which compile their kernels (most of a cold start's
-    tuning: ~0.4 s each), run on `threads` threads side by side; the timing runs alone."""
-    w0 = weights[0]
-    width = w0.shape[1] * (2 if kind == "gated" else 1)
-    x, residual = (torch.randn(rows, width, dtype=w0.dtype, device=w0.device) for _ in range(2))
-    norm_weight = torch.ones(w0.shape[1], dtype=w0.dtype, device=w0.device)
 
-    def run(w: torch.Tensor, choice: GemvChoice | None, res: torch.Tensor) -> torch.Tensor:
+class _Rows:
+    """One row bucket's tuning inputs: the rows, a residual, and cuBLAS's product of the first
+    weight (after the input kernel) that every candidate must match."""
+
+    def __init__(self, rows: int, kind: InputKind, w0: torch.Tensor) -> None:
+        width = w0.shape[1] * (2 if kind == "gated" else 1)
+        self.kind = kind
+        self.x = torch.randn(rows, width, dtype=w0.dtype, device=w0.device)
+        self.residual = torch.randn(rows, w0.shape[1], dtype=w0.dtype, device=w0.device)
+        self.norm_weight = torch.ones(w0.shape[1], dtype=w0.dtype, device=w0.device)
+        self.scratch = self.residual.clone()
+        self.expected = self.run(w0, None, self.residual.clone()).float()
+
+    def run(self, w: torch.Tensor, choice: GemvChoice | None, res: torch.Tensor) -> torch.Tensor:
+        """The layer's product with `choice` (None: cuBLAS), its input kernel included; a normed
+        input's add + RMSNorm updates `res` in place."""
+        x, kind = self.x, self.kind
         if choice is not None and choice.fused:
             if kind == "normed":
-                return norm_gemv(x, w, choice.config, InputNorm(norm_weight, _EPS, res))[0]
+                return norm_gemv(x, w, choice.config, InputNorm(self.norm_weight, _EPS, res))[0]
             return gemv(x, w, choice.config, kind == "gated")
-        if kind == "normed":  # the fused add + RMSNorm kernel updates `res` in place
-            h = rms_norm(x, norm_weight, _EPS, res)
+        if kind == "normed":
+            h = rms_norm(x, self.norm_weight, _EPS, res)
         else:
             h = fused_silu_and_mul(x) if kind == "gated" else x
         return F.linear(h, w) if choice is None else gemv(h, w, choice.config)
 
-    scratch = residual.clone()
+    def seconds(self, weights: list[torch.Tensor], choice: GemvChoice | None) -> float:
+        """Device seconds per weight of `choice` over `weights`, in a CUDA graph."""
+        run = self.run
+        return median_graph_seconds(lambda: [run(w, choice, self.scratch) for w in weights]) / len(
+            weights
+        )
 
-    def seconds(choice: GemvChoice | None) -> float:
-        return median_graph_seconds(lambda: [run(w, choice, scratch) for w in weights])
 
-    expected = run(w0, None, residual.clone()).float()
-    cublas_s = seconds(None)
+def _candidates(rows: int, kind: InputKind, dtype: torch.dtype) -> list[GemvChoice]:
+    """The choices worth timing for `rows` rows of a `kind` input: every candidate serving
+    them, fused and (for a gated or normed input) unfused."""
     fusions = (True,) if kind == "plain" else (True, False)
-    normed_dot_ok = kind != "normed" or dot_normed_ok(w0.dtype)
-    candidates = [
+    normed_dot_ok = kind != "normed" or dot_normed_ok(dtype)
+    return [
         GemvChoice(c, fused)
         for c in GEMV_CANDIDATES
         if c.serves(rows)
@@ -216,11 +235,31 @@ def fastest_gemv(
         if not (c.dot and fused) or normed_dot_ok
     ]
 
-    def correct(choice: GemvChoice) -> bool:
+
+def fastest_gemv(
+    weights: list[torch.Tensor], buckets: Sequence[int], kind: InputKind, threads: int = 1
+) -> BucketTimings:
+    """For each row bucket, the candidate (None: cuBLAS) that runs that many rows x the weights
+    fastest, with its seconds per weight and cuBLAS's: one whose first product matches cuBLAS's
+    and beats it by the margin. Each layer runs its input kernel (SwiGLU, or add + RMSNorm)
+    before cuBLAS or an unfused GEMV. Timed on `timed_weights(weights)`.
+
+    Every bucket's candidates are first run once and checked, which compiles their kernels
+    (most of a cold start's tuning: ~0.4 s each), on `threads` threads side by side; the
+    timing runs alone."""
+    w0, timed = weights[0], timed_weights(weights)
+    inputs = {rows: _Rows(rows, kind, w0) for rows in buckets}
+    checks = [(rows, c) for rows in buckets for c in _candidates(rows, kind, w0.dtype)]
+
+    def correct(check: tuple[int, GemvChoice]) -> bool:
+        rows, choice = check
+        bench = inputs[rows]
         # A new thread's current device is the first GPU, whatever the weights' device.
         on_device = torch.cuda.device(w0.device) if w0.is_cuda else contextlib.nullcontext()
         with on_device:
-            return matches_cublas(lambda: run(w0, choice, residual.clone()), expected, choice)
+            return matches_cublas(
+                lambda: bench.run(w0, choice, bench.residual.clone()), bench.expected, choice
+            )
 
     # Made once, here, before the threads could race to make them: the ticket buffer, and
     # Triton's driver (built on its first use, with a C helper compiled on a first start).
@@ -228,20 +267,24 @@ def fastest_gemv(
     if w0.is_cuda:
         triton.runtime.driver.active.get_current_device()
     start = time.perf_counter()
-    with ThreadPoolExecutor(max(1, min(threads, len(candidates)))) as pool:
-        checked = list(pool.map(correct, candidates))
+    with ThreadPoolExecutor(max(1, min(threads, len(checks)))) as pool:
+        passed = [check for check, ok in zip(checks, pool.map(correct, checks), strict=True) if ok]
     compiled = time.perf_counter()
-    best, best_s = None, MARGIN * cublas_s
-    for choice in (c for c, ok in zip(candidates, checked, strict=True) if ok):
-        if (s := seconds(choice)) < best_s:
-            best, best_s = choice, s
-    # What a cold start's tuning spends where (the compiles, or timing every layer's weight).
+    chosen = {}
+    for rows, bench in inputs.items():
+        cublas_s = bench.seconds(timed, None)
+        best, best_s = None, MARGIN * cublas_s
+        for choice in (c for r, c in passed if r == rows):
+            if (s := bench.seconds(timed, choice)) < best_s:
+                best, best_s = choice, s
+        chosen[rows] = (best, best_s if best else cublas_s, cublas_s)
+    # What a cold start's tuning spends where (the compiles, or timing the weights).
     logger.info(
-        "GEMM %dx%d (%s input), M<=%d: %d candidates built and checked in %.2f s, timed in "
-        "%.2f s", w0.shape[0], w0.shape[1], kind, rows, len(candidates), compiled - start,
-        time.perf_counter() - compiled,
+        "GEMM %dx%d (%s input), M<=%s: %d candidates built and checked in %.2f s, timed on %d "
+        "weights in %.2f s", w0.shape[0], w0.shape[1], kind, ",".join(map(str, buckets)),
+        len(checks), compiled - start, len(timed), time.perf_counter() - compiled,
     )  # fmt: skip
-    return best, (best_s if best else cublas_s), cublas_s
+    return chosen
 
 
 def matches_cublas(
