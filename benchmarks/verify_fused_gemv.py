@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import runpy
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -34,11 +34,10 @@ def fused_dot_gemv(
     buckets: Sequence[int],
     kind: gemv_tuning.InputKind,
     threads: int = 1,
-    before_timing: Callable[[], object] = lambda: None,
 ) -> gemv_tuning.BucketTimings:
     """`fastest_gemv`, except that the BUCKET rows of a normed or gated layer take the fastest
     fused tensor-core candidate; prints both choices."""
-    chosen = _tuned(weights, buckets, kind, threads, before_timing)
+    chosen = _tuned(weights, buckets, kind, threads)
     if BUCKET not in chosen or kind == "plain":
         return chosen
     choice, seconds, cublas = chosen[BUCKET]

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import threading
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -54,21 +52,12 @@ class Measurer:
 
     def __init__(self) -> None:
         self.calls: list[tuple[Shape, tuple[int, ...]]] = []
-        self.events: list[str] = []  # "built <n>", "timed <n>" per shape, in order
 
     def __call__(
-        self,
-        weights: list[torch.Tensor],
-        buckets: Sequence[int],
-        kind: InputKind,
-        *,
-        before_timing: Callable[[], object],
+        self, weights: list[torch.Tensor], buckets: Sequence[int], kind: InputKind
     ) -> dict[int, tuple[GemvChoice | None, float, float]]:
         n, k = weights[0].shape
         self.calls.append(((n, k, kind), tuple(buckets)))
-        self.events.append(f"built {n}")
-        before_timing()
-        self.events.append(f"timed {n}")
         return {rows: (self.choice(n, kind) if rows == 1 else None, 2e-6, 3e-6) for rows in buckets}
 
     @staticmethod
@@ -113,33 +102,6 @@ def test_a_second_start_reads_the_cache_and_measures_nothing(
     assert _start(tmp_path).calls == []
     assert _warnings(caplog) == []
     assert caplog.text.count("[tuning cache]") == len(WEIGHTS) * len(GEMV_BUCKETS)
-
-
-def test_work_beside_a_cold_tuning_ends_before_any_timing(tmp_path: Path) -> None:
-    """`beside` (the engine's warm-up) runs on a thread of its own while the first shape
-    builds its candidates, and ends before that shape is timed; a start that finds every shape
-    in the cache does not run it; its exception reaches the caller."""
-    measurer = Measurer()
-    ran: list[int] = []
-
-    def beside() -> None:
-        time.sleep(0.1)  # still running when the first shape's candidates are built
-        measurer.events.append("beside done")
-        ran.append(threading.get_ident())
-
-    cache = TuningCache(tmp_path, ENV)
-    assert choose_gemv_configs(WEIGHTS, cache, measurer, beside=beside) == EXPECTED
-    first = next(iter(WEIGHTS))[0]
-    assert measurer.events[:3] == [f"built {first}", "beside done", f"timed {first}"]
-    assert ran and ran[0] != threading.get_ident()
-    assert choose_gemv_configs(WEIGHTS, cache, Measurer(), beside=beside) == EXPECTED
-    assert len(ran) == 1  # every shape cached: not run again
-
-    def broken() -> None:
-        raise RuntimeError("warm-up failed")
-
-    with pytest.raises(RuntimeError, match="warm-up failed"):
-        choose_gemv_configs(WEIGHTS, None, Measurer(), beside=broken)
 
 
 def test_without_a_cache_every_start_measures(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import torch
 import triton
@@ -98,22 +98,10 @@ class GemvTiming:
     cublas_us: float
 
 
-# Per row bucket: (choice, seconds per weight, cuBLAS's seconds per weight).
+# `fastest_gemv`'s signature: (weights of one shape, row buckets, input kind) -> for each bucket
+# (choice, seconds per weight, cuBLAS's seconds per weight).
 BucketTimings = dict[int, tuple[GemvChoice | None, float, float]]
-
-
-class Measure(Protocol):
-    """`fastest_gemv`'s signature (less its threads): a shape's weights, the row buckets and
-    the input kind -> each bucket's timings, having called `before_timing` before timing."""
-
-    def __call__(
-        self,
-        weights: list[torch.Tensor],
-        buckets: Sequence[int],
-        kind: InputKind,
-        *,
-        before_timing: Callable[[], object],
-    ) -> BucketTimings: ...
+Measure = Callable[[list[torch.Tensor], Sequence[int], InputKind], BucketTimings]
 
 
 def choose_gemv_configs(
@@ -121,81 +109,48 @@ def choose_gemv_configs(
     cache: TuningCache | None = None,
     measure: Measure | None = None,
     threads: int = 1,
-    beside: Callable[[], object] | None = None,
 ) -> dict[tuple[int, int, InputKind], dict[int, GemvChoice]]:
     """For each group of same-shape weights (`(n, k, input kind)` -> weights), the GEMV choice
     per row bucket where one matches cuBLAS's result and beats its time (buckets left out run
     cuBLAS). A shape `cache` holds is read, the others are measured (`measure`, by default
-    `fastest_gemv` checking candidates on `threads` threads) and stored.
-
-    `beside` (e.g. a warm-up that compiles other kernels) runs on a thread of its own while the
-    first shape to measure builds its candidates, and ends before any timing; it is not run
-    when the cache holds every shape. Its exception is raised here."""
+    `fastest_gemv` checking candidates on `threads` threads) and stored."""
     measure = measure or functools.partial(fastest_gemv, threads=threads)
-    found = {
-        shape: _cached_timings(shape, group[0].dtype, cache) for shape, group in weights.items()
-    }
-    missing = [shape for shape, timings in found.items() if timings is None]
-    with ThreadPoolExecutor(1, thread_name_prefix="beside-tuning") as side:
-        work = side.submit(beside) if beside is not None and missing else None
-        before_timing = work.result if work is not None else _nothing
-        for shape in missing:
-            found[shape] = _measured_timings(
-                shape, list(weights[shape]), cache, measure, before_timing
-            )
-        if work is not None:
-            work.result()
     chosen: dict[tuple[int, int, InputKind], dict[int, GemvChoice]] = {}
-    for (n, k, kind), timings in found.items():
-        for bucket, t in (timings or {}).items():
+    for (n, k, kind), group in weights.items():
+        timings, cached = _shape_timings(n, k, kind, list(group), cache, measure)
+        for bucket, t in timings.items():
             logger.info(
                 "GEMM %dx%d (%s input), M<=%d: %s, %.1f us per layer (cuBLAS %.1f us)%s",
                 n, k, kind, bucket, t.choice or "cuBLAS", t.us, t.cublas_us,
-                "" if (n, k, kind) in missing else " [tuning cache]",
+                " [tuning cache]" if cached else "",
             )  # fmt: skip
             if t.choice is not None:
                 chosen.setdefault((n, k, kind), {})[bucket] = t.choice
     return chosen
 
 
-def _nothing() -> None:
-    """Nothing to wait for before timing."""
-
-
-def _cache_entry(shape: tuple[int, int, InputKind], dtype: torch.dtype) -> tuple[str, dict]:
-    """A shape's file name and key in the tuning cache."""
-    n, k, kind = shape
-    name = str(dtype).removeprefix("torch.")
-    key = {"kernel": "gemv", "dtype": name, "n": n, "k": k, "input_kind": kind,
-           "settings": _SETTINGS}  # fmt: skip
-    return f"gemv-{name}-{n}x{k}-{kind}", key
-
-
-def _cached_timings(
-    shape: tuple[int, int, InputKind], dtype: torch.dtype, cache: TuningCache | None
-) -> dict[int, GemvTiming] | None:
-    """Every bucket's timing of one shape as `cache` holds it, or None."""
-    if cache is None:
-        return None
-    return cache.load(*_cache_entry(shape, dtype), _decode_timings)
-
-
-def _measured_timings(
-    shape: tuple[int, int, InputKind],
+def _shape_timings(
+    n: int,
+    k: int,
+    kind: InputKind,
     group: list[torch.Tensor],
     cache: TuningCache | None,
     measure: Measure,
-    before_timing: Callable[[], object],
-) -> dict[int, GemvTiming]:
-    """Every bucket's timing of one shape, measured, and stored in `cache`."""
-    measured = measure(group, GEMV_BUCKETS, shape[2], before_timing=before_timing)
+) -> tuple[dict[int, GemvTiming], bool]:
+    """Every bucket's timing of one shape, and whether it came from the cache."""
+    dtype = str(group[0].dtype).removeprefix("torch.")
+    name = f"gemv-{dtype}-{n}x{k}-{kind}"
+    key = {"kernel": "gemv", "dtype": dtype, "n": n, "k": k, "input_kind": kind,
+           "settings": _SETTINGS}  # fmt: skip
+    if cache is not None and (found := cache.load(name, key, _decode_timings)) is not None:
+        return found, True
     timings = {
         bucket: GemvTiming(choice, 1e6 * seconds, 1e6 * cublas)
-        for bucket, (choice, seconds, cublas) in measured.items()
+        for bucket, (choice, seconds, cublas) in measure(group, GEMV_BUCKETS, kind).items()
     }
     if cache is not None:
-        cache.store(*_cache_entry(shape, group[0].dtype), _encode_timings(timings))
-    return timings
+        cache.store(name, key, _encode_timings(timings))
+    return timings, False
 
 
 def _encode_timings(timings: dict[int, GemvTiming]) -> dict[str, Any]:
@@ -282,11 +237,7 @@ def _candidates(rows: int, kind: InputKind, dtype: torch.dtype) -> list[GemvChoi
 
 
 def fastest_gemv(
-    weights: list[torch.Tensor],
-    buckets: Sequence[int],
-    kind: InputKind,
-    threads: int = 1,
-    before_timing: Callable[[], object] = _nothing,
+    weights: list[torch.Tensor], buckets: Sequence[int], kind: InputKind, threads: int = 1
 ) -> BucketTimings:
     """For each row bucket, the candidate (None: cuBLAS) that runs that many rows x the weights
     fastest, with its seconds per weight and cuBLAS's: one whose first product matches cuBLAS's
@@ -295,7 +246,7 @@ def fastest_gemv(
 
     Every bucket's candidates are first run once and checked, which compiles their kernels
     (most of a cold start's tuning: ~0.4 s each), on `threads` threads side by side; the
-    timing runs alone, after `before_timing()` returns."""
+    timing runs alone."""
     w0, timed = weights[0], timed_weights(weights)
     inputs = {rows: _Rows(rows, kind, w0) for rows in buckets}
     checks = [(rows, c) for rows in buckets for c in _candidates(rows, kind, w0.dtype)]
@@ -319,8 +270,6 @@ def fastest_gemv(
     with ThreadPoolExecutor(max(1, min(threads, len(checks)))) as pool:
         passed = [check for check, ok in zip(checks, pool.map(correct, checks), strict=True) if ok]
     compiled = time.perf_counter()
-    before_timing()
-    timing = time.perf_counter()
     chosen = {}
     for rows, bench in inputs.items():
         cublas_s = bench.seconds(timed, None)
@@ -333,7 +282,7 @@ def fastest_gemv(
     logger.info(
         "GEMM %dx%d (%s input), M<=%s: %d candidates built and checked in %.2f s, timed on %d "
         "weights in %.2f s", w0.shape[0], w0.shape[1], kind, ",".join(map(str, buckets)),
-        len(checks), compiled - start, len(timed), time.perf_counter() - timing,
+        len(checks), compiled - start, len(timed), time.perf_counter() - compiled,
     )  # fmt: skip
     return chosen
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -181,17 +180,6 @@ def _reclaim_device_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _hash_triton_beside() -> None:
-    """Start computing, on a thread of its own, the hash of Triton's own files (its 400 MB
-    library included) that keys its kernel cache: 0.3-0.5 s at a process's first kernel,
-    which then overlaps the weights' loading."""
-    try:
-        from triton.runtime.cache import triton_key
-    except ImportError:  # a Triton without it: its first kernel computes what it needs
-        return
-    threading.Thread(target=triton_key, name="hash-triton", daemon=True).start()
-
-
 class ModelRunner:
     """Owns the model weights, the KV cache tensors, the attention backend and the sampler.
 
@@ -221,7 +209,6 @@ class ModelRunner:
         if deterministic and self.device.type == "cuda":
             configure_invariant_cublas()  # before this process's first cuBLAS product
         if self.device.type == "cuda":
-            _hash_triton_beside()
             _reclaim_device_memory(self.device)
         with self.startup.phase("load_weights"):
             self.model = load_model(
@@ -289,11 +276,7 @@ class ModelRunner:
                 with self.startup.phase("gemv_tuning"):
                     cache = open_tuning_cache(config.runner.tuning_cache_dir, self.device)
                     threads = config.runner.tuning_threads
-                    # A cold start's warm-up compiles beside the tuning's candidates (both
-                    # seconds); ranks of a tensor-parallel model would not meet in its
-                    # collectives if one had the tuning in its cache and another did not.
-                    beside = partial(self._warm_up, config) if self.tp.size == 1 else None
-                    chosen = choose_gemv_kernels(self.model, cache, threads, beside)
+                    chosen = choose_gemv_kernels(self.model, cache, threads)
                 logger.info(
                     "GEMV kernel chosen over cuBLAS for %d (layer, row bucket) pairs", chosen
                 )
@@ -321,19 +304,14 @@ class ModelRunner:
                         self.spec.capture_graphs(self.graphs)
         if self.device.type == "cuda":
             with self.startup.phase("warm_up"):
-                self._warm_up(config)
-
-    def _warm_up(self, config: EngineConfig) -> None:
-        """Eager passes of the warm-up batches, the model's and the draft model's, and the
-        sampler's kernels: what they compile compiles here, not in the first requests' steps
-        (on any thread: the runner's device is made current)."""
-        batches = warm_up_batches(config.scheduler.max_num_batched_tokens, config.max_model_len)
-        with torch.cuda.device(self.device):
-            warm_up(self.model, self.attention, self.page_size, batches, self.device)
-            if self.spec is not None and (drafter := self.spec.drafter) is not None:
-                # The draft model mirrors every eager step: its heads, its kernels.
-                warm_up(drafter.model, drafter.attention, self.page_size, batches, self.device)
-            self.sampler.warm_up(self.model_config.vocab_size, self.model_config.dtype)
+                batches = warm_up_batches(
+                    config.scheduler.max_num_batched_tokens, config.max_model_len
+                )
+                warm_up(self.model, self.attention, self.page_size, batches, self.device)
+                if self.spec is not None and (drafter := self.spec.drafter) is not None:
+                    # The draft model mirrors every eager step: its heads, its kernels.
+                    warm_up(drafter.model, drafter.attention, self.page_size, batches, self.device)
+                self.sampler.warm_up(self.model_config.vocab_size, self.model_config.dtype)
 
     @property
     def graphs_pending(self) -> int:
