@@ -9,8 +9,9 @@ stay in the OS page cache unless `--drop-page-cache`. Each start is timed from l
 server first answers HTTP (503 while the model loads), until /health says ready, and until a
 16-token completion succeeds; the phases are the server's `tokenmill:startup_seconds{phase}`
 and its `start-up ...` log line, which lists the api server's phases (server_imports,
-server_setup, waiting_for_engine) and the engine core's (engine_imports, engine_config,
-load_weights, kv_cache, gemv_tuning, cuda_graphs, warm_up, engine_setup), which ran beside them
+server_setup, waiting_for_engine, ready_message: the engine's ready on its way to the server)
+and the engine core's (engine_imports, engine_config, load_weights, kv_cache, gemv_tuning,
+cuda_graphs, warm_up, engine_setup), which ran beside them
 (a server captures its CUDA graphs in the background, after ready, unless given
 `--cuda-graph-capture startup`: then `cuda_graphs` is a phase).
 Prints a line per model and a line of phases per start; `--output` writes everything as JSON.

@@ -121,7 +121,7 @@ def test_startup_phases_are_logged_and_exported(server: ServerHandle) -> None:
     }
     # The CPU's phases: GEMV tuning and CUDA-graph capture are the GPU's. The api server's
     # add up to the total; the engine core's ran beside them.
-    server_phases = {"server_imports", "server_setup", "waiting_for_engine"}
+    server_phases = {"server_imports", "server_setup", "waiting_for_engine", "ready_message"}
     engine = {"engine_imports", "engine_config", "load_weights", "kv_cache", "engine_setup"}
     assert set(phases) == {*server_phases, *engine, "total"}
     assert all(phases[p] > 0 for p in ("server_imports", "engine_imports", "load_weights"))

@@ -28,7 +28,7 @@ def test_start_is_timed_to_its_first_completion_and_the_engine_starts_beside_the
     # engine core, started first, may be ready by then: 503 before ready is
     # tests/reliability/test_startup.py's).
     assert 0 < times.listening_s <= times.ready_s <= times.first_completion_s
-    server_phases = {"server_imports", "server_setup", "waiting_for_engine"}
+    server_phases = {"server_imports", "server_setup", "waiting_for_engine", "ready_message"}
     engine_phases = {"engine_imports", "engine_config", "load_weights", "kv_cache", "engine_setup"}
     assert server_phases | engine_phases | {"total"} == phases.keys()
     # From the server process's start to ready, which the client sees a poll (50 ms) later.

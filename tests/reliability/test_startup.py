@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -70,12 +72,13 @@ async def starting_server(workers: list[WorkerSpec]) -> AsyncIterator[StartingSe
         addresses.remove()
 
 
-def _stats(startup_seconds: dict[str, float]) -> EngineStats:
-    """The engine core's first stats: an idle engine, and its start-up phases."""
+def _stats(startup_seconds: dict[str, float], ended_at: float = 0.0) -> EngineStats:
+    """The engine core's first stats: an idle engine, its start-up phases and their end."""
     return EngineStats(
         num_running=0, num_waiting=0, kv_used_pages=0, kv_total_pages=8, prefix_cache_queries=0,
         prefix_cache_hits=0, num_preemptions=0, finished={}, prompt_tokens=0,
         generation_tokens=0, histograms={}, engine_pid=1, startup_seconds=startup_seconds,
+        startup_ended_at=ended_at,
     )  # fmt: skip
 
 
@@ -99,7 +102,9 @@ async def _starting_then_ready() -> str:
         assert metrics.status_code == 200 and "startup_seconds{" not in metrics.text
         # The engine core has loaded the model: its first stats say so, with its phases.
         engine_phases = {"engine_imports": 2.0, "load_weights": 1.5, "kv_cache": 0.25}
-        s.engine.send(encode(ClientBatch([], [], stats=_stats(engine_phases))))
+        # Ready a moment ago: its stats took that long to arrive (`ready_message`).
+        ended = time.time() - 0.01
+        s.engine.send(encode(ClientBatch([], [], stats=_stats(engine_phases, ended))))
         async with asyncio.timeout(10):
             while (await s.http.get("/health")).status_code != 200:
                 await asyncio.sleep(0.02)
@@ -117,6 +122,8 @@ def test_the_server_answers_503_until_the_engine_is_ready_then_reports_its_start
     for phase, seconds in {"engine_imports": 2.0, "load_weights": 1.5, "kv_cache": 0.25}.items():
         assert f'tokenmill:startup_seconds{{model_name="m",phase="{phase}"}} {seconds}' in metrics
     assert 'phase="waiting_for_engine"' in metrics and 'phase="total"' in metrics
+    [message] = re.findall(r'phase="ready_message"\} ([\d.e-]+)', metrics)
+    assert float(message) > 0
     [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("start-up ")]
     assert "; engine core: engine_imports 2.00 s, load_weights 1.50 s, kv_cache 0.25 s)" in line
     assert "(server: " in line and "waiting_for_engine " in line

@@ -56,6 +56,18 @@ def test_phases_from_elsewhere_and_the_rest_add_up_to_the_elapsed_time() -> None
     assert "load_weights 0.20 s, cuda_graphs 0.10 s, other " in summary
 
 
+def test_a_split_moves_part_of_a_phase_and_the_phases_still_add_up() -> None:
+    timer = StartupTimer()
+    timer.add({"server_imports": 1.0, "waiting_for_engine": 3.0})
+    timer.split("waiting_for_engine", "ready_message", 1.25)
+    assert timer.phases == {"server_imports": 1.0, "waiting_for_engine": 1.75,
+                            "ready_message": 1.25}  # fmt: skip
+    timer.split("server_imports", "late", 5.0)  # at most the whole phase
+    timer.split("waiting_for_engine", "early", -0.5)  # clocks apart: none, but the phase is there
+    assert timer.phases["server_imports"] == 0.0 and timer.phases["late"] == 1.0
+    assert timer.phases["early"] == 0.0 and sum(timer.phases.values()) == 4.0
+
+
 def test_the_rest_is_never_negative() -> None:
     timer = StartupTimer()
     timer.add({"load_weights": 10.0})  # phases that ran alongside this timer's own time

@@ -86,6 +86,7 @@ class EngineCoreLoop:
         startup.add(self.engine.runner.startup.phases)
         startup.rest("engine_setup")  # the scheduler, the cache manager, the host KV tier
         self.startup_seconds = startup.phases
+        self.startup_ended_at = time.time()
         self.ctx = zmq.Context()
         self.inputs = pull(self.ctx, addresses.engine, bind=True)
         self.outputs = push(self.ctx, addresses.detokenizer, bind=False)
@@ -240,6 +241,7 @@ class EngineCoreLoop:
             host_kv_cache=_host_counts(engine),
             vision_encoder=_encoder_counts(engine),
             startup_seconds=self.startup_seconds,
+            startup_ended_at=self.startup_ended_at,
         )
 
 

@@ -806,8 +806,12 @@ async def _await_engine(state: ServerState) -> None:
     stats = state.client.stats
     engine_phases = stats.startup_seconds if stats is not None else {}
     # The engine core starts beside the server (`early_start`): after its own set-up, the
-    # server waits for it, and the engine's phases say where that time went.
+    # server waits for it, and the engine's phases say where that time went; the last part,
+    # from the engine's ready to its first stats here (through the detokenizer), is its own.
     state.startup.rest("waiting_for_engine")
+    if stats is not None and stats.startup_ended_at:
+        delay = state.client.first_stats_at - stats.startup_ended_at
+        state.startup.split("waiting_for_engine", "ready_message", delay)
     total = state.startup.elapsed
     phases = {**state.startup.phases, **engine_phases, "total": total}
     state.client.metrics.on_ready(phases)

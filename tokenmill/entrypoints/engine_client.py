@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -80,6 +81,7 @@ class EngineClient:
         self._decoder = msgspec.msgpack.Decoder(ClientBatch)
         self._in_flight: dict[str, _InFlight] = {}  # by sub-request id
         self.ready = asyncio.Event()
+        self.first_stats_at = 0.0  # when (`time.time()`) the engine's first stats arrived
         self.failure: str | None = None
         self._awaited_engine_pid: int | None = None
 
@@ -106,6 +108,8 @@ class EngineClient:
                     entry.queue.put_nowait(item)
 
     def _on_stats(self, stats: EngineStats) -> None:
+        if not self.first_stats_at:
+            self.first_stats_at = time.time()
         self.metrics.engine.stats = stats
         if self._awaited_engine_pid is not None and stats.engine_pid == self._awaited_engine_pid:
             logger.info("engine core (pid %d) is ready again", stats.engine_pid)

@@ -139,6 +139,9 @@ class EngineStats(msgspec.Struct):
     vision_encoder: VisionEncoderCounts | None = None
     # Seconds of each phase of the engine core's start-up, in order (they add up to it).
     startup_seconds: dict[str, float] = msgspec.field(default_factory=dict)
+    # When its start-up ended (`time.time()`; 0: not said): the api server tells how long the
+    # first stats took to reach it.
+    startup_ended_at: float = 0.0
 
 
 class HostKVCacheCounts(msgspec.Struct):

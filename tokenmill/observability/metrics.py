@@ -223,8 +223,8 @@ class ServerMetrics:
         ).labels(model_name)  # fmt: skip
         self.startup_seconds = Gauge(
             PREFIX + "startup_seconds", "Seconds of each phase of the server's start-up, set "
-            "when it is ready: the api server's (server_*, waiting_for_engine) and the engine "
-            "core's, which run side by side, and total, from launch to ready.",
+            "when it is ready: the api server's (server_*, waiting_for_engine, ready_message) "
+            "and the engine core's, which run side by side, and total, from launch to ready.",
             ["model_name", "phase"], registry=self.registry,
         )  # fmt: skip
         self.log_requests = log_requests

@@ -64,6 +64,13 @@ class StartupTimer:
         timed = sum(seconds for other, seconds in self.phases.items() if other != name)
         self.phases[name] = max(0.0, self.elapsed - timed)
 
+    def split(self, name: str, part: str, seconds: float) -> None:
+        """Move `seconds` of phase `name` (at most all of it, at least none) into phase
+        `part`, made if new: the phases still add up."""
+        moved = min(max(0.0, seconds), self.phases.get(name, 0.0))
+        self.phases[name] = self.phases.get(name, 0.0) - moved
+        self.add({part: moved})
+
     @property
     def elapsed(self) -> float:
         """Seconds since the timer started."""
