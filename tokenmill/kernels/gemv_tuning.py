@@ -216,10 +216,8 @@ class _Rows:
 
     def seconds(self, weights: list[torch.Tensor], choice: GemvChoice | None) -> float:
         """Device seconds per weight of `choice` over `weights`, in a CUDA graph."""
-        run = self.run
-        return median_graph_seconds(lambda: [run(w, choice, self.scratch) for w in weights]) / len(
-            weights
-        )
+        replay = median_graph_seconds(lambda: [self.run(w, choice, self.scratch) for w in weights])
+        return replay / len(weights)
 
 
 def _candidates(rows: int, kind: InputKind, dtype: torch.dtype) -> list[GemvChoice]:
