@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from tests.conftest import FAMILIES
 from tests.gpu.bf16_tracking import track
+from tests.gpu.hf_reference import hf_greedy_on
 from tokenmill import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -18,19 +18,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 PROMPTS = [list(range(3, 10)), list(range(20, 77)), [100, 200, 300], [7] * 33 + [9], [42]]
 PROMPTS = [*PROMPTS, [*list(range(20, 60)), 5, 6]]  # shares a prefix with the second
 MAX_TOKENS = 24
-
-
-def _hf_greedy_gpu(path: Path, dtype: torch.dtype) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    outs = []
-    for p in PROMPTS:
-        ids = torch.tensor([p], device="cuda")
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                             do_sample=False)  # fmt: skip
-        outs.append(out[0, len(p) :].tolist())
-    return outs
 
 
 SETTINGS = {
@@ -50,7 +37,7 @@ def test_float32_greedy_equals_transformers_on_gpu(checkpoints, family: str, set
     llm = LLM(str(path), device="cuda", dtype="float32", **SETTINGS[setting])
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == _hf_greedy_gpu(path, torch.float32)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy_on(path, PROMPTS, MAX_TOKENS)
     # Repeat: now every prompt hits the prefix cache.
     again = llm.generate(PROMPTS, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outputs]
@@ -67,7 +54,7 @@ def test_one_sequence_prefill_graphs_equal_transformers(checkpoints, family: str
     assert llm.engine.runner.graphs.prefill_sizes == [16, 32, 64]
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = [llm.generate([p], greedy, use_tqdm=False)[0] for p in PROMPTS]
-    assert [o.outputs[0].token_ids for o in outputs] == _hf_greedy_gpu(path, torch.float32)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy_on(path, PROMPTS, MAX_TOKENS)
     assert outputs[-1].num_cached_tokens > 0
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from tests.gpu.bf16_tracking import track
+from tests.gpu.hf_reference import hf_greedy_on
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import ModelConfig
 from tokenmill.kernels.fused_moe import ROUTE_ALIGN_MAX_TOKENS
@@ -39,19 +39,6 @@ def moe_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: build_checkpoint(root / name, "qwen3_moe", **kw) for name, kw in VARIANTS.items()}
 
 
-def _hf_greedy(path: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p], device="cuda")
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                             do_sample=False)  # fmt: skip
-        outs.append(out[0, len(p) :].tolist())
-    return outs
-
-
 SETTINGS = {
     "cuda_graphs": {},
     "eager": {"enforce_eager": True},
@@ -65,7 +52,7 @@ SETTINGS = {
 def test_float32_moe_greedy_equals_transformers(moe_dirs, variant: str, setting: str) -> None:
     path = moe_dirs[variant]
     llm = LLM(str(path), device="cuda", dtype="float32", **SETTINGS[setting])
-    expected = _hf_greedy(path, PROMPTS, MAX_TOKENS)
+    expected = hf_greedy_on(path, PROMPTS, MAX_TOKENS)
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # every prompt hits the prefix cache
@@ -93,7 +80,7 @@ def test_long_prefill_takes_the_torch_sort_and_equals_transformers(moe_dirs) -> 
     prompt = [(i * 37) % 400 + 5 for i in range(ROUTE_ALIGN_MAX_TOKENS + 88)]
     llm = LLM(str(path), device="cuda", dtype="float32", max_num_batched_tokens=1024)
     out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
-    assert out.outputs[0].token_ids == _hf_greedy(path, [prompt], MAX_TOKENS)[0]
+    assert out.outputs[0].token_ids == hf_greedy_on(path, [prompt], MAX_TOKENS)[0]
 
 
 @pytest.mark.parametrize("max_num_seqs", [2, 256])

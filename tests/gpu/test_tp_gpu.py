@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
+from tests.gpu.hf_reference import hf_greedy_on
 from tokenmill import LLM, SamplingParams
 from tokenmill.testing.checkpoints import build_checkpoint
 
@@ -39,18 +39,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def references(checkpoints: dict[str, Path]) -> dict[str, list[list[int]]]:
-    refs = {}
-    for family, path in checkpoints.items():
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
-        model.generation_config.eos_token_id = None
-        model.generation_config.pad_token_id = 0
-        refs[family] = []
-        for p in PROMPTS:
-            ids = torch.tensor([p], device="cuda")
-            out = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                 max_new_tokens=MAX_TOKENS, do_sample=False)  # fmt: skip
-            refs[family].append(out[0, len(p) :].tolist())
-    return refs
+    return {family: hf_greedy_on(path, PROMPTS, MAX_TOKENS) for family, path in checkpoints.items()}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
