@@ -542,6 +542,7 @@ class RunnerConfig:
     gpu_memory_utilization: float = 0.9
     tuning_cache_dir: str = ""  # where start-up tuning decisions are kept ("": nowhere)
     tuning_threads: int = 1  # threads compiling the tuning's candidate kernels side by side
+    shipped_tuning: bool = True  # start from the GEMV choices shipped for this GPU
     encoder_cache_tokens: int = 16384  # image tokens of vision-encoder outputs kept
     # Batch-invariant kernels: a request's logits do not depend on the rest of its batch.
     deterministic: bool = False
@@ -860,6 +861,13 @@ class EngineArgs:
         "lock for most of its work); 1 compiles them one by one.",
         default_help=f"{TUNING_THREADS}, or the CPUs if fewer",
     )
+    shipped_tuning: bool = option(
+        True,
+        "Where the tuning cache lacks a weight shape, take the GEMV choices tokenmill ships for "
+        "this GPU (tokenmill/assets/gemv_defaults), once each chosen kernel is built and checked "
+        "against cuBLAS here, instead of building and timing every candidate; "
+        "--no-shipped-tuning measures every such shape.",
+    )
 
     def create_served_model(self) -> ServedModel:
         """What the api server and its tokenizer workers need of `create_engine_config`'s
@@ -977,6 +985,7 @@ class EngineArgs:
             if self.tuning_cache_dir is None
             else self.tuning_cache_dir,
             tuning_threads=min(self.tuning_threads, os.cpu_count() or 1),
+            shipped_tuning=self.shipped_tuning,
             encoder_cache_tokens=self.encoder_cache_tokens,
         )
         model = ModelConfig.from_pretrained(self.model, self.dtype)

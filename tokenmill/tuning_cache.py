@@ -80,7 +80,8 @@ def _nvidia_driver_version() -> str:
     return found.group(1) if found else "unknown"
 
 
-def _file_name(text: str) -> str:
+def file_name(text: str) -> str:
+    """`text` as a file name: characters other than letters, digits, '.', '_' and '-' as '_'."""
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "_"
 
 
@@ -91,11 +92,11 @@ class TuningCache:
     def __init__(self, directory: str | Path, environment: Mapping[str, str]) -> None:
         self.environment: dict[str, Any] = {"format": FILE_FORMAT, **environment}
         device = str(environment.get("device", "any"))
-        self.directory = Path(directory).expanduser() / _file_name(device)
+        self.directory = Path(directory).expanduser() / file_name(device)
 
     def path(self, name: str) -> Path:
         """The file of decision `name`."""
-        return self.directory / f"{_file_name(name)}.json"
+        return self.directory / f"{file_name(name)}.json"
 
     def load(self, name: str, key: Mapping[str, Any], decode: Callable[[Any], T]) -> T | None:
         """The decision `name` stored under `key` in this environment, through `decode` (which

@@ -62,15 +62,17 @@ def test_a_second_start_reads_the_tuning_cache_and_measures_nothing(
     checkpoints, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """bfloat16 start-up GEMV tuning: the first start measures every weight shape and writes
-    one file for each; the second reads them, measures nothing and chooses the same kernels."""
+    one file for each; the second reads them, measures nothing and chooses the same kernels;
+    so does a start with an empty cache and those choices shipped (checked, not measured)."""
     import gc
 
     from tokenmill.kernels import gemv_tuning
     from tokenmill.layers.linear import Linear
 
-    def start() -> LLM:
+    def start(cache: Path = tmp_path / "cache", shipped: bool = False) -> LLM:
         path = str(checkpoints["llama"])
-        return LLM(path, device="cuda", dtype="bfloat16", tuning_cache_dir=str(tmp_path))
+        return LLM(path, device="cuda", dtype="bfloat16", tuning_cache_dir=str(cache),
+                   shipped_tuning=shipped)  # fmt: skip
 
     def choices(llm: LLM) -> list[dict]:
         modules = llm.engine.runner.model.modules()
@@ -79,7 +81,7 @@ def test_a_second_start_reads_the_tuning_cache_and_measures_nothing(
     first = start()
     shapes = {(m.weight.shape, m.input_kind) for m in first.engine.runner.model.modules()
               if isinstance(m, Linear) and m.bias is None}  # fmt: skip
-    assert len(list(tmp_path.rglob("gemv-bfloat16-*.json"))) == len(shapes)
+    assert len(list((tmp_path / "cache").rglob("gemv-bfloat16-*.json"))) == len(shapes)
     expected = choices(first)
     del first
     gc.collect()
@@ -93,6 +95,12 @@ def test_a_second_start_reads_the_tuning_cache_and_measures_nothing(
     assert {"load_weights", "kv_cache", "gemv_tuning", "cuda_graphs"} <= set(
         second.engine.runner.startup.phases
     )
+    del second
+    gc.collect()
+    assert gemv_tuning.export_shipped_choices(tmp_path / "cache", tmp_path / "shipped")
+    monkeypatch.setattr(gemv_tuning, "SHIPPED_DIR", tmp_path / "shipped")
+    assert choices(start(tmp_path / "empty", shipped=True)) == expected
+    assert len(list((tmp_path / "empty").rglob("gemv-bfloat16-*.json"))) == len(shapes)
 
 
 def test_background_capture_equals_start_up_capture(checkpoints) -> None:

@@ -768,6 +768,29 @@ def test_gemv_candidates_checked_on_threads_keep_their_order(monkeypatch) -> Non
     assert chosen == {1: (correct[-1], falling[len(correct)] / 2, 0.5)}  # per weight (2)
 
 
+@pytest.mark.parametrize("kind", ["plain", "normed"])
+def test_shipped_choices_hold_only_where_every_chosen_kernel_matches_cublas(
+    monkeypatch, kind: str
+) -> None:
+    """A shipped choice (measured on another machine) is taken once each chosen kernel has
+    run here and matched cuBLAS; one that gives another product (or fails to build) is not."""
+    from tokenmill.kernels import gemv_tuning
+
+    gen = torch.Generator().manual_seed(3)
+    weights = [_randn(16, 64, gen=gen) for _ in range(2)]
+    one, four = [c for c in gemv_tuning.GEMV_CANDIDATES if not c.dot and c.serves(4)][:2]
+    timings = {
+        1: gemv_tuning.GemvTiming(gemv_tuning.GemvChoice(one, True), 1.0, 2.0),
+        4: gemv_tuning.GemvTiming(gemv_tuning.GemvChoice(four, False), 1.0, 2.0),
+        8: gemv_tuning.GemvTiming(None, 2.0, 2.0),
+    }
+    assert gemv_tuning.shipped_choices_hold(weights, timings, kind)
+    real_gemv = gemv_tuning.gemv
+    monkeypatch.setattr(gemv_tuning, "gemv", lambda *a, **k: 2 * real_gemv(*a, **k))
+    assert not gemv_tuning.shipped_choices_hold(weights, timings, kind)
+    assert gemv_tuning.shipped_choices_hold(weights, {8: timings[8]}, kind)  # cuBLAS only
+
+
 def test_gemv_timing_streams_enough_weights_not_every_layer() -> None:
     """A candidate is timed on enough of a shape's weights to stream TIMED_BYTES a replay
     (never fewer than 2), not on every layer's: llama-3.1-8b's 32 MLP weights of 235 MB each

@@ -20,7 +20,9 @@ from tokenmill.kernels.gemv_tuning import (
     GEMV_CANDIDATES,
     GemvChoice,
     InputKind,
+    ShippedChoices,
     choose_gemv_configs,
+    export_shipped_choices,
 )
 from tokenmill.tuning_cache import (
     TuningCache,
@@ -240,3 +242,87 @@ def test_the_cache_folder_defaults_to_the_user_cache_and_empty_turns_it_off(
     assert runner_dir(tuning_cache_dir=str(tmp_path / "mine")) == str(tmp_path / "mine")
     assert runner_dir(tuning_cache_dir="") == ""
     assert open_tuning_cache("", torch.device("cpu")) is None
+
+
+def _shipped(tmp_path: Path) -> ShippedChoices:
+    """The choices one start measured on the H200, exported as shipped choices."""
+    _start(tmp_path / "measured")
+    written = export_shipped_choices(tmp_path / "measured", tmp_path / "shipped")
+    assert [p.name for p in written] == ["NVIDIA_H200.json"]
+    shipped = ShippedChoices.load("NVIDIA H200", tmp_path / "shipped")
+    assert shipped is not None
+    return shipped
+
+
+def test_a_first_start_takes_the_shipped_choices_that_hold_here(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On a GPU tokenmill ships choices for, a start whose cache lacks a shape checks the
+    shipped choices (building only the chosen kernels) instead of measuring; it stores them,
+    so the next start reads its cache. A shape whose shipped kernels fail the check here (a
+    kernel that does not build on this driver) is measured."""
+    caplog.set_level(logging.INFO)
+    shipped = _shipped(tmp_path)
+    checked: list[Shape] = []
+
+    def check(weights: list[torch.Tensor], timings: dict, kind: InputKind) -> bool:
+        n, k = weights[0].shape
+        checked.append((n, k, kind))
+        assert timings == {b: t for b, t in timings.items() if b in GEMV_BUCKETS}
+        return (n, k, kind) != (16, 64, "gated")  # this one's kernel fails here
+
+    fresh = TuningCache(tmp_path / "fresh", ENV)
+    measurer = Measurer()
+    assert choose_gemv_configs(WEIGHTS, fresh, measurer, shipped=shipped, check=check) == EXPECTED
+    assert sorted(checked) == sorted(WEIGHTS)
+    assert measurer.calls == [((16, 64, "gated"), GEMV_BUCKETS)]
+    assert caplog.text.count("[shipped]") == 2 * len(GEMV_BUCKETS)
+    assert "shipped GEMV choices of gemv-bfloat16-16x64-gated do not hold here" in caplog.text
+    again = Measurer()  # the cache has every shape now: nothing shipped is checked again
+    assert choose_gemv_configs(WEIGHTS, fresh, again, shipped=shipped, check=None) == EXPECTED
+    assert again.calls == []
+
+
+def test_shipped_choices_of_other_settings_or_unreadable_are_ignored(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    shipped = _shipped(tmp_path)
+    assert ShippedChoices.load("NVIDIA H100", tmp_path / "shipped") is None  # none shipped
+    record = json.loads(shipped.path.read_text())
+    assert record["measured_with"]["driver"] == ENV["driver"]
+    name = "gemv-bfloat16-32x16-plain"
+    del record["shapes"][name]["4"]  # a shape whose value does not decode: measured
+    shipped.path.write_text(json.dumps(record))
+    damaged = ShippedChoices.load("NVIDIA H200", tmp_path / "shipped")
+    assert damaged is not None and damaged.timings(name) is None
+    assert damaged.timings("gemv-bfloat16-48x16-normed") is not None
+    measurer = Measurer()
+    choose_gemv_configs(WEIGHTS, None, measurer, shipped=damaged, check=lambda *_: True)
+    assert measurer.calls == [((32, 16, "plain"), GEMV_BUCKETS)]
+    caplog.clear()
+    record["settings"] = "other candidates"
+    shipped.path.write_text(json.dumps(record))
+    assert ShippedChoices.load("NVIDIA H200", tmp_path / "shipped") is None
+    shipped.path.write_text("{not json")
+    assert ShippedChoices.load("NVIDIA H200", tmp_path / "shipped") is None
+    warnings = _warnings(caplog)
+    assert len(warnings) == 2 and "other tuning settings" in warnings[0]
+
+
+def test_an_export_merges_into_what_is_shipped_and_skips_stale_files(tmp_path: Path) -> None:
+    shipped = _shipped(tmp_path)
+    later = tmp_path / "later"
+    gpu = later / "NVIDIA_H200"
+    gpu.mkdir(parents=True)
+    value = {str(b): {"choice": None, "us": 9.0, "cublas_us": 9.0} for b in GEMV_BUCKETS}
+    current = json.loads(shipped.path.read_text())["settings"]
+    for stem, settings in (
+        ("gemv-bfloat16-64x64-plain", current),
+        ("gemv-bfloat16-8x8-plain", "x"),
+    ):
+        key = {**ENV, "kernel": "gemv", "settings": settings}
+        (gpu / f"{stem}.json").write_text(json.dumps({"key": key, "value": value}))
+    export_shipped_choices(later, tmp_path / "shipped")
+    merged = ShippedChoices.load("NVIDIA H200", tmp_path / "shipped")
+    assert merged is not None
+    assert set(merged.shapes) == {*shipped.shapes, "gemv-bfloat16-64x64-plain"}  # not 8x8

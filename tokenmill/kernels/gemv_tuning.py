@@ -16,11 +16,13 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -31,7 +33,7 @@ from tokenmill.kernels import GemvConfig, InputNorm, fused_silu_and_mul, gemv, n
 from tokenmill.kernels.gemv import dot_normed_ok
 from tokenmill.kernels.tickets import ticket_buffer
 from tokenmill.observability.cuda_timing import median_graph_seconds
-from tokenmill.tuning_cache import TuningCache
+from tokenmill.tuning_cache import TuningCache, file_name
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +104,86 @@ class GemvTiming:
 # (choice, seconds per weight, cuBLAS's seconds per weight).
 BucketTimings = dict[int, tuple[GemvChoice | None, float, float]]
 Measure = Callable[[list[torch.Tensor], Sequence[int], InputKind], BucketTimings]
+# `shipped_choices_hold`'s signature: (weights of one shape, its timings, input kind) -> whether
+# every chosen kernel builds here and matches cuBLAS.
+Check = Callable[[list[torch.Tensor], dict[int, GemvTiming], InputKind], bool]
+
+# The choices tokenmill ships for GPUs it was tuned on, one file per GPU name (written from a
+# tuning cache by `scripts/export_gemv_defaults.py`).
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "assets" / "gemv_defaults"
+SHIPPED_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class ShippedChoices:
+    """The GEMV choices shipped for one GPU (`SHIPPED_DIR/<GPU name>.json`): by shape (the
+    tuning cache's file name, `gemv-<dtype>-<n>x<k>-<kind>`), each bucket's timing as measured
+    there. A start whose tuning cache lacks a shape checks its shipped choices against cuBLAS
+    (building only the chosen kernels) instead of building and timing every candidate, as vLLM
+    ships its fused-MoE configs per GPU."""
+
+    path: Path
+    shapes: Mapping[str, Any]
+
+    @classmethod
+    def load(cls, device_name: str, directory: Path | None = None) -> ShippedChoices | None:
+        """The choices shipped for GPU `device_name` (in `directory`, by default
+        `SHIPPED_DIR`), or None (none shipped; a file that cannot be read or was made among
+        other candidates, buckets or margin: with a warning)."""
+        path = (directory or SHIPPED_DIR) / f"{file_name(device_name)}.json"
+        try:
+            record = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            logger.warning("ignoring the shipped GEMV choices %s: %s", path, exc)
+            return None
+        if not isinstance(record, dict) or not isinstance(record.get("shapes"), dict):
+            logger.warning("ignoring the shipped GEMV choices %s: no shapes in it", path)
+            return None
+        if (record.get("format"), record.get("settings")) != (SHIPPED_FORMAT, _SETTINGS):
+            logger.warning("ignoring the shipped GEMV choices %s: made with other tuning "
+                           "settings (candidates, buckets, margin)", path)  # fmt: skip
+            return None
+        return cls(path, record["shapes"])
+
+    def timings(self, name: str) -> dict[int, GemvTiming] | None:
+        """Shape `name`'s shipped timings, or None (not shipped, or not decodable)."""
+        if (value := self.shapes.get(name)) is None:
+            return None
+        try:
+            return _decode_timings(value)
+        except (KeyError, TypeError, ValueError) as exc:
+            logger.warning("ignoring the shipped GEMV choice %s of %s: %r", name, self.path, exc)
+            return None
+
+
+def export_shipped_choices(tuning_dir: str | Path, output_dir: Path) -> list[Path]:
+    """Write the GEMV choices in a tuning cache folder (`--tuning-cache-dir`, a folder per GPU)
+    as shipped choices, a file per GPU merged into what `output_dir` holds for it; returns the
+    files written. Only choices made among the current candidates, buckets and margin are
+    taken; a file that is not a decodable choice raises (ValueError, KeyError)."""
+    written = []
+    for gpu_dir in sorted(p for p in Path(tuning_dir).iterdir() if p.is_dir()):
+        shapes, key = {}, {}
+        for path in sorted(gpu_dir.glob("gemv-*.json")):
+            record = json.loads(path.read_text())
+            if record["key"].get("settings") != _SETTINGS:
+                continue
+            _decode_timings(record["value"])
+            shapes[path.stem], key = record["value"], record["key"]
+        if not shapes:
+            continue
+        known = ShippedChoices.load(key["device"], output_dir)
+        shapes = {**(known.shapes if known else {}), **shapes}
+        measured = {f: key.get(f) for f in ("driver", "cuda", "torch", "triton", "tokenmill")}
+        record = {"format": SHIPPED_FORMAT, "settings": _SETTINGS, "device": key["device"],
+                  "measured_with": measured, "shapes": shapes}  # fmt: skip
+        path = output_dir / f"{file_name(key['device'])}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+        written.append(path)
+    return written
 
 
 def choose_gemv_configs(
@@ -109,20 +191,23 @@ def choose_gemv_configs(
     cache: TuningCache | None = None,
     measure: Measure | None = None,
     threads: int = 1,
+    shipped: ShippedChoices | None = None,
+    check: Check | None = None,
 ) -> dict[tuple[int, int, InputKind], dict[int, GemvChoice]]:
     """For each group of same-shape weights (`(n, k, input kind)` -> weights), the GEMV choice
     per row bucket where one matches cuBLAS's result and beats its time (buckets left out run
-    cuBLAS). A shape `cache` holds is read, the others are measured (`measure`, by default
-    `fastest_gemv` checking candidates on `threads` threads) and stored."""
+    cuBLAS). A shape `cache` holds is read; else its `shipped` choices are taken if they pass
+    `check` (by default `shipped_choices_hold`); else it is measured (`measure`, by default
+    `fastest_gemv`); both on `threads` threads, and stored in `cache`."""
     measure = measure or functools.partial(fastest_gemv, threads=threads)
+    check = check or functools.partial(shipped_choices_hold, threads=threads)
     chosen: dict[tuple[int, int, InputKind], dict[int, GemvChoice]] = {}
     for (n, k, kind), group in weights.items():
-        timings, cached = _shape_timings(n, k, kind, list(group), cache, measure)
+        timings, source = _shape_timings((n, k, kind), list(group), cache, measure, shipped, check)
         for bucket, t in timings.items():
             logger.info(
                 "GEMM %dx%d (%s input), M<=%d: %s, %.1f us per layer (cuBLAS %.1f us)%s",
-                n, k, kind, bucket, t.choice or "cuBLAS", t.us, t.cublas_us,
-                " [tuning cache]" if cached else "",
+                n, k, kind, bucket, t.choice or "cuBLAS", t.us, t.cublas_us, source,
             )  # fmt: skip
             if t.choice is not None:
                 chosen.setdefault((n, k, kind), {})[bucket] = t.choice
@@ -130,27 +215,47 @@ def choose_gemv_configs(
 
 
 def _shape_timings(
-    n: int,
-    k: int,
-    kind: InputKind,
+    shape: tuple[int, int, InputKind],
     group: list[torch.Tensor],
     cache: TuningCache | None,
     measure: Measure,
-) -> tuple[dict[int, GemvTiming], bool]:
-    """Every bucket's timing of one shape, and whether it came from the cache."""
+    shipped: ShippedChoices | None,
+    check: Check,
+) -> tuple[dict[int, GemvTiming], str]:
+    """Every bucket's timing of one shape, and where it came from (for the log line: "" when
+    measured here)."""
+    n, k, kind = shape
     dtype = str(group[0].dtype).removeprefix("torch.")
     name = f"gemv-{dtype}-{n}x{k}-{kind}"
     key = {"kernel": "gemv", "dtype": dtype, "n": n, "k": k, "input_kind": kind,
            "settings": _SETTINGS}  # fmt: skip
     if cache is not None and (found := cache.load(name, key, _decode_timings)) is not None:
-        return found, True
-    timings = {
-        bucket: GemvTiming(choice, 1e6 * seconds, 1e6 * cublas)
-        for bucket, (choice, seconds, cublas) in measure(group, GEMV_BUCKETS, kind).items()
-    }
+        return found, " [tuning cache]"
+    timings, source = _shipped_timings(name, group, kind, shipped, check), " [shipped]"
+    if timings is None:
+        source = ""
+        timings = {
+            bucket: GemvTiming(choice, 1e6 * seconds, 1e6 * cublas)
+            for bucket, (choice, seconds, cublas) in measure(group, GEMV_BUCKETS, kind).items()
+        }
     if cache is not None:
         cache.store(name, key, _encode_timings(timings))
-    return timings, False
+    return timings, source
+
+
+def _shipped_timings(
+    name: str,
+    group: list[torch.Tensor],
+    kind: InputKind,
+    shipped: ShippedChoices | None,
+    check: Check,
+) -> dict[int, GemvTiming] | None:
+    """Shape `name`'s shipped timings if there are any and their kernels hold here."""
+    timings = shipped.timings(name) if shipped is not None else None
+    if timings is None or check(group, timings, kind):
+        return timings
+    logger.warning("the shipped GEMV choices of %s do not hold here; measuring", name)
+    return None
 
 
 def _encode_timings(timings: dict[int, GemvTiming]) -> dict[str, Any]:
@@ -248,25 +353,9 @@ def fastest_gemv(
     w0, timed = weights[0], timed_weights(weights)
     inputs = {rows: _Rows(rows, kind, w0) for rows in buckets}
     checks = [(rows, c) for rows in buckets for c in _candidates(rows, kind, w0.dtype)]
-
-    def correct(check: tuple[int, GemvChoice]) -> bool:
-        rows, choice = check
-        bench = inputs[rows]
-        # A new thread's current device is the first GPU, whatever the weights' device.
-        on_device = torch.cuda.device(w0.device) if w0.is_cuda else contextlib.nullcontext()
-        with on_device:
-            return matches_cublas(
-                lambda: bench.run(w0, choice, bench.residual.clone()), bench.expected, choice
-            )
-
-    # Made once, here, before the threads could race to make them: the ticket buffer, and
-    # Triton's driver (built on its first use, with a C helper compiled on a first start).
-    ticket_buffer(w0.device, 0)
-    if w0.is_cuda:
-        triton.runtime.driver.active.get_current_device()
     start = time.perf_counter()
-    with ThreadPoolExecutor(max(1, min(threads, len(checks)))) as pool:
-        passed = [check for check, ok in zip(checks, pool.map(correct, checks), strict=True) if ok]
+    correct = _check_choices(w0, inputs, checks, threads)
+    passed = [check for check, ok in zip(checks, correct, strict=True) if ok]
     compiled = time.perf_counter()
     chosen = {}
     for rows, bench in inputs.items():
@@ -283,6 +372,45 @@ def fastest_gemv(
         len(checks), compiled - start, len(timed), time.perf_counter() - compiled,
     )  # fmt: skip
     return chosen
+
+
+def shipped_choices_hold(
+    weights: list[torch.Tensor], timings: dict[int, GemvTiming], kind: InputKind, threads: int = 1
+) -> bool:
+    """Whether every kernel chosen in `timings` (shipped, measured on another machine) builds
+    here and matches cuBLAS's product of the first weight (checked on `threads` threads)."""
+    w0 = weights[0]
+    checks = [(rows, t.choice) for rows, t in timings.items() if t.choice is not None]
+    inputs = {rows: _Rows(rows, kind, w0) for rows, _ in checks}
+    return all(_check_choices(w0, inputs, checks, threads))
+
+
+def _check_choices(
+    w0: torch.Tensor,
+    inputs: Mapping[int, _Rows],
+    checks: list[tuple[int, GemvChoice]],
+    threads: int,
+) -> list[bool]:
+    """For each (rows, choice), whether its product of `w0` on `inputs[rows]` matches
+    cuBLAS's; run on `threads` threads side by side (each first run compiles its kernel)."""
+
+    def correct(check: tuple[int, GemvChoice]) -> bool:
+        rows, choice = check
+        bench = inputs[rows]
+        # A new thread's current device is the first GPU, whatever the weights' device.
+        on_device = torch.cuda.device(w0.device) if w0.is_cuda else contextlib.nullcontext()
+        with on_device:
+            return matches_cublas(
+                lambda: bench.run(w0, choice, bench.residual.clone()), bench.expected, choice
+            )
+
+    # Made once, here, before the threads could race to make them: the ticket buffer, and
+    # Triton's driver (built on its first use, with a C helper compiled on a first start).
+    ticket_buffer(w0.device, 0)
+    if w0.is_cuda:
+        triton.runtime.driver.active.get_current_device()
+    with ThreadPoolExecutor(max(1, min(threads, len(checks)))) as pool:
+        return list(pool.map(correct, checks))
 
 
 def matches_cublas(

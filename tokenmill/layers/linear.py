@@ -21,6 +21,7 @@ from tokenmill.kernels import InputNorm, gemv, norm_gemv
 from tokenmill.kernels.gemv_tuning import (
     GemvChoice,
     InputKind,
+    ShippedChoices,
     choose_gemv_configs,
     gemv_bucket,
 )
@@ -120,12 +121,15 @@ class Linear(nn.Module):
 
 
 def choose_gemv_kernels(
-    model: nn.Module, cache: TuningCache | None = None, threads: int = 1
+    model: nn.Module,
+    cache: TuningCache | None = None,
+    threads: int = 1,
+    shipped: ShippedChoices | None = None,
 ) -> int:
     """Give every half-precision CUDA `Linear` of `model` the GEMV kernels the start-up tuning
-    (`kernels.gemv_tuning`, reading and filling `cache`, compiling candidates on `threads`
-    threads) chose for its weight shape and input kind. Returns how many (layer, bucket) pairs
-    took a GEMV kernel."""
+    (`kernels.gemv_tuning`, reading and filling `cache`, else taking the `shipped` choices that
+    hold here, compiling candidates on `threads` threads) chose for its weight shape and input
+    kind. Returns how many (layer, bucket) pairs took a GEMV kernel."""
     groups: dict[tuple[int, int, InputKind], list[Linear]] = defaultdict(list)
     for module in model.modules():
         if isinstance(module, Linear) and module.bias is None and _half_on_cuda(module.weight):
@@ -133,7 +137,7 @@ def choose_gemv_kernels(
             groups[(n, k, module.input_kind)].append(module)
     weights = {key: [layer.weight for layer in layers] for key, layers in groups.items()}
     chosen = 0
-    for key, choices in choose_gemv_configs(weights, cache, threads=threads).items():
+    for key, choices in choose_gemv_configs(weights, cache, None, threads, shipped).items():
         for layer in groups[key]:
             layer.gemv_choices.update(choices)
         chosen += len(groups[key]) * len(choices)

@@ -22,6 +22,7 @@ from tokenmill.batch import StepPlan
 from tokenmill.cache.kv_cache import KVCache
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.distributed.group import TPGroup
+from tokenmill.kernels.gemv_tuning import ShippedChoices
 from tokenmill.layers.invariant import configure_invariant_cublas, make_batch_invariant
 from tokenmill.layers.linear import choose_gemv_kernels
 from tokenmill.models.loader import load_model
@@ -290,7 +291,10 @@ class ModelRunner:
                 with self.startup.phase("gemv_tuning"):
                     cache = open_tuning_cache(config.runner.tuning_cache_dir, self.device)
                     threads = config.runner.tuning_threads
-                    chosen = choose_gemv_kernels(self.model, cache, threads)
+                    shipped = None
+                    if config.runner.shipped_tuning:
+                        shipped = ShippedChoices.load(torch.cuda.get_device_name(self.device))
+                    chosen = choose_gemv_kernels(self.model, cache, threads, shipped)
                 logger.info(
                     "GEMV kernel chosen over cuBLAS for %d (layer, row bucket) pairs", chosen
                 )
