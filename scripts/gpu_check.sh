@@ -54,9 +54,11 @@
 #  engine core, which starts beside it; the engine's GEMV tuning and graph capture lines), then
 #  benchmarks/long_prompts.py starting warm from those caches: the data workload through HTTP
 #  (default options, 256 concurrent) vs LLM.generate, % of the matmul rate, and B6 with
-#  8,192-token prompts. Sized to fit one call: 512 data requests on qwen3-0.6b, 128 on
-#  llama-3.1-8b (DATA_REQUESTS overrides both), B6 64 and 32 prompts (B6_REQUESTS); SERVE_ARGS
-#  go to every server, LONG_ARGS to long_prompts.py (a CPU dry run: MODELS=<tiny configs>
+#  8,192-token prompts; the cold starts' GEMV choices exported as shipped choices
+#  ($OUT/gemv_defaults/<GPU>.json, scripts/export_gemv_defaults.py). Sized to fit one call:
+#  512 data requests on qwen3-0.6b, 128 on llama-3.1-8b (DATA_REQUESTS overrides both), B6 64
+#  and 32 prompts (B6_REQUESTS); SERVE_ARGS go to every server, LONG_ARGS to long_prompts.py (a
+#  CPU dry run: MODELS=<tiny configs>
 #  SERVE_ARGS="--device cpu" LONG_ARGS="--device cpu --length-scale 0.05 --b6-input-len 256"))
 #   or TREES="ab/before ab/after" bash scripts/gpu_check.sh [ab-b1|ab-b2]: B1 or B2 without the
 #   transformers peer, each source tree in turn, run from inside it (see docs/perf-notes.md);
@@ -293,6 +295,10 @@ if [[ "$what" == startup ]]; then
         for (i = 1; i <= NF; i++) { if ($i == "checked") c += $(i + 2); if ($i == "weights") t += $(i + 2) }
       } END { if (c + t > 0) printf "  %s cold: GEMV tuning builds %.1f s, timing %.1f s\n", m, c, t }' \
       "$out/startup-$m-cold.log" >> "$table"
+    # The choices this GPU's tuning made, as shipped choices (come back in $out/gemv_defaults:
+    # copy them to tokenmill/assets/gemv_defaults to ship them).
+    python3 scripts/export_gemv_defaults.py "$caches/$m/tokenmill/tuning" \
+      --output "$out/gemv_defaults" >> "$table" 2>&1
   done
   # What each process's imports cost here (cumulative microseconds, the 12 largest): the api
   # server's (beside which the engine core starts) and the engine core's.

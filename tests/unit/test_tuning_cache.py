@@ -323,6 +323,7 @@ def test_an_export_merges_into_what_is_shipped_and_skips_stale_files(tmp_path: P
         key = {**ENV, "kernel": "gemv", "settings": settings}
         (gpu / f"{stem}.json").write_text(json.dumps({"key": key, "value": value}))
     export_shipped_choices(later, tmp_path / "shipped")
+    assert export_shipped_choices(tmp_path / "no-such-folder", tmp_path / "shipped") == []
     merged = ShippedChoices.load("NVIDIA H200", tmp_path / "shipped")
     assert merged is not None
     assert set(merged.shapes) == {*shipped.shapes, "gemv-bfloat16-64x64-plain"}  # not 8x8

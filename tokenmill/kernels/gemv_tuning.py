@@ -162,8 +162,11 @@ def export_shipped_choices(tuning_dir: str | Path, output_dir: Path) -> list[Pat
     """Write the GEMV choices in a tuning cache folder (`--tuning-cache-dir`, a folder per GPU)
     as shipped choices, a file per GPU merged into what `output_dir` holds for it; returns the
     files written. Only choices made among the current candidates, buckets and margin are
-    taken; a file that is not a decodable choice raises (ValueError, KeyError)."""
-    written = []
+    taken; a file that is not a decodable choice raises (ValueError, KeyError). A folder that
+    does not exist (no start tuned there) writes nothing."""
+    written: list[Path] = []
+    if not Path(tuning_dir).is_dir():
+        return written
     for gpu_dir in sorted(p for p in Path(tuning_dir).iterdir() if p.is_dir()):
         shapes, key = {}, {}
         for path in sorted(gpu_dir.glob("gemv-*.json")):
