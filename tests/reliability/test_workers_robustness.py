@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-import time
-
 import msgspec
 import pytest
 
@@ -128,43 +125,6 @@ def test_a_token_the_detokenizer_can_not_decode_fails_only_its_request(tokenizer
     # The good request carries on.
     later = EngineStep([], [RequestDelta("good:0", ok_ids, None, "length", 1, 0)], [], _stats())
     assert detok.process(later)[0].outputs[0].finish_reason == "length"
-
-
-def test_the_engine_s_ready_passes_the_detokenizer_before_its_tokenizer_loads(
-    tokenizer, monkeypatch
-) -> None:
-    """The detokenizer loads its tokenizer on a thread: a stats-only step (the engine core's
-    first, its ready) passes at once; a step with requests waits for the tokenizer; a load
-    that fails raises at the next step, ending the process as a failure at start-up did."""
-    from tokenmill.tokenization import detokenizer_worker
-
-    release = threading.Event()
-
-    def slow_load(path: str):
-        assert release.wait(10)
-        if path == "broken":
-            raise OSError("no tokenizer.json")
-        return tokenizer
-
-    monkeypatch.setattr(detokenizer_worker, "load_tokenizer", slow_load)
-    detok = Detokenizer(None)
-    loading = detokenizer_worker.TokenizerLoad("dir")
-    ready = EngineStep([], [], [], _stats())
-    loading.hand_over(detok, ready)  # returns while the load still waits
-    assert detok.tokenizer is None and detok.process(ready)[0].stats is not None
-    threading.Timer(0.05, release.set).start()
-    ids = tokenizer.encode(" fine", add_special_tokens=False)
-    first = EngineStep(
-        [NewRequest("r:0", [1], SamplingParams())], [RequestDelta("r:0", ids, None, None, 1, 0)],
-        [], _stats(),
-    )  # fmt: skip
-    loading.hand_over(detok, first)  # waits for the tokenizer
-    assert detok.tokenizer is tokenizer
-    assert detok.process(first)[0].outputs[0].text == " fine"
-    broken = detokenizer_worker.TokenizerLoad("broken")
-    time.sleep(0.05)  # done already (released above), with its error
-    with pytest.raises(OSError, match="no tokenizer.json"):
-        broken.hand_over(Detokenizer(None), ready)
 
 
 def test_a_restarted_engine_core_drops_the_old_streams(tokenizer) -> None:

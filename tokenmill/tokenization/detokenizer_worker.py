@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -38,8 +37,7 @@ def run_detokenizer(
     steps = pull(ctx, addresses.detokenizer, bind=True)
     to_api = push(ctx, addresses.api, bind=False)
     to_engine = push(ctx, addresses.engine, bind=False)
-    detok = Detokenizer(None)
-    loading = TokenizerLoad(tokenizer_path)
+    detok = Detokenizer(load_tokenizer(tokenizer_path))
     decoder = msgspec.msgpack.Decoder(EngineStep)
     while True:
         raw = steps.recv()
@@ -49,36 +47,12 @@ def run_detokenizer(
             # A bug in the engine core, not a request's fault: nothing to answer, keep going.
             logger.exception("dropped an undecodable engine step (%d bytes)", len(raw))
             continue
-        loading.hand_over(detok, step)
         batch, stopped, failed = detok.process(step)
         if stopped:
             to_engine.send(encode(AbortRequest(stopped, reason="stop")))
         if failed:
             to_engine.send(encode(AbortRequest(failed)))
         to_api.send(encode(batch))
-
-
-class TokenizerLoad:
-    """The detokenizer's tokenizer, loading on a thread of its own. The engine core's first
-    stats (its ready, on their way to the api server) need none and pass at once: a warm start
-    on the H200's host waited 0.65 s for a 151k-token vocabulary to load (session 25)."""
-
-    def __init__(self, tokenizer_path: str) -> None:
-        loader = ThreadPoolExecutor(1, thread_name_prefix="load-tokenizer")
-        self._future: Future[PreTrainedTokenizerBase | None] | None = loader.submit(
-            load_tokenizer, tokenizer_path
-        )
-        loader.shutdown(wait=False)  # the thread ends with the load
-
-    def hand_over(self, detok: Detokenizer, step: EngineStep) -> None:
-        """Give `detok` the tokenizer once loaded, or before a step with requests (waiting for
-        it then). Raises what the load raised (the process ends, as at start-up)."""
-        future = self._future
-        if future is None:
-            return
-        if future.done() or step.new_requests or step.deltas or step.errors:
-            detok.tokenizer = future.result()
-            self._future = None
 
 
 class Detokenizer:
