@@ -32,6 +32,9 @@ if TYPE_CHECKING:  # imported where used: the configuration imports this module,
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+# What decoding a stored decision may raise on a file that is not one (a missing field, a wrong
+# type, a value out of range, a number too large for a float).
+DECODE_ERRORS = (KeyError, TypeError, ValueError, ArithmeticError)
 # Bumped when the files' layout changes: older files are then stale.
 FILE_FORMAT = 1
 _NVIDIA_DRIVER_FILE = Path("/proc/driver/nvidia/version")
@@ -100,14 +103,14 @@ class TuningCache:
 
     def load(self, name: str, key: Mapping[str, Any], decode: Callable[[Any], T]) -> T | None:
         """The decision `name` stored under `key` in this environment, through `decode` (which
-        raises KeyError, TypeError or ValueError on a value it cannot take); None when there
-        is none to use, with a warning when there is a file but it cannot be used."""
+        raises one of `DECODE_ERRORS` on a value it cannot take); None when there is none to
+        use, with a warning when there is a file but it cannot be used."""
         path = self.path(name)
         try:
             record = json.loads(path.read_text())
         except (FileNotFoundError, NotADirectoryError):  # never written (or no folder for it)
             return None
-        except (OSError, ValueError) as exc:  # ValueError: not UTF-8, not JSON
+        except (OSError, ValueError, RecursionError) as exc:  # not UTF-8, not JSON, too deep
             return self._ignore(path, f"it cannot be read ({exc})")
         if not isinstance(record, dict) or not isinstance(record.get("key"), dict):
             return self._ignore(path, "it holds no tuning record")
@@ -121,7 +124,7 @@ class TuningCache:
             return self._ignore(path, f"it was measured with {changed}")
         try:
             return decode(record.get("value"))
-        except (KeyError, TypeError, ValueError) as exc:
+        except DECODE_ERRORS as exc:
             return self._ignore(path, f"its decision does not decode ({exc!r})")
 
     def store(self, name: str, key: Mapping[str, Any], value: Any) -> None:

@@ -781,7 +781,7 @@ def test_shipped_choices_hold_only_where_every_chosen_kernel_matches_cublas(
     one, four = [c for c in gemv_tuning.GEMV_CANDIDATES if not c.dot and c.serves(4)][:2]
     timings = {
         1: gemv_tuning.GemvTiming(gemv_tuning.GemvChoice(one, True), 1.0, 2.0),
-        4: gemv_tuning.GemvTiming(gemv_tuning.GemvChoice(four, False), 1.0, 2.0),
+        4: gemv_tuning.GemvTiming(gemv_tuning.GemvChoice(four, kind == "plain"), 1.0, 2.0),
         8: gemv_tuning.GemvTiming(None, 2.0, 2.0),
     }
     assert gemv_tuning.shipped_choices_hold(weights, timings, kind)
@@ -789,6 +789,12 @@ def test_shipped_choices_hold_only_where_every_chosen_kernel_matches_cublas(
     monkeypatch.setattr(gemv_tuning, "gemv", lambda *a, **k: 2 * real_gemv(*a, **k))
     assert not gemv_tuning.shipped_choices_hold(weights, timings, kind)
     assert gemv_tuning.shipped_choices_hold(weights, {8: timings[8]}, kind)  # cuBLAS only
+    # A choice the tuning would not try for those rows (tensor-core tiles are for 2+ rows) is
+    # refused unrun, whatever its product.
+    dot = next(c for c in gemv_tuning.GEMV_CANDIDATES if c.dot)
+    one_dot = {1: gemv_tuning.GemvTiming(gemv_tuning.GemvChoice(dot, False), 1.0, 2.0)}
+    monkeypatch.setattr(gemv_tuning, "_check_choices", lambda *_: pytest.fail("ran"))
+    assert not gemv_tuning.shipped_choices_hold(weights, one_dot, kind)
 
 
 def test_gemv_timing_streams_enough_weights_not_every_layer() -> None:

@@ -137,6 +137,8 @@ DAMAGE: dict[str, Callable[[Path], None]] = {
         lambda v: v["1"]["choice"]["config"].update(tiles=2)
     ),
     "a time that is no number": _edit_value(lambda v: v["4"].update(us="fast")),
+    "a time too large for a float": _edit_value(lambda v: v["4"].update(us=10**400)),
+    "nested too deep": lambda p: p.write_text("[" * 100_000 + "]" * 100_000),
 }
 
 
@@ -286,27 +288,51 @@ def test_a_first_start_takes_the_shipped_choices_that_hold_here(
 def test_shipped_choices_of_other_settings_or_unreadable_are_ignored(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """A shipped file never fails a start: not there, another digest of candidates, not JSON,
+    nested too deep: no shipped choices (with a warning); a shape whose value does not decode
+    (a bucket missing, a time too large for a float): that shape measured."""
     shipped = _shipped(tmp_path)
-    assert ShippedChoices.load("NVIDIA H100", tmp_path / "shipped") is None  # none shipped
-    record = json.loads(shipped.path.read_text())
-    assert record["measured_with"]["driver"] == ENV["driver"]
-    name = "gemv-bfloat16-32x16-plain"
-    del record["shapes"][name]["4"]  # a shape whose value does not decode: measured
-    shipped.path.write_text(json.dumps(record))
-    damaged = ShippedChoices.load("NVIDIA H200", tmp_path / "shipped")
-    assert damaged is not None and damaged.timings(name) is None
-    assert damaged.timings("gemv-bfloat16-48x16-normed") is not None
+    folder = tmp_path / "shipped"
+    assert ShippedChoices.load("NVIDIA H100", folder) is None  # none shipped: no warning
+    original = json.loads(shipped.path.read_text())
+    assert original["measured_with"]["driver"] == ENV["driver"]
+
+    def write(edit: Callable[[dict], object]) -> ShippedChoices | None:
+        record = json.loads(json.dumps(original))
+        edit(record)
+        shipped.path.write_text(json.dumps(record))
+        return ShippedChoices.load("NVIDIA H200", folder)
+
+    plain, normed = "gemv-bfloat16-32x16-plain", "gemv-bfloat16-48x16-normed"
+    damaged = write(lambda r: r["shapes"][plain].pop("4"))
+    assert damaged is not None and damaged.timings(plain) is None
+    assert damaged.timings(normed) is not None
     measurer = Measurer()
     choose_gemv_configs(WEIGHTS, None, measurer, shipped=damaged, check=lambda *_: True)
     assert measurer.calls == [((32, 16, "plain"), GEMV_BUCKETS)]
+    huge = write(lambda r: r["shapes"][normed]["1"].update(us=10**400))
+    assert huge is not None and huge.timings(normed) is None
     caplog.clear()
-    record["settings"] = "other candidates"
-    shipped.path.write_text(json.dumps(record))
-    assert ShippedChoices.load("NVIDIA H200", tmp_path / "shipped") is None
+    assert write(lambda r: r.update(settings="other candidates")) is None
     shipped.path.write_text("{not json")
-    assert ShippedChoices.load("NVIDIA H200", tmp_path / "shipped") is None
+    assert ShippedChoices.load("NVIDIA H200", folder) is None
+    shipped.path.write_text("[" * 100_000 + "]" * 100_000)
+    assert ShippedChoices.load("NVIDIA H200", folder) is None
     warnings = _warnings(caplog)
-    assert len(warnings) == 2 and "other tuning settings" in warnings[0]
+    assert len(warnings) == 3 and "other tuning settings" in warnings[0]
+
+
+def test_shipped_choices_kept_in_the_cache_are_not_exported_again(tmp_path: Path) -> None:
+    """A start that took shipped choices stores them marked shipped: an export of its cache
+    ships only what was measured there."""
+    shipped = _shipped(tmp_path)
+    choose_gemv_configs(WEIGHTS, TuningCache(tmp_path / "took", ENV), Measurer(),
+                        shipped=shipped, check=lambda *_: True)  # fmt: skip
+    files = list((tmp_path / "took").rglob("gemv-*.json"))
+    assert len(files) == len(WEIGHTS)
+    assert all(json.loads(f.read_text())["value"]["shipped"] for f in files)
+    assert _start(tmp_path / "took").calls == []  # read back from the cache as choices
+    assert export_shipped_choices(tmp_path / "took", tmp_path / "again") == []
 
 
 def test_an_export_merges_into_what_is_shipped_and_skips_stale_files(tmp_path: Path) -> None:

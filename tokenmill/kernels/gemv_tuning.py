@@ -33,7 +33,7 @@ from tokenmill.kernels import GemvConfig, InputNorm, fused_silu_and_mul, gemv, n
 from tokenmill.kernels.gemv import dot_normed_ok
 from tokenmill.kernels.tickets import ticket_buffer
 from tokenmill.observability.cuda_timing import median_graph_seconds
-from tokenmill.tuning_cache import TuningCache, file_name
+from tokenmill.tuning_cache import DECODE_ERRORS, TuningCache, file_name
 
 logger = logging.getLogger(__name__)
 
@@ -135,8 +135,8 @@ class ShippedChoices:
             record = json.loads(path.read_text())
         except FileNotFoundError:
             return None
-        except (OSError, ValueError) as exc:
-            logger.warning("ignoring the shipped GEMV choices %s: %s", path, exc)
+        except (OSError, ValueError, RecursionError) as exc:
+            logger.warning("ignoring the shipped GEMV choices %s: %r", path, exc)
             return None
         if not isinstance(record, dict) or not isinstance(record.get("shapes"), dict):
             logger.warning("ignoring the shipped GEMV choices %s: no shapes in it", path)
@@ -153,7 +153,7 @@ class ShippedChoices:
             return None
         try:
             return _decode_timings(value)
-        except (KeyError, TypeError, ValueError) as exc:
+        except DECODE_ERRORS as exc:
             logger.warning("ignoring the shipped GEMV choice %s of %s: %r", name, self.path, exc)
             return None
 
@@ -161,9 +161,10 @@ class ShippedChoices:
 def export_shipped_choices(tuning_dir: str | Path, output_dir: Path) -> list[Path]:
     """Write the GEMV choices in a tuning cache folder (`--tuning-cache-dir`, a folder per GPU)
     as shipped choices, a file per GPU merged into what `output_dir` holds for it; returns the
-    files written. Only choices made among the current candidates, buckets and margin are
-    taken; a file that is not a decodable choice raises (ValueError, KeyError). A folder that
-    does not exist (no start tuned there) writes nothing."""
+    files written. Only choices measured there among the current candidates, buckets and margin
+    are taken (not ones the cache holds from shipped choices); a file that is not a decodable
+    choice raises (`DECODE_ERRORS`). A folder that does not exist writes nothing. The record's
+    `measured_with` is the environment of the last file exported (for reading, not checked)."""
     written: list[Path] = []
     if not Path(tuning_dir).is_dir():
         return written
@@ -174,6 +175,8 @@ def export_shipped_choices(tuning_dir: str | Path, output_dir: Path) -> list[Pat
             if record["key"].get("settings") != _SETTINGS:
                 continue
             _decode_timings(record["value"])
+            if record["value"].get("shipped"):
+                continue
             shapes[path.stem], key = record["value"], record["key"]
         if not shapes:
             continue
@@ -242,7 +245,7 @@ def _shape_timings(
             for bucket, (choice, seconds, cublas) in measure(group, GEMV_BUCKETS, kind).items()
         }
     if cache is not None:
-        cache.store(name, key, _encode_timings(timings))
+        cache.store(name, key, _encode_timings(timings, shipped=bool(source)))
     return timings, source
 
 
@@ -261,8 +264,10 @@ def _shipped_timings(
     return None
 
 
-def _encode_timings(timings: dict[int, GemvTiming]) -> dict[str, Any]:
-    return {
+def _encode_timings(timings: dict[int, GemvTiming], shipped: bool = False) -> dict[str, Any]:
+    """Each bucket's timing as JSON data; `shipped`: taken from the shipped choices, not
+    measured here (an export leaves it out)."""
+    encoded: dict[str, Any] = {
         str(bucket): {
             "choice": None if t.choice is None else dataclasses.asdict(t.choice),
             "us": t.us,
@@ -270,11 +275,12 @@ def _encode_timings(timings: dict[int, GemvTiming]) -> dict[str, Any]:
         }
         for bucket, t in timings.items()
     }
+    return {**encoded, "shipped": True} if shipped else encoded
 
 
 def _decode_timings(value: Any) -> dict[int, GemvTiming]:
-    """`_encode_timings`' output back; KeyError, TypeError or ValueError if it is not that (a
-    bucket missing, a config that is not a candidate)."""
+    """`_encode_timings`' output back; one of `DECODE_ERRORS` if it is not that (a bucket
+    missing, a config that is not a candidate, a time too large for a float)."""
     timings = {}
     for bucket in GEMV_BUCKETS:
         row = value[str(bucket)]
@@ -290,7 +296,8 @@ def _decode_timings(value: Any) -> dict[int, GemvTiming]:
 
 def timed_weights(weights: list[torch.Tensor]) -> list[torch.Tensor]:
     """The weights of a shape whose GEMVs a candidate's timing runs: enough to stream
-    `TIMED_BYTES` from memory per replay (at least 2), not necessarily every layer's."""
+    `TIMED_BYTES` from memory per replay, at least 2 (all, where there are fewer), not
+    necessarily every layer's."""
     size = weights[0].numel() * weights[0].element_size()
     return weights[: max(2, -(-TIMED_BYTES // size))]
 
@@ -384,6 +391,8 @@ def shipped_choices_hold(
     here and matches cuBLAS's product of the first weight (checked on `threads` threads)."""
     w0 = weights[0]
     checks = [(rows, t.choice) for rows, t in timings.items() if t.choice is not None]
+    if any(choice not in _candidates(rows, kind, w0.dtype) for rows, choice in checks):
+        return False  # not one the tuning would try for these rows, kind and dtype
     inputs = {rows: _Rows(rows, kind, w0) for rows, _ in checks}
     return all(_check_choices(w0, inputs, checks, threads))
 

@@ -182,16 +182,19 @@ def _reclaim_device_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _hash_triton_beside() -> None:
+def _hash_triton_beside() -> threading.Thread | None:
     """Start computing, on a thread of its own, the hash of Triton's own files (its 400 MB
     library included) that keys its kernel cache: 0.3-0.5 s at a process's first kernel,
     which then overlaps the weights' loading (a warm start's `warm_up` phase on the H200:
-    0.89 -> 0.59 s, session 25)."""
+    0.89 -> 0.59 s, session 25). Returns the thread (join it before the first kernel: the
+    hash is cached once computed, but a second caller meanwhile computes it again)."""
     try:
         from triton.runtime.cache import triton_key
     except ImportError:  # a Triton without it: its first kernel computes what it needs
-        return
-    threading.Thread(target=triton_key, name="hash-triton", daemon=True).start()
+        return None
+    thread = threading.Thread(target=triton_key, name="hash-triton", daemon=True)
+    thread.start()
+    return thread
 
 
 class ModelRunner:
@@ -222,8 +225,8 @@ class ModelRunner:
         deterministic = config.runner.deterministic
         if deterministic and self.device.type == "cuda":
             configure_invariant_cublas()  # before this process's first cuBLAS product
+        hashing = _hash_triton_beside() if self.device.type == "cuda" else None
         if self.device.type == "cuda":
-            _hash_triton_beside()
             _reclaim_device_memory(self.device)
         with self.startup.phase("load_weights"):
             self.model = load_model(
@@ -242,6 +245,8 @@ class ModelRunner:
             self.kv_cache = KVCache.allocate(
                 self.model_config, self.num_pages, self.page_size, self.device
             )
+        if hashing is not None:  # before the first kernel
+            hashing.join()
         max_seqs = config.scheduler.max_num_seqs
         self.attention = create_backend(
             config.runner.attention_backend, self.model_config, self.kv_cache, max_seqs,
