@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -37,7 +38,11 @@ def run_detokenizer(
     steps = pull(ctx, addresses.detokenizer, bind=True)
     to_api = push(ctx, addresses.api, bind=False)
     to_engine = push(ctx, addresses.engine, bind=False)
+    started = time.perf_counter()
     detok = Detokenizer(load_tokenizer(tokenizer_path))
+    # When the engine core's ready can pass (its first stats come through here): with the
+    # line's time, whether a late ready was the fork or the load (`ready_message` phase).
+    logger.info("detokenizer up: tokenizer loaded in %.2f s", time.perf_counter() - started)
     decoder = msgspec.msgpack.Decoder(EngineStep)
     while True:
         raw = steps.recv()
