@@ -237,16 +237,16 @@ def _shape_timings(
            "settings": _SETTINGS}  # fmt: skip
     if cache is not None and (found := cache.load(name, key, _decode_timings)) is not None:
         return found, " [tuning cache]"
-    timings, source = _shipped_timings(name, group, kind, shipped, check), " [shipped]"
+    timings = _shipped_timings(name, group, kind, shipped, check)
+    from_shipped = timings is not None
     if timings is None:
-        source = ""
         timings = {
             bucket: GemvTiming(choice, 1e6 * seconds, 1e6 * cublas)
             for bucket, (choice, seconds, cublas) in measure(group, GEMV_BUCKETS, kind).items()
         }
     if cache is not None:
-        cache.store(name, key, _encode_timings(timings, shipped=bool(source)))
-    return timings, source
+        cache.store(name, key, _encode_timings(timings, shipped=from_shipped))
+    return timings, " [shipped]" if from_shipped else ""
 
 
 def _shipped_timings(

@@ -225,8 +225,9 @@ class ModelRunner:
         deterministic = config.runner.deterministic
         if deterministic and self.device.type == "cuda":
             configure_invariant_cublas()  # before this process's first cuBLAS product
-        hashing = _hash_triton_beside() if self.device.type == "cuda" else None
+        hashing = None
         if self.device.type == "cuda":
+            hashing = _hash_triton_beside()
             _reclaim_device_memory(self.device)
         with self.startup.phase("load_weights"):
             self.model = load_model(
