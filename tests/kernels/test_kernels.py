@@ -914,3 +914,90 @@ def test_argmax_rows_is_torch_argmax(dtype: torch.dtype, rows: int, vocab: int) 
         argmax_rows(logits.t())
     with pytest.raises(ValueError, match="host_out"):
         argmax_rows(logits, host_out=host[:0])
+
+
+def _varlen_reference(q, k, v, rows, scale, window):
+    """FlashAttention's causal varlen forward by its definition: each sequence's queries (by
+    `rows.cu_q`) are the last of its context (by `rows.cu_k`), grouped heads."""
+    out = torch.empty_like(q)
+    for i in range(len(rows.cu_q) - 1):
+        qs = slice(int(rows.cu_q[i]), int(rows.cu_q[i + 1]))
+        ks = slice(int(rows.cu_k[i]), int(rows.cu_k[i + 1]))
+        q_pos = torch.arange(ks.stop - ks.start - (qs.stop - qs.start), ks.stop - ks.start)
+        out[qs] = _attention_reference(q[qs], k[ks].double(), v[ks].double(), q_pos, scale, window)
+    return out
+
+
+@pytest.mark.parametrize("order", ["long rows first", "interleaved", "long rows only"])
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("page", [1, 16])
+def test_flash_rows_beside_short_rows(llama_dir, order, window, page, monkeypatch) -> None:
+    """A prefill batch's long rows through flash attention (their contexts gathered from
+    shuffled pages, their queries one slice or, interleaved with short rows, gathered), its
+    short rows through the Triton kernel's launch of their own: every row equals the float64
+    reference. Off a GPU, FlashAttention's varlen kernel is replaced by its definition."""
+    import dataclasses
+
+    from tokenmill.attention import flash_rows, triton_backend
+    from tokenmill.attention.backend import AttentionInputs
+    from tokenmill.cache.kv_cache import KVCache
+    from tokenmill.config import ModelConfig
+
+    monkeypatch.setattr(flash_rows, "FLASH_MIN_TOKENS", 64)
+    if DEVICE != "cuda":
+        monkeypatch.setattr(triton_backend, "flash_supported", lambda *_: True)
+        monkeypatch.setattr(flash_rows, "_flash_varlen", _varlen_reference)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    hq, hkv, d = 8, 2, 64
+    model = dataclasses.replace(
+        ModelConfig.from_pretrained(llama_dir, "bfloat16"), num_layers=1, num_heads=hq,
+        num_kv_heads=hkv, head_dim=d, dtype=dtype, sliding_window=window,
+    )  # fmt: skip
+    long, short = [(70, 30), (100, 0), (40, 62)], [(1, 50), (5, 20), (1, 0), (3, 9)]
+    rows = {
+        "long rows first": long + short,
+        "interleaved": [short[0], long[0], short[1], short[2], long[1], long[2], short[3]],
+        "long rows only": long,
+    }[order]
+    q_lens = [q for q, _ in rows]
+    kv_lens = [q + p for q, p in rows]
+    gen = torch.Generator().manual_seed(page + len(rows))
+    k, v, table = _paged_setup(kv_lens, page, hkv, d, dtype, gen)
+    cache = KVCache.allocate(model, k.shape[0] // page, page, torch.device(DEVICE))
+    cache.k[0].view(-1, hkv, d).copy_(k)
+    cache.v[0].view(-1, hkv, d).copy_(v)
+    backend = triton_backend.TritonAttentionBackend(model, cache, len(rows))
+    q = _randn(sum(q_lens), hq, d, dtype=dtype, gen=gen)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device=DEVICE)
+    kv = torch.tensor(kv_lens, device=DEVICE)
+    slots = torch.full((sum(q_lens),), -1, device=DEVICE)
+    inputs = AttentionInputs(q_lens, kv_lens, cu, kv, table, slots)
+    backend.plan(dataclasses.replace(inputs, graphed=True))  # a capture: never flash
+    assert backend._flash is None
+    backend.plan(inputs)
+    assert backend._flash is not None
+    assert isinstance(backend._flash.queries, slice) == (order != "interleaved")
+    out = backend.attend(q, 0)
+    scale = d**-0.5
+    _check_last_tokens_attention(out, q, k, v, table, cu, kv_lens, page, scale, window, dtype)
+
+
+def test_flash_rows_only_where_they_pay() -> None:
+    """Flash attention takes a step's long rows only with enough query tokens, contexts of at
+    most 4 tokens per query token (each is gathered) and gathered K/V within the bound (a CUDA
+    graph's capture never: `test_flash_rows_beside_short_rows`)."""
+    from tokenmill.attention.backend import AttentionInputs
+    from tokenmill.attention.flash_rows import FLASH_MIN_TOKENS, plan_flash_rows
+
+    def plan(rows: list[tuple[int, int]], token_bytes: int = 64):
+        q_lens, kv_lens = [q for q, _ in rows], [q + p for q, p in rows]
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+        table = torch.zeros(len(rows), -(-max(kv_lens) // 16), dtype=torch.int64)
+        inputs = AttentionInputs(q_lens, kv_lens, cu, torch.tensor(kv_lens), table, cu)
+        return plan_flash_rows(inputs, 8, 16, token_bytes)
+
+    n = FLASH_MIN_TOKENS
+    assert plan([(n, 0), (1, 5000)]) is not None
+    assert plan([(n - 1, 0), (8, 0)]) is None  # the short row's tokens do not count
+    assert plan([(n, 3 * n)]) is not None and plan([(n, 3 * n + 1)]) is None
+    assert plan([(n, 0)], token_bytes=(1 << 30) // n + 1) is None
