@@ -7,12 +7,6 @@ import math
 import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionInputs, QKNorm
-from tokenmill.attention.flash_rows import (
-    FlashRows,
-    flash_attend,
-    flash_supported,
-    plan_flash_rows,
-)
 from tokenmill.cache.kv_cache import KVCache
 from tokenmill.config import ModelConfig
 from tokenmill.kernels.attention import (
@@ -97,9 +91,7 @@ class FusedStoreBackend(AttentionBackend):
 class TritonAttentionBackend(FusedStoreBackend):
     """Decode batches use split-KV decode; batches of at most VERIFY_MAX_Q_LEN query tokens per
     sequence (within VERIFY_MAX_ACC accumulator values per program) split-KV verify attention;
-    the rest the prefill kernel, whose long rows go through flash attention instead where it
-    serves the device and pays (`flash_rows.plan_flash_rows`; not inside CUDA graphs, not in
-    deterministic mode). Deterministic mode runs every batch through
+    the rest the prefill kernel. Deterministic mode runs every batch through
     `invariant_attention`, decode batches too small to fill the GPU with each part of the
     context in a program of its own."""
 
@@ -126,8 +118,6 @@ class TritonAttentionBackend(FusedStoreBackend):
             q for q in range(1, VERIFY_MAX_Q_LEN + 1) if verifies_split_kv(q, group, model.head_dim)
         ]
         self._short_q_len = max(fits, default=0)
-        self._flash_ok = not deterministic and flash_supported(device, model.dtype, model.head_dim)
-        self._flash: FlashRows | None = None
         # Deterministic decode batches split while one program per (sequence, KV head) would
         # leave most SMs idle.
         self._split_seqs = 0
@@ -150,11 +140,6 @@ class TritonAttentionBackend(FusedStoreBackend):
         self._tiles = prefill_tiles(long or lens, cfg.head_dim, cfg.dtype.itemsize)
         # (no launch for short rows in a batch without any)
         self._short_rows = self._short_q_len if len(long) < len(lens) else 0
-        self._flash = None
-        if self._flash_ok and long and not (self._decode or self._verify or inputs.graphed):
-            token_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * cfg.dtype.itemsize
-            ps = self.kv_cache.page_size
-            self._flash = plan_flash_rows(inputs, self._short_q_len, ps, token_bytes)
 
     def graph_safe(self) -> bool:
         return True
@@ -184,17 +169,10 @@ class TritonAttentionBackend(FusedStoreBackend):
                 q, k_cache, v_cache, inputs.cu_query_lens, inputs.kv_lens, inputs.page_table,
                 self._max_q_len, ps, self.scale, window, mid_o, mid_lse,
             )  # fmt: skip
-        if self._flash is not None and not self._short_rows:
-            out = torch.empty_like(q)
-        else:  # beside flash rows, the short rows' launch alone (the longest query: theirs)
-            max_q_len = self._max_q_len if self._flash is None else self._short_rows
-            out = prefill_attention(
-                q, k_cache, v_cache, inputs.cu_query_lens, inputs.kv_lens, inputs.page_table,
-                max_q_len, ps, self.scale, window, self._tiles, self._short_rows,
-            )  # fmt: skip
-        if self._flash is not None:
-            flash_attend(self._flash, q, k_cache, v_cache, out, self.scale, window)
-        return out
+        return prefill_attention(
+            q, k_cache, v_cache, inputs.cu_query_lens, inputs.kv_lens, inputs.page_table,
+            self._max_q_len, ps, self.scale, window, self._tiles, self._short_rows,
+        )  # fmt: skip
 
     def _scratch(self, q: torch.Tensor, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Split-KV partial outputs and log-sum-exps for the query tokens of `q`, with the
