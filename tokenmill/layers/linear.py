@@ -137,7 +137,8 @@ def choose_gemv_kernels(
             groups[(n, k, module.input_kind)].append(module)
     weights = {key: [layer.weight for layer in layers] for key, layers in groups.items()}
     chosen = 0
-    for key, choices in choose_gemv_configs(weights, cache, None, threads, shipped).items():
+    configs = choose_gemv_configs(weights, cache, threads=threads, shipped=shipped)
+    for key, choices in configs.items():
         for layer in groups[key]:
             layer.gemv_choices.update(choices)
         chosen += len(groups[key]) * len(choices)
