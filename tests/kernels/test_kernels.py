@@ -914,3 +914,110 @@ def test_argmax_rows_is_torch_argmax(dtype: torch.dtype, rows: int, vocab: int) 
         argmax_rows(logits.t())
     with pytest.raises(ValueError, match="host_out"):
         argmax_rows(logits, host_out=host[:0])
+
+
+def _dense_causal_reference(q, k, v, scale):
+    """cuDNN's dense causal attention by its definition (`[H, n, D]` each), in float64."""
+    n = q.shape[1]
+    return _attention_reference(
+        q.transpose(0, 1), k.double().transpose(0, 1), v.double().transpose(0, 1),
+        torch.arange(n, device=q.device), scale, None,
+    ).transpose(0, 1).to(q.dtype)  # fmt: skip
+
+
+@pytest.mark.parametrize("order", ["dense rows first", "interleaved", "dense rows only"])
+@pytest.mark.parametrize("page", [1, 16])
+def test_dense_rows_beside_paged_rows(llama_dir, order, page, monkeypatch) -> None:
+    """A prefill batch's whole long prompts (no cached prefix) through cuDNN's dense causal
+    attention over their K/V read back from the cache, the other rows (a prefix, short, a
+    short prompt) through the Triton kernel, which leaves the dense rows alone: every row
+    equals the float64 reference. Off a GPU, cuDNN's kernel is replaced by its definition."""
+    import dataclasses
+
+    from tokenmill.attention import dense_rows, triton_backend
+    from tokenmill.attention.backend import AttentionInputs
+    from tokenmill.cache.kv_cache import KVCache
+    from tokenmill.config import ModelConfig
+
+    monkeypatch.setattr(triton_backend, "DENSE_MIN_Q_LEN", 48)
+    if DEVICE != "cuda":
+        monkeypatch.setattr(triton_backend, "dense_supported", lambda *_: True)
+        monkeypatch.setattr(dense_rows, "_dense_causal", _dense_causal_reference)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    hq, hkv, d = 8, 2, 64
+    model = dataclasses.replace(
+        ModelConfig.from_pretrained(llama_dir, "bfloat16"), num_layers=1, num_heads=hq,
+        num_kv_heads=hkv, head_dim=d, dtype=dtype, sliding_window=None,
+    )  # fmt: skip
+    dense, other = [(70, 0), (100, 0)], [(40, 62), (1, 50), (5, 0), (20, 0), (60, 9)]
+    rows = {
+        "dense rows first": dense + other,
+        "interleaved": [other[0], dense[0], other[1], other[2], dense[1], other[3], other[4]],
+        "dense rows only": dense,
+    }[order]
+    q_lens = [q for q, _ in rows]
+    kv_lens = [q + p for q, p in rows]
+    gen = torch.Generator().manual_seed(page + len(rows))
+    k, v, table = _paged_setup(kv_lens, page, hkv, d, dtype, gen)
+    cache = KVCache.allocate(model, k.shape[0] // page, page, torch.device(DEVICE))
+    cache.k[0].view(-1, hkv, d).copy_(k)
+    cache.v[0].view(-1, hkv, d).copy_(v)
+    backend = triton_backend.TritonAttentionBackend(model, cache, len(rows))
+    q = _randn(sum(q_lens), hq, d, dtype=dtype, gen=gen)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device=DEVICE)
+    kv = torch.tensor(kv_lens, device=DEVICE)
+    # each query token's slot: where the step wrote its K/V
+    slots = torch.cat([
+        table[i, torch.arange(p, q + p, device=DEVICE) // page] * page
+        + torch.arange(p, q + p, device=DEVICE) % page
+        for i, (q, p) in enumerate(rows)
+    ])  # fmt: skip
+    inputs = AttentionInputs(q_lens, kv_lens, cu, kv, table, slots)
+    backend.plan(dataclasses.replace(inputs, graphed=True))  # a capture: never dense
+    assert backend._dense == []
+    backend.plan(inputs)
+    starts = [int(cu[i]) for i, row in enumerate(rows) if row in dense]
+    assert backend._dense == [(s, q) for s, (q, _) in zip(starts, dense, strict=True)]
+    out = backend.attend(q, 0)
+    scale = d**-0.5
+    _check_last_tokens_attention(out, q, k, v, table, cu, kv_lens, page, scale, None, dtype)
+
+
+def test_prefill_kernel_leaves_dense_rows_alone(monkeypatch) -> None:
+    """`dense_min_len`: the Triton prefill kernel writes no output for rows of at least that
+    many query tokens without a cached prefix (attended elsewhere), and the others' as before."""
+    from tokenmill.kernels import attention
+
+    gen = torch.Generator().manual_seed(5)
+    q_lens, prefixes = [64, 30, 64, 1], [0, 0, 10, 40]
+    kv_lens = [q + p for q, p in zip(q_lens, prefixes, strict=True)]
+    k, v, table = _paged_setup(kv_lens, 16, 2, 64, torch.float32, gen)
+    q = _randn(sum(q_lens), 4, 64, gen=gen)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device=DEVICE)
+    monkeypatch.setattr(attention.torch, "empty_like", lambda x: torch.full_like(x, 7.0))
+    out = prefill_attention(
+        q, k, v, cu, torch.tensor(kv_lens, device=DEVICE), table, 64, 16, 0.125, None,
+        dense_min_len=48,
+    )  # fmt: skip
+    assert (out[:64] == 7.0).all()  # the one dense row: untouched
+    assert not (out[64:] == 7.0).any()
+    _check_last_tokens_attention(
+        out[64:], q[64:], k, v, table[1:], cu[1:] - 64, kv_lens[1:], 16, 0.125, None,
+        torch.float32,
+    )  # fmt: skip
+
+
+def test_dense_rows_only_whole_long_prompts() -> None:
+    """Dense rows: no cached prefix, at least the bound's query tokens, at most DENSE_MAX_ROWS
+    of them in a step (else none: each is launches of its own)."""
+    from tokenmill.attention.backend import AttentionInputs
+    from tokenmill.attention.dense_rows import DENSE_MAX_ROWS, plan_dense_rows
+
+    def plan(rows: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        q_lens, kv_lens = [q for q, _ in rows], [q + p for q, p in rows]
+        none = torch.zeros(0)
+        return plan_dense_rows(AttentionInputs(q_lens, kv_lens, none, none, none, none), 1024)
+
+    assert plan([(1, 500), (1024, 0), (1023, 0), (2048, 1), (4096, 0)]) == [(1, 1024), (4096, 4096)]
+    assert len(plan([(1024, 0)] * DENSE_MAX_ROWS)) == DENSE_MAX_ROWS
+    assert plan([(1024, 0)] * (DENSE_MAX_ROWS + 1)) == []

@@ -23,7 +23,9 @@ class AttentionInputs:
     `query_lens_cpu[i]` of its `kv_lens[i]` tokens of context, whose KV lives in pages
     `page_table[i]`. `slot_mapping` gives, for every query token, the KV-cache slot
     (`page * page_size + offset`) it writes; a negative slot (CUDA-graph padding) writes nothing.
-    Host copies (`*_cpu`) let backends plan without reading the device.
+    Host copies (`*_cpu`) let backends plan without reading the device. `graphed`: the
+    inputs of a CUDA graph's capture, which replays for other lengths read from the device
+    (the host copies are the capture's only).
     """
 
     query_lens_cpu: list[int]
@@ -32,6 +34,7 @@ class AttentionInputs:
     kv_lens: torch.Tensor
     page_table: torch.Tensor
     slot_mapping: torch.Tensor
+    graphed: bool = False
 
     @property
     def is_decode(self) -> bool:

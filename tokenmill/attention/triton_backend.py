@@ -7,6 +7,12 @@ import math
 import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionInputs, QKNorm
+from tokenmill.attention.dense_rows import (
+    DENSE_MIN_Q_LEN,
+    dense_attend,
+    dense_supported,
+    plan_dense_rows,
+)
 from tokenmill.cache.kv_cache import KVCache
 from tokenmill.config import ModelConfig
 from tokenmill.kernels.attention import (
@@ -91,7 +97,9 @@ class FusedStoreBackend(AttentionBackend):
 class TritonAttentionBackend(FusedStoreBackend):
     """Decode batches use split-KV decode; batches of at most VERIFY_MAX_Q_LEN query tokens per
     sequence (within VERIFY_MAX_ACC accumulator values per program) split-KV verify attention;
-    the rest the prefill kernel. Deterministic mode runs every batch through
+    the rest the prefill kernel, but for whole long prompts, which go through cuDNN's dense
+    causal attention where it serves the device (`dense_rows`; not inside CUDA graphs, not in
+    deterministic mode, not with a sliding window). Deterministic mode runs every batch through
     `invariant_attention`, decode batches too small to fill the GPU with each part of the
     context in a program of its own."""
 
@@ -118,6 +126,12 @@ class TritonAttentionBackend(FusedStoreBackend):
             q for q in range(1, VERIFY_MAX_Q_LEN + 1) if verifies_split_kv(q, group, model.head_dim)
         ]
         self._short_q_len = max(fits, default=0)
+        self._dense_ok = (
+            not deterministic
+            and model.sliding_window is None
+            and dense_supported(device, model.dtype, model.head_dim)
+        )
+        self._dense: list[tuple[int, int]] = []
         # Deterministic decode batches split while one program per (sequence, KV head) would
         # leave most SMs idle.
         self._split_seqs = 0
@@ -140,6 +154,13 @@ class TritonAttentionBackend(FusedStoreBackend):
         self._tiles = prefill_tiles(long or lens, cfg.head_dim, cfg.dtype.itemsize)
         # (no launch for short rows in a batch without any)
         self._short_rows = self._short_q_len if len(long) < len(lens) else 0
+        self._dense = []
+        if self._dense_ok and long and not (self._decode or self._verify or inputs.graphed):
+            self._dense = plan_dense_rows(inputs, DENSE_MIN_Q_LEN)
+        # the Triton kernel's longest row: the short rows' alone when every long row is dense
+        self._triton_q_len = self._max_q_len
+        if self._dense and len(self._dense) == len(long):
+            self._triton_q_len = self._short_rows
 
     def graph_safe(self) -> bool:
         return True
@@ -169,10 +190,16 @@ class TritonAttentionBackend(FusedStoreBackend):
                 q, k_cache, v_cache, inputs.cu_query_lens, inputs.kv_lens, inputs.page_table,
                 self._max_q_len, ps, self.scale, window, mid_o, mid_lse,
             )  # fmt: skip
-        return prefill_attention(
-            q, k_cache, v_cache, inputs.cu_query_lens, inputs.kv_lens, inputs.page_table,
-            self._max_q_len, ps, self.scale, window, self._tiles, self._short_rows,
-        )  # fmt: skip
+        if not self._triton_q_len:  # every row is dense
+            out = torch.empty_like(q)
+        else:
+            out = prefill_attention(
+                q, k_cache, v_cache, inputs.cu_query_lens, inputs.kv_lens, inputs.page_table,
+                self._triton_q_len, ps, self.scale, window, self._tiles, self._short_rows,
+                DENSE_MIN_Q_LEN if self._dense else 0,
+            )  # fmt: skip
+        dense_attend(self._dense, q, k_cache, v_cache, inputs.slot_mapping, out, self.scale)
+        return out
 
     def _scratch(self, q: torch.Tensor, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Split-KV partial outputs and log-sum-exps for the query tokens of `q`, with the

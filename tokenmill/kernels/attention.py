@@ -144,12 +144,13 @@ def _store_split(
 
 
 # Arguments that change from step to step are plain, never specialised: a value of 1, or one
-# divisible by 16, would otherwise compile a kernel of its own inside a serving run (short_q_len;
-# stride_pt, the page table's width: the most pages any sequence of the batch needs).
-@triton.jit(do_not_specialize=["short_q_len", "stride_pt"])
+# divisible by 16, would otherwise compile a kernel of its own inside a serving run (short_q_len,
+# dense_min_len; stride_pt, the page table's width: the most pages any sequence of the batch
+# needs).
+@triton.jit(do_not_specialize=["short_q_len", "dense_min_len", "stride_pt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, kv_lens_ptr, page_table_ptr,
-    stride_pt, qk_scale, window, short_q_len,
+    stride_pt, qk_scale, window, short_q_len, dense_min_len,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SHORT_R: tl.constexpr,
     HAS_WINDOW: tl.constexpr, USE_PDL: tl.constexpr,
@@ -173,6 +174,8 @@ def _prefill_kernel(
     if SHORT_R > 0 or mblk * BLOCK_M >= q_len:
         return
     kv_len = tl.load(kv_lens_ptr + seq)
+    if dense_min_len > 0 and q_len >= dense_min_len and kv_len == q_len:
+        return  # a whole prompt attended elsewhere (`attention.dense_rows`)
     prefix = kv_len - q_len
     kvh = h // (HQ // HKV)
     offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -264,6 +267,7 @@ def prefill_attention(
     window: int | None,
     tiles: PrefillTiles | None = None,
     short_q_len: int = 0,
+    dense_min_len: int = 0,
 ) -> torch.Tensor:
     """Causal attention for `q` `[T, Hq, D]` (sequences laid out by `cu_q`) over paged K/V.
 
@@ -274,7 +278,8 @@ def prefill_attention(
     whole context, one program per KV head whose rows are all their query tokens and heads of
     the group, as `verify_attention`'s with one split, in a launch of their own before the
     other rows' (in one launch, beside the long rows' tiles and in their shape, they streamed
-    K/V at two thirds of the rate they reach alone).
+    K/V at two thirds of the rate they reach alone). `dense_min_len` > 0: rows of at least that
+    many query tokens and no cached prefix are left out (their outputs are not written).
     """
     if tiles is None:
         tiles = _narrow_tiles(max_q_len)
@@ -282,7 +287,7 @@ def prefill_attention(
     hkv = k_cache.shape[-2]
     out = torch.empty_like(q)
     common = (q, k_cache, v_cache, out, cu_q, kv_lens, page_table, page_table.stride(0),
-              scale * _LOG2E, window or 0, short_q_len)  # fmt: skip
+              scale * _LOG2E, window or 0, short_q_len, dense_min_len)  # fmt: skip
     shape = dict(HQ=hq, HKV=hkv, D=d, PAGE=page_size, HAS_WINDOW=window is not None,
                  **pdl_options(q.device))  # fmt: skip
     seqs = kv_lens.shape[0]

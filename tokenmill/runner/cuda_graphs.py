@@ -102,6 +102,7 @@ def _plan_decode(
             kv_lens=kv_lens[:bs],
             page_table=page_table[:bs],
             slot_mapping=slots[:bs],
+            graphed=True,
         )
     )
 
@@ -297,6 +298,7 @@ class CudaGraphRunner:
                 kv_lens=self.kv_lens[:bs],
                 page_table=self.page_table[:bs],
                 slot_mapping=self.slots[: bs * q],
+                graphed=True,
             )
         )
 
@@ -327,6 +329,7 @@ class CudaGraphRunner:
                 kv_lens=kv_lens,
                 page_table=table,
                 slot_mapping=slots,
+                graphed=True,
             )
         )
 
