@@ -949,6 +949,7 @@ def test_dense_rows_beside_paged_rows(llama_dir, order, page, monkeypatch) -> No
         ModelConfig.from_pretrained(llama_dir, "bfloat16"), num_layers=1, num_heads=hq,
         num_kv_heads=hkv, head_dim=d, dtype=dtype, sliding_window=None,
     )  # fmt: skip
+    # the dense rows attended as 72 and 112 tokens (`dense_length`)
     dense, other = [(70, 0), (100, 0)], [(40, 62), (1, 50), (5, 0), (20, 0), (60, 9)]
     rows = {
         "dense rows first": dense + other,
@@ -1021,3 +1022,13 @@ def test_dense_rows_only_whole_long_prompts() -> None:
     assert plan([(1, 500), (1024, 0), (1023, 0), (2048, 1), (4096, 0)]) == [(1, 1024), (4096, 4096)]
     assert len(plan([(1024, 0)] * DENSE_MAX_ROWS)) == DENSE_MAX_ROWS
     assert plan([(1024, 0)] * (DENSE_MAX_ROWS + 1)) == []
+
+
+def test_dense_lengths_are_few() -> None:
+    """Rows are attended at 8 lengths per power of two (each new one is a cuDNN graph to
+    build), at most 1/8 longer than the row."""
+    from tokenmill.attention.dense_rows import dense_length
+
+    lengths = {dense_length(n) for n in range(1024, 8193)}
+    assert len(lengths) == 3 * 8 + 1
+    assert all(n <= dense_length(n) <= n * 9 / 8 for n in range(1024, 8193))

@@ -21,6 +21,10 @@ from tokenmill.attention.backend import AttentionInputs
 DENSE_MIN_Q_LEN = 1024
 # ... and at most this many in a step (each is its own launches, per layer).
 DENSE_MAX_ROWS = 8
+# A row of n tokens is attended as one of DENSE_BUCKETS_PER_OCTAVE lengths per power of two
+# (zero tokens after its own, which its queries never see): cuDNN builds a graph for each new
+# shape (hundreds of ms, reported), so every prompt length cannot have its own.
+DENSE_BUCKETS_PER_OCTAVE = 8
 DENSE_DTYPES = (torch.float16, torch.bfloat16)
 DENSE_MAX_HEAD_DIM = 128
 
@@ -64,17 +68,27 @@ def dense_attend(
     group = q.shape[1] // k_cache.shape[1]
     for start, n in rows:
         tokens = slice(start, start + n)
-        k = _heads_first(k_cache.index_select(0, slots[tokens]), group)
-        v = _heads_first(v_cache.index_select(0, slots[tokens]), group)
-        result = _dense_causal(q[tokens].transpose(0, 1).contiguous(), k, v, scale)
-        out[tokens] = result.transpose(0, 1)
+        length = dense_length(n)
+        k = _heads_first(k_cache.index_select(0, slots[tokens]), group, length)
+        v = _heads_first(v_cache.index_select(0, slots[tokens]), group, length)
+        result = _dense_causal(_heads_first(q[tokens], 1, length), k, v, scale)
+        out[tokens] = result[:, :n].transpose(0, 1)
 
 
-def _heads_first(kv: torch.Tensor, group: int) -> torch.Tensor:
-    """`[n, Hkv, D]` → `[Hkv * group, n, D]`, each KV head repeated for its group's query
-    heads (cuDNN's kernel takes as many K/V heads as query heads)."""
-    n, hkv, d = kv.shape
-    return kv.transpose(0, 1)[:, None].expand(hkv, group, n, d).reshape(hkv * group, n, d)
+def dense_length(n: int) -> int:
+    """The length a row of `n` tokens is attended at: `n` rounded up to one of
+    DENSE_BUCKETS_PER_OCTAVE steps of its power of two."""
+    step = max(1, (1 << (n.bit_length() - 1)) // DENSE_BUCKETS_PER_OCTAVE)
+    return -(-n // step) * step
+
+
+def _heads_first(x: torch.Tensor, group: int, length: int) -> torch.Tensor:
+    """`[n, H, D]` → `[H * group, length, D]`, each head repeated `group` times (cuDNN's kernel
+    takes as many K/V heads as query heads), zeros after the n tokens."""
+    n, h, d = x.shape
+    padded = x.new_zeros(h, group, length, d)
+    padded[:, :, :n] = x.transpose(0, 1)[:, None]
+    return padded.view(h * group, length, d)
 
 
 def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
