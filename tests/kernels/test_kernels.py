@@ -967,18 +967,16 @@ def test_dense_rows_beside_paged_rows(llama_dir, order, page, monkeypatch) -> No
     q = _randn(sum(q_lens), hq, d, dtype=dtype, gen=gen)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device=DEVICE)
     kv = torch.tensor(kv_lens, device=DEVICE)
-    # each query token's slot: where the step wrote its K/V
-    slots = torch.cat([
-        table[i, torch.arange(p, q + p, device=DEVICE) // page] * page
-        + torch.arange(p, q + p, device=DEVICE) % page
-        for i, (q, p) in enumerate(rows)
-    ])  # fmt: skip
+    # slots -1, as in the start-up warm-up (K/V written nowhere): dense rows read their K/V
+    # through the page table, as the Triton kernel does
+    slots = torch.full((sum(q_lens),), -1, device=DEVICE)
     inputs = AttentionInputs(q_lens, kv_lens, cu, kv, table, slots)
     backend.plan(dataclasses.replace(inputs, graphed=True))  # a capture: never dense
     assert backend._dense == []
     backend.plan(inputs)
     starts = [int(cu[i]) for i, row in enumerate(rows) if row in dense]
-    assert backend._dense == [(s, q) for s, (q, _) in zip(starts, dense, strict=True)]
+    planned = [(row.start, row.n) for row in backend._dense]
+    assert planned == [(s, q) for s, (q, _) in zip(starts, dense, strict=True)]
     out = backend.attend(q, 0)
     scale = d**-0.5
     _check_last_tokens_attention(out, q, k, v, table, cu, kv_lens, page, scale, None, dtype)
@@ -1016,8 +1014,9 @@ def test_dense_rows_only_whole_long_prompts() -> None:
 
     def plan(rows: list[tuple[int, int]]) -> list[tuple[int, int]]:
         q_lens, kv_lens = [q for q, _ in rows], [q + p for q, p in rows]
-        none = torch.zeros(0)
-        return plan_dense_rows(AttentionInputs(q_lens, kv_lens, none, none, none, none), 1024)
+        none, table = torch.zeros(0), torch.zeros(len(rows), 4096 // 16, dtype=torch.int64)
+        inputs = AttentionInputs(q_lens, kv_lens, none, none, table, none)
+        return [(row.start, row.n) for row in plan_dense_rows(inputs, 1024, 16)]
 
     assert plan([(1, 500), (1024, 0), (1023, 0), (2048, 1), (4096, 0)]) == [(1, 1024), (4096, 4096)]
     assert len(plan([(1024, 0)] * DENSE_MAX_ROWS)) == DENSE_MAX_ROWS

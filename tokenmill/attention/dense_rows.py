@@ -12,6 +12,8 @@ inside a CUDA graph, stay with it.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from tokenmill.attention.backend import AttentionInputs
@@ -28,7 +30,15 @@ DENSE_BUCKETS_PER_OCTAVE = 8
 DENSE_DTYPES = (torch.float16, torch.bfloat16)
 DENSE_MAX_HEAD_DIM = 128
 
-Row = tuple[int, int]  # (first query token in the batch, query tokens)
+
+class DenseRow(NamedTuple):
+    """A dense row: its first query token in the batch, its tokens, and the cache slots of its
+    positions 0 .. n - 1 (read through its page table: a warm-up's rows write no K/V, their
+    slot mapping is -1, and read page 0 as the Triton kernel does)."""
+
+    start: int
+    n: int
+    slots: torch.Tensor
 
 
 def dense_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -41,36 +51,43 @@ def dense_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> 
     return torch.cuda.get_device_capability(device)[0] >= 8
 
 
-def plan_dense_rows(inputs: AttentionInputs, min_q_len: int) -> list[Row]:
+def plan_dense_rows(inputs: AttentionInputs, min_q_len: int, page_size: int) -> list[DenseRow]:
     """The rows of a prefill batch that attend densely: at least `min_q_len` (DENSE_MIN_Q_LEN)
     query tokens and no cached prefix, as long as there are at most DENSE_MAX_ROWS of them
     (else none)."""
-    rows, start = [], 0
-    for q_len, kv_len in zip(inputs.query_lens_cpu, inputs.kv_lens_cpu, strict=True):
+    found, start = [], 0
+    for i, (q_len, kv_len) in enumerate(
+        zip(inputs.query_lens_cpu, inputs.kv_lens_cpu, strict=True)
+    ):
         if q_len >= min_q_len and kv_len == q_len:
-            rows.append((start, q_len))
+            found.append((i, start, q_len))
         start += q_len
-    return rows if len(rows) <= DENSE_MAX_ROWS else []
+    if len(found) > DENSE_MAX_ROWS:
+        return []
+    rows = []
+    for i, start, n in found:
+        positions = torch.arange(n, device=inputs.page_table.device)
+        pages = inputs.page_table[i, positions // page_size].to(torch.int64)
+        rows.append(DenseRow(start, n, pages * page_size + positions % page_size))
+    return rows
 
 
 def dense_attend(
-    rows: list[Row],
+    rows: list[DenseRow],
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    slots: torch.Tensor,
     out: torch.Tensor,
     scale: float,
 ) -> None:
     """Write into `out` the causal attention of each of `rows` (`q` `[T, Hq, D]`) over its own
-    tokens, whose K/V are in `k_cache` / `v_cache` `[slots, Hkv, D]` at `slots` (the batch's
-    slot mapping)."""
+    tokens, whose K/V are in `k_cache` / `v_cache` `[slots, Hkv, D]`."""
     group = q.shape[1] // k_cache.shape[1]
-    for start, n in rows:
+    for start, n, slots in rows:
         tokens = slice(start, start + n)
         length = dense_length(n)
-        k = _heads_first(k_cache.index_select(0, slots[tokens]), group, length)
-        v = _heads_first(v_cache.index_select(0, slots[tokens]), group, length)
+        k = _heads_first(k_cache.index_select(0, slots), group, length)
+        v = _heads_first(v_cache.index_select(0, slots), group, length)
         result = _dense_causal(_heads_first(q[tokens], 1, length), k, v, scale)
         out[tokens] = result[:, :n].transpose(0, 1)
 

@@ -9,6 +9,7 @@ import torch
 from tokenmill.attention.backend import AttentionBackend, AttentionInputs, QKNorm
 from tokenmill.attention.dense_rows import (
     DENSE_MIN_Q_LEN,
+    DenseRow,
     dense_attend,
     dense_supported,
     plan_dense_rows,
@@ -131,7 +132,7 @@ class TritonAttentionBackend(FusedStoreBackend):
             and model.sliding_window is None
             and dense_supported(device, model.dtype, model.head_dim)
         )
-        self._dense: list[tuple[int, int]] = []
+        self._dense: list[DenseRow] = []
         # Deterministic decode batches split while one program per (sequence, KV head) would
         # leave most SMs idle.
         self._split_seqs = 0
@@ -156,7 +157,7 @@ class TritonAttentionBackend(FusedStoreBackend):
         self._short_rows = self._short_q_len if len(long) < len(lens) else 0
         self._dense = []
         if self._dense_ok and long and not (self._decode or self._verify or inputs.graphed):
-            self._dense = plan_dense_rows(inputs, DENSE_MIN_Q_LEN)
+            self._dense = plan_dense_rows(inputs, DENSE_MIN_Q_LEN, self.kv_cache.page_size)
         # the Triton kernel's longest row: the short rows' alone when every long row is dense
         self._triton_q_len = self._max_q_len
         if self._dense and len(self._dense) == len(long):
@@ -198,7 +199,7 @@ class TritonAttentionBackend(FusedStoreBackend):
                 self._triton_q_len, ps, self.scale, window, self._tiles, self._short_rows,
                 DENSE_MIN_Q_LEN if self._dense else 0,
             )  # fmt: skip
-        dense_attend(self._dense, q, k_cache, v_cache, inputs.slot_mapping, out, self.scale)
+        dense_attend(self._dense, q, k_cache, v_cache, out, self.scale)
         return out
 
     def _scratch(self, q: torch.Tensor, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
