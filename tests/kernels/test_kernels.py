@@ -1031,3 +1031,41 @@ def test_dense_lengths_are_few() -> None:
     lengths = {dense_length(n) for n in range(1024, 8193)}
     assert len(lengths) == 3 * 8 + 1
     assert all(n <= dense_length(n) <= n * 9 / 8 for n in range(1024, 8193))
+
+
+def test_dense_rows_engine_matches_transformers(checkpoints, monkeypatch) -> None:
+    """The whole engine with whole prompts of at least 16 tokens attended densely (cuDNN's
+    kernel replaced by its definition, so that float32 on any device takes the path) beside
+    chunked prompts and decode rows: greedy equals transformers'; and the GPU's start-up
+    warm-up (rows of slot -1) runs through it."""
+    from tests.conftest import hf_greedy
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.attention import dense_rows, triton_backend
+    from tokenmill.runner.model_runner import warm_up
+
+    monkeypatch.setattr(triton_backend, "DENSE_MIN_Q_LEN", 16)
+    monkeypatch.setattr(triton_backend, "dense_supported", lambda *_: True)
+    monkeypatch.setattr(dense_rows, "_dense_causal", _dense_causal_reference)
+    attended = []
+    attend = triton_backend.dense_attend
+
+    def recorded(rows, *args):
+        attended.extend(row.n for row in rows)
+        return attend(rows, *args)
+
+    monkeypatch.setattr(triton_backend, "dense_attend", recorded)
+    path = checkpoints["llama"]
+    prompts = [list(range(3, 40)), list(range(20, 57)), [100, 200, 300], list(range(60, 80))]
+    llm = LLM(
+        str(path), device=DEVICE, dtype="float32", attention_backend="triton", page_size=4,
+        max_num_batched_tokens=64,
+    )  # fmt: skip
+    runner = llm.engine.runner
+    # the GPU's start-up warm-up (slot -1: it writes no K/V), run here on any device
+    warm_up(runner.model, runner.attention, runner.page_size, [[20, 1]], runner.device)
+    assert set(attended) == {20}  # each layer
+    attended.clear()
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = llm.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(path, p, 8) for p in prompts]
+    assert 37 in attended
