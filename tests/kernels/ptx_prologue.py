@@ -40,7 +40,15 @@ INT64_KERNELS = {"decode_inputs"}  # every pointer of these is int64
 # Index pointers (INT_PTRS) of these are int64: the kernel takes int32 or int64 ones.
 INT64_INDEX_KERNELS = {"invariant_int64_index"}
 FLOAT_SCALARS = {"eps", "qk_scale"}
-UNALIGNED = FLOAT_SCALARS | {"M", "window", "SPLITS", "split", "short_q_len", "stride_pt"}
+UNALIGNED = FLOAT_SCALARS | {
+    "M",
+    "window",
+    "SPLITS",
+    "split",
+    "short_q_len",
+    "dense_min_len",
+    "stride_pt",
+}
 # Constexprs of each kernel (USE_PDL is set for all), as the decode path of a
 # qwen3-like layer uses them.
 KERNELS = {
@@ -69,7 +77,8 @@ KERNELS = {
             ("invariant_matmul_across", True, 4, True),
             ("invariant_matmul_loop", False, 2, False))},
     "add_rms_norm": (_add_rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=1024)),
-    "rope_store": (_rope_store_kernel, dict(HQ=16, HKV=8, D=128, BLOCK_G=2, QK_NORM=True)),
+    "rope_store": (_rope_store_kernel, dict(
+        HQ=16, HKV=8, D=128, BLOCK_G=2, QK_NORM=True, FRESH=False)),
     "silu_and_mul": (_silu_and_mul_kernel, dict(BLOCK=1024)),
     "decode_inputs": (_decode_inputs_kernel, dict(BLOCK_W=128)),
     "argmax": (_argmax_kernel, dict(CHUNKS=75, BLOCK=2048, BLOCK_C=128, TO_HOST=True)),

@@ -329,7 +329,12 @@ def test_rope_norm_and_kv_store(dtype, hq: int, hkv: int, d: int, qk_norm: bool)
     k_cache = torch.full((slots_total, hkv, d), 7.0, dtype=dtype, device=DEVICE)
     v_cache = torch.full((slots_total, hkv, d), 7.0, dtype=dtype, device=DEVICE)
     norm = (_randn(d, gen=gen), _randn(d, gen=gen), 1e-6) if qk_norm else None
-    q = rope_and_store(qkv, positions, slots, cos, sin, k_cache, v_cache, hq, hkv, d, norm)
+    # the step's K and V by token too (dense rows read them), and spare rows of q's storage
+    fresh = torch.full((2, tokens, hkv, d), 7.0, dtype=dtype, device=DEVICE)
+    q = rope_and_store(
+        qkv, positions, slots, cos, sin, k_cache, v_cache, hq, hkv, d, norm, (*fresh,), 3
+    )
+    assert q.shape == (tokens, hq, d) and q.untyped_storage().nbytes() == q.nbytes * 9 // 6
 
     q_rot, k_rot, v_ref = _rotated_reference(qkv, positions, cos, sin, norm, hq, hkv)
     _close(q, q_rot, dtype)
@@ -339,6 +344,9 @@ def test_rope_norm_and_kv_store(dtype, hq: int, hkv: int, d: int, qk_norm: bool)
     untouched = torch.ones(slots_total, dtype=torch.bool, device=DEVICE)
     untouched[slots[written]] = False
     assert (k_cache[untouched] == 7.0).all() and (v_cache[untouched] == 7.0).all()
+    _close(fresh[0][written], k_rot[written], dtype)
+    _close(fresh[1][written], v_ref[written], dtype)
+    assert (fresh[:, ~written] == 0).all()  # a row that stores nothing: zeros
 
 
 def _rope_tables(d: int, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -917,21 +925,23 @@ def test_argmax_rows_is_torch_argmax(dtype: torch.dtype, rows: int, vocab: int) 
 
 
 def _dense_causal_reference(q, k, v, scale):
-    """cuDNN's dense causal attention by its definition (`[H, n, D]` each), in float64."""
-    n = q.shape[1]
+    """cuDNN's dense causal attention by its definition (`[1, H, n, D]` each, KV heads shared
+    by their query heads), in float64."""
+    n = q.shape[2]
     return _attention_reference(
-        q.transpose(0, 1), k.double().transpose(0, 1), v.double().transpose(0, 1),
+        q[0].transpose(0, 1), k[0].double().transpose(0, 1), v[0].double().transpose(0, 1),
         torch.arange(n, device=q.device), scale, None,
-    ).transpose(0, 1).to(q.dtype)  # fmt: skip
+    ).transpose(0, 1)[None].to(q.dtype)  # fmt: skip
 
 
-@pytest.mark.parametrize("order", ["dense rows first", "interleaved", "dense rows only"])
+@pytest.mark.parametrize("order", ["dense rows first", "interleaved", "dense rows last"])
 @pytest.mark.parametrize("page", [1, 16])
 def test_dense_rows_beside_paged_rows(llama_dir, order, page, monkeypatch) -> None:
     """A prefill batch's whole long prompts (no cached prefix) through cuDNN's dense causal
-    attention over their K/V read back from the cache, the other rows (a prefix, short, a
-    short prompt) through the Triton kernel, which leaves the dense rows alone: every row
-    equals the float64 reference. Off a GPU, cuDNN's kernel is replaced by its definition."""
+    attention over the step's K/V by token, padded (into the next rows, or the buffer's zeroed
+    spare rows), the other rows (a prefix, short, a short prompt) through the Triton kernel
+    over the cache, which leaves the dense rows alone: every row equals the float64
+    reference. Off a GPU, cuDNN's kernel is replaced by its definition."""
     import dataclasses
 
     from tokenmill.attention import dense_rows, triton_backend
@@ -949,12 +959,12 @@ def test_dense_rows_beside_paged_rows(llama_dir, order, page, monkeypatch) -> No
         ModelConfig.from_pretrained(llama_dir, "bfloat16"), num_layers=1, num_heads=hq,
         num_kv_heads=hkv, head_dim=d, dtype=dtype, sliding_window=None,
     )  # fmt: skip
-    # the dense rows attended as 72 and 112 tokens (`dense_length`)
+    # the dense rows attended as 72 and 104 tokens (`dense_length`)
     dense, other = [(70, 0), (100, 0)], [(40, 62), (1, 50), (5, 0), (20, 0), (60, 9)]
     rows = {
         "dense rows first": dense + other,
         "interleaved": [other[0], dense[0], other[1], other[2], dense[1], other[3], other[4]],
-        "dense rows only": dense,
+        "dense rows last": other + dense,
     }[order]
     q_lens = [q for q, _ in rows]
     kv_lens = [q + p for q, p in rows]
@@ -964,19 +974,28 @@ def test_dense_rows_beside_paged_rows(llama_dir, order, page, monkeypatch) -> No
     cache.k[0].view(-1, hkv, d).copy_(k)
     cache.v[0].view(-1, hkv, d).copy_(v)
     backend = triton_backend.TritonAttentionBackend(model, cache, len(rows))
-    q = _randn(sum(q_lens), hq, d, dtype=dtype, gen=gen)
+    tokens = sum(q_lens)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device=DEVICE)
     kv = torch.tensor(kv_lens, device=DEVICE)
-    # slots -1, as in the start-up warm-up (K/V written nowhere): dense rows read their K/V
-    # through the page table, as the Triton kernel does
-    slots = torch.full((sum(q_lens),), -1, device=DEVICE)
+    slots = torch.full((tokens,), -1, device=DEVICE)
     inputs = AttentionInputs(q_lens, kv_lens, cu, kv, table, slots)
     backend.plan(dataclasses.replace(inputs, graphed=True))  # a capture: never dense
-    assert backend._dense == []
+    assert backend._dense == [] and backend._fresh is None
     backend.plan(inputs)
     starts = [int(cu[i]) for i, row in enumerate(rows) if row in dense]
-    planned = [(row.start, row.n) for row in backend._dense]
-    assert planned == [(s, q) for s, (q, _) in zip(starts, dense, strict=True)]
+    planned = [(row.start, row.n, row.length) for row in backend._dense]
+    lengths = {70: 72, 100: 104}
+    assert planned == [(s, q, lengths[q]) for s, (q, _) in zip(starts, dense, strict=True)]
+    spare = backend._spare
+    assert spare == {"dense rows first": 0, "interleaved": 0, "dense rows last": 4}[order]
+    assert backend._fresh.shape == (2, tokens + spare, hkv, d)
+    assert (backend._fresh[:, tokens:] == 0).all()
+    # the step's K/V by token (as `store_qkv` writes them), queries with spare storage
+    for i, kl in enumerate(kv_lens):
+        ql = q_lens[i]
+        for cache_kv, fresh in ((k, backend._fresh[0]), (v, backend._fresh[1])):
+            fresh[int(cu[i]) : int(cu[i + 1])] = _gather(cache_kv, table, i, kl, page)[kl - ql :]
+    q = _randn(tokens + spare, hq, d, dtype=dtype, gen=gen)[:tokens]
     out = backend.attend(q, 0)
     scale = d**-0.5
     _check_last_tokens_attention(out, q, k, v, table, cu, kv_lens, page, scale, None, dtype)
@@ -1008,17 +1027,27 @@ def test_prefill_kernel_leaves_dense_rows_alone(monkeypatch) -> None:
 
 def test_dense_rows_only_whole_long_prompts() -> None:
     """Dense rows: no cached prefix, at least the bound's query tokens, at most DENSE_MAX_ROWS
-    of them in a step (else none: each is launches of its own)."""
+    of them in a step (else none: each is launches of its own); the rows they read past the
+    step's tokens, padded."""
     from tokenmill.attention.backend import AttentionInputs
-    from tokenmill.attention.dense_rows import DENSE_MAX_ROWS, plan_dense_rows
+    from tokenmill.attention.dense_rows import (
+        DENSE_MAX_ROWS,
+        DenseRow,
+        plan_dense_rows,
+        spare_rows,
+    )
 
-    def plan(rows: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    def plan(rows: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
         q_lens, kv_lens = [q for q, _ in rows], [q + p for q, p in rows]
-        none, table = torch.zeros(0), torch.zeros(len(rows), 4096 // 16, dtype=torch.int64)
-        inputs = AttentionInputs(q_lens, kv_lens, none, none, table, none)
-        return [(row.start, row.n) for row in plan_dense_rows(inputs, 1024, 16)]
+        none = torch.zeros(0)
+        inputs = AttentionInputs(q_lens, kv_lens, none, none, none, none)
+        return [tuple(row) for row in plan_dense_rows(inputs, 1024)]
 
-    assert plan([(1, 500), (1024, 0), (1023, 0), (2048, 1), (4096, 0)]) == [(1, 1024), (4096, 4096)]
+    rows = [(1, 500), (1030, 0), (1023, 0), (2048, 1), (4096, 0), (1100, 0)]
+    planned = plan(rows)
+    assert planned == [(1, 1030, 1152), (4102, 4096, 4096), (8198, 1100, 1152)]
+    assert spare_rows([DenseRow(*row) for row in planned], 9298) == 52
+    assert spare_rows([DenseRow(*row) for row in planned[:2]], 9298) == 0
     assert len(plan([(1024, 0)] * DENSE_MAX_ROWS)) == DENSE_MAX_ROWS
     assert plan([(1024, 0)] * (DENSE_MAX_ROWS + 1)) == []
 
@@ -1061,6 +1090,7 @@ def test_dense_rows_engine_matches_transformers(checkpoints, monkeypatch) -> Non
         max_num_batched_tokens=64,
     )  # fmt: skip
     runner = llm.engine.runner
+    attended.clear()  # (the engine's own start-up warm-up, on a GPU)
     # the GPU's start-up warm-up (slot -1: it writes no K/V), run here on any device
     warm_up(runner.model, runner.attention, runner.page_size, [[20, 1]], runner.device)
     assert set(attended) == {20}  # each layer

@@ -2,12 +2,13 @@
 
 A row with no cached prefix and at least DENSE_MIN_Q_LEN query tokens attends to exactly its
 own tokens: a dense causal problem, which cuDNN's fused attention (torch's
-`_scaled_dot_product_cudnn_attention`) runs at 65-74% of the H200's matmul rate, against
-34-43% for the paged Triton prefill kernel (docs/perf-notes.md, session 26). Its K and V are
-read back from the cache at the slots the step wrote them to (contiguous, the query heads'
-copies of each KV head made for cuDNN), its output copied into the batch's. The Triton kernel
-skips those rows (`prefill_attention(dense_min_len=...)`); rows with a prefix, and every row
-inside a CUDA graph, stay with it.
+`_scaled_dot_product_cudnn_attention`) runs at 56-72% of the H200's matmul rate for 4k-8k
+tokens, against 42-45% for the paged Triton prefill kernel (docs/perf-notes.md, session 27).
+Nothing is copied for it: the step's rotary kernel writes its K and V by token as well as to
+the cache (`rope_and_store(fresh=...)`), and cuDNN reads the row's queries, keys and values in
+place (token-major, its KV heads shared by their query heads); only its output is copied into
+the batch's. The Triton kernel skips those rows (`prefill_attention(dense_min_len=...)`); rows
+with a prefix, and every row inside a CUDA graph, stay with it.
 """
 
 from __future__ import annotations
@@ -18,27 +19,26 @@ import torch
 
 from tokenmill.attention.backend import AttentionInputs
 
-# Rows of at least this many query tokens (shorter ones gain less than their copies and the
-# launches cost), no cached prefix ...
-DENSE_MIN_Q_LEN = 1024
+# Rows of at least this many query tokens (below, cuDNN gains little over the Triton kernel:
+# 39% against 34% at 2k tokens for Qwen3-0.6B's 16 heads), no cached prefix ...
+DENSE_MIN_Q_LEN = 2048
 # ... and at most this many in a step (each is its own launches, per layer).
 DENSE_MAX_ROWS = 8
 # A row of n tokens is attended as one of DENSE_BUCKETS_PER_OCTAVE lengths per power of two
-# (zero tokens after its own, which its queries never see): cuDNN builds a graph for each new
-# shape (hundreds of ms, reported), so every prompt length cannot have its own.
+# (the tokens after it, which its queries never see, padding it): cuDNN builds a graph for each
+# new shape (60-70 ms on the H200), so every prompt length cannot have its own.
 DENSE_BUCKETS_PER_OCTAVE = 8
 DENSE_DTYPES = (torch.float16, torch.bfloat16)
 DENSE_MAX_HEAD_DIM = 128
 
 
 class DenseRow(NamedTuple):
-    """A dense row: its first query token in the batch, its tokens, and the cache slots of its
-    positions 0 .. n - 1 (read through its page table: a warm-up's rows write no K/V, their
-    slot mapping is -1, and read page 0 as the Triton kernel does)."""
+    """A dense row: its first query token in the batch, its tokens, and the length it is
+    attended at (`dense_length`)."""
 
     start: int
     n: int
-    slots: torch.Tensor
+    length: int
 
 
 def dense_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -51,45 +51,21 @@ def dense_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> 
     return torch.cuda.get_device_capability(device)[0] >= 8
 
 
-def plan_dense_rows(inputs: AttentionInputs, min_q_len: int, page_size: int) -> list[DenseRow]:
+def plan_dense_rows(inputs: AttentionInputs, min_q_len: int) -> list[DenseRow]:
     """The rows of a prefill batch that attend densely: at least `min_q_len` (DENSE_MIN_Q_LEN)
     query tokens and no cached prefix, as long as there are at most DENSE_MAX_ROWS of them
     (else none)."""
-    found, start = [], 0
-    for i, (q_len, kv_len) in enumerate(
-        zip(inputs.query_lens_cpu, inputs.kv_lens_cpu, strict=True)
-    ):
+    rows, start = [], 0
+    for q_len, kv_len in zip(inputs.query_lens_cpu, inputs.kv_lens_cpu, strict=True):
         if q_len >= min_q_len and kv_len == q_len:
-            found.append((i, start, q_len))
+            rows.append(DenseRow(start, q_len, dense_length(q_len)))
         start += q_len
-    if len(found) > DENSE_MAX_ROWS:
-        return []
-    rows = []
-    for i, start, n in found:
-        positions = torch.arange(n, device=inputs.page_table.device)
-        pages = inputs.page_table[i, positions // page_size].to(torch.int64)
-        rows.append(DenseRow(start, n, pages * page_size + positions % page_size))
-    return rows
+    return rows if len(rows) <= DENSE_MAX_ROWS else []
 
 
-def dense_attend(
-    rows: list[DenseRow],
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    out: torch.Tensor,
-    scale: float,
-) -> None:
-    """Write into `out` the causal attention of each of `rows` (`q` `[T, Hq, D]`) over its own
-    tokens, whose K/V are in `k_cache` / `v_cache` `[slots, Hkv, D]`."""
-    group = q.shape[1] // k_cache.shape[1]
-    for start, n, slots in rows:
-        tokens = slice(start, start + n)
-        length = dense_length(n)
-        k = _heads_first(k_cache.index_select(0, slots), group, length)
-        v = _heads_first(v_cache.index_select(0, slots), group, length)
-        result = _dense_causal(_heads_first(q[tokens], 1, length), k, v, scale)
-        out[tokens] = result[:, :n].transpose(0, 1)
+def spare_rows(rows: list[DenseRow], tokens: int) -> int:
+    """How many rows past a step's `tokens` its dense `rows` read, padded."""
+    return max([0, *(row.start + row.length - tokens for row in rows)])
 
 
 def dense_length(n: int) -> int:
@@ -99,17 +75,37 @@ def dense_length(n: int) -> int:
     return -(-n // step) * step
 
 
-def _heads_first(x: torch.Tensor, group: int, length: int) -> torch.Tensor:
-    """`[n, H, D]` → `[H * group, length, D]`, each head repeated `group` times (cuDNN's kernel
-    takes as many K/V heads as query heads), zeros after the n tokens."""
-    n, h, d = x.shape
-    padded = x.new_zeros(h, group, length, d)
-    padded[:, :, :n] = x.transpose(0, 1)[:, None]
-    return padded.view(h * group, length, d)
+def dense_attend(
+    rows: list[DenseRow],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+) -> None:
+    """Write into `out` the causal attention of each of `rows` over its own tokens: `q`
+    `[T, Hq, D]`, the step's `k` / `v` `[T, Hkv, D]`, each with storage for the rows' padding
+    past T (`spare_rows`; finite in K and V: keys a row's queries never see still meet a zero
+    probability)."""
+    for start, n, length in rows:
+        result = _dense_causal(
+            _window(q, start, length), _window(k, start, length), _window(v, start, length),
+            scale,
+        )  # fmt: skip
+        out[start : start + n] = result[0, :, :n].transpose(0, 1)
+
+
+def _window(x: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """Rows `start .. start + length` of `x` `[T, H, D]` (contiguous, possibly past T within
+    its storage) as `[1, H, length, D]`."""
+    _, h, d = x.shape
+    offset = x.storage_offset() + start * h * d
+    return x.as_strided((1, h, length, d), (length * h * d, d, h * d, 1), offset)
 
 
 def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """cuDNN's causal attention of `[H, n, D]` queries over `[H, n, D]` keys and values."""
+    """cuDNN's causal attention of `[1, Hq, n, D]` queries over `[1, Hkv, n, D]` keys and
+    values (query head h reads KV head h // (Hq / Hkv))."""
     return torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q[None], k[None], v[None], None, False, 0.0, True, False, scale=scale
-    )[0][0]
+        q, k, v, None, False, 0.0, True, False, scale=scale
+    )[0]

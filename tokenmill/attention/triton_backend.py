@@ -13,6 +13,7 @@ from tokenmill.attention.dense_rows import (
     dense_attend,
     dense_supported,
     plan_dense_rows,
+    spare_rows,
 )
 from tokenmill.cache.kv_cache import KVCache
 from tokenmill.config import ModelConfig
@@ -65,9 +66,13 @@ def verifies_split_kv(max_q_len: int, group: int, head_dim: int) -> bool:
 
 class FusedStoreBackend(AttentionBackend):
     """Backends whose `store_qkv` is the fused Triton kernel (q/k norm, rotary, K/V store);
-    `plan` must keep the step's inputs as `self._inputs`."""
+    `plan` must keep the step's inputs as `self._inputs`, and may set `self._fresh` (`[2,
+    T + spare, Hkv, D]`: the step's K and V are written there by token too) and `self._spare`
+    (rows of q's storage past T)."""
 
     _inputs: AttentionInputs
+    _fresh: torch.Tensor | None = None
+    _spare: int = 0
 
     def _cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.model
@@ -89,9 +94,10 @@ class FusedStoreBackend(AttentionBackend):
         norm = None
         if qk_norm is not None:
             norm = (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
+        fresh = None if self._fresh is None else (self._fresh[0], self._fresh[1])
         return rope_and_store(
             qkv, positions, self._inputs.slot_mapping, rotary.cos, rotary.sin, k_cache, v_cache,
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, norm,
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, norm, fresh, self._spare,
         )  # fmt: skip
 
 
@@ -155,13 +161,25 @@ class TritonAttentionBackend(FusedStoreBackend):
         self._tiles = prefill_tiles(long or lens, cfg.head_dim, cfg.dtype.itemsize)
         # (no launch for short rows in a batch without any)
         self._short_rows = self._short_q_len if len(long) < len(lens) else 0
-        self._dense = []
+        self._dense, self._fresh, self._spare = [], None, 0
         if self._dense_ok and long and not (self._decode or self._verify or inputs.graphed):
-            self._dense = plan_dense_rows(inputs, DENSE_MIN_Q_LEN, self.kv_cache.page_size)
+            self._plan_dense(inputs)
         # the Triton kernel's longest row: the short rows' alone when every long row is dense
         self._triton_q_len = self._max_q_len
         if self._dense and len(self._dense) == len(long):
             self._triton_q_len = self._short_rows
+
+    def _plan_dense(self, inputs: AttentionInputs) -> None:
+        """The step's dense rows, and the buffer their K/V are read from (its rows past the
+        step's tokens zeroed: a padded row's keys there meet a zero probability)."""
+        self._dense = plan_dense_rows(inputs, DENSE_MIN_Q_LEN)
+        if not self._dense:
+            return
+        cfg, tokens = self.model, sum(inputs.query_lens_cpu)
+        self._spare = spare_rows(self._dense, tokens)
+        shape = (2, tokens + self._spare, cfg.num_kv_heads, cfg.head_dim)
+        self._fresh = torch.empty(shape, dtype=cfg.dtype, device=inputs.slot_mapping.device)
+        self._fresh[:, tokens:].zero_()
 
     def graph_safe(self) -> bool:
         return True
@@ -199,7 +217,8 @@ class TritonAttentionBackend(FusedStoreBackend):
                 self._triton_q_len, ps, self.scale, window, self._tiles, self._short_rows,
                 DENSE_MIN_Q_LEN if self._dense else 0,
             )  # fmt: skip
-        dense_attend(self._dense, q, k_cache, v_cache, out, self.scale)
+        if self._fresh is not None:
+            dense_attend(self._dense, q, self._fresh[0], self._fresh[1], out, self.scale)
         return out
 
     def _scratch(self, q: torch.Tensor, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:

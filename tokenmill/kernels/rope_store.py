@@ -38,9 +38,9 @@ def _rotate(
 @triton.jit
 def _rope_store_kernel(
     qkv_ptr, positions_ptr, slots_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr,
-    q_out_ptr, k_cache_ptr, v_cache_ptr, stride_qkv, eps,
+    q_out_ptr, k_cache_ptr, v_cache_ptr, k_fresh_ptr, v_fresh_ptr, stride_qkv, eps,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
-    QK_NORM: tl.constexpr, USE_PDL: tl.constexpr,
+    QK_NORM: tl.constexpr, FRESH: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # One program per (token, KV head): the head's K and V and the HQ / HKV query heads that
     # attend to it. (One program per token did a decode step's whole rotation on one SM: for
@@ -76,6 +76,10 @@ def _rope_store_kernel(
     cache_off = slot * HKV * D + hk[:, None] * D + offs_d[None, :]
     tl.store(k_cache_ptr + cache_off, k.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(v_cache_ptr + cache_off, v, mask=kv_mask)
+    if FRESH:  # the step's K and V, by token (zeros for a row that stores nothing)
+        fresh_off = t * HKV * D + hk[:, None] * D + offs_d[None, :]
+        tl.store(k_fresh_ptr + fresh_off, k.to(k_fresh_ptr.dtype.element_ty))
+        tl.store(v_fresh_ptr + fresh_off, v)
 
 
 def rope_and_store(
@@ -90,24 +94,32 @@ def rope_and_store(
     num_kv_heads: int,
     head_dim: int,
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None,
+    fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
+    spare_rows: int = 0,
 ) -> torch.Tensor:
     """Rotate q and k of `qkv` `[T, (Hq + 2 Hkv) D]`, store k and v at `slots`; returns q.
 
     `cos`/`sin` are `[max_positions, D]` float32; `qk_norm` is (q weight, k weight, eps) for
     models that RMS-normalise each head before the rotation. A negative slot skips the store.
+    `fresh`: `[T, Hkv, D]` tensors the step's rotated k and its v are also written to, by
+    token (a negative slot's as zeros). `spare_rows`: rows of q's storage past its last, left
+    unwritten (a dense attention reads its rows' queries padded).
     """
     tokens = qkv.shape[0]
-    q = torch.empty((tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    shape = (tokens + spare_rows, num_heads, head_dim)
+    q = torch.empty(shape, dtype=qkv.dtype, device=qkv.device)[:tokens]
     if tokens == 0:
         return q
     q_w, k_w, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
     group = num_heads // num_kv_heads
+    k_fresh, v_fresh = fresh if fresh is not None else (k_cache, v_cache)
     _rope_store_kernel[(tokens, num_kv_heads)](
-        qkv, positions, slots, cos, sin, q_w, k_w, q, k_cache, v_cache, qkv.stride(0), eps,
-        HQ=num_heads, HKV=num_kv_heads, D=head_dim, BLOCK_G=triton.next_power_of_2(group),
-        QK_NORM=qk_norm is not None, num_warps=4 if group * head_dim >= 1024 else 2,
+        qkv, positions, slots, cos, sin, q_w, k_w, q, k_cache, v_cache, k_fresh, v_fresh,
+        qkv.stride(0), eps, HQ=num_heads, HKV=num_kv_heads, D=head_dim,
+        BLOCK_G=triton.next_power_of_2(group), QK_NORM=qk_norm is not None,
+        FRESH=fresh is not None, num_warps=4 if group * head_dim >= 1024 else 2,
         **pdl_options(qkv.device),
     )  # fmt: skip
     return q
