@@ -138,9 +138,25 @@ def test_cuda_graph_batch_sizes_match_eager(checkpoints) -> None:
     assert [o.outputs[0].token_ids for o in graphs] == [o.outputs[0].token_ids for o in eager]
 
 
+@pytest.mark.parametrize("dense", [False, True])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_bfloat16_tracks_float32_transformers(tmp_path_factory, family: str) -> None:
+def test_bfloat16_tracks_float32_transformers(
+    tmp_path_factory, family: str, dense: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dense`: whole prompts of at least 16 tokens through cuDNN's dense attention
+    (`attention.dense_rows`; by default only those of 2,048 or more)."""
+    from tokenmill.attention import triton_backend
     from tokenmill.testing.checkpoints import build_checkpoint
+
+    attended, attend = [], triton_backend.dense_attend
+
+    def recorded(rows, *args) -> None:
+        attended.extend(rows)
+        attend(rows, *args)
+
+    if dense:
+        monkeypatch.setattr(triton_backend, "DENSE_MIN_Q_LEN", 16)
+        monkeypatch.setattr(triton_backend, "dense_attend", recorded)
 
     path = build_checkpoint(
         tmp_path_factory.mktemp("bf16") / family, family, hidden_size=256, intermediate_size=512,
@@ -149,6 +165,7 @@ def test_bfloat16_tracks_float32_transformers(tmp_path_factory, family: str) -> 
     llm = LLM(str(path), device="cuda", dtype="bfloat16")
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=0)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert {row.n for row in attended} == ({57, 34, 42} if dense else set())
     # bfloat16 rounding (~0.4% per operation) can flip near-ties of the float32 reference, so
     # positions whose reference top-2 margin exceeds 0.1 nats must agree; the rest about as often
     # as in transformers' own bf16 forward.
