@@ -936,12 +936,14 @@ def _dense_causal_reference(q, k, v, scale):
 
 @pytest.mark.parametrize("order", ["dense rows first", "interleaved", "dense rows last"])
 @pytest.mark.parametrize("page", [1, 16])
-def test_dense_rows_beside_paged_rows(llama_dir, order, page, monkeypatch) -> None:
+@pytest.mark.parametrize("refused", [False, True])
+def test_dense_rows_beside_paged_rows(llama_dir, order, page, refused, monkeypatch) -> None:
     """A prefill batch's whole long prompts (no cached prefix) through cuDNN's dense causal
     attention over the step's K/V by token, padded (into the next rows, or the buffer's zeroed
     spare rows), the other rows (a prefix, short, a short prompt) through the Triton kernel
     over the cache, which leaves the dense rows alone: every row equals the float64
-    reference. Off a GPU, cuDNN's kernel is replaced by its definition."""
+    reference. Off a GPU, cuDNN's kernel is replaced by its definition. `refused`: cuDNN
+    raises; the Triton kernel attends every row, and no row is dense after."""
     import dataclasses
 
     from tokenmill.attention import dense_rows, triton_backend
@@ -996,9 +998,17 @@ def test_dense_rows_beside_paged_rows(llama_dir, order, page, monkeypatch) -> No
         for cache_kv, fresh in ((k, backend._fresh[0]), (v, backend._fresh[1])):
             fresh[int(cu[i]) : int(cu[i + 1])] = _gather(cache_kv, table, i, kl, page)[kl - ql :]
     q = _randn(tokens + spare, hq, d, dtype=dtype, gen=gen)[:tokens]
+    if refused:
+        monkeypatch.setattr(dense_rows, "_dense_causal", _refuse)
     out = backend.attend(q, 0)
     scale = d**-0.5
     _check_last_tokens_attention(out, q, k, v, table, cu, kv_lens, page, scale, None, dtype)
+    backend.plan(inputs)
+    assert len(backend._dense) == (0 if refused else 2)
+
+
+def _refuse(*_args: object) -> None:
+    raise RuntimeError("cuDNN Frontend error: no valid engine configs")
 
 
 def test_prefill_kernel_leaves_dense_rows_alone(monkeypatch) -> None:

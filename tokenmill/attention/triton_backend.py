@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -29,6 +30,8 @@ from tokenmill.kernels.attention import (
 )
 from tokenmill.kernels.rope_store import rope_and_store
 from tokenmill.layers.rotary import RotaryEmbedding
+
+logger = logging.getLogger(__name__)
 
 # Decode splits each context into at most this many chunks, processed in parallel and merged
 # (the merge kernel's block: one compile serves every count).
@@ -209,17 +212,31 @@ class TritonAttentionBackend(FusedStoreBackend):
                 q, k_cache, v_cache, inputs.cu_query_lens, inputs.kv_lens, inputs.page_table,
                 self._max_q_len, ps, self.scale, window, mid_o, mid_lse,
             )  # fmt: skip
-        if not self._triton_q_len:  # every row is dense
-            out = torch.empty_like(q)
-        else:
-            out = prefill_attention(
-                q, k_cache, v_cache, inputs.cu_query_lens, inputs.kv_lens, inputs.page_table,
-                self._triton_q_len, ps, self.scale, window, self._tiles, self._short_rows,
-                DENSE_MIN_Q_LEN if self._dense else 0,
-            )  # fmt: skip
-        if self._fresh is not None:
+        out = torch.empty_like(q)
+        dense = bool(self._dense) and self._attend_dense(q, out)
+        if dense and not self._triton_q_len:
+            return out  # every row was dense
+        return prefill_attention(
+            q, k_cache, v_cache, inputs.cu_query_lens, inputs.kv_lens, inputs.page_table,
+            self._triton_q_len if dense else self._max_q_len, ps, self.scale, window,
+            self._tiles, self._short_rows, DENSE_MIN_Q_LEN if dense else 0, out,
+        )  # fmt: skip
+
+    def _attend_dense(self, q: torch.Tensor, out: torch.Tensor) -> bool:
+        """Write the step's dense rows into `out`; False if cuDNN refused them (a shape or
+        version it does not serve, its workspace out of memory): then, with a warning, no row
+        is dense from now on and the Triton kernel attends them all."""
+        assert self._fresh is not None
+        try:
             dense_attend(self._dense, q, self._fresh[0], self._fresh[1], out, self.scale)
-        return out
+        except RuntimeError as exc:
+            logger.warning(
+                "cuDNN's dense attention failed (%s); whole long prompts attend through the "
+                "Triton prefill kernel from now on", exc,
+            )  # fmt: skip
+            self._dense_ok, self._dense = False, []
+            return False
+        return True
 
     def _scratch(self, q: torch.Tensor, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Split-KV partial outputs and log-sum-exps for the query tokens of `q`, with the

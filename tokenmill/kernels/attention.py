@@ -268,6 +268,7 @@ def prefill_attention(
     tiles: PrefillTiles | None = None,
     short_q_len: int = 0,
     dense_min_len: int = 0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for `q` `[T, Hq, D]` (sequences laid out by `cu_q`) over paged K/V.
 
@@ -280,12 +281,13 @@ def prefill_attention(
     other rows' (in one launch, beside the long rows' tiles and in their shape, they streamed
     K/V at two thirds of the rate they reach alone). `dense_min_len` > 0: rows of at least that
     many query tokens and no cached prefix are left out (their outputs are not written).
+    `out`: the output's tensor (default: a new one).
     """
     if tiles is None:
         tiles = _narrow_tiles(max_q_len)
     _tokens, hq, d = q.shape
     hkv = k_cache.shape[-2]
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     common = (q, k_cache, v_cache, out, cu_q, kv_lens, page_table, page_table.stride(0),
               scale * _LOG2E, window or 0, short_q_len, dense_min_len)  # fmt: skip
     shape = dict(HQ=hq, HKV=hkv, D=d, PAGE=page_size, HAS_WINDOW=window is not None,
