@@ -265,3 +265,24 @@ def test_serving_after_start_up_compiles_no_kernel(checkpoints) -> None:
     ]
     llm.generate(prompts, params, use_tqdm=False)
     assert _compiled(kernels) == before
+
+
+def test_dense_lengths_are_built_with_the_graphs(checkpoints, monkeypatch) -> None:
+    """cuDNN builds a graph at each dense row length's first use (~65 ms on the H200): with
+    start-up capture every length up to the token budget is built before the first request,
+    beside the CUDA graphs (dense rows from 256 tokens here: the checkpoint's context is
+    1,024)."""
+    from tokenmill.attention import dense_rows, triton_backend
+
+    monkeypatch.setattr(triton_backend, "DENSE_MIN_Q_LEN", 256)
+    built, causal = [], dense_rows._dense_causal
+
+    def recorded(q, k, v, scale):  # type: ignore[no-untyped-def]
+        built.append(q.shape[2])
+        return causal(q, k, v, scale)
+
+    monkeypatch.setattr(dense_rows, "_dense_causal", recorded)
+    llm = LLM(str(checkpoints["llama"]), device="cuda", dtype="bfloat16")
+    lengths = llm.engine.runner.attention.prebuilt_lengths(1024)
+    assert lengths == [*range(256, 512, 32), *range(512, 1025, 64)]
+    assert set(lengths) <= set(built)

@@ -1062,6 +1062,49 @@ def test_dense_rows_only_whole_long_prompts() -> None:
     assert plan([(1024, 0)] * (DENSE_MAX_ROWS + 1)) == []
 
 
+def test_prebuilt_dense_graphs_have_a_steps_shapes_and_strides(llama_dir, monkeypatch) -> None:
+    """`prebuild` builds cuDNN's graph for a dense length ahead (its key: the shapes and
+    strides of q, k and v): the same as a step's rows attended at that length; the lengths are
+    every padded length up to the bound; a backend without dense rows builds nothing."""
+    import dataclasses
+
+    from tokenmill.attention import dense_rows, triton_backend
+    from tokenmill.attention.dense_rows import DenseRow, dense_attend
+    from tokenmill.cache.kv_cache import KVCache
+    from tokenmill.config import ModelConfig
+
+    hq, hkv, d = 8, 2, 64
+    model = dataclasses.replace(
+        ModelConfig.from_pretrained(llama_dir, "float32"), num_layers=1, num_heads=hq,
+        num_kv_heads=hkv, head_dim=d, sliding_window=None,
+    )  # fmt: skip
+    cache = KVCache.allocate(model, 8, 16, torch.device(DEVICE))
+    if DEVICE != "cuda":
+        assert triton_backend.TritonAttentionBackend(model, cache, 4).prebuilt_lengths(8192) == []
+    monkeypatch.setattr(triton_backend, "dense_supported", lambda *_: True)
+    backend = triton_backend.TritonAttentionBackend(model, cache, 4)
+    expected = [*range(2048, 4096, 256), *range(4096, 8193, 512)]
+    assert backend.prebuilt_lengths(8192) == expected
+    assert backend.prebuilt_lengths(3000) == list(range(2048, 3073, 256))
+    keys = []
+
+    def recorded(q, k, v, scale):  # type: ignore[no-untyped-def]
+        keys.append([(x.shape, x.stride()) for x in (q, k, v)])
+        return _dense_causal_reference(q, k, v, scale)
+
+    monkeypatch.setattr(dense_rows, "_dense_causal", recorded)
+    backend.prebuild(72)
+    # a step: a 70-token row attended at 72 after 30 other tokens, K/V in a spare-row buffer
+    fresh = torch.zeros(2, 104, hkv, d, device=DEVICE)
+    q = torch.zeros(110, hq, d, device=DEVICE)[:100]
+    dense_attend([DenseRow(30, 70, 72)], q, fresh[0], fresh[1], torch.empty_like(q), d**-0.5)
+    assert keys[0] == keys[1]
+    # cuDNN refusing a build turns the dense rows off (a warning), never fails the start
+    monkeypatch.setattr(dense_rows, "_dense_causal", _refuse)
+    backend.prebuild(80)
+    assert backend.prebuilt_lengths(8192) == []
+
+
 def test_dense_lengths_are_few() -> None:
     """Rows are attended at 8 lengths per power of two (each new one is a cuDNN graph to
     build), at most 1/8 longer than the row."""

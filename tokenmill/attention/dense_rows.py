@@ -75,6 +75,24 @@ def dense_length(n: int) -> int:
     return -(-n // step) * step
 
 
+def dense_lengths(min_len: int, max_len: int) -> list[int]:
+    """Every length rows of `min_len` to `max_len` tokens are attended at (`dense_length`)."""
+    return sorted({dense_length(n) for n in range(min_len, max_len + 1)})
+
+
+def build_dense_graph(
+    length: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+    device: torch.device, scale: float,
+) -> None:  # fmt: skip
+    """Have cuDNN build its graph for rows attended at `length` now (it keeps it per thread:
+    call this on the thread that runs the steps): one call on zeros laid out as a step's, the
+    graph's key being the shapes and strides."""
+    q = torch.zeros(length, num_heads, head_dim, dtype=dtype, device=device)
+    kv = torch.zeros(length, num_kv_heads, head_dim, dtype=dtype, device=device)
+    window = _window(kv, 0, length)
+    _dense_causal(_window(q, 0, length), window, window, scale)
+
+
 def dense_attend(
     rows: list[DenseRow],
     q: torch.Tensor,

@@ -11,7 +11,9 @@ from tokenmill.attention.backend import AttentionBackend, AttentionInputs, QKNor
 from tokenmill.attention.dense_rows import (
     DENSE_MIN_Q_LEN,
     DenseRow,
+    build_dense_graph,
     dense_attend,
+    dense_lengths,
     dense_supported,
     plan_dense_rows,
     spare_rows,
@@ -190,6 +192,22 @@ class TritonAttentionBackend(FusedStoreBackend):
     def prefill_graph_safe(self) -> bool:
         return True  # the prefill kernel's programs past a sequence's query length return
 
+    def prebuilt_lengths(self, max_tokens: int) -> list[int]:
+        # cuDNN's graphs of the dense rows' lengths: ~65 ms each at its first use
+        if not self._dense_ok:
+            return []
+        return dense_lengths(DENSE_MIN_Q_LEN, max_tokens)
+
+    def prebuild(self, length: int) -> None:
+        cfg = self.model
+        try:
+            build_dense_graph(
+                length, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype,
+                self.kv_cache.k[0].device, self.scale,
+            )  # fmt: skip
+        except RuntimeError as exc:
+            self._dense_failed(exc)
+
     def attend(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         k_cache, v_cache = self._cache(layer)
         inputs, ps, window = self._inputs, self.kv_cache.page_size, self.model.sliding_window
@@ -230,13 +248,16 @@ class TritonAttentionBackend(FusedStoreBackend):
         try:
             dense_attend(self._dense, q, self._fresh[0], self._fresh[1], out, self.scale)
         except RuntimeError as exc:
-            logger.warning(
-                "cuDNN's dense attention failed (%s); whole long prompts attend through the "
-                "Triton prefill kernel from now on", exc,
-            )  # fmt: skip
-            self._dense_ok, self._dense = False, []
+            self._dense_failed(exc)
             return False
         return True
+
+    def _dense_failed(self, exc: RuntimeError) -> None:
+        logger.warning(
+            "cuDNN's dense attention failed (%s); whole long prompts attend through the "
+            "Triton prefill kernel from now on", exc,
+        )  # fmt: skip
+        self._dense_ok, self._dense = False, []
 
     def _scratch(self, q: torch.Tensor, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Split-KV partial outputs and log-sum-exps for the query tokens of `q`, with the

@@ -32,7 +32,8 @@ logger = logging.getLogger(__name__)
 # The prefill block's header: cu_query_lens (2), the row whose logits are returned (1), KV length.
 _HEADER = 4
 T = TypeVar("T")
-# A graph: ("decode", batch size), ("prefill", tokens) or ("verify", (rows, tokens per row)).
+# A graph: ("decode", batch size), ("prefill", tokens) or ("verify", (rows, tokens per row));
+# ("attention", row length): a build ahead (`add_pending`).
 GraphKey = tuple[str, int | tuple[int, int]]
 
 
@@ -200,6 +201,14 @@ class CudaGraphRunner:
             **{("decode", bs): partial(self._capture_decode, bs) for bs in reversed(self.sizes)},
         }  # fmt: skip
         self._capture_seconds = 0.0
+        self._builds = 0  # `add_pending`'s
+
+    def add_pending(self, key: GraphKey, build: Callable[[], None]) -> None:
+        """Run `build` where a graph would be captured (with the others at start-up, or
+        between steps, idle, in the background), after the graphs: another kernel's slow
+        first use, done ahead (the attention backend's `prebuild`)."""
+        self._pending[key] = build
+        self._builds += 1
 
     def capture(self) -> None:
         """Capture every graph not captured yet."""
@@ -236,9 +245,10 @@ class CudaGraphRunner:
         self._capture_seconds += time.perf_counter() - start
         if not self._pending:
             logger.info(
-                "captured %d CUDA graphs in %.1f s: decode batch sizes %d..%d, verify (rows, "
-                "tokens per row) %s, prefill lengths %s",
+                "captured %d CUDA graphs and %d builds ahead in %.1f s: decode batch sizes "
+                "%d..%d, verify (rows, tokens per row) %s, prefill lengths %s",
                 len(self.sizes) + len(self.prefill_sizes) + len(self.verify_keys),
+                self._builds,
                 self._capture_seconds,
                 self.sizes[0],
                 self.sizes[-1],

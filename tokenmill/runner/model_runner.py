@@ -321,6 +321,10 @@ class ModelRunner:
                 self.model, self.attention, max_bs, max_pages, self.device, self._tokens,
                 max_prefill, 1 + k, config.scheduler.max_num_batched_tokens, drafts,
             )  # fmt: skip
+            most = min(config.scheduler.max_num_batched_tokens, config.max_model_len)
+            for length in self.attention.prebuilt_lengths(most):
+                key = ("attention", length)
+                self.graphs.add_pending(key, partial(self.attention.prebuild, length))
             if config.runner.cuda_graph_capture == "startup":
                 with self.startup.phase("cuda_graphs"):
                     self.graphs.capture()
