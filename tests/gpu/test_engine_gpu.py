@@ -154,9 +154,9 @@ def test_bfloat16_tracks_float32_transformers(
         attended.extend(rows)
         attend(rows, *args)
 
+    monkeypatch.setattr(triton_backend, "dense_attend", recorded)
     if dense:
         monkeypatch.setattr(triton_backend, "DENSE_MIN_Q_LEN", 16)
-        monkeypatch.setattr(triton_backend, "dense_attend", recorded)
 
     path = build_checkpoint(
         tmp_path_factory.mktemp("bf16") / family, family, hidden_size=256, intermediate_size=512,
@@ -283,6 +283,6 @@ def test_dense_lengths_are_built_with_the_graphs(checkpoints, monkeypatch) -> No
 
     monkeypatch.setattr(dense_rows, "_dense_causal", recorded)
     llm = LLM(str(checkpoints["llama"]), device="cuda", dtype="bfloat16")
-    lengths = llm.engine.runner.attention.prebuilt_lengths(1024)
+    lengths = llm.engine.runner.attention.prebuild_lengths(1024)
     assert lengths == [*range(256, 512, 32), *range(512, 1025, 64)]
     assert set(lengths) <= set(built)

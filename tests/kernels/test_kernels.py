@@ -1007,30 +1007,66 @@ def test_dense_rows_beside_paged_rows(llama_dir, order, page, refused, monkeypat
     assert len(backend._dense) == (0 if refused else 2)
 
 
+def test_dense_rows_are_never_short_rows(llama_dir, monkeypatch) -> None:
+    """A bound at or below the short rows' (8 tokens here): a whole 6-token prompt stays a
+    short row (the short rows' launch attends every row within it), and the long row after a
+    prefix is still attended by the Triton kernel's long launch."""
+    import dataclasses
+
+    from tokenmill.attention import dense_rows, triton_backend
+    from tokenmill.attention.backend import AttentionInputs
+    from tokenmill.cache.kv_cache import KVCache
+    from tokenmill.config import ModelConfig
+
+    monkeypatch.setattr(triton_backend, "DENSE_MIN_Q_LEN", 4)
+    monkeypatch.setattr(triton_backend, "dense_supported", lambda *_: True)
+    monkeypatch.setattr(dense_rows, "_dense_causal", _dense_causal_reference)
+    hq, hkv, d, page = 8, 2, 64, 16
+    model = dataclasses.replace(
+        ModelConfig.from_pretrained(llama_dir, "float32"), num_layers=1, num_heads=hq,
+        num_kv_heads=hkv, head_dim=d, sliding_window=None,
+    )  # fmt: skip
+    q_lens, kv_lens = [6, 40, 50], [6, 50, 50]
+    gen = torch.Generator().manual_seed(3)
+    k, v, table = _paged_setup(kv_lens, page, hkv, d, torch.float32, gen)
+    cache = KVCache.allocate(model, k.shape[0] // page, page, torch.device(DEVICE))
+    cache.k[0].view(-1, hkv, d).copy_(k)
+    cache.v[0].view(-1, hkv, d).copy_(v)
+    backend = triton_backend.TritonAttentionBackend(model, cache, 3)
+    cu = torch.tensor([0, 6, 46, 96], device=DEVICE)
+    slots = torch.full((96,), -1, device=DEVICE)
+    backend.plan(AttentionInputs(q_lens, kv_lens, cu, torch.tensor(kv_lens, device=DEVICE),
+                                 table, slots))  # fmt: skip
+    assert [(row.start, row.n) for row in backend._dense] == [(46, 50)]
+    backend._fresh[:, 46:96] = torch.stack([_gather(x, table, 2, 50, page) for x in (k, v)])
+    q = _randn(96 + backend._spare, hq, d, gen=gen)[:96]
+    out = backend.attend(q, 0)
+    _check_last_tokens_attention(out, q, k, v, table, cu, kv_lens, page, d**-0.5, None,
+                                 torch.float32)  # fmt: skip
+
+
 def _refuse(*_args: object) -> None:
     raise RuntimeError("cuDNN Frontend error: no valid engine configs")
 
 
-def test_prefill_kernel_leaves_dense_rows_alone(monkeypatch) -> None:
-    """`dense_min_len`: the Triton prefill kernel writes no output for rows of at least that
-    many query tokens without a cached prefix (attended elsewhere), and the others' as before."""
-    from tokenmill.kernels import attention
-
+def test_prefill_kernel_leaves_dense_rows_alone() -> None:
+    """`dense_min_len`: the Triton prefill kernel writes no output (into `out`) for rows of at
+    least that many query tokens without a cached prefix (attended elsewhere; 48 tokens, the
+    bound itself, included), and the others' as before, a short row's launch included."""
     gen = torch.Generator().manual_seed(5)
-    q_lens, prefixes = [64, 30, 64, 1], [0, 0, 10, 40]
+    q_lens, prefixes = [64, 30, 64, 1, 48], [0, 0, 10, 40, 0]
     kv_lens = [q + p for q, p in zip(q_lens, prefixes, strict=True)]
     k, v, table = _paged_setup(kv_lens, 16, 2, 64, torch.float32, gen)
     q = _randn(sum(q_lens), 4, 64, gen=gen)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device=DEVICE)
-    monkeypatch.setattr(attention.torch, "empty_like", lambda x: torch.full_like(x, 7.0))
     out = prefill_attention(
         q, k, v, cu, torch.tensor(kv_lens, device=DEVICE), table, 64, 16, 0.125, None,
-        dense_min_len=48,
+        short_q_len=8, dense_min_len=48, out=torch.full_like(q, 7.0),
     )  # fmt: skip
-    assert (out[:64] == 7.0).all()  # the one dense row: untouched
-    assert not (out[64:] == 7.0).any()
+    assert (out[:64] == 7.0).all() and (out[-48:] == 7.0).all()  # the dense rows: untouched
+    assert not (out[64:-48] == 7.0).any()
     _check_last_tokens_attention(
-        out[64:], q[64:], k, v, table[1:], cu[1:] - 64, kv_lens[1:], 16, 0.125, None,
+        out[64:-48], q[64:-48], k, v, table[1:4], cu[1:5] - 64, kv_lens[1:4], 16, 0.125, None,
         torch.float32,
     )  # fmt: skip
 
@@ -1080,12 +1116,12 @@ def test_prebuilt_dense_graphs_have_a_steps_shapes_and_strides(llama_dir, monkey
     )  # fmt: skip
     cache = KVCache.allocate(model, 8, 16, torch.device(DEVICE))
     if DEVICE != "cuda":
-        assert triton_backend.TritonAttentionBackend(model, cache, 4).prebuilt_lengths(8192) == []
+        assert triton_backend.TritonAttentionBackend(model, cache, 4).prebuild_lengths(8192) == []
     monkeypatch.setattr(triton_backend, "dense_supported", lambda *_: True)
     backend = triton_backend.TritonAttentionBackend(model, cache, 4)
     expected = [*range(2048, 4096, 256), *range(4096, 8193, 512)]
-    assert backend.prebuilt_lengths(8192) == expected
-    assert backend.prebuilt_lengths(3000) == list(range(2048, 3073, 256))
+    assert backend.prebuild_lengths(8192) == expected
+    assert backend.prebuild_lengths(3000) == list(range(2048, 3073, 256))
     keys = []
 
     def recorded(q, k, v, scale):  # type: ignore[no-untyped-def]
@@ -1102,7 +1138,7 @@ def test_prebuilt_dense_graphs_have_a_steps_shapes_and_strides(llama_dir, monkey
     # cuDNN refusing a build turns the dense rows off (a warning), never fails the start
     monkeypatch.setattr(dense_rows, "_dense_causal", _refuse)
     backend.prebuild(80)
-    assert backend.prebuilt_lengths(8192) == []
+    assert backend.prebuild_lengths(8192) == []
 
 
 def test_dense_lengths_are_few() -> None:

@@ -95,13 +95,13 @@ class AttentionBackend(ABC):
         the padding tokens having negative slots."""
         return False
 
-    def prebuilt_lengths(self, max_tokens: int) -> list[int]:
+    def prebuild_lengths(self, max_tokens: int) -> list[int]:
         """Row lengths (rows of at most `max_tokens` tokens) whose kernels the backend builds
         slowly at their first use and can build ahead (`prebuild`); none by default."""
         return []
 
     def prebuild(self, length: int) -> None:
-        """Build the kernels of rows of `length` tokens (one of `prebuilt_lengths`) now, on
+        """Build the kernels of rows of `length` tokens (one of `prebuild_lengths`) now, on
         the thread that runs the steps."""
         raise NotImplementedError(f"{type(self).__name__} builds nothing ahead")
 

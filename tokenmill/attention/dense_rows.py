@@ -32,6 +32,11 @@ DENSE_DTYPES = (torch.float16, torch.bfloat16)
 DENSE_MAX_HEAD_DIM = 128
 
 
+class DenseRefused(RuntimeError):
+    """cuDNN refused a dense attention (a shape or version it does not serve, its workspace
+    out of memory): the caller attends those rows another way."""
+
+
 class DenseRow(NamedTuple):
     """A dense row: its first query token in the batch, its tokens, and the length it is
     attended at (`dense_length`)."""
@@ -90,7 +95,7 @@ def build_dense_graph(
     q = torch.zeros(length, num_heads, head_dim, dtype=dtype, device=device)
     kv = torch.zeros(length, num_kv_heads, head_dim, dtype=dtype, device=device)
     window = _window(kv, 0, length)
-    _dense_causal(_window(q, 0, length), window, window, scale)
+    _causal(_window(q, 0, length), window, window, scale)
 
 
 def dense_attend(
@@ -104,9 +109,13 @@ def dense_attend(
     """Write into `out` the causal attention of each of `rows` over its own tokens: `q`
     `[T, Hq, D]`, the step's `k` / `v` `[T, Hkv, D]`, each with storage for the rows' padding
     past T (`spare_rows`; finite in K and V: keys a row's queries never see still meet a zero
-    probability)."""
+    probability). Raises DenseRefused if cuDNN refuses a row (the rows before it written)."""
+    end = max(row.start + row.length for row in rows)
+    q_rows = (q.untyped_storage().nbytes() // q.element_size() - q.storage_offset()) // q[0].numel()
+    if end > min(k.shape[0], v.shape[0], q_rows):
+        raise ValueError(f"dense rows read {end} rows: K/V hold {k.shape[0]}, q {q_rows}")
     for start, n, length in rows:
-        result = _dense_causal(
+        result = _causal(
             _window(q, start, length), _window(k, start, length), _window(v, start, length),
             scale,
         )  # fmt: skip
@@ -119,6 +128,14 @@ def _window(x: torch.Tensor, start: int, length: int) -> torch.Tensor:
     _, h, d = x.shape
     offset = x.storage_offset() + start * h * d
     return x.as_strided((1, h, length, d), (length * h * d, d, h * d, 1), offset)
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """`_dense_causal`, its errors raised as DenseRefused."""
+    try:
+        return _dense_causal(q, k, v, scale)
+    except RuntimeError as exc:
+        raise DenseRefused(str(exc)) from exc
 
 
 def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

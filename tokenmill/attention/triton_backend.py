@@ -10,6 +10,7 @@ import torch
 from tokenmill.attention.backend import AttentionBackend, AttentionInputs, QKNorm
 from tokenmill.attention.dense_rows import (
     DENSE_MIN_Q_LEN,
+    DenseRefused,
     DenseRow,
     build_dense_graph,
     dense_attend,
@@ -167,17 +168,21 @@ class TritonAttentionBackend(FusedStoreBackend):
         # (no launch for short rows in a batch without any)
         self._short_rows = self._short_q_len if len(long) < len(lens) else 0
         self._dense, self._fresh, self._spare = [], None, 0
+        # (above the short rows' bound: the short rows' launch attends every row within it)
+        self._dense_min = max(DENSE_MIN_Q_LEN, self._short_q_len + 1)
         if self._dense_ok and long and not (self._decode or self._verify or inputs.graphed):
             self._plan_dense(inputs)
-        # the Triton kernel's longest row: the short rows' alone when every long row is dense
+        # the Triton kernel's longest row, the dense ones left out
         self._triton_q_len = self._max_q_len
-        if self._dense and len(self._dense) == len(long):
-            self._triton_q_len = self._short_rows
+        if self._dense:
+            kv_lens = inputs.kv_lens_cpu
+            rest = [q for q, kv in zip(lens, kv_lens, strict=True) if q < self._dense_min or kv > q]
+            self._triton_q_len = max(rest, default=0)
 
     def _plan_dense(self, inputs: AttentionInputs) -> None:
         """The step's dense rows, and the buffer their K/V are read from (its rows past the
         step's tokens zeroed: a padded row's keys there meet a zero probability)."""
-        self._dense = plan_dense_rows(inputs, DENSE_MIN_Q_LEN)
+        self._dense = plan_dense_rows(inputs, self._dense_min)
         if not self._dense:
             return
         cfg, tokens = self.model, sum(inputs.query_lens_cpu)
@@ -192,20 +197,22 @@ class TritonAttentionBackend(FusedStoreBackend):
     def prefill_graph_safe(self) -> bool:
         return True  # the prefill kernel's programs past a sequence's query length return
 
-    def prebuilt_lengths(self, max_tokens: int) -> list[int]:
+    def prebuild_lengths(self, max_tokens: int) -> list[int]:
         # cuDNN's graphs of the dense rows' lengths: ~65 ms each at its first use
         if not self._dense_ok:
             return []
         return dense_lengths(DENSE_MIN_Q_LEN, max_tokens)
 
     def prebuild(self, length: int) -> None:
+        if not self._dense_ok:
+            return  # (a build refused before)
         cfg = self.model
         try:
             build_dense_graph(
                 length, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype,
                 self.kv_cache.k[0].device, self.scale,
             )  # fmt: skip
-        except RuntimeError as exc:
+        except DenseRefused as exc:
             self._dense_failed(exc)
 
     def attend(self, q: torch.Tensor, layer: int) -> torch.Tensor:
@@ -237,7 +244,7 @@ class TritonAttentionBackend(FusedStoreBackend):
         return prefill_attention(
             q, k_cache, v_cache, inputs.cu_query_lens, inputs.kv_lens, inputs.page_table,
             self._triton_q_len if dense else self._max_q_len, ps, self.scale, window,
-            self._tiles, self._short_rows, DENSE_MIN_Q_LEN if dense else 0, out,
+            self._tiles, self._short_rows, self._dense_min if dense else 0, out,
         )  # fmt: skip
 
     def _attend_dense(self, q: torch.Tensor, out: torch.Tensor) -> bool:
@@ -247,17 +254,17 @@ class TritonAttentionBackend(FusedStoreBackend):
         assert self._fresh is not None
         try:
             dense_attend(self._dense, q, self._fresh[0], self._fresh[1], out, self.scale)
-        except RuntimeError as exc:
+        except DenseRefused as exc:
             self._dense_failed(exc)
             return False
         return True
 
-    def _dense_failed(self, exc: RuntimeError) -> None:
+    def _dense_failed(self, exc: DenseRefused) -> None:
         logger.warning(
             "cuDNN's dense attention failed (%s); whole long prompts attend through the "
             "Triton prefill kernel from now on", exc,
         )  # fmt: skip
-        self._dense_ok, self._dense = False, []
+        self._dense_ok, self._dense, self._fresh, self._spare = False, [], None, 0
 
     def _scratch(self, q: torch.Tensor, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Split-KV partial outputs and log-sum-exps for the query tokens of `q`, with the

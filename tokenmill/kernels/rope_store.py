@@ -101,9 +101,10 @@ def rope_and_store(
 
     `cos`/`sin` are `[max_positions, D]` float32; `qk_norm` is (q weight, k weight, eps) for
     models that RMS-normalise each head before the rotation. A negative slot skips the store.
-    `fresh`: `[T, Hkv, D]` tensors the step's rotated k and its v are also written to, by
-    token (a negative slot's as zeros). `spare_rows`: rows of q's storage past its last, left
-    unwritten (a dense attention reads its rows' queries padded).
+    `fresh`: tensors of at least T rows `[Hkv, D]` the step's rotated k and its v are also
+    written to, by token, in their first T rows (a negative slot's as zeros). `spare_rows`:
+    rows of q's storage past its last, left unwritten (a dense attention reads its rows'
+    queries padded).
     """
     tokens = qkv.shape[0]
     shape = (tokens + spare_rows, num_heads, head_dim)

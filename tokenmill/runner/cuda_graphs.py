@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 _HEADER = 4
 T = TypeVar("T")
 # A graph: ("decode", batch size), ("prefill", tokens) or ("verify", (rows, tokens per row));
-# ("attention", row length): a build ahead (`add_pending`).
+# ("attention" or "draft attention", row length): a build ahead (`add_pending`).
 GraphKey = tuple[str, int | tuple[int, int]]
 
 
@@ -201,14 +201,14 @@ class CudaGraphRunner:
             **{("decode", bs): partial(self._capture_decode, bs) for bs in reversed(self.sizes)},
         }  # fmt: skip
         self._capture_seconds = 0.0
-        self._builds = 0  # `add_pending`'s
+        self._builds: set[GraphKey] = set()  # `add_pending`'s
 
     def add_pending(self, key: GraphKey, build: Callable[[], None]) -> None:
         """Run `build` where a graph would be captured (with the others at start-up, or
         between steps, idle, in the background), after the graphs: another kernel's slow
         first use, done ahead (the attention backend's `prebuild`)."""
         self._pending[key] = build
-        self._builds += 1
+        self._builds.add(key)
 
     def capture(self) -> None:
         """Capture every graph not captured yet."""
@@ -248,7 +248,7 @@ class CudaGraphRunner:
                 "captured %d CUDA graphs and %d builds ahead in %.1f s: decode batch sizes "
                 "%d..%d, verify (rows, tokens per row) %s, prefill lengths %s",
                 len(self.sizes) + len(self.prefill_sizes) + len(self.verify_keys),
-                self._builds,
+                len(self._builds),
                 self._capture_seconds,
                 self.sizes[0],
                 self.sizes[-1],

@@ -322,9 +322,12 @@ class ModelRunner:
                 max_prefill, 1 + k, config.scheduler.max_num_batched_tokens, drafts,
             )  # fmt: skip
             most = min(config.scheduler.max_num_batched_tokens, config.max_model_len)
-            for length in self.attention.prebuilt_lengths(most):
-                key = ("attention", length)
-                self.graphs.add_pending(key, partial(self.attention.prebuild, length))
+            backends = {"attention": self.attention}
+            if self.spec is not None and self.spec.drafter is not None:
+                backends["draft attention"] = self.spec.drafter.attention
+            for name, backend in backends.items():
+                for length in backend.prebuild_lengths(most):
+                    self.graphs.add_pending((name, length), partial(backend.prebuild, length))
             if config.runner.cuda_graph_capture == "startup":
                 with self.startup.phase("cuda_graphs"):
                     self.graphs.capture()
@@ -357,9 +360,9 @@ class ModelRunner:
         return self.graphs.next_pending() if self.graphs is not None else None
 
     def capture_pending_graph(self, key: GraphKey) -> None:
-        """Capture the pending CUDA graph `key`, with no step in flight (its steps ran
-        eagerly until now). A capture that fails while serving costs speed, never requests:
-        its steps stay eager."""
+        """Capture the pending CUDA graph `key` (or run the attention backend's build ahead
+        it names), with no step in flight (its steps ran eagerly until now). A capture that
+        fails while serving costs speed, never requests: its steps stay eager."""
         assert self.graphs is not None
         try:
             self.graphs.capture_next(key)
