@@ -168,8 +168,7 @@ class TritonAttentionBackend(FusedStoreBackend):
         # (no launch for short rows in a batch without any)
         self._short_rows = self._short_q_len if len(long) < len(lens) else 0
         self._dense, self._fresh, self._spare = [], None, 0
-        # (above the short rows' bound: the short rows' launch attends every row within it)
-        self._dense_min = max(DENSE_MIN_Q_LEN, self._short_q_len + 1)
+        self._dense_min = self._dense_bound()
         if self._dense_ok and long and not (self._decode or self._verify or inputs.graphed):
             self._plan_dense(inputs)
         # the Triton kernel's longest row, the dense ones left out
@@ -201,7 +200,12 @@ class TritonAttentionBackend(FusedStoreBackend):
         # cuDNN's graphs of the dense rows' lengths: ~65 ms each at its first use
         if not self._dense_ok:
             return []
-        return dense_lengths(DENSE_MIN_Q_LEN, max_tokens)
+        return dense_lengths(self._dense_bound(), max_tokens)
+
+    def _dense_bound(self) -> int:
+        """The fewest query tokens of a dense row: DENSE_MIN_Q_LEN, above the short rows'
+        bound (the short rows' launch attends every row within it)."""
+        return max(DENSE_MIN_Q_LEN, self._short_q_len + 1)
 
     def prebuild(self, length: int) -> None:
         if not self._dense_ok:
