@@ -1189,3 +1189,34 @@ def test_dense_rows_engine_matches_transformers(checkpoints, monkeypatch) -> Non
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(path, p, 8) for p in prompts]
     # whole prompts and a first chunk (27 of 37 tokens) dense; its second chunk (a prefix) not
     assert set(attended) == {37, 27, 20}
+
+
+def test_dense_rows_refused_inside_a_step_keep_greedy(checkpoints, monkeypatch) -> None:
+    """cuDNN refusing a dense row after the step's first layer attended densely: that layer's
+    rows stand, the step's later layers and every step after attend through the Triton kernel,
+    and greedy still equals transformers'."""
+    from tests.conftest import hf_greedy
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.attention import dense_rows, triton_backend
+
+    monkeypatch.setattr(triton_backend, "DENSE_MIN_Q_LEN", 16)
+    monkeypatch.setattr(triton_backend, "dense_supported", lambda *_: True)
+    calls: list[int] | None = None  # (None during the start-up: its warm-up and builds)
+
+    def first_only(q, k, v, scale):  # type: ignore[no-untyped-def]
+        if calls is not None:
+            calls.append(q.shape[2])
+            if len(calls) > 1:
+                raise RuntimeError("cuDNN Frontend error: no valid engine configs")
+        return _dense_causal_reference(q, k, v, scale)
+
+    monkeypatch.setattr(dense_rows, "_dense_causal", first_only)
+    path = checkpoints["llama"]
+    llm = LLM(str(path), device=DEVICE, dtype="float32", attention_backend="triton", page_size=4)
+    calls = []
+    prompts = [list(range(3, 40)), [100, 200, 300]]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = llm.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(path, p, 8) for p in prompts]
+    assert len(calls) == 2  # layer 0 dense, layer 1 refused; none after
+    assert llm.engine.runner.attention.prebuild_lengths(64) == []
