@@ -934,6 +934,27 @@ def _dense_causal_reference(q, k, v, scale):
     ).transpose(0, 1)[None].to(q.dtype)  # fmt: skip
 
 
+def _dense_test_backend(llama_dir, kv_lens: list[int], page: int, dtype, gen):  # type: ignore[no-untyped-def]
+    """A one-layer Triton backend (8 query heads over 2 KV heads of 64) whose paged cache holds
+    random K/V for sequences of `kv_lens` tokens: (backend, k, v, page table)."""
+    import dataclasses
+
+    from tokenmill.attention import triton_backend
+    from tokenmill.cache.kv_cache import KVCache
+    from tokenmill.config import ModelConfig
+
+    hq, hkv, d = 8, 2, 64
+    model = dataclasses.replace(
+        ModelConfig.from_pretrained(llama_dir, "float32"), num_layers=1, num_heads=hq,
+        num_kv_heads=hkv, head_dim=d, dtype=dtype, sliding_window=None,
+    )  # fmt: skip
+    k, v, table = _paged_setup(kv_lens, page, hkv, d, dtype, gen)
+    cache = KVCache.allocate(model, k.shape[0] // page, page, torch.device(DEVICE))
+    cache.k[0].view(-1, hkv, d).copy_(k)
+    cache.v[0].view(-1, hkv, d).copy_(v)
+    return triton_backend.TritonAttentionBackend(model, cache, len(kv_lens)), k, v, table
+
+
 @pytest.mark.parametrize("order", ["dense rows first", "interleaved", "dense rows last"])
 @pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("refused", [False, True])
@@ -948,8 +969,6 @@ def test_dense_rows_beside_paged_rows(llama_dir, order, page, refused, monkeypat
 
     from tokenmill.attention import dense_rows, triton_backend
     from tokenmill.attention.backend import AttentionInputs
-    from tokenmill.cache.kv_cache import KVCache
-    from tokenmill.config import ModelConfig
 
     monkeypatch.setattr(triton_backend, "DENSE_MIN_Q_LEN", 48)
     if DEVICE != "cuda":
@@ -957,10 +976,6 @@ def test_dense_rows_beside_paged_rows(llama_dir, order, page, refused, monkeypat
         monkeypatch.setattr(dense_rows, "_dense_causal", _dense_causal_reference)
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     hq, hkv, d = 8, 2, 64
-    model = dataclasses.replace(
-        ModelConfig.from_pretrained(llama_dir, "bfloat16"), num_layers=1, num_heads=hq,
-        num_kv_heads=hkv, head_dim=d, dtype=dtype, sliding_window=None,
-    )  # fmt: skip
     # the dense rows attended as 72 and 104 tokens (`dense_length`)
     dense, other = [(70, 0), (100, 0)], [(40, 62), (1, 50), (5, 0), (20, 0), (60, 9)]
     rows = {
@@ -971,11 +986,7 @@ def test_dense_rows_beside_paged_rows(llama_dir, order, page, refused, monkeypat
     q_lens = [q for q, _ in rows]
     kv_lens = [q + p for q, p in rows]
     gen = torch.Generator().manual_seed(page + len(rows))
-    k, v, table = _paged_setup(kv_lens, page, hkv, d, dtype, gen)
-    cache = KVCache.allocate(model, k.shape[0] // page, page, torch.device(DEVICE))
-    cache.k[0].view(-1, hkv, d).copy_(k)
-    cache.v[0].view(-1, hkv, d).copy_(v)
-    backend = triton_backend.TritonAttentionBackend(model, cache, len(rows))
+    backend, k, v, table = _dense_test_backend(llama_dir, kv_lens, page, dtype, gen)
     tokens = sum(q_lens)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device=DEVICE)
     kv = torch.tensor(kv_lens, device=DEVICE)
@@ -988,9 +999,9 @@ def test_dense_rows_beside_paged_rows(llama_dir, order, page, refused, monkeypat
     planned = [(row.start, row.n, row.length) for row in backend._dense]
     lengths = {70: 72, 100: 104}
     assert planned == [(s, q, lengths[q]) for s, (q, _) in zip(starts, dense, strict=True)]
-    spare = backend._spare
+    spare = backend._fresh.shape[1] - tokens
     assert spare == {"dense rows first": 0, "interleaved": 0, "dense rows last": 4}[order]
-    assert backend._fresh.shape == (2, tokens + spare, hkv, d)
+    assert backend._fresh.shape[0] == 2 and backend._fresh.shape[2:] == (hkv, d)
     assert (backend._fresh[:, tokens:] == 0).all()
     # the step's K/V by token (as `store_qkv` writes them), queries with spare storage
     for i, kl in enumerate(kv_lens):
@@ -1011,35 +1022,23 @@ def test_dense_rows_are_never_short_rows(llama_dir, monkeypatch) -> None:
     """A bound at or below the short rows' (8 tokens here): a whole 6-token prompt stays a
     short row (the short rows' launch attends every row within it), and the long row after a
     prefix is still attended by the Triton kernel's long launch."""
-    import dataclasses
-
     from tokenmill.attention import dense_rows, triton_backend
     from tokenmill.attention.backend import AttentionInputs
-    from tokenmill.cache.kv_cache import KVCache
-    from tokenmill.config import ModelConfig
 
     monkeypatch.setattr(triton_backend, "DENSE_MIN_Q_LEN", 4)
     monkeypatch.setattr(triton_backend, "dense_supported", lambda *_: True)
     monkeypatch.setattr(dense_rows, "_dense_causal", _dense_causal_reference)
-    hq, hkv, d, page = 8, 2, 64, 16
-    model = dataclasses.replace(
-        ModelConfig.from_pretrained(llama_dir, "float32"), num_layers=1, num_heads=hq,
-        num_kv_heads=hkv, head_dim=d, sliding_window=None,
-    )  # fmt: skip
+    hq, d, page = 8, 64, 16
     q_lens, kv_lens = [6, 40, 50], [6, 50, 50]
     gen = torch.Generator().manual_seed(3)
-    k, v, table = _paged_setup(kv_lens, page, hkv, d, torch.float32, gen)
-    cache = KVCache.allocate(model, k.shape[0] // page, page, torch.device(DEVICE))
-    cache.k[0].view(-1, hkv, d).copy_(k)
-    cache.v[0].view(-1, hkv, d).copy_(v)
-    backend = triton_backend.TritonAttentionBackend(model, cache, 3)
+    backend, k, v, table = _dense_test_backend(llama_dir, kv_lens, page, torch.float32, gen)
     cu = torch.tensor([0, 6, 46, 96], device=DEVICE)
     slots = torch.full((96,), -1, device=DEVICE)
     backend.plan(AttentionInputs(q_lens, kv_lens, cu, torch.tensor(kv_lens, device=DEVICE),
                                  table, slots))  # fmt: skip
     assert [(row.start, row.n) for row in backend._dense] == [(46, 50)]
     backend._fresh[:, 46:96] = torch.stack([_gather(x, table, 2, 50, page) for x in (k, v)])
-    q = _randn(96 + backend._spare, hq, d, gen=gen)[:96]
+    q = _randn(backend._fresh.shape[1], hq, d, gen=gen)[:96]
     out = backend.attend(q, 0)
     _check_last_tokens_attention(out, q, k, v, table, cu, kv_lens, page, d**-0.5, None,
                                  torch.float32)  # fmt: skip
@@ -1102,23 +1101,16 @@ def test_prebuilt_dense_graphs_have_a_steps_shapes_and_strides(llama_dir, monkey
     """`prebuild` builds cuDNN's graph for a dense length ahead (its key: the shapes and
     strides of q, k and v): the same as a step's rows attended at that length; the lengths are
     every padded length up to the bound; a backend without dense rows builds nothing."""
-    import dataclasses
-
     from tokenmill.attention import dense_rows, triton_backend
     from tokenmill.attention.dense_rows import DenseRow, dense_attend
-    from tokenmill.cache.kv_cache import KVCache
-    from tokenmill.config import ModelConfig
 
     hq, hkv, d = 8, 2, 64
-    model = dataclasses.replace(
-        ModelConfig.from_pretrained(llama_dir, "float32"), num_layers=1, num_heads=hq,
-        num_kv_heads=hkv, head_dim=d, sliding_window=None,
-    )  # fmt: skip
-    cache = KVCache.allocate(model, 8, 16, torch.device(DEVICE))
+    gen = torch.Generator().manual_seed(1)
+    backend, *_ = _dense_test_backend(llama_dir, [16], 16, torch.float32, gen)
     if DEVICE != "cuda":
-        assert triton_backend.TritonAttentionBackend(model, cache, 4).prebuild_lengths(8192) == []
+        assert backend.prebuild_lengths(8192) == []
     monkeypatch.setattr(triton_backend, "dense_supported", lambda *_: True)
-    backend = triton_backend.TritonAttentionBackend(model, cache, 4)
+    backend = triton_backend.TritonAttentionBackend(backend.model, backend.kv_cache, 4)
     expected = [*range(2048, 4096, 256), *range(4096, 8193, 512)]
     assert backend.prebuild_lengths(8192) == expected
     assert backend.prebuild_lengths(3000) == list(range(2048, 3073, 256))

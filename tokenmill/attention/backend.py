@@ -102,8 +102,8 @@ class AttentionBackend(ABC):
 
     def prebuild(self, length: int) -> None:
         """Build the kernels of rows of `length` tokens (one of `prebuild_lengths`) now, on
-        the thread that runs the steps."""
-        raise NotImplementedError(f"{type(self).__name__} builds nothing ahead")
+        the thread that runs the steps. A backend that lists none takes none."""
+        raise ValueError(f"{type(self).__name__} builds no length ahead, asked for {length}")
 
 
 # name -> (module, class, the package it needs)

@@ -62,10 +62,16 @@ def plan_dense_rows(inputs: AttentionInputs, min_q_len: int) -> list[DenseRow]:
     (else none)."""
     rows, start = [], 0
     for q_len, kv_len in zip(inputs.query_lens_cpu, inputs.kv_lens_cpu, strict=True):
-        if q_len >= min_q_len and kv_len == q_len:
+        if whole_prompt(q_len, kv_len, min_q_len):
             rows.append(DenseRow(start, q_len, dense_length(q_len)))
         start += q_len
     return rows if len(rows) <= DENSE_MAX_ROWS else []
+
+
+def whole_prompt(q_len: int, kv_len: int, min_q_len: int) -> bool:
+    """Whether a row of `q_len` query tokens and `kv_len` tokens of context is a whole prompt
+    of at least `min_q_len` tokens (no cached prefix): a dense row, if its step has few."""
+    return q_len >= min_q_len and kv_len == q_len
 
 
 def spare_rows(rows: list[DenseRow], tokens: int) -> int:

@@ -18,6 +18,7 @@ from tokenmill.attention.dense_rows import (
     dense_supported,
     plan_dense_rows,
     spare_rows,
+    whole_prompt,
 )
 from tokenmill.cache.kv_cache import KVCache
 from tokenmill.config import ModelConfig
@@ -73,12 +74,11 @@ def verifies_split_kv(max_q_len: int, group: int, head_dim: int) -> bool:
 class FusedStoreBackend(AttentionBackend):
     """Backends whose `store_qkv` is the fused Triton kernel (q/k norm, rotary, K/V store);
     `plan` must keep the step's inputs as `self._inputs`, and may set `self._fresh` (`[2,
-    T + spare, Hkv, D]`: the step's K and V are written there by token too) and `self._spare`
-    (rows of q's storage past T)."""
+    T + spare, Hkv, D]`: the step's K and V are written there by token too, and q gets the
+    same spare rows of storage past T)."""
 
     _inputs: AttentionInputs
     _fresh: torch.Tensor | None = None
-    _spare: int = 0
 
     def _cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.model
@@ -100,10 +100,12 @@ class FusedStoreBackend(AttentionBackend):
         norm = None
         if qk_norm is not None:
             norm = (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
-        fresh = None if self._fresh is None else (self._fresh[0], self._fresh[1])
+        fresh, spare = None, 0
+        if self._fresh is not None:
+            fresh, spare = (self._fresh[0], self._fresh[1]), self._fresh.shape[1] - qkv.shape[0]
         return rope_and_store(
             qkv, positions, self._inputs.slot_mapping, rotary.cos, rotary.sin, k_cache, v_cache,
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, norm, fresh, self._spare,
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, norm, fresh, spare,
         )  # fmt: skip
 
 
@@ -167,15 +169,15 @@ class TritonAttentionBackend(FusedStoreBackend):
         self._tiles = prefill_tiles(long or lens, cfg.head_dim, cfg.dtype.itemsize)
         # (no launch for short rows in a batch without any)
         self._short_rows = self._short_q_len if len(long) < len(lens) else 0
-        self._dense, self._fresh, self._spare = [], None, 0
+        self._dense, self._fresh = [], None
         self._dense_min = self._dense_bound()
         if self._dense_ok and long and not (self._decode or self._verify or inputs.graphed):
             self._plan_dense(inputs)
         # the Triton kernel's longest row, the dense ones left out
         self._triton_q_len = self._max_q_len
         if self._dense:
-            kv_lens = inputs.kv_lens_cpu
-            rest = [q for q, kv in zip(lens, kv_lens, strict=True) if q < self._dense_min or kv > q]
+            pairs = zip(lens, inputs.kv_lens_cpu, strict=True)
+            rest = [q for q, kv in pairs if not whole_prompt(q, kv, self._dense_min)]
             self._triton_q_len = max(rest, default=0)
 
     def _plan_dense(self, inputs: AttentionInputs) -> None:
@@ -185,8 +187,8 @@ class TritonAttentionBackend(FusedStoreBackend):
         if not self._dense:
             return
         cfg, tokens = self.model, sum(inputs.query_lens_cpu)
-        self._spare = spare_rows(self._dense, tokens)
-        shape = (2, tokens + self._spare, cfg.num_kv_heads, cfg.head_dim)
+        spare = spare_rows(self._dense, tokens)
+        shape = (2, tokens + spare, cfg.num_kv_heads, cfg.head_dim)
         self._fresh = torch.empty(shape, dtype=cfg.dtype, device=inputs.slot_mapping.device)
         self._fresh[:, tokens:].zero_()
 
@@ -268,7 +270,7 @@ class TritonAttentionBackend(FusedStoreBackend):
             "cuDNN's dense attention failed (%s); whole long prompts attend through the "
             "Triton prefill kernel from now on", exc,
         )  # fmt: skip
-        self._dense_ok, self._dense, self._fresh, self._spare = False, [], None, 0
+        self._dense_ok, self._dense, self._fresh = False, [], None
 
     def _scratch(self, q: torch.Tensor, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Split-KV partial outputs and log-sum-exps for the query tokens of `q`, with the
