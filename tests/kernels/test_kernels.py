@@ -1165,12 +1165,18 @@ def test_dense_rows_engine_matches_transformers(checkpoints, monkeypatch) -> Non
 
     monkeypatch.setattr(triton_backend, "dense_attend", recorded)
     path = checkpoints["llama"]
-    prompts = [list(range(3, 40)), list(range(20, 57)), [100, 200, 300], list(range(60, 80))]
+    # (the second waits a step rather than split, `Scheduler.whole_prompt_min_tokens`; the
+    # last, longer than a step's budget, is split: its later chunks after a prefix)
+    prompts = [
+        list(range(3, 40)), list(range(20, 57)), [100, 200, 300], list(range(60, 80)),
+        list(range(100, 170)),
+    ]  # fmt: skip
     llm = LLM(
         str(path), device=DEVICE, dtype="float32", attention_backend="triton", page_size=4,
         max_num_batched_tokens=64,
     )  # fmt: skip
     runner = llm.engine.runner
+    assert llm.engine.scheduler.whole_prompt_min_tokens == 16
     attended.clear()  # (the engine's own start-up warm-up, on a GPU)
     # the GPU's start-up warm-up (slot -1: it writes no K/V), run here on any device
     warm_up(runner.model, runner.attention, runner.page_size, [[20, 1]], runner.device)
@@ -1179,8 +1185,9 @@ def test_dense_rows_engine_matches_transformers(checkpoints, monkeypatch) -> Non
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outputs = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(path, p, 8) for p in prompts]
-    # whole prompts and a first chunk (27 of 37 tokens) dense; its second chunk (a prefix) not
-    assert set(attended) == {37, 27, 20}
+    # both 37-token prompts whole (the second waited), and the 20; the 70 in chunks: not
+    assert set(attended) == {37, 20}
+    assert attended.count(37) == 2 * runner.model_config.num_layers  # both whole
 
 
 def test_dense_rows_refused_inside_a_step_keep_greedy(checkpoints, monkeypatch) -> None:

@@ -221,6 +221,9 @@ class TritonAttentionBackend(FusedStoreBackend):
         except DenseRefused as exc:
             self._dense_failed(exc)
 
+    def whole_prompt_min_tokens(self) -> int:
+        return DENSE_MIN_Q_LEN if self._dense_ok else 0
+
     def attend(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         k_cache, v_cache = self._cache(layer)
         inputs, ps, window = self._inputs, self.kv_cache.page_size, self.model.sliding_window
