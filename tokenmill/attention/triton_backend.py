@@ -222,7 +222,7 @@ class TritonAttentionBackend(FusedStoreBackend):
             self._dense_failed(exc)
 
     def whole_prompt_min_tokens(self) -> int:
-        return DENSE_MIN_Q_LEN if self._dense_ok else 0
+        return self._dense_bound() if self._dense_ok else 0
 
     def attend(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         k_cache, v_cache = self._cache(layer)
