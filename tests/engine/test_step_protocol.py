@@ -150,21 +150,25 @@ def test_a_long_prompt_waits_a_step_rather_than_split() -> None:
     """With `whole_prompt_min_tokens` (a backend whose whole prompts attend faster), a prompt
     of at least that many tokens and no cached prefix that does not fit what other prompts
     left of a step waits for the next one, whole, where a split would have put its last chunk
-    anyway; once (then it is split as any prompt), not behind decodes alone (the next step
-    has no more room), not when shorter than the bound or longer than a step's budget."""
+    anyway, and the prompts behind it that fit what is left whole fill the step; once (then it
+    is split as any prompt), not behind decodes alone (the next step has no more room), not
+    when shorter than the bound or longer than a step's budget."""
     sched = _scheduler(budget=16, num_pages=64)
     sched.whole_prompt_min_tokens = 8
-    a, b, c = (_request(r, list(range(10, 10 + n))) for r, n in (("a", 10), ("b", 12), ("c", 5)))
-    for req in (a, b, c):
+    a, b, c, d = (
+        _request(r, list(range(10, 10 + n))) for r, n in (("a", 10), ("b", 12), ("c", 7), ("d", 5))
+    )
+    for req in (a, b, c, d):
         sched.add_request(req)
     first = sched.schedule()
-    # a whole; b (12 tokens: at least 8, fits 16, not the 6 left) waits, c behind it too
-    assert _rows(first) == [("a", 0, 10)]
+    # a whole; b (12 tokens: at least 8, fits 16, not the 6 left) waits; c (7) does not fit
+    # the 6 left whole, d (5) does
+    assert _rows(first) == [("a", 0, 10), ("d", 0, 5)]
     assert b.waited_whole and b.num_computed_tokens == 0 and list(sched.waiting) == [b, c]
-    sched.update(first, [5], [None])
+    sched.update(first, [5, 6], [None, None])
     second = sched.schedule()
-    # a's decode, b whole (where its last chunk would have been), c's first 3 tokens (short)
-    assert _rows(second) == [("a", 10, 1), ("b", 0, 12), ("c", 0, 3)]
+    # the decodes, b whole (where its last chunk would have been), c's first 2 tokens (short)
+    assert _rows(second) == [("a", 10, 1), ("d", 5, 1), ("b", 0, 12), ("c", 0, 2)]
 
     # once: a second time it is split as any prompt
     sched = _scheduler(budget=16, num_pages=64)
