@@ -183,6 +183,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    waited_whole: bool = False  # the scheduler let it wait a step rather than split it
     pages: SeqPages = field(default_factory=SeqPages)
     grammar: RequestGrammar | None = None  # structured outputs: has accepted every output token
     # Speculative decoding: tokens a host proposer drafted to follow the newest token, how

@@ -140,3 +140,61 @@ def test_step_kinds_tell_prefill_mixed_and_decode_steps() -> None:
         sched.update(batch, [4] * sampled, [None] * sampled)
     # 3 + 5 tokens (both prompts' chunks); a decodes beside b's last 5; both decode.
     assert kinds == ["prefill", "mixed", "decode"]
+
+
+def _rows(out) -> list[tuple[str, int, int]]:  # type: ignore[no-untyped-def]
+    return [(s.request.request_id, s.start, s.num_new_tokens) for s in out.seqs]
+
+
+def test_a_long_prompt_waits_a_step_rather_than_split() -> None:
+    """With `whole_prompt_min_tokens` (a backend whose whole prompts attend faster), a prompt
+    of at least that many tokens and no cached prefix that does not fit what other prompts
+    left of a step waits for the next one, whole, where a split would have put its last chunk
+    anyway, and the prompts behind it that fit what is left whole fill the step; once (then it
+    is split as any prompt), not behind decodes alone (the next step has no more room), not
+    when shorter than the bound or longer than a step's budget."""
+    sched = _scheduler(budget=16, num_pages=64)
+    sched.whole_prompt_min_tokens = 8
+    a, b, c, d = (
+        _request(r, list(range(10, 10 + n))) for r, n in (("a", 10), ("b", 12), ("c", 7), ("d", 5))
+    )
+    for req in (a, b, c, d):
+        sched.add_request(req)
+    first = sched.schedule()
+    # a whole; b (12 tokens: at least 8, fits 16, not the 6 left) waits; c (7) does not fit
+    # the 6 left whole, d (5) does
+    assert _rows(first) == [("a", 0, 10), ("d", 0, 5)]
+    assert b.waited_whole and b.num_computed_tokens == 0 and list(sched.waiting) == [b, c]
+    sched.update(first, [5, 6], [None, None])
+    second = sched.schedule()
+    # the decodes, b whole (where its last chunk would have been), c's first 2 tokens (short)
+    assert _rows(second) == [("a", 10, 1), ("d", 5, 1), ("b", 0, 12), ("c", 0, 2)]
+
+    # once: a second time it is split as any prompt
+    sched = _scheduler(budget=16, num_pages=64)
+    sched.whole_prompt_min_tokens = 8
+    a, b = _request("a", list(range(10, 20))), _request("b", list(range(30, 42)))
+    b.waited_whole = True
+    sched.add_request(a)
+    sched.add_request(b)
+    assert _rows(sched.schedule()) == [("a", 0, 10), ("b", 0, 6)]
+
+    # behind decodes alone: split (the next step would have no more room)
+    sched = _scheduler(budget=16, num_pages=64)
+    sched.whole_prompt_min_tokens = 8
+    a = _request("a", list(range(10, 13)))
+    sched.add_request(a)
+    sched.update(sched.schedule(), [5], [None])
+    d = _request("d", list(range(40, 56)))  # 16 tokens: the whole budget, 15 left
+    sched.add_request(d)
+    assert _rows(sched.schedule()) == [("a", 3, 1), ("d", 0, 15)]
+    assert not d.waited_whole
+
+    # longer than a step's budget, or shorter than the bound: split as before
+    for n, least in ((17, 8), (12, 13)):
+        sched = _scheduler(budget=16, num_pages=64)
+        sched.whole_prompt_min_tokens = least
+        a, e = _request("a", list(range(10, 20))), _request("e", list(range(30, 30 + n)))
+        sched.add_request(a)
+        sched.add_request(e)
+        assert _rows(sched.schedule()) == [("a", 0, 10), ("e", 0, 6)]

@@ -25,6 +25,10 @@ def test_warm_up_batches_fit_the_step_budget_and_the_model_length() -> None:
     assert warm_up_batches(40, 16) == [[16, 16, 7, 1], [16, 1], *SHORT]
     assert warm_up_batches(40, 4) == [[4] * 9 + [3, 1], [4, 1], [2, 1], [3, 1]]
     assert warm_up_batches(1, 1024) == []
+    # whole prompts of >= 2,048 tokens attend through another kernel: rows just shorter too
+    rows = [[2047] * 4 + [3, 1]]
+    assert warm_up_batches(8192, 40960, 2048) == [[8191, 1], *rows, [64, 1], [16, 1], *SHORT]
+    assert warm_up_batches(40, 16, 2048) == warm_up_batches(40, 16)
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

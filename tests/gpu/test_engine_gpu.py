@@ -267,6 +267,28 @@ def test_serving_after_start_up_compiles_no_kernel(checkpoints) -> None:
     assert _compiled(kernels) == before
 
 
+def test_long_prompts_after_start_up_compile_no_kernel(checkpoints, monkeypatch) -> None:
+    """With whole prompts through cuDNN (from 256 tokens here; the wide prefill tile from 512
+    tokens a step), the Triton kernel's rows beside them (chunks after a prefix, prompts under
+    the bound, decode rows) take tiles the warm-up built: no Triton kernel compiles."""
+    from tokenmill.attention import triton_backend
+    from tokenmill.kernels import attention
+
+    monkeypatch.setattr(triton_backend, "DENSE_MIN_Q_LEN", 256)
+    monkeypatch.setattr(attention, "WIDE_MIN_TOKENS", 512)
+    kernels = _triton_kernels()
+    for k in kernels:
+        k.device_caches.clear()
+    llm = LLM(str(checkpoints["llama"]), device="cuda", dtype="bfloat16",
+              max_num_batched_tokens=1024, max_num_seqs=16)  # fmt: skip
+    before = _compiled(kernels)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 250) for _ in range(rng.randrange(130, 900))] for _ in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)
+    assert _compiled(kernels) == before
+
+
 def test_dense_lengths_are_built_with_the_graphs(checkpoints, monkeypatch) -> None:
     """cuDNN builds a graph at each dense row length's first use (~65 ms on the H200): with
     start-up capture every length up to the token budget is built before the first request,

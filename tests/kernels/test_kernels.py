@@ -1021,11 +1021,17 @@ def test_dense_rows_beside_paged_rows(llama_dir, order, page, refused, monkeypat
 def test_dense_rows_are_never_short_rows(llama_dir, monkeypatch) -> None:
     """A bound at or below the short rows' (8 tokens here): a whole 6-token prompt stays a
     short row (the short rows' launch attends every row within it), and the long row after a
-    prefix is still attended by the Triton kernel's long launch."""
+    prefix is still attended by the Triton kernel's long launch, in the tiles for it alone
+    (not for the dense row's length: a tile the warm-up never built compiles inside a step)."""
     from tokenmill.attention import dense_rows, triton_backend
     from tokenmill.attention.backend import AttentionInputs
 
     monkeypatch.setattr(triton_backend, "DENSE_MIN_Q_LEN", 4)
+    tiled: list[list[int]] = []
+    tiles = triton_backend.prefill_tiles
+    monkeypatch.setattr(
+        triton_backend, "prefill_tiles", lambda lens, *a: tiled.append(lens) or tiles(lens, *a)
+    )
     monkeypatch.setattr(triton_backend, "dense_supported", lambda *_: True)
     monkeypatch.setattr(dense_rows, "_dense_causal", _dense_causal_reference)
     hq, d, page = 8, 64, 16
@@ -1037,6 +1043,7 @@ def test_dense_rows_are_never_short_rows(llama_dir, monkeypatch) -> None:
     backend.plan(AttentionInputs(q_lens, kv_lens, cu, torch.tensor(kv_lens, device=DEVICE),
                                  table, slots))  # fmt: skip
     assert [(row.start, row.n) for row in backend._dense] == [(46, 50)]
+    assert tiled == [[40]]
     backend._fresh[:, 46:96] = torch.stack([_gather(x, table, 2, 50, page) for x in (k, v)])
     q = _randn(backend._fresh.shape[1], hq, d, gen=gen)[:96]
     out = backend.attend(q, 0)
@@ -1165,12 +1172,19 @@ def test_dense_rows_engine_matches_transformers(checkpoints, monkeypatch) -> Non
 
     monkeypatch.setattr(triton_backend, "dense_attend", recorded)
     path = checkpoints["llama"]
-    prompts = [list(range(3, 40)), list(range(20, 57)), [100, 200, 300], list(range(60, 80))]
+    # (the second waits a step rather than split, `Scheduler.whole_prompt_min_tokens`, while
+    # the next two fill the step; the last, longer than a step's budget, is split: its first
+    # chunk, 24 tokens beside the second prompt, has no prefix, its later ones do)
+    prompts = [
+        list(range(3, 40)), list(range(20, 57)), [100, 200, 300], list(range(60, 80)),
+        list(range(100, 170)),
+    ]  # fmt: skip
     llm = LLM(
         str(path), device=DEVICE, dtype="float32", attention_backend="triton", page_size=4,
         max_num_batched_tokens=64,
     )  # fmt: skip
     runner = llm.engine.runner
+    assert llm.engine.scheduler.whole_prompt_min_tokens == 16
     attended.clear()  # (the engine's own start-up warm-up, on a GPU)
     # the GPU's start-up warm-up (slot -1: it writes no K/V), run here on any device
     warm_up(runner.model, runner.attention, runner.page_size, [[20, 1]], runner.device)
@@ -1179,8 +1193,9 @@ def test_dense_rows_engine_matches_transformers(checkpoints, monkeypatch) -> Non
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outputs = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(path, p, 8) for p in prompts]
-    # whole prompts and a first chunk (27 of 37 tokens) dense; its second chunk (a prefix) not
-    assert set(attended) == {37, 27, 20}
+    # both 37-token prompts whole (the second waited), the 20, the 70's first chunk
+    assert set(attended) == {37, 20, 24}
+    assert attended.count(37) == 2 * runner.model_config.num_layers  # both whole
 
 
 def test_dense_rows_refused_inside_a_step_keep_greedy(checkpoints, monkeypatch) -> None:

@@ -105,6 +105,12 @@ class AttentionBackend(ABC):
         the thread that runs the steps. A backend that lists none takes none."""
         raise ValueError(f"{type(self).__name__} builds no length ahead, asked for {length}")
 
+    def whole_prompt_min_tokens(self) -> int:
+        """Prompts of at least this many tokens attend faster whole than split into chunks
+        (their rows with no cached prefix take a faster kernel); 0: no such prompts. The
+        scheduler lets such a prompt wait a step rather than split it (`Scheduler`)."""
+        return 0
+
 
 # name -> (module, class, the package it needs)
 _BACKENDS = {

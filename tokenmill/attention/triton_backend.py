@@ -166,19 +166,21 @@ class TritonAttentionBackend(FusedStoreBackend):
         group = cfg.num_heads // cfg.num_kv_heads
         self._verify = not self._decode and verifies_split_kv(self._max_q_len, group, cfg.head_dim)
         long = [q for q in lens if q > self._short_q_len]
-        self._tiles = prefill_tiles(long or lens, cfg.head_dim, cfg.dtype.itemsize)
         # (no launch for short rows in a batch without any)
         self._short_rows = self._short_q_len if len(long) < len(lens) else 0
         self._dense, self._fresh = [], None
         self._dense_min = self._dense_bound()
         if self._dense_ok and long and not (self._decode or self._verify or inputs.graphed):
             self._plan_dense(inputs)
-        # the Triton kernel's longest row, the dense ones left out
+        # the Triton kernel's rows, the dense ones left out: its longest, and its tiles (by the
+        # rows it attends: a tile the warm-up never built would compile inside a step)
         self._triton_q_len = self._max_q_len
         if self._dense:
             pairs = zip(lens, inputs.kv_lens_cpu, strict=True)
             rest = [q for q, kv in pairs if not whole_prompt(q, kv, self._dense_min)]
             self._triton_q_len = max(rest, default=0)
+            long = [q for q in rest if q > self._short_q_len]
+        self._tiles = prefill_tiles(long or lens, cfg.head_dim, cfg.dtype.itemsize)
 
     def _plan_dense(self, inputs: AttentionInputs) -> None:
         """The step's dense rows, and the buffer their K/V are read from (its rows past the
@@ -220,6 +222,9 @@ class TritonAttentionBackend(FusedStoreBackend):
             )  # fmt: skip
         except DenseRefused as exc:
             self._dense_failed(exc)
+
+    def whole_prompt_min_tokens(self) -> int:
+        return self._dense_bound() if self._dense_ok else 0
 
     def attend(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         k_cache, v_cache = self._cache(layer)

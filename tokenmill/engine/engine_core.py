@@ -196,6 +196,7 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler, self.cache, config.speculative)
         self.scheduler.padded_verify_rows = self.runner.padded_verify_rows
+        self.scheduler.whole_prompt_min_tokens = self.runner.attention.whole_prompt_min_tokens()
         self._requests: dict[str, Request] = {}
         self._in_flight: InFlight | None = None
         self.stats = EngineCounters()

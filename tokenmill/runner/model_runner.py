@@ -336,8 +336,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             with self.startup.phase("warm_up"):
                 batches = warm_up_batches(
-                    config.scheduler.max_num_batched_tokens, config.max_model_len
-                )
+                    config.scheduler.max_num_batched_tokens, config.max_model_len,
+                    self.attention.whole_prompt_min_tokens(),
+                )  # fmt: skip
                 warm_up(self.model, self.attention, self.page_size, batches, self.device)
                 if self.spec is not None and (drafter := self.spec.drafter) is not None:
                     # The draft model mirrors every eager step: its heads, its kernels.
@@ -660,21 +661,32 @@ class ModelRunner:
         return ids, positions, inputs, logits_index
 
 
-def warm_up_batches(max_tokens: int, max_len: int) -> list[list[int]]:
+def warm_up_batches(max_tokens: int, max_len: int, whole_min: int = 0) -> list[list[int]]:
     """Query lengths of the eager batches `warm_up` runs, each of at most `max_tokens` tokens
     in rows of at most `max_len` (no position past the model's): prompts filling the step
     beside a decode row, a 64- and a 16-token prompt beside one, and each of 2 to 8 tokens
     beside one (a serving run's first mixed steps; each shape may be kernels of its own: the
-    Triton backend's prefill tiles, its short rows' launch, its verify kernel's row blocks)."""
+    Triton backend's prefill tiles, its short rows' launch, its verify kernel's row blocks).
+    `whole_min` > 0 (`AttentionBackend.whole_prompt_min_tokens`: whole prompts of that many
+    tokens take another kernel): also prompts just shorter filling the step beside a decode
+    row, the tiles the prefill kernel takes for the rows left to it (chunks after a prefix)."""
     fill = max_tokens - 1
-    prompts = [max_len] * (fill // max_len) + ([fill % max_len] if fill % max_len else [])
-    batches = [[*prompts, 1], [min(64, max_len), 1], [min(16, max_len), 1]]
+    batches = [[*_rows_filling(fill, max_len), 1]]
+    if whole_min > 1:
+        batches.append([*_rows_filling(fill, min(whole_min - 1, max_len)), 1])
+    batches += [[min(64, max_len), 1], [min(16, max_len), 1]]
     batches += [[min(q, max_len), 1] for q in range(2, 9)]
     kept: list[list[int]] = []
     for lens in batches:
         if len(lens) > 1 and min(lens) > 0 and sum(lens) <= max_tokens and lens not in kept:
             kept.append(lens)
     return kept
+
+
+def _rows_filling(tokens: int, row_len: int) -> list[int]:
+    """Rows of `row_len` tokens, and one of the rest, that hold `tokens` tokens."""
+    rest = [tokens % row_len] if tokens % row_len else []
+    return [row_len] * (tokens // row_len) + rest
 
 
 @torch.inference_mode()
