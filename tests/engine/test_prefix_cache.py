@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from tokenmill import LLM, SamplingParams
 from tokenmill.cache.cache_manager import CacheManager
 from tokenmill.engine.engine_core import EngineCore
+from tokenmill.engine.scheduler import Scheduler
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 BASE = list(range(40, 80))  # 40 tokens: 2.5 pages of 16
@@ -200,13 +201,46 @@ def run_traffic(
 )
 @given(ops=st.lists(traffic_ops(), min_size=1, max_size=25))
 @example(ops=[("add", i % 4, 40, 12) for i in range(8)] + [("abort", 3), ("step", 3)] * 6)
-def test_random_traffic_never_leaks_or_double_owns_a_page(small_pool_llm: LLM, ops) -> None:
-    prefixes = [list(range(10, 70)), list(range(30, 90)), [5] * 60, list(range(200, 260))]
-    run_traffic(small_pool_llm.engine, ops, prefixes,
-                lambda engine: assert_pages_partitioned(engine.cache, engine))  # fmt: skip
+@pytest.mark.parametrize("whole_min", [0, 8])
+def test_random_traffic_never_leaks_or_double_owns_a_page(
+    small_pool_llm: LLM, whole_min: int, ops
+) -> None:
+    """`whole_min`: the scheduler's `whole_prompt_min_tokens` (a backend whose whole prompts
+    attend faster: prompts wait a step whole, and the step fills with prompts that fit)."""
+    _traffic(small_pool_llm, whole_min, ops)
 
 
-def test_random_traffic_includes_preemptions(small_pool_llm: LLM) -> None:
-    """The explicit example above overflows the pool, so the property covers preemption."""
-    test_random_traffic_never_leaks_or_double_owns_a_page(small_pool_llm)
+def _traffic(llm: LLM, whole_min: int, ops: list[tuple], first: int = 10) -> None:
+    """`run_traffic` with pages checked; the prompts' prefixes start at token `first`."""
+    prefixes = [[*range(first, first + 60)], [*range(first + 20, first + 80)], [5] * 60,
+                [*range(first + 190, first + 250)]]  # fmt: skip
+    scheduler = llm.engine.scheduler
+    scheduler.whole_prompt_min_tokens = whole_min
+    try:
+        run_traffic(llm.engine, ops, prefixes,
+                    lambda engine: assert_pages_partitioned(engine.cache, engine))  # fmt: skip
+    finally:
+        scheduler.whole_prompt_min_tokens = 0
+
+
+def test_random_traffic_includes_preemptions_and_whole_prompts(
+    small_pool_llm: LLM, monkeypatch
+) -> None:
+    """The explicit example above overflows the pool, so the property covers preemption; with
+    `whole_min`, prompts wait whole and others fill their steps."""
+    filled = []
+    admit_whole = Scheduler._admit_whole
+
+    def spy(self, out, *args):  # type: ignore[no-untyped-def]
+        before = len(out.seqs)
+        admit_whole(self, out, *args)
+        filled.append(len(out.seqs) - before)
+
+    monkeypatch.setattr(Scheduler, "_admit_whole", spy)
+    test_random_traffic_never_leaks_or_double_owns_a_page(small_pool_llm, 0)
     assert small_pool_llm.engine.scheduler.stats.num_preemptions > 0
+    # 15-token prompts: the second waits behind the first, a 7-token one fills the step
+    # (prompts none of the cached ones begins: a prompt with a cached prefix never waits)
+    ops = [("add", 0, 14, 6), ("add", 1, 14, 6), ("add", 2, 6, 6), ("add", 3, 14, 6)] * 3
+    _traffic(small_pool_llm, 8, ops, first=261)
+    assert filled and max(filled) > 0
