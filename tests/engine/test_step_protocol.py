@@ -190,11 +190,38 @@ def test_a_long_prompt_waits_a_step_rather_than_split() -> None:
     assert _rows(sched.schedule()) == [("a", 3, 1), ("d", 0, 15)]
     assert not d.waited_whole
 
-    # longer than a step's budget, or shorter than the bound: split as before
-    for n, least in ((17, 8), (12, 13)):
+    # longer than a step's budget less a row for each running request (16 - 1 here), or
+    # shorter than the bound: split as before
+    for n, least in ((17, 8), (16, 8), (12, 13)):
         sched = _scheduler(budget=16, num_pages=64)
         sched.whole_prompt_min_tokens = least
         a, e = _request("a", list(range(10, 20))), _request("e", list(range(30, 30 + n)))
         sched.add_request(a)
         sched.add_request(e)
         assert _rows(sched.schedule()) == [("a", 0, 10), ("e", 0, 6)]
+
+
+def test_prompts_that_fill_a_step_leave_the_waiting_prompt_its_room() -> None:
+    """The prompts that fill a step behind one that waits whole (`Scheduler._admit_whole`)
+    leave it what it needs to run whole in the next step (a sequence slot, its pages), and a
+    request whose token is in flight is not admitted."""
+
+    def run(max_num_seqs: int = 8, num_pages: int = 64, flying: str = "") -> list[list]:
+        """Two steps of a 10-token prompt, a 12-token one that waits, a 5-token one."""
+        config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=16)
+        sched = Scheduler(config, CacheManager(num_pages, PAGE, enable_prefix_caching=False))
+        sched.whole_prompt_min_tokens = 8
+        reqs = [_request(r, list(range(10, 10 + n))) for r, n in (("a", 10), ("b", 12), ("d", 5))]
+        for req in reqs:
+            sched.add_request(req)
+        first = sched.schedule({req: range(0, 1) for req in reqs if req.request_id == flying})
+        sched.update(first, [5] * len(first.seqs), [None] * len(first.seqs))
+        return [_rows(first), _rows(sched.schedule())]
+
+    assert run() == [[("a", 0, 10), ("d", 0, 5)], [("a", 10, 1), ("d", 5, 1), ("b", 0, 12)]]
+    # two sequences at most: d would take b's slot
+    assert run(max_num_seqs=2) == [[("a", 0, 10)], [("a", 10, 1), ("b", 0, 12)]]
+    # 7 pages of 4 tokens: a takes 3, b needs 3, d's 2 would leave 2 (then d's first chunk)
+    assert run(num_pages=7) == [[("a", 0, 10)], [("a", 10, 1), ("b", 0, 12), ("d", 0, 3)]]
+    # d's token in flight (preempted as it was sampled): not admitted until it lands
+    assert run(flying="d")[0] == [("a", 0, 10)]

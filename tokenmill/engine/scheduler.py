@@ -347,20 +347,32 @@ class Scheduler:
         in_flight: Mapping[Request, range],
         waiter: Request,
     ) -> None:
-        """Fill what `waiter`, a prompt that waits whole (`_waits_whole`), left of the step's
-        `budget` with those of the first `WHOLE_FILL_SCAN` waiting prompts that fit it whole, in
-        their order; `waiter` stays where it is in line."""
-        for req in list(itertools.islice(self.waiting, WHOLE_FILL_SCAN)):
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+        """Fill what the rows before `waiter`, a prompt that waits whole (`_waits_whole`), left
+        of the step's `budget` with those of the next `WHOLE_FILL_SCAN` waiting prompts (in
+        line, under either policy) that fit it whole, while the waiter keeps what it needs to
+        run whole in the next step: a sequence slot, its pages, and its tokens beside a row for
+        every running request. The waiter keeps its place in line."""
+        need = self.cache.pages_needed(waiter.num_tokens)
+        for req in list(itertools.islice(self.waiting, WHOLE_FILL_SCAN + 1)):
+            if budget <= 0 or len(self.running) + 1 >= self.config.max_num_seqs:
+                return
+            if waiter.num_tokens > self._room_next_step(len(self.running) + 1):
                 return
             if req is waiter or req in in_flight:
                 continue
+            # read-only checks first: a prefix match locks and may load the host tier's pages
+            cached = self.cache.cached_length(_prefix_key(req))
+            available = self.cache.pool.num_pages - self.cache.num_used_pages
+            if req.num_tokens - cached > budget:
+                continue
+            if available - self.cache.pages_needed(req.num_tokens) < need:
+                return
             req.num_computed_tokens = self.cache.match_prefix(req.pages, _prefix_key(req))
             uncomputed = req.num_uncomputed_tokens(0)
             if uncomputed > budget or not self.cache.allocate(req.pages, req.num_tokens):
                 self._release(req)
                 req.num_computed_tokens = 0
-                continue
+                return
             self._admit(out, req, uncomputed, uncomputed)
             budget -= uncomputed
 
@@ -369,20 +381,31 @@ class Scheduler:
     ) -> bool:
         """Whether `req` waits for the next step rather than have its first chunk in this
         one: a prompt of at least `whole_prompt_min_tokens` uncomputed tokens and no cached
-        prefix that fits a step's budget but not what other prompts left of this one's. Its
-        time to first token is the same (split, its last chunk would run in the next step
-        too), this step is shorter, and the whole prompt attends faster (cuDNN's dense rows:
-        4k-8k tokens at 56-72% of the matmul rate, against 42-45% for the paged kernel that
-        a chunk after its prefix takes). Once per request, so none waits twice."""
+        prefix that does not fit what other prompts left of this step but fits the next whole,
+        beside a row for every running request, when no prompt of this step continues into
+        the next. Then its first token comes in the same step as its last chunk's would, this
+        step is shorter (or filled by prompts that fit whole, `_admit_whole`), and the whole
+        prompt attends faster (cuDNN's dense rows: 4k-8k tokens at 56-72% of the matmul rate,
+        against 42-45% for the paged kernel that a chunk after its prefix takes). Once per
+        request, so none waits twice."""
         least = self.whole_prompt_min_tokens
         if not least or req.waited_whole or req.num_computed_tokens:
             return False
-        if not budget < uncomputed <= self.config.max_num_batched_tokens or uncomputed < least:
+        if not budget < uncomputed <= self._room_next_step(len(self.running)):
             return False
+        if uncomputed < least or any(not seq.num_samples for seq in out.seqs):
+            return False  # (a chunk that does not end its prompt takes more of the next step)
         if not any(seq.num_new_tokens > max(seq.num_samples, 1) for seq in out.seqs):
             return False  # only decodes here: the next step has no more room
         req.waited_whole = True
         return True
+
+    def _room_next_step(self, num_running: int) -> int:
+        """Tokens of the next step's budget left once `num_running` requests have a decode
+        row each (1 + k tokens with k drafts)."""
+        spec = self.speculative
+        row = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+        return self.config.max_num_batched_tokens - row * num_running
 
     def _next_waiting(self) -> Request:
         """The waiting request to admit next under the configured policy.
