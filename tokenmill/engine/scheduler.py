@@ -361,13 +361,13 @@ class Scheduler:
             if req is waiter or req in in_flight:
                 continue
             # read-only checks first: a prefix match locks and may load the host tier's pages
-            cached = self.cache.cached_length(_prefix_key(req))
+            key = _prefix_key(req)
             available = self.cache.pool.num_pages - self.cache.num_used_pages
-            if req.num_tokens - cached > budget:
+            if req.num_tokens - self.cache.cached_length(key) > budget:
                 continue
             if available - self.cache.pages_needed(req.num_tokens) < need:
                 return
-            req.num_computed_tokens = self.cache.match_prefix(req.pages, _prefix_key(req))
+            req.num_computed_tokens = self.cache.match_prefix(req.pages, key)
             uncomputed = req.num_uncomputed_tokens(0)
             if uncomputed > budget or not self.cache.allocate(req.pages, req.num_tokens):
                 self._release(req)
@@ -402,9 +402,8 @@ class Scheduler:
 
     def _room_next_step(self, num_running: int) -> int:
         """Tokens of the next step's budget left once `num_running` requests have a decode
-        row each (1 + k tokens with k drafts)."""
-        spec = self.speculative
-        row = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+        row each (1 + `_max_drafts()` tokens with speculation)."""
+        row = 1 + (self._max_drafts() if self.speculative is not None else 0)
         return self.config.max_num_batched_tokens - row * num_running
 
     def _next_waiting(self) -> Request:
