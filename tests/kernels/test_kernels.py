@@ -319,7 +319,13 @@ def _rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(4, 2, 64), (8, 1, 128), (6, 6, 64)])
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_rope_norm_and_kv_store(dtype, hq: int, hkv: int, d: int, qk_norm: bool) -> None:
+@pytest.mark.parametrize("per_program", [None, 4])
+def test_rope_norm_and_kv_store(
+    dtype, hq: int, hkv: int, d: int, qk_norm: bool, per_program: int | None
+) -> None:
+    """Each token's q and k normalised (optional) and rotated, k and v stored at its slot and
+    by token; `per_program` 4: 6 tokens in programs of 4, the second program's last 2 rows
+    past the step."""
     gen = torch.Generator().manual_seed(hq * d + qk_norm)
     tokens, slots_total = 6, 40
     qkv = _randn(tokens, (hq + 2 * hkv) * d, dtype=dtype, gen=gen)
@@ -332,7 +338,20 @@ def test_rope_norm_and_kv_store(dtype, hq: int, hkv: int, d: int, qk_norm: bool)
     # the step's K and V by token too (dense rows read them), and spare rows of q's storage
     fresh = torch.full((2, tokens, hkv, d), 7.0, dtype=dtype, device=DEVICE)
     q = rope_and_store(
-        qkv, positions, slots, cos, sin, k_cache, v_cache, hq, hkv, d, norm, (*fresh,), 3
+        qkv,
+        positions,
+        slots,
+        cos,
+        sin,
+        k_cache,
+        v_cache,
+        hq,
+        hkv,
+        d,
+        norm,
+        (*fresh,),
+        3,
+        per_program,
     )
     assert q.shape == (tokens, hq, d) and q.untyped_storage().nbytes() == q.nbytes * 9 // 6
 

@@ -106,6 +106,7 @@ class FusedStoreBackend(AttentionBackend):
         return rope_and_store(
             qkv, positions, self._inputs.slot_mapping, rotary.cos, rotary.sin, k_cache, v_cache,
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, norm, fresh, spare,
+            1 if self.deterministic else None,
         )  # fmt: skip
 
 

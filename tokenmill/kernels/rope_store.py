@@ -8,13 +8,12 @@ import triton.language as tl
 
 from tokenmill.kernels.pdl import pdl_options, pdl_wait
 
-
-@triton.jit
-def _load_heads(base_ptr, heads, offs_d, rot_d, D: tl.constexpr, mask):
-    """Load `[H, D]` heads, and the same heads with their halves swapped (columns `rot_d`)."""
-    x = tl.load(base_ptr + heads[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
-    x_rot = tl.load(base_ptr + heads[:, None] * D + rot_d[None, :], mask=mask, other=0.0)
-    return x, x_rot
+# Prefill steps of at least ROPE_BLOCK_MIN_TOKENS tokens rotate ROPE_BLOCK_TOKENS tokens a
+# program: a program per (token, KV head) was 65,536 programs of ~8 KB each for an 8,192-token
+# step of Qwen3-0.6B, at about 40% of the copy rate (docs/perf-notes.md, session 28). Decode
+# steps keep a program per token (a batch of a few tokens needs the programs).
+ROPE_BLOCK_TOKENS = 4
+ROPE_BLOCK_MIN_TOKENS = 512
 
 
 @triton.jit
@@ -22,7 +21,8 @@ def _rotate(
     x, x_rot, offs_d, rot_d, half: tl.constexpr, D: tl.constexpr, cos, sin, norm_w_ptr, eps,
     QK_NORM: tl.constexpr,
 ):  # fmt: skip
-    """RMS-normalise each head of `x` (optional), then rotate-half by (cos, sin)."""
+    """RMS-normalise each row (a head) of `x` (optional), then rotate-half by its row of
+    (cos, sin)."""
     xf = x.to(tl.float32)
     xr = x_rot.to(tl.float32)
     if QK_NORM:
@@ -32,54 +32,66 @@ def _rotate(
         xf = xf * inv[:, None] * w[None, :]
         xr = xr * inv[:, None] * w_rot[None, :]
     sign = tl.where(offs_d < half, -1.0, 1.0)
-    return xf * cos[None, :] + xr * sign[None, :] * sin[None, :]
+    return xf * cos + xr * sign[None, :] * sin
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens"])
 def _rope_store_kernel(
     qkv_ptr, positions_ptr, slots_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr,
-    q_out_ptr, k_cache_ptr, v_cache_ptr, k_fresh_ptr, v_fresh_ptr, stride_qkv, eps,
+    q_out_ptr, k_cache_ptr, v_cache_ptr, k_fresh_ptr, v_fresh_ptr, stride_qkv, eps, tokens,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
-    QK_NORM: tl.constexpr, FRESH: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_T: tl.constexpr, QK_NORM: tl.constexpr, FRESH: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    # One program per (token, KV head): the head's K and V and the HQ / HKV query heads that
-    # attend to it. (One program per token did a decode step's whole rotation on one SM: for
-    # one token it was a chain of loads and arithmetic as long as a GEMV.) The same programs
-    # for any batch size, so a token's result never depends on its batch (deterministic mode).
-    # The step's positions and slots were written before the previous kernel (the q/k/v
-    # projection) started, and the rotary tables are constant: read before the wait (see
-    # `tokenmill.kernels.pdl`). After it, every load of the token's q, k and v goes out at once.
-    t = tl.program_id(0).to(tl.int64)
+    # One program per (BLOCK_T tokens, KV head): the head's K and V and the HQ / HKV query
+    # heads that attend to it, of each token. (One program per token did a decode step's whole
+    # rotation on one SM: for one token it was a chain of loads and arithmetic as long as a
+    # GEMV.) A query row is a (token, head) pair, a K/V row a token. With BLOCK_T = 1 the
+    # programs are the same for any batch size, so a token's result never depends on its batch
+    # (deterministic mode). The step's positions and slots were written before the previous
+    # kernel (the q/k/v projection) started, and the rotary tables are constant: read before
+    # the wait (see `tokenmill.kernels.pdl`). After it, every load of the tokens' q, k and v
+    # goes out at once.
+    t0 = tl.program_id(0).to(tl.int64) * BLOCK_T
     kvh = tl.program_id(1)
-    pos = tl.load(positions_ptr + t)
-    slot = tl.load(slots_ptr + t)
     offs_d = tl.arange(0, D)
     half: tl.constexpr = D // 2
     rot_d = (offs_d + half) % D  # rotate-half's partner column
-    cos = tl.load(cos_ptr + pos * D + offs_d)
-    sin = tl.load(sin_ptr + pos * D + offs_d)
+    group: tl.constexpr = HQ // HKV
+    rows_q = tl.arange(0, BLOCK_T * BLOCK_G)
+    tq = t0 + rows_q // BLOCK_G
+    hq = kvh * group + rows_q % BLOCK_G
+    tk = t0 + tl.arange(0, BLOCK_T)
+    pos_q = tl.load(positions_ptr + tq, mask=tq < tokens, other=0)
+    pos_k = tl.load(positions_ptr + tk, mask=tk < tokens, other=0)
+    slot = tl.load(slots_ptr + tk, mask=tk < tokens, other=-1)
+    cos_q = tl.load(cos_ptr + pos_q[:, None] * D + offs_d[None, :])
+    sin_q = tl.load(sin_ptr + pos_q[:, None] * D + offs_d[None, :])
+    cos_k = tl.load(cos_ptr + pos_k[:, None] * D + offs_d[None, :])
+    sin_k = tl.load(sin_ptr + pos_k[:, None] * D + offs_d[None, :])
     pdl_wait(USE_PDL)
 
-    group: tl.constexpr = HQ // HKV
-    row = qkv_ptr + t * stride_qkv
-    hq = kvh * group + tl.arange(0, BLOCK_G)
-    hk = kvh + tl.arange(0, 1)
-    q_mask = (tl.arange(0, BLOCK_G) < group)[:, None]
-    kv_mask = (slot >= 0) & (offs_d < D)[None, :]  # padded rows of a graph batch store nothing
-    q, q_rot = _load_heads(row, hq, offs_d, rot_d, D, q_mask)
-    k, k_rot = _load_heads(row + HQ * D, hk, offs_d, rot_d, D, kv_mask)
-    v = tl.load(row + (HQ + HKV) * D + hk[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
-    q = _rotate(q, q_rot, offs_d, rot_d, half, D, cos, sin, q_norm_ptr, eps, QK_NORM)
-    k = _rotate(k, k_rot, offs_d, rot_d, half, D, cos, sin, k_norm_ptr, eps, QK_NORM)
-    out = q_out_ptr + t * HQ * D + hq[:, None] * D + offs_d[None, :]
+    q_mask = ((tq < tokens) & (rows_q % BLOCK_G < group))[:, None]
+    # padded rows of a graph batch store nothing; (a program's rows past the step: no row)
+    kv_mask = ((slot >= 0) & (tk < tokens))[:, None]
+    q_rows = qkv_ptr + tq[:, None] * stride_qkv + hq[:, None] * D
+    q = tl.load(q_rows + offs_d[None, :], mask=q_mask, other=0.0)
+    q_rot = tl.load(q_rows + rot_d[None, :], mask=q_mask, other=0.0)
+    k_rows = qkv_ptr + tk[:, None] * stride_qkv + (HQ + kvh) * D
+    k = tl.load(k_rows + offs_d[None, :], mask=kv_mask, other=0.0)
+    k_rot = tl.load(k_rows + rot_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(k_rows + HKV * D + offs_d[None, :], mask=kv_mask, other=0.0)
+    q = _rotate(q, q_rot, offs_d, rot_d, half, D, cos_q, sin_q, q_norm_ptr, eps, QK_NORM)
+    k = _rotate(k, k_rot, offs_d, rot_d, half, D, cos_k, sin_k, k_norm_ptr, eps, QK_NORM)
+    out = q_out_ptr + tq[:, None] * HQ * D + hq[:, None] * D + offs_d[None, :]
     tl.store(out, q.to(q_out_ptr.dtype.element_ty), mask=q_mask)
-    cache_off = slot * HKV * D + hk[:, None] * D + offs_d[None, :]
+    cache_off = slot[:, None] * HKV * D + kvh * D + offs_d[None, :]
     tl.store(k_cache_ptr + cache_off, k.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(v_cache_ptr + cache_off, v, mask=kv_mask)
     if FRESH:  # the step's K and V, by token (zeros for a row that stores nothing)
-        fresh_off = t * HKV * D + hk[:, None] * D + offs_d[None, :]
-        tl.store(k_fresh_ptr + fresh_off, k.to(k_fresh_ptr.dtype.element_ty))
-        tl.store(v_fresh_ptr + fresh_off, v)
+        fresh_off = tk[:, None] * HKV * D + kvh * D + offs_d[None, :]
+        in_step = (tk < tokens)[:, None]
+        tl.store(k_fresh_ptr + fresh_off, k.to(k_fresh_ptr.dtype.element_ty), mask=in_step)
+        tl.store(v_fresh_ptr + fresh_off, v, mask=in_step)
 
 
 def rope_and_store(
@@ -96,6 +108,7 @@ def rope_and_store(
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None,
     fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
     spare_rows: int = 0,
+    tokens_per_program: int | None = None,
 ) -> torch.Tensor:
     """Rotate q and k of `qkv` `[T, (Hq + 2 Hkv) D]`, store k and v at `slots`; returns q.
 
@@ -104,7 +117,10 @@ def rope_and_store(
     `fresh`: tensors of at least T rows `[Hkv, D]` the step's rotated k and its v are also
     written to, by token, in their first T rows (a negative slot's as zeros). `spare_rows`:
     rows of q's storage past its last, left unwritten (a dense attention reads its rows'
-    queries padded).
+    queries padded). `tokens_per_program` (a power of two): the tokens each program rotates
+    and stores (default: 1 below ROPE_BLOCK_MIN_TOKENS tokens, ROPE_BLOCK_TOKENS from there);
+    1 for results that never depend on the batch (deterministic mode: a token's q/k norm is
+    reduced in the same layout at any batch size).
     """
     tokens = qkv.shape[0]
     shape = (tokens + spare_rows, num_heads, head_dim)
@@ -116,11 +132,12 @@ def rope_and_store(
         raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
     group = num_heads // num_kv_heads
     k_fresh, v_fresh = fresh if fresh is not None else (k_cache, v_cache)
-    _rope_store_kernel[(tokens, num_kv_heads)](
+    block_t = tokens_per_program or (ROPE_BLOCK_TOKENS if tokens >= ROPE_BLOCK_MIN_TOKENS else 1)
+    block_g = triton.next_power_of_2(group)
+    _rope_store_kernel[(triton.cdiv(tokens, block_t), num_kv_heads)](
         qkv, positions, slots, cos, sin, q_w, k_w, q, k_cache, v_cache, k_fresh, v_fresh,
-        qkv.stride(0), eps, HQ=num_heads, HKV=num_kv_heads, D=head_dim,
-        BLOCK_G=triton.next_power_of_2(group), QK_NORM=qk_norm is not None,
-        FRESH=fresh is not None, num_warps=4 if group * head_dim >= 1024 else 2,
-        **pdl_options(qkv.device),
+        qkv.stride(0), eps, tokens, HQ=num_heads, HKV=num_kv_heads, D=head_dim,
+        BLOCK_G=block_g, BLOCK_T=block_t, QK_NORM=qk_norm is not None, FRESH=fresh is not None,
+        num_warps=4 if block_t * block_g * head_dim >= 1024 else 2, **pdl_options(qkv.device),
     )  # fmt: skip
     return q
