@@ -196,7 +196,7 @@ class LLM:
                 stream = ChoiceStream(self.tokenizer, child.prompt_token_ids, child.params)
                 self._children[child.request_id] = _Child(result, completion, stream)
                 self.engine.add_request(
-                    child.request_id, child.prompt_token_ids, child.params, inputs
+                    child.request_id, child.prompt_token_ids, child.params, inputs, checked=True
                 )
         return [result for result, _, _ in prepared]
 

@@ -105,11 +105,9 @@ def encode_prompt(
         if tokenizer is None:
             raise ValueError("prompt is text but the model has no tokenizer; pass token ids")
         return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-    if not isinstance(prompt, list | tuple) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt
-    ):
+    if not isinstance(prompt, list | tuple):
         raise ValueError("prompt must be a string or a list of integer token ids")
-    return list(prompt)
+    return list(prompt)  # each id is checked with the request (`intake.check_prompt`)
 
 
 def apply_chat_template(
