@@ -48,6 +48,7 @@ UNALIGNED = FLOAT_SCALARS | {
     "short_q_len",
     "dense_min_len",
     "stride_pt",
+    "tokens",
 }
 # Constexprs of each kernel (USE_PDL is set for all), as the decode path of a
 # qwen3-like layer uses them.
@@ -78,7 +79,9 @@ KERNELS = {
             ("invariant_matmul_loop", False, 2, False))},
     "add_rms_norm": (_add_rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=1024)),
     "rope_store": (_rope_store_kernel, dict(
-        HQ=16, HKV=8, D=128, BLOCK_G=2, QK_NORM=True, FRESH=False)),
+        HQ=16, HKV=8, D=128, BLOCK_G=2, BLOCK_T=1, QK_NORM=True, FRESH=False)),
+    "rope_store_blocked": (_rope_store_kernel, dict(
+        HQ=16, HKV=8, D=128, BLOCK_G=2, BLOCK_T=4, QK_NORM=True, FRESH=True)),
     "silu_and_mul": (_silu_and_mul_kernel, dict(BLOCK=1024)),
     "decode_inputs": (_decode_inputs_kernel, dict(BLOCK_W=128)),
     "argmax": (_argmax_kernel, dict(CHUNKS=75, BLOCK=2048, BLOCK_C=128, TO_HOST=True)),

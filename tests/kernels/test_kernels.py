@@ -865,12 +865,13 @@ def test_pdl_kernels_wait_before_touching_memory() -> None:
     expert weights) read before it."""
     before_wait = _compiled_report("tests.kernels.ptx_prologue")
     assert set(before_wait) >= {"decode_split", "decode_reduce", "verify_split", "gemv",
-                                "gemv_dot", "rope_store", "moe_gate_up_gemv", "moe_down_gemv",
+                                "gemv_dot", "rope_store", "rope_store_blocked", "moe_gate_up_gemv",
+                                "moe_down_gemv",
                                 "invariant_matmul", "invariant_matmul_swiglu",
                                 "invariant_matmul_across", "invariant_matmul_loop", "invariant",
                                 "invariant_int64_index", "invariant_merge"}  # fmt: skip
-    reads_first = {"gemv", "gemv_dot", "rope_store", "decode_split", "decode_split_late",
-                   "moe_down_gemv"}  # fmt: skip
+    reads_first = {"gemv", "gemv_dot", "rope_store", "rope_store_blocked", "decode_split",
+                   "decode_split_late", "moe_down_gemv"}  # fmt: skip
     for name, ops in before_wait.items():
         if name in reads_first:
             assert ops and all(op.startswith("ld.global") for op in ops), (name, ops)
