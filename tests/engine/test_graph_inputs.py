@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import msgspec
 import pytest
 import torch
 
@@ -15,6 +16,10 @@ pytest.importorskip("triton")  # the graph-safe backend and the input fill are T
 
 from tests.conftest import hf_greedy
 from tokenmill import LLM, SamplingParams
+from tokenmill.engine.core_process import engine_stats
+from tokenmill.ipc.messages import EngineStats
+from tokenmill.ipc.sockets import encode
+from tokenmill.observability.metrics import ServerMetrics
 from tokenmill.runner.cuda_graphs import CudaGraphRunner
 
 PROMPTS = [list(range(3, 10)), [100, 200, 300], list(range(20, 45))]
@@ -115,8 +120,10 @@ def test_background_capture_before_the_step_that_needs_it(checkpoints) -> None:
     llm = _graphed_llm(path, capture=False)
     runner = llm.engine.runner
     assert runner.graphs_pending == 4  # prefill 16; decode 4, 2, 1
+    assert _pending_gauge(llm) == 4
     assert llm.engine.step() == []  # idle: the next pending graph
     assert runner.graphs_pending == 3
+    assert _pending_gauge(llm) == 3
     prompts = [*PROMPTS, [7, 8, 9, 10, 11]]
     lengths = [9, 3, 6, 8]  # rows finish one by one: decode batches of 4, 3, 2 and 1
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
@@ -126,9 +133,24 @@ def test_background_capture_before_the_step_that_needs_it(checkpoints) -> None:
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert _Replay.replays >= max(lengths) - 1  # every decode step; the prefill batch eager
     assert runner.graphs_pending == 0
+    assert _pending_gauge(llm) == 0
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == (
         expected
     )
+
+
+def _pending_gauge(llm: LLM) -> float:
+    """`tokenmill:cuda_graphs_pending` of a server whose engine core were `llm`'s (its stats
+    through the IPC's encoding)."""
+    stats = msgspec.msgpack.decode(encode(engine_stats(llm.engine, {}, 0.0)), type=EngineStats)
+    metrics = ServerMetrics("m", trace_file=None, log_requests=False)
+    metrics.engine.stats = stats
+    (line,) = [
+        line
+        for line in metrics.render().decode().splitlines()
+        if line.startswith("tokenmill:cuda_graphs_pending{")
+    ]
+    return float(line.split()[-1])
 
 
 def test_a_failed_background_capture_leaves_its_steps_eager(checkpoints, monkeypatch) -> None:

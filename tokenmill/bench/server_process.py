@@ -27,6 +27,7 @@ FIRST_MAX_TOKENS = 16
 _PHASE = re.compile(r"^tokenmill:startup_seconds\{([^}]*)\} (\S+)$", re.M)
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 _STARTUP_LINE = re.compile(r"start-up \d+\.\d+ s \(.*\)")
+_PENDING = re.compile(r"^tokenmill:cuda_graphs_pending\{[^}]*\} (\S+)$", re.M)
 
 
 def cache_environment(root: Path) -> dict[str, str]:
@@ -154,6 +155,21 @@ class ServerProcess:
                     pass
                 time.sleep(0.05)
         raise RuntimeError(f"no completion {timeout_s:.0f} s after launch:\n{self.log_tail()}")
+
+    def wait_graphs_captured(self, timeout_s: float) -> float:
+        """Poll /metrics (every 100 ms) until the engine has no CUDA graph or build ahead left
+        to capture in the background (`tokenmill:cuda_graphs_pending`; a step that needs one
+        waits for its capture, so a throughput measured earlier counts captures); returns the
+        seconds waited. RuntimeError if the server exits or `timeout_s` passes."""
+        start = time.perf_counter()
+        with httpx.Client(base_url=self.base_url, timeout=30) as client:
+            while (waited := time.perf_counter() - start) < timeout_s:
+                self._check_running()
+                pending = _PENDING.search(client.get("/metrics").text)
+                if pending is not None and float(pending[1]) == 0:
+                    return waited
+                time.sleep(0.1)
+        raise RuntimeError(f"CUDA graphs still pending after {timeout_s:.0f} s")
 
     def _elapsed(self) -> float:
         return time.perf_counter() - self._launched

@@ -222,27 +222,34 @@ class EngineCoreLoop:
         self._reset_step()
 
     def _stats(self) -> EngineStats:
-        engine = self.engine
-        cache = engine.cache
-        return EngineStats(
-            num_running=len(engine.scheduler.running),
-            num_waiting=len(engine.scheduler.waiting) + engine.num_compiling,
-            kv_used_pages=cache.num_used_pages,
-            kv_total_pages=cache.pool.num_pages,
-            prefix_cache_queries=cache.stats.queries,
-            prefix_cache_hits=cache.stats.hits,
-            num_preemptions=engine.scheduler.stats.num_preemptions,
-            finished=dict(engine.stats.finished),
-            prompt_tokens=engine.stats.prompt_tokens,
-            generation_tokens=engine.stats.generation_tokens,
-            histograms=_histograms(engine),
-            engine_pid=os.getpid(),
-            spec_decode=_spec_counts(engine),
-            host_kv_cache=_host_counts(engine),
-            vision_encoder=_encoder_counts(engine),
-            startup_seconds=self.startup_seconds,
-            startup_ended_at=self.startup_ended_at,
-        )
+        return engine_stats(self.engine, self.startup_seconds, self.startup_ended_at)
+
+
+def engine_stats(
+    engine: EngineCore, startup_seconds: dict[str, float], startup_ended_at: float
+) -> EngineStats:
+    """A snapshot of `engine`'s load and counters, as the api server's metrics read it."""
+    cache = engine.cache
+    return EngineStats(
+        num_running=len(engine.scheduler.running),
+        num_waiting=len(engine.scheduler.waiting) + engine.num_compiling,
+        kv_used_pages=cache.num_used_pages,
+        kv_total_pages=cache.pool.num_pages,
+        prefix_cache_queries=cache.stats.queries,
+        prefix_cache_hits=cache.stats.hits,
+        num_preemptions=engine.scheduler.stats.num_preemptions,
+        finished=dict(engine.stats.finished),
+        prompt_tokens=engine.stats.prompt_tokens,
+        generation_tokens=engine.stats.generation_tokens,
+        histograms=_histograms(engine),
+        engine_pid=os.getpid(),
+        spec_decode=_spec_counts(engine),
+        host_kv_cache=_host_counts(engine),
+        vision_encoder=_encoder_counts(engine),
+        startup_seconds=startup_seconds,
+        startup_ended_at=startup_ended_at,
+        graphs_pending=engine.runner.graphs_pending,
+    )
 
 
 def _histograms(engine: EngineCore) -> dict[str, Histogram]:

@@ -142,6 +142,9 @@ class EngineStats(msgspec.Struct):
     # When its start-up ended (`time.time()`; 0: not said): the api server tells how long the
     # first stats took to reach it.
     startup_ended_at: float = 0.0
+    # CUDA graphs and builds ahead (cuDNN's) still to capture in the background: a step that
+    # needs one first waits for its capture (0: all done, or captured at start-up).
+    graphs_pending: int = 0
 
 
 class HostKVCacheCounts(msgspec.Struct):

@@ -70,6 +70,11 @@ class _EngineCollector(Collector):
                 "Fraction of KV-cache pages in use (1 = full).",
                 stats.kv_used_pages / max(stats.kv_total_pages, 1),
             ),
+            "cuda_graphs_pending": (
+                "CUDA graphs and builds ahead still to capture in the background (a step "
+                "that needs one waits for its capture; 0: all done).",
+                stats.graphs_pending,
+            ),
         }
         for name, (doc, value) in gauges.items():
             g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
