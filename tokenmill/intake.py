@@ -1,7 +1,8 @@
 """Request intake: the checks and the `n` fan-out every request goes through before it runs.
 
 The offline `LLM` and the server's tokenizer workers both call `prepare`; the engine core calls
-`check_prompt` again when a request is added, since it must never hold a request that can not run.
+`check_prompt` again when a request is added, since it must never hold a request that can not run
+(but for `LLM`'s, which `prepare` made a call before in the same process: `checked=True`).
 The rules, written once:
 
 - the prompt has at least one token, every id inside the vocabulary, and leaves room for one
@@ -109,14 +110,12 @@ def _check_ids(ids: Sequence[int], vocab_size: int, what: str, param: str) -> No
     # The type check comes first: direct users of the engine may pass anything. Its loops run
     # in C (a data prompt of 8,000 ids in ~0.2 ms, a Python loop took ~1 ms), and only a bad
     # list walks it in Python to name what is wrong.
-    if not ids or (set(map(type, ids)) <= {int} and min(ids) >= 0 and max(ids) < vocab_size):
+    # (`len`, not truth: an array's truth is its value, or an error.)
+    if len(ids) == 0 or (set(map(type, ids)) <= {int} and min(ids) >= 0 and max(ids) < vocab_size):
         return
     bad = [t for t in ids if not (type(t) is int and 0 <= t < vocab_size)]
-    raise IntakeError(
-        f"{what} must be in [0, {vocab_size}) (integers, not bools or floats), got "
-        f"{bad[:_MAX_SHOWN]}",
-        param,
-    )
+    kind = "" if all(type(t) is int for t in bad) else " (Python integers: not bools or floats)"
+    raise IntakeError(f"{what} must be in [0, {vocab_size}){kind}, got {bad[:_MAX_SHOWN]}", param)
 
 
 def fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:

@@ -40,7 +40,7 @@ from tokenmill.kernels.invariant_matmul import (  # noqa: E402
     k_chunks,
 )
 from tokenmill.kernels.norm import rms_norm  # noqa: E402
-from tokenmill.kernels.rope_store import rope_and_store  # noqa: E402
+from tokenmill.kernels.rope_store import rope_and_store, rope_block_tokens  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Triton 3.6's CPU interpreter computes bfloat16 `tl.dot` wrongly (~1e10 off on a 16x16 product),
@@ -366,6 +366,15 @@ def test_rope_norm_and_kv_store(
     _close(fresh[0][written], k_rot[written], dtype)
     _close(fresh[1][written], v_ref[written], dtype)
     assert (fresh[:, ~written] == 0).all()  # a row that stores nothing: zeros
+
+
+def test_rope_blocks_tokens_only_in_long_steps_of_small_groups() -> None:
+    """4 tokens a program from 512 tokens (Qwen3-0.6B: 2 query heads of 128 a KV head;
+    Llama-3.1-8B: 4), one below, and one for groups of more than 512 values (8 x 128)."""
+    assert rope_block_tokens(8192, 2, 128) == rope_block_tokens(512, 4, 128) == 4
+    assert rope_block_tokens(511, 2, 128) == rope_block_tokens(1, 2, 128) == 1
+    assert rope_block_tokens(8192, 8, 128) == rope_block_tokens(8192, 3, 256) == 1
+    assert rope_block_tokens(8192, 3, 128) == 4  # padded to 4 heads: 512 values
 
 
 def _rope_tables(d: int, positions: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
 from tokenmill.intake import (
     ContextLimits,
@@ -37,6 +39,29 @@ def test_a_request_that_can_never_run_names_its_field(prompt, params, param, fra
     assert info.value.param == param
     for fragment in fragments:
         assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "shown"),
+    [
+        ([1, True, 2.0], "[True, 2.0]"),
+        (np.array([0]), "[np.int64(0)]"),  # an array is not a list of ints, even one of 0
+        (np.array([3, 4]), "[np.int64(3), np.int64(4)]"),
+        (torch.tensor([0]), "[tensor(0)]"),
+        ((1, "2"), "['2']"),
+    ],
+)
+def test_ids_must_be_python_ints(prompt, shown: str) -> None:
+    # Direct engine users may pass anything: the type is checked before any range.
+    with pytest.raises(IntakeError, match="Python integers") as info:
+        check_prompt(prompt, SamplingParams(), LIMITS)
+    assert info.value.param == "prompt" and shown in str(info.value)
+
+
+def test_range_errors_do_not_mention_types() -> None:
+    with pytest.raises(IntakeError) as info:
+        check_prompt([1, 100], SamplingParams(), LIMITS)
+    assert str(info.value) == "prompt token ids must be in [0, 100), got [100]"
 
 
 def test_absent_max_tokens_is_the_room_left_in_the_context() -> None:

@@ -165,7 +165,10 @@ class ServerProcess:
         with httpx.Client(base_url=self.base_url, timeout=30) as client:
             while (waited := time.perf_counter() - start) < timeout_s:
                 self._check_running()
-                pending = _PENDING.search(client.get("/metrics").text)
+                try:
+                    pending = _PENDING.search(client.get("/metrics").text)
+                except httpx.TransportError:  # busy or going away: the next poll tells
+                    pending = None
                 if pending is not None and float(pending[1]) == 0:
                     return waited
                 time.sleep(0.1)

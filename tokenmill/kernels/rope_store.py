@@ -14,6 +14,9 @@ from tokenmill.kernels.pdl import pdl_options, pdl_wait
 # steps keep a program per token (a batch of a few tokens needs the programs).
 ROPE_BLOCK_TOKENS = 4
 ROPE_BLOCK_MIN_TOKENS = 512
+# ... for query groups of at most this many values a KV head (Qwen3-0.6B's 2 x 128 and
+# Llama-3.1-8B's 4 x 128 measured; 4 tokens of a larger group are tiles of 4K+ values a tile).
+ROPE_BLOCK_MAX_GROUP = 512
 
 
 @triton.jit
@@ -94,6 +97,14 @@ def _rope_store_kernel(
         tl.store(v_fresh_ptr + fresh_off, v, mask=in_step)
 
 
+def rope_block_tokens(tokens: int, group: int, head_dim: int) -> int:
+    """The tokens a program of `rope_and_store` takes by default in a step of `tokens`, for
+    `group` query heads a KV head: ROPE_BLOCK_TOKENS from ROPE_BLOCK_MIN_TOKENS tokens when
+    the group's values (padded to a power of two) are at most ROPE_BLOCK_MAX_GROUP, else 1."""
+    small = triton.next_power_of_2(group) * head_dim <= ROPE_BLOCK_MAX_GROUP
+    return ROPE_BLOCK_TOKENS if tokens >= ROPE_BLOCK_MIN_TOKENS and small else 1
+
+
 def rope_and_store(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -118,7 +129,7 @@ def rope_and_store(
     written to, by token, in their first T rows (a negative slot's as zeros). `spare_rows`:
     rows of q's storage past its last, left unwritten (a dense attention reads its rows'
     queries padded). `tokens_per_program` (a power of two): the tokens each program rotates
-    and stores (default: 1 below ROPE_BLOCK_MIN_TOKENS tokens, ROPE_BLOCK_TOKENS from there);
+    and stores (default: `rope_block_tokens`);
     1 for results that never depend on the batch (deterministic mode: a token's q/k norm is
     reduced in the same layout at any batch size).
     """
@@ -132,8 +143,8 @@ def rope_and_store(
         raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
     group = num_heads // num_kv_heads
     k_fresh, v_fresh = fresh if fresh is not None else (k_cache, v_cache)
-    block_t = tokens_per_program or (ROPE_BLOCK_TOKENS if tokens >= ROPE_BLOCK_MIN_TOKENS else 1)
     block_g = triton.next_power_of_2(group)
+    block_t = tokens_per_program or rope_block_tokens(tokens, group, head_dim)
     _rope_store_kernel[(triton.cdiv(tokens, block_t), num_kv_heads)](
         qkv, positions, slots, cos, sin, q_w, k_w, q, k_cache, v_cache, k_fresh, v_fresh,
         qkv.stride(0), eps, tokens, HQ=num_heads, HKV=num_kv_heads, D=head_dim,
