@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import msgspec
 import pytest
 import torch
 
@@ -17,10 +16,8 @@ pytest.importorskip("triton")  # the graph-safe backend and the input fill are T
 from tests.conftest import hf_greedy
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.core_process import engine_stats
-from tokenmill.ipc.messages import EngineStats
-from tokenmill.ipc.sockets import encode
-from tokenmill.observability.metrics import ServerMetrics
 from tokenmill.runner.cuda_graphs import CudaGraphRunner
+from tokenmill.testing.metrics import metrics_page
 
 PROMPTS = [list(range(3, 10)), [100, 200, 300], list(range(20, 45))]
 # On a GPU machine the Triton kernels run compiled, which needs CUDA tensors.
@@ -142,12 +139,9 @@ def test_background_capture_before_the_step_that_needs_it(checkpoints) -> None:
 def _pending_gauge(llm: LLM) -> float:
     """`tokenmill:cuda_graphs_pending` of a server whose engine core were `llm`'s (its stats
     through the IPC's encoding)."""
-    stats = msgspec.msgpack.decode(encode(engine_stats(llm.engine, {}, 0.0)), type=EngineStats)
-    metrics = ServerMetrics("m", trace_file=None, log_requests=False)
-    metrics.engine.stats = stats
     (line,) = [
         line
-        for line in metrics.render().decode().splitlines()
+        for line in metrics_page(engine_stats(llm.engine, {}, 0.0)).splitlines()
         if line.startswith("tokenmill:cuda_graphs_pending{")
     ]
     return float(line.split()[-1])

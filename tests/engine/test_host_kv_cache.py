@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import msgspec
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -16,8 +15,7 @@ from tokenmill.cache.kv_cache import KVCache
 from tokenmill.config import ModelConfig
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.ipc.messages import EngineStats, HostKVCacheCounts
-from tokenmill.ipc.sockets import encode
-from tokenmill.observability.metrics import ServerMetrics
+from tokenmill.testing.metrics import metrics_page
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PAGE = 4
@@ -152,9 +150,7 @@ def test_host_tier_counters_reach_metrics() -> None:
         prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0, finished={},
         prompt_tokens=0, generation_tokens=0, histograms={}, host_kv_cache=counts,
     )  # fmt: skip
-    metrics = ServerMetrics("m", trace_file=None, log_requests=False)
-    metrics.engine.stats = msgspec.msgpack.decode(encode(stats), type=EngineStats)  # as sent
-    text = metrics.render().decode()
+    text = metrics_page(stats)
     for line in ('host_kv_cache_hits_total{model_name="m"} 64.0',
                  'host_kv_cache_bytes_loaded_total{model_name="m"} 4096.0',
                  'host_kv_cache_bytes_written_total{model_name="m"} 8192.0',

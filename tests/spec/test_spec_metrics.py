@@ -7,9 +7,8 @@ import json
 import msgspec
 
 from tokenmill.ipc.messages import EngineStats, SpecDecodeCounts
-from tokenmill.ipc.sockets import encode
-from tokenmill.observability.metrics import ServerMetrics
 from tokenmill.spec.stats import SpecDecodeStats
+from tokenmill.testing.metrics import metrics_page
 
 
 def _stats(spec: SpecDecodeCounts | None) -> EngineStats:
@@ -20,18 +19,11 @@ def _stats(spec: SpecDecodeCounts | None) -> EngineStats:
     )  # fmt: skip
 
 
-def _render(stats: EngineStats) -> str:
-    """/metrics of a server whose engine sent `stats` (encoded and decoded, as the IPC does)."""
-    metrics = ServerMetrics("m", trace_file=None, log_requests=False)
-    metrics.engine.stats = msgspec.msgpack.decode(encode(stats), type=EngineStats)
-    return metrics.render().decode()
-
-
 def test_counters_are_exported_per_position() -> None:
     spec = SpecDecodeCounts(num_drafts=3, num_draft_tokens=9, num_accepted_tokens=7,
                             accepted_per_position=[3, 2, 1, 1])  # fmt: skip
     stats = _stats(spec)
-    text = _render(stats)
+    text = metrics_page(stats)
     assert 'tokenmill:spec_decode_num_drafts_total{model_name="m"} 3.0' in text
     assert 'tokenmill:spec_decode_num_draft_tokens_total{model_name="m"} 9.0' in text
     assert 'tokenmill:spec_decode_num_accepted_tokens_total{model_name="m"} 7.0' in text
@@ -43,9 +35,7 @@ def test_counters_are_exported_per_position() -> None:
 
 
 def test_nothing_is_exported_without_speculation() -> None:
-    metrics = ServerMetrics("m", trace_file=None, log_requests=False)
-    metrics.engine.stats = _stats(None)
-    assert "spec_decode" not in metrics.render().decode()
+    assert "spec_decode" not in metrics_page(_stats(None))
 
 
 def test_chosen_drafts_histogram_is_exported() -> None:
@@ -54,7 +44,7 @@ def test_chosen_drafts_histogram_is_exported() -> None:
         chosen.observe(n)
     stats = _stats(SpecDecodeCounts(0, 0, 0, []))
     stats.histograms["spec_decode_chosen_drafts"] = chosen
-    text = _render(stats)
+    text = metrics_page(stats)
     assert "# HELP tokenmill:spec_decode_chosen_drafts Drafts verified per request" in text
     assert 'tokenmill:spec_decode_chosen_drafts_bucket{le="0.0",model_name="m"} 1.0' in text
     assert 'tokenmill:spec_decode_chosen_drafts_bucket{le="3.0",model_name="m"} 2.0' in text

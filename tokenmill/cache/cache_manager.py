@@ -60,8 +60,14 @@ class CacheManager:
     @property
     def num_used_pages(self) -> int:
         """Pages held by sequences or cached prefixes that are still referenced."""
+        return self.pool.num_pages - self.num_available_pages
+
+    @property
+    def num_available_pages(self) -> int:
+        """Pages an allocation can take: free ones and cached prefixes no sequence references
+        (evicted on demand)."""
         evictable = self.radix.num_evictable_pages if self.radix is not None else 0
-        return self.pool.num_pages - self.pool.num_free - evictable
+        return self.pool.num_free + evictable
 
     def pages_needed(self, num_tokens: int) -> int:
         """Pages that hold `num_tokens` tokens."""

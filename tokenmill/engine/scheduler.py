@@ -362,10 +362,9 @@ class Scheduler:
                 continue
             # read-only checks first: a prefix match locks and may load the host tier's pages
             key = _prefix_key(req)
-            available = self.cache.pool.num_pages - self.cache.num_used_pages
             if req.num_tokens - self.cache.cached_length(key) > budget:
                 continue
-            if available - self.cache.pages_needed(req.num_tokens) < need:
+            if self.cache.num_available_pages - self.cache.pages_needed(req.num_tokens) < need:
                 return
             req.num_computed_tokens = self.cache.match_prefix(req.pages, key)
             uncomputed = req.num_uncomputed_tokens(0)

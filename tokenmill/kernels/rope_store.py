@@ -129,9 +129,8 @@ def rope_and_store(
     written to, by token, in their first T rows (a negative slot's as zeros). `spare_rows`:
     rows of q's storage past its last, left unwritten (a dense attention reads its rows'
     queries padded). `tokens_per_program` (a power of two): the tokens each program rotates
-    and stores (default: `rope_block_tokens`);
-    1 for results that never depend on the batch (deterministic mode: a token's q/k norm is
-    reduced in the same layout at any batch size).
+    and stores (default: `rope_block_tokens`); 1 for results that never depend on the batch
+    (deterministic mode: a token's q/k norm is reduced in the same layout at any batch size).
     """
     tokens = qkv.shape[0]
     shape = (tokens + spare_rows, num_heads, head_dim)
