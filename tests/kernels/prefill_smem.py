@@ -15,7 +15,6 @@ import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from triton.runtime.jit import JITFunction
 
 from tests.kernels.ptx_prologue import INT_PTRS, UNALIGNED
 from tokenmill.attention.triton_backend import VERIFY_MAX_ACC
@@ -26,6 +25,7 @@ from tokenmill.kernels.attention import (
     decode_blocks,
     prefill_tiles,
 )
+from tokenmill.kernels.launch import DirectLaunch
 
 # The largest of each kind: the wide tile in bf16 (head_dim 128) and in float32 (64), the
 # narrow one and the short rows' launch in float32 with head_dim 256 (the other cases need
@@ -63,10 +63,11 @@ def decode_shared_bytes(head_dim: int, itemsize: int) -> int:
 
 
 def _shared(
-    kernel: JITFunction, constexprs: dict[str, int], element: str, options: dict[str, int]
+    launcher: DirectLaunch, constexprs: dict[str, int], element: str, options: dict[str, int]
 ) -> int:
-    """Shared memory of `kernel` compiled for sm_90 with `constexprs`, its data pointers of
+    """Shared memory of the kernel compiled for sm_90 with `constexprs`, its data pointers of
     type `element` (the split scratch float32) and launch `options`."""
+    kernel = launcher.jit
     signature = {
         n: "constexpr" if n in constexprs
         else "*i32" if n in INT_PTRS else "*fp32" if n.startswith("mid_")

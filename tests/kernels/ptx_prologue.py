@@ -28,6 +28,7 @@ from tokenmill.kernels.fused_moe import _down_gemv_kernel, _gate_up_gemv_kernel
 from tokenmill.kernels.gemv import _gemv_kernel
 from tokenmill.kernels.graph_inputs import _decode_inputs_kernel
 from tokenmill.kernels.invariant_matmul import _invariant_matmul_kernel
+from tokenmill.kernels.launch import DirectLaunch
 from tokenmill.kernels.norm import _add_rms_norm_kernel
 from tokenmill.kernels.rope_store import _rope_store_kernel
 
@@ -102,12 +103,13 @@ def _type(name: str, int64: bool, int64_index: bool = False) -> str:
 
 
 def memory_ops_before_wait(
-    kernel: triton.JITFunction,
+    launcher: DirectLaunch,
     constexprs: dict[str, object],
     int64: bool = False,
     int64_index: bool = False,
 ) -> list[str]:
-    """The global-memory instructions of `kernel`'s PTX that come before its first wait."""
+    """The global-memory instructions of the kernel's PTX that come before its first wait."""
+    kernel = launcher.jit
     constexprs = {**constexprs, "USE_PDL": True}
     signature = {
         n: "constexpr" if n in constexprs else _type(n, int64, int64_index)

@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.launch import direct_launch
 from tokenmill.kernels.pdl import pdl_options, pdl_wait
 
 
@@ -18,6 +19,7 @@ def silu_mul(gate, up):
     return silu.to(tl.float32) * up.to(tl.float32)
 
 
+@direct_launch
 @triton.jit
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.constexpr, USE_PDL: tl.constexpr

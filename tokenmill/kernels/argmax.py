@@ -12,12 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.launch import direct_launch
 from tokenmill.kernels.pdl import pdl_options, pdl_wait
 from tokenmill.kernels.tickets import last_to_arrive, reset_ticket, ticket_buffer
 
 BLOCK = 2048  # vocabulary entries per program
 
 
+@direct_launch
 @triton.jit
 def _argmax_kernel(
     logits_ptr, tokens_ptr, host_ptr, part_val_ptr, part_idx_ptr, ticket_ptr, vocab, stride_row,

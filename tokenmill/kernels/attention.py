@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.launch import direct_launch
 from tokenmill.kernels.pdl import pdl_options, pdl_wait
 
 _LOG2E = 1.4426950408889634
@@ -147,6 +148,7 @@ def _store_split(
 # divisible by 16, would otherwise compile a kernel of its own inside a serving run (short_q_len,
 # dense_min_len; stride_pt, the page table's width: the most pages any sequence of the batch
 # needs).
+@direct_launch
 @triton.jit(do_not_specialize=["short_q_len", "dense_min_len", "stride_pt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, kv_lens_ptr, page_table_ptr,
@@ -323,6 +325,7 @@ def _merge_parts(m, den, acc, m_p, l_p, acc_p):
     return m_new, den, acc
 
 
+@direct_launch
 @triton.jit(do_not_specialize=["stride_pt"])
 def _invariant_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_ml_ptr, cu_q_ptr, kv_lens_ptr,
@@ -391,6 +394,7 @@ def _invariant_kernel(
         tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 
 
+@direct_launch
 @triton.jit
 def _invariant_merge_kernel(
     mid_o_ptr, mid_ml_ptr, out_ptr, HQ: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr,
@@ -501,6 +505,7 @@ def invariant_attention(
 # SPLITS is a plain argument, never specialised: the split count follows the batch size
 # (`attention.triton_backend.decode_splits`), and a compile per count cost seconds of start-up;
 # stride_pt as in the prefill kernel.
+@direct_launch
 @triton.jit(do_not_specialize=["SPLITS", "stride_pt"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, kv_lens_ptr,
@@ -580,6 +585,7 @@ def _decode_split_kernel(
     )  # fmt: skip
 
 
+@direct_launch
 @triton.jit(do_not_specialize=["SPLITS"])
 def _decode_reduce_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr, SPLITS, HQ: tl.constexpr, D: tl.constexpr,
@@ -603,6 +609,7 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + (seq * HQ + h) * D + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
+@direct_launch
 @triton.jit(do_not_specialize=["SPLITS", "stride_pt"])
 def _verify_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, cu_q_ptr, kv_lens_ptr,

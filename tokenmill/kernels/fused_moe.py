@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.gemv_config import InputNorm
+from tokenmill.kernels.launch import direct_launch
 from tokenmill.kernels.moe_routing import (
     GEMV_MAX_TOKENS,
     MOE_GEMV_CONFIG,
@@ -81,6 +82,7 @@ def _route_rows(
     return chosen
 
 
+@direct_launch
 @triton.jit
 def _route_align_kernel(
     logits_ptr, weights_ptr, ids_ptr, pair_ids_ptr, block_experts_ptr, num_padded_ptr,
@@ -128,6 +130,7 @@ def _route_align_kernel(
         seen += tl.sum(onehot, axis=0)
 
 
+@direct_launch
 @triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, out_ptr, pair_ids_ptr, block_experts_ptr, num_padded_ptr,
@@ -167,6 +170,7 @@ def _gate_up_kernel(
     tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
 
 
+@direct_launch
 @triton.jit
 def _down_kernel(
     h_ptr, w_ptr, out_ptr, weights_ptr, pair_ids_ptr, block_experts_ptr, num_padded_ptr,
@@ -235,6 +239,7 @@ def _top_experts(
     return ids, weights
 
 
+@direct_launch
 @triton.jit
 def _gate_up_gemv_kernel(
     x_ptr, w_ptr, out_ptr, logits_ptr, norm_w_ptr, eps, hidden, inter, num_experts,
@@ -295,6 +300,7 @@ def _gate_up_gemv_kernel(
     tl.store(out, h.to(out_ptr.dtype.element_ty), mask=slot_ok[:, None] & col_ok[None, :])
 
 
+@direct_launch
 @triton.jit
 def _down_gemv_kernel(
     h_ptr, w_ptr, out_ptr, logits_ptr, hidden, inter, num_experts,

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.gemv_config import GemvConfig, InputNorm
+from tokenmill.kernels.launch import direct_launch
 from tokenmill.kernels.pdl import pdl_options, pdl_wait
 from tokenmill.kernels.tickets import last_to_arrive, reset_ticket, ticket_buffer
 
@@ -51,6 +52,7 @@ def _x_slab(
     return x, up, r
 
 
+@direct_launch
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, part_ptr, ticket_ptr, res_ptr, new_res_ptr, norm_w_ptr, ss_ptr, eps,

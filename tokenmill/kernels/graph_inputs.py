@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.launch import direct_launch
 from tokenmill.kernels.pdl import pdl_options, pdl_wait
 
 # The packed block: batch size B and page-table width W, then five arrays of `padded` entries
@@ -24,6 +25,7 @@ _HEADER = 2
 _ARRAYS = 5
 
 
+@direct_launch
 @triton.jit
 def _decode_inputs_kernel(
     block_ptr, sampled_ptr, out_ids_ptr, out_pos_ptr, out_slots_ptr, out_kv_lens_ptr,
@@ -105,6 +107,7 @@ def fill_decode_inputs(
 _VERIFY_HEADER = 3
 
 
+@direct_launch
 @triton.jit
 def _verify_inputs_kernel(
     block_ptr, sampled_ptr, drafts_ptr, out_ids_ptr, out_pos_ptr, out_slots_ptr, out_cu_ptr,

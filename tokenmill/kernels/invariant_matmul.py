@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.activation import silu_mul
+from tokenmill.kernels.launch import direct_launch
 from tokenmill.kernels.pdl import pdl_options, pdl_wait
 from tokenmill.kernels.tickets import last_to_arrive, reset_ticket, ticket_buffer
 
@@ -123,6 +124,7 @@ def _finish(
     tl.store(out_ptrs, out, mask=m_mask[:, None] & n_mask[None, :])
 
 
+@direct_launch
 @triton.jit
 def _invariant_matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, k_chunk, stride_xm,

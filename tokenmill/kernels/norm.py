@@ -6,9 +6,11 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.launch import direct_launch
 from tokenmill.kernels.pdl import pdl_options, pdl_wait
 
 
+@direct_launch
 @triton.jit
 def _add_rms_norm_kernel(
     x_ptr,

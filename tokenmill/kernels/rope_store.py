@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.launch import direct_launch
 from tokenmill.kernels.pdl import pdl_options, pdl_wait
 
 # Prefill steps of at least ROPE_BLOCK_MIN_TOKENS tokens rotate ROPE_BLOCK_TOKENS tokens a
@@ -38,6 +39,7 @@ def _rotate(
     return xf * cos + xr * sign[None, :] * sin
 
 
+@direct_launch
 @triton.jit(do_not_specialize=["tokens"])
 def _rope_store_kernel(
     qkv_ptr, positions_ptr, slots_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr,

@@ -1,0 +1,134 @@
+"""Launching a compiled Triton kernel without Triton's per-launch binder.
+
+`kernel[grid](*args)` on a `@triton.jit` function binds every argument, asks Triton's
+specialiser about each (dtype, 16-byte alignment of pointers, integers equal to 1 or
+multiples of 16, integer width), builds a string key, looks the compiled kernel up and
+assembles launch metadata for hooks: ~20 us of host time a launch on the H200's host, against
+~8 us for the compiled kernel's own launcher (`docs/perf-notes.md`, session 30). A prefill step
+of a small model launches ~140 Triton kernels, and the host's time a step is its limit.
+
+`direct_launch` wraps a kernel so that `kernel[grid](*args, **kwargs)` keeps Triton's
+semantics but, after the first launch of each specialisation, calls the compiled kernel's
+launcher straight away. Its key is a refinement of Triton's: equal keys imply equal
+specialisations, so a cached kernel is only ever launched with arguments it was compiled for.
+
+- a tensor: its dtype and whether its address is a multiple of 16;
+- an int: whether it is 1, a multiple of 16, and in the 32-bit or 64-bit signed range;
+- a float, a bool, None: the type alone (Triton does not specialise on their value);
+- a constexpr parameter, and every launch option (`num_warps`, `launch_pdl`, ...): the value;
+- the current CUDA device.
+
+Other argument types, launch hooks (`triton.knobs.runtime.launch_enter_hook`), and Triton's
+interpreter take Triton's own path, as does every first launch (which compiles or finds the
+kernel in Triton's cache and is what fills ours).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from triton import knobs
+from triton.runtime.jit import JITFunction
+
+
+class _Unkeyed(Exception):
+    """An argument whose specialisation the key does not model: take Triton's path."""
+
+
+def _other_key(arg: Any) -> Any:
+    """The key of a runtime argument that is neither a plain tensor nor an int."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, not arg.data_ptr() & 15
+    if arg.__class__ is float or arg.__class__ is bool or arg is None:
+        return arg.__class__
+    raise _Unkeyed
+
+
+def _runtime_key(name: str) -> str:
+    """Source of a runtime argument's key: a tensor's dtype and 16-byte alignment; an int's
+    equality to 1, divisibility by 16 and width; otherwise `_other_key`."""
+    return (
+        f"(({name}.dtype, not {name}.data_ptr() & 15) if {name}.__class__ is Tensor else "
+        f"(({name} == 1, not {name} & 15, -2147483648 <= {name} <= 2147483647, "
+        f"{name} <= 9223372036854775807) if {name}.__class__ is int else _other_key({name})))"
+    )
+
+
+def _key_function(jit: JITFunction) -> Callable[..., tuple[tuple, tuple]]:
+    """A function with the kernel's signature (and `**options`) that returns the launch's key
+    and every argument in order. Generated, as Triton's binder is: one flat expression is
+    several times cheaper than a loop over the arguments."""
+    params = list(jit.signature.parameters.values())
+    names = [p.name for p in params]
+    signature = [
+        f"{p.name}=_default_{p.name}" if p.default is not p.empty else p.name for p in params
+    ]
+    keys = [
+        f"{n}.__class__, {n}" if p.is_constexpr else _runtime_key(n)
+        for n, p in zip(names, jit.params, strict=True)
+    ]
+    source = (
+        f"def key({', '.join([*signature, '**options'])}):\n"
+        f"    return (tuple(options.items()), {', '.join(keys)}), ({', '.join(names)},)\n"
+    )
+    namespace: dict[str, Any] = {"Tensor": torch.Tensor, "_other_key": _other_key}
+    namespace.update({f"_default_{p.name}": p.default for p in params if p.default is not p.empty})
+    exec(source, namespace)
+    return namespace["key"]
+
+
+class DirectLaunch:
+    """A `@triton.jit` kernel whose launches after the first of each specialisation call the
+    compiled kernel's launcher directly. `kernel[grid](*args, **kwargs)` as with Triton, with
+    `grid` a tuple of 1 to 3 ints; `jit` is the wrapped function (for compiling it by hand)."""
+
+    def __init__(self, jit: JITFunction) -> None:
+        self.jit = jit
+        self._direct = isinstance(jit, JITFunction)  # not Triton's interpreter
+        if self._direct:
+            self._key = _key_function(jit)
+            self._cache: dict[tuple, tuple[Callable[..., Any], Any, Any]] = {}
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., Any]:
+        if not self._direct:
+            return self.jit[grid]
+        return functools.partial(self.launch, grid)
+
+    def launch(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+        """Launch over `grid` with the kernel's arguments and launch options."""
+        device = torch._C._cuda_getDevice()
+        try:
+            key, full = self._key(*args, **kwargs)
+        except _Unkeyed:
+            self.jit[grid](*args, **kwargs)
+            return
+        key = (device, key)
+        entry = self._cache.get(key)
+        hooks = knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls
+        if entry is None or hooks:
+            compiled = self.jit[grid](*args, **kwargs)
+            if not hooks:
+                self._cache[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+            return
+        run, function, metadata = entry
+        n = len(grid)
+        run(
+            grid[0],
+            grid[1] if n > 1 else 1,
+            grid[2] if n > 2 else 1,
+            torch._C._cuda_getCurrentRawStream(device),
+            function,
+            metadata,
+            None,
+            None,
+            None,
+            *full,
+        )
+
+
+def direct_launch(jit: JITFunction) -> DirectLaunch:
+    """Decorator (over `@triton.jit`): launch the kernel through `DirectLaunch`."""
+    return DirectLaunch(jit)
