@@ -4,9 +4,11 @@ launches themselves are checked on the GPU in `tests/gpu/test_launch_gpu.py`).""
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 import torch
+import triton
 import triton.language as tl
 from hypothesis import given
 from hypothesis import strategies as st
@@ -84,3 +86,18 @@ def test_key_holds_options_defaults_and_constexpr_types() -> None:
 def test_unmodelled_arguments_take_tritons_path(arg) -> None:
     with pytest.raises(_Unkeyed):
         RUNTIME_KEY(arg)
+
+
+def test_direct_path_only_for_checked_triton_versions_and_compiled_kernels(monkeypatch) -> None:
+    """A Triton whose launcher protocol was not checked, and Triton's interpreter (this test
+    session's kernels), take Triton's own launch."""
+    from tokenmill.kernels import launch
+    from tokenmill.kernels.norm import _add_rms_norm_kernel
+
+    assert launch.DirectLaunch(JITFunction(_runtime))._direct == (
+        ".".join(triton.__version__.split(".")[:2]) in launch.DIRECT_TRITON
+    )
+    monkeypatch.setattr(launch, "DIRECT_TRITON", ())
+    assert not launch.DirectLaunch(JITFunction(_runtime))._direct
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    assert _add_rms_norm_kernel._direct is not interpreted

@@ -5,7 +5,7 @@ specialiser about each (dtype, 16-byte alignment of pointers, integers equal to 
 multiples of 16, integer width), builds a string key, looks the compiled kernel up and
 assembles launch metadata for hooks: ~20 us of host time a launch on the H200's host, against
 ~8 us for the compiled kernel's own launcher (`docs/perf-notes.md`, session 30). A prefill step
-of a small model launches ~140 Triton kernels, and the host's time a step is its limit.
+of a small model launches ~140 Triton kernels, and its host time was the data workload's limit.
 
 `direct_launch` wraps a kernel so that `kernel[grid](*args, **kwargs)` keeps Triton's
 semantics but, after the first launch of each specialisation, calls the compiled kernel's
@@ -18,9 +18,11 @@ specialisations, so a cached kernel is only ever launched with arguments it was 
 - a constexpr parameter, and every launch option (`num_warps`, `launch_pdl`, ...): the value;
 - the current CUDA device.
 
-Other argument types, launch hooks (`triton.knobs.runtime.launch_enter_hook`), and Triton's
-interpreter take Triton's own path, as does every first launch (which compiles or finds the
-kernel in Triton's cache and is what fills ours).
+Other argument types, launch hooks (`triton.knobs.runtime.launch_enter_hook`), Triton's
+interpreter and Triton versions whose launcher this was not checked against (DIRECT_TRITON) take
+Triton's own path, as does every first launch (which compiles or finds the kernel in Triton's
+cache and is what fills ours). Not repeated on the direct path: Triton's check that the globals
+a kernel read when compiled have not changed since (no kernel here writes a global).
 """
 
 from __future__ import annotations
@@ -30,8 +32,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from triton import knobs
+import triton
 from triton.runtime.jit import JITFunction
+
+# Triton versions (major.minor) whose launcher protocol this calls: `CompiledKernel.run(grid x,
+# y, z, stream, function, packed metadata, launch metadata, enter hook, exit hook, *args)`.
+DIRECT_TRITON = ("3.6",)
 
 
 class _Unkeyed(Exception):
@@ -87,7 +93,9 @@ class DirectLaunch:
 
     def __init__(self, jit: JITFunction) -> None:
         self.jit = jit
-        self._direct = isinstance(jit, JITFunction)  # not Triton's interpreter
+        version = ".".join(triton.__version__.split(".")[:2])
+        # not Triton's interpreter, and a launcher protocol known
+        self._direct = isinstance(jit, JITFunction) and version in DIRECT_TRITON
         if self._direct:
             self._key = _key_function(jit)
             self._cache: dict[tuple, tuple[Callable[..., Any], Any, Any]] = {}
@@ -107,7 +115,7 @@ class DirectLaunch:
             return
         key = (device, key)
         entry = self._cache.get(key)
-        hooks = knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls
+        hooks = _hooks_installed()
         if entry is None or hooks:
             compiled = self.jit[grid](*args, **kwargs)
             if not hooks:
@@ -127,6 +135,12 @@ class DirectLaunch:
             None,
             *full,
         )
+
+
+def _hooks_installed() -> bool:
+    """Whether a launch hook is installed (a profiler's): Triton's path calls them."""
+    runtime = triton.knobs.runtime
+    return bool(runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls)
 
 
 def direct_launch(jit: JITFunction) -> DirectLaunch:
