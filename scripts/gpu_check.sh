@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call (see ../shared/device/README.md).
 # Usage on the device:
-#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|moeprofile|structured|b4|b4adaptive|spechost|verifyfusion|tp|conformance|hostkv|startup|vl|det|detsweep|prefillattn|all]
+#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|moeprofile|structured|b4|b4adaptive|spechost|verifyfusion|tp|conformance|hostkv|startup|vl|det|detsweep|prefillattn|launch|all]
 # (gputests = the GPU engine tests and the GEMV, decode and rotary kernel tests + profile + B1;
 #  moe = the mixture-of-experts GPU and kernel tests (moetests), B1/B2 qwen3-30b-a3b with the
 #  transformers peer (moebench);
@@ -43,6 +43,8 @@
 #  workload's mixed step against its parts), then --decode --sweep (decode attention over B2's
 #  context lengths, every key block, stage and warp count): the prefill attention kernel alone on
 #  2k-32k prompts (paged K/V), every candidate tile, against torch SDPA and the matmul rate;
+#  launch = benchmarks/launch_cost.py: host us per launch of the add + RMSNorm and SwiGLU
+#  kernels through Triton's own launch and through the direct launch, and of their wrappers;
 #  detsweep = benchmarks/invariant_matmul_sweep.py: deterministic mode's matmul, each tile's rows
 #  bitwise against the row alone, and its time next to cuBLAS, weights streamed from HBM;
 #  conformance = `tokenmill eval conformance` of a bf16 server on llama-3.1-8b shapes with random
@@ -168,6 +170,9 @@ if [[ "$what" == prefillattn ]]; then
     | tee "$out/prefill-attention-mixed.log" | grep -E "decode rows" >> "$table"
   python3 benchmarks/prefill_attention.py --decode --sweep 2>&1 \
     | tee "$out/decode-attention.log" | grep -E " batch " >> "$table"
+fi
+if [[ "$what" == launch ]]; then
+  python3 benchmarks/launch_cost.py 2>&1 | tee "$out/launch-cost.log" | grep -E "^launch " >> "$table"
 fi
 if [[ "$what" == moesweep ]]; then
   python3 benchmarks/moe_sweep.py --config "$models/qwen3-30b-a3b" --out "$out/moe-sweep.json" \

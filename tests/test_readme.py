@@ -51,6 +51,10 @@ NOT_RUN = {
         "the compiled kernel and SDPA's flash kernel on a CUDA GPU (scripts/gpu_check.sh "
         "prefillattn runs it; tests/kernels checks the kernel's tiles on the CPU)"
     ),
+    "PYTHONPATH=$PWD python benchmarks/launch_cost.py": (
+        "CUDA launches (scripts/gpu_check.sh launch runs it; tests/kernels/test_launch.py checks "
+        "the direct launch's key on the CPU)"
+    ),
     "tokenmill bench serve ...": "options elided (...): the command above it runs",
     'tokenmill serve --model DIR --api-key "$KEY"': (
         "a second server on the same port (the api key: tests/reliability/test_http_edge.py)"
