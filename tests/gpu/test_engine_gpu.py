@@ -223,22 +223,21 @@ def test_gemv_choice_keeps_outputs() -> None:
 
 def _compiled(kernels: list) -> int:  # type: ignore[type-arg]
     """Compiled variants of the Triton `kernels` in this process's caches."""
-    return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
+    return sum(k.compiled() for k in kernels)
 
 
 def _triton_kernels() -> list:  # type: ignore[type-arg]
-    """Every Triton function of `tokenmill.kernels` (kernels and their helpers)."""
+    """Every launched Triton kernel of `tokenmill.kernels` (each a `DirectLaunch`)."""
     import importlib
     import pkgutil
 
-    import triton
-
     import tokenmill.kernels
+    from tokenmill.kernels.launch import DirectLaunch
 
     found = []
     for info in pkgutil.iter_modules(tokenmill.kernels.__path__):
         module = importlib.import_module(f"tokenmill.kernels.{info.name}")
-        found += [v for v in vars(module).values() if isinstance(v, triton.runtime.JITFunction)]
+        found += [v for v in vars(module).values() if isinstance(v, DirectLaunch)]
     return found
 
 
@@ -250,7 +249,7 @@ def test_serving_after_start_up_compiles_no_kernel(checkpoints) -> None:
     kernels = _triton_kernels()
     assert kernels
     for k in kernels:  # earlier tests' compiles must not stand in for the warm-up's
-        k.device_caches.clear()
+        k.reset()
     llm = LLM(str(checkpoints["qwen3"]), device="cuda", dtype="bfloat16",
               max_num_batched_tokens=96, max_num_seqs=16)  # fmt: skip
     before = _compiled(kernels)
@@ -278,7 +277,7 @@ def test_long_prompts_after_start_up_compile_no_kernel(checkpoints, monkeypatch)
     monkeypatch.setattr(attention, "WIDE_MIN_TOKENS", 512)
     kernels = _triton_kernels()
     for k in kernels:
-        k.device_caches.clear()
+        k.reset()
     llm = LLM(str(checkpoints["llama"]), device="cuda", dtype="bfloat16",
               max_num_batched_tokens=1024, max_num_seqs=16)  # fmt: skip
     before = _compiled(kernels)

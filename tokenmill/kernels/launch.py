@@ -15,14 +15,19 @@ specialisations, so a cached kernel is only ever launched with arguments it was 
 - a tensor: its dtype and whether its address is a multiple of 16;
 - an int: whether it is 1, a multiple of 16, and in the 32-bit or 64-bit signed range;
 - a float, a bool, None: the type alone (Triton does not specialise on their value);
-- a constexpr parameter, and every launch option (`num_warps`, `launch_pdl`, ...): the value;
-- the current CUDA device.
+- a constexpr parameter: an int's, bool's or None's value with its type, any other's `repr`
+  (Triton keys on the `str` of its specialisation: `0.0` is not `-0.0`, `(1,)` not `(True,)`);
+- every launch option (`num_warps`, `launch_pdl`, ...): its value and type;
+- the current CUDA device, and the two knobs Triton adds to every launch's options
+  (`knobs.runtime.debug`, `knobs.compilation.instrumentation_mode`).
 
-Other argument types, launch hooks (`triton.knobs.runtime.launch_enter_hook`), Triton's
-interpreter and Triton versions whose launcher this was not checked against (DIRECT_TRITON) take
-Triton's own path, as does every first launch (which compiles or finds the kernel in Triton's
-cache and is what fills ours). Not repeated on the direct path: Triton's check that the globals
-a kernel read when compiled have not changed since (no kernel here writes a global).
+Other argument types, a callable grid, launch and pre-run hooks (`triton.knobs.runtime.
+launch_enter_hook`, `JITFunction.add_pre_run_hook`), Triton's interpreter, ROCm (whose backend
+also specialises tensors on their size) and Triton versions whose launcher this was not checked
+against (DIRECT_TRITON) take Triton's own path, as does every first launch (which compiles or
+finds the kernel in Triton's cache and is what fills ours). Not repeated on the direct path:
+Triton's check that the globals a kernel read when compiled have not changed since (no kernel
+here writes a global).
 """
 
 from __future__ import annotations
@@ -53,6 +58,20 @@ def _other_key(arg: Any) -> Any:
     raise _Unkeyed
 
 
+def _other_constexpr_key(arg: Any) -> Any:
+    """The key of a constexpr that is not an int, a bool or None: its `repr`, as in Triton's."""
+    return arg.__class__, repr(arg)
+
+
+def _constexpr_key(name: str) -> str:
+    """Source of a constexpr's key: an int's, bool's or None's value with its type; otherwise
+    `_other_constexpr_key`."""
+    return (
+        f"(({name}.__class__, {name}) if {name}.__class__ is int or {name}.__class__ is bool "
+        f"or {name} is None else _other_constexpr_key({name}))"
+    )
+
+
 def _runtime_key(name: str) -> str:
     """Source of a runtime argument's key: a tensor's dtype and 16-byte alignment; an int's
     equality to 1, divisibility by 16 and width; otherwise `_other_key`."""
@@ -73,14 +92,19 @@ def _key_function(jit: JITFunction) -> Callable[..., tuple[tuple, tuple]]:
         f"{p.name}=_default_{p.name}" if p.default is not p.empty else p.name for p in params
     ]
     keys = [
-        f"{n}.__class__, {n}" if p.is_constexpr else _runtime_key(n)
+        _constexpr_key(n) if p.is_constexpr else _runtime_key(n)
         for n, p in zip(names, jit.params, strict=True)
     ]
     source = (
         f"def key({', '.join([*signature, '**options'])}):\n"
-        f"    return (tuple(options.items()), {', '.join(keys)}), ({', '.join(names)},)\n"
+        f"    return (tuple(options.items()), tuple(map(type, options.values())), "
+        f"{', '.join(keys)}), ({', '.join(names)},)\n"
     )
-    namespace: dict[str, Any] = {"Tensor": torch.Tensor, "_other_key": _other_key}
+    namespace: dict[str, Any] = {
+        "Tensor": torch.Tensor,
+        "_other_key": _other_key,
+        "_other_constexpr_key": _other_constexpr_key,
+    }
     namespace.update({f"_default_{p.name}": p.default for p in params if p.default is not p.empty})
     exec(source, namespace)
     return namespace["key"]
@@ -88,37 +112,52 @@ def _key_function(jit: JITFunction) -> Callable[..., tuple[tuple, tuple]]:
 
 class DirectLaunch:
     """A `@triton.jit` kernel whose launches after the first of each specialisation call the
-    compiled kernel's launcher directly. `kernel[grid](*args, **kwargs)` as with Triton, with
-    `grid` a tuple of 1 to 3 ints; `jit` is the wrapped function (for compiling it by hand)."""
+    compiled kernel's launcher directly. `kernel[grid](*args, **kwargs)` as with Triton
+    (`grid`: 1 to 3 ints); `jit` is the wrapped function (for compiling it by hand)."""
 
     def __init__(self, jit: JITFunction) -> None:
         self.jit = jit
         version = ".".join(triton.__version__.split(".")[:2])
-        # not Triton's interpreter, and a launcher protocol known
-        self._direct = isinstance(jit, JITFunction) and version in DIRECT_TRITON
+        # not Triton's interpreter, a launcher protocol known, and CUDA's specialisation
+        self._direct = (
+            isinstance(jit, JITFunction) and version in DIRECT_TRITON and torch.version.hip is None
+        )
+        self._cache: dict[tuple, tuple[Callable[..., Any], Any, Any]] = {}
         if self._direct:
             self._key = _key_function(jit)
-            self._cache: dict[tuple, tuple[Callable[..., Any], Any, Any]] = {}
 
     def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., Any]:
-        if not self._direct:
+        if not self._direct or callable(grid):
             return self.jit[grid]
         return functools.partial(self.launch, grid)
+
+    def reset(self) -> None:
+        """Forget every compiled kernel, Triton's (in this process) and the direct launches':
+        the next launch of each specialisation compiles it again or loads it from disk."""
+        self._cache.clear()
+        if isinstance(self.jit, JITFunction):
+            self.jit.device_caches.clear()
+
+    def compiled(self) -> int:
+        """How many specialisations Triton holds compiled in this process, over all devices."""
+        if not isinstance(self.jit, JITFunction):
+            return 0
+        return sum(len(cache[0]) for cache in self.jit.device_caches.values())
 
     def launch(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
         """Launch over `grid` with the kernel's arguments and launch options."""
         device = torch._C._cuda_getDevice()
+        knobs = triton.knobs
         try:
             key, full = self._key(*args, **kwargs)
-        except _Unkeyed:
+            key = (device, knobs.runtime.debug, knobs.compilation.instrumentation_mode, key)
+            entry = self._cache.get(key)
+        except (_Unkeyed, TypeError):  # unmodelled or unhashable values, a missing argument
             self.jit[grid](*args, **kwargs)
             return
-        key = (device, key)
-        entry = self._cache.get(key)
-        hooks = _hooks_installed()
-        if entry is None or hooks:
+        if entry is None or _hooks_installed(self.jit):
             compiled = self.jit[grid](*args, **kwargs)
-            if not hooks:
+            if not _hooks_installed(self.jit):
                 self._cache[key] = (compiled.run, compiled.function, compiled.packed_metadata)
             return
         run, function, metadata = entry
@@ -137,10 +176,13 @@ class DirectLaunch:
         )
 
 
-def _hooks_installed() -> bool:
-    """Whether a launch hook is installed (a profiler's): Triton's path calls them."""
+def _hooks_installed(jit: JITFunction) -> bool:
+    """Whether a launch hook (a profiler's) or a pre-run hook of `jit` is installed: Triton's
+    path calls them."""
     runtime = triton.knobs.runtime
-    return bool(runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls)
+    return bool(
+        jit.pre_run_hooks or runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls
+    )
 
 
 def direct_launch(jit: JITFunction) -> DirectLaunch:
