@@ -43,8 +43,10 @@
 #  workload's mixed step against its parts), then --decode --sweep (decode attention over B2's
 #  context lengths, every key block, stage and warp count): the prefill attention kernel alone on
 #  2k-32k prompts (paged K/V), every candidate tile, against torch SDPA and the matmul rate;
-#  launch = benchmarks/launch_cost.py: host us per launch of the add + RMSNorm and SwiGLU
-#  kernels through Triton's own launch and through the direct launch, and of their wrappers;
+#  launch = the direct launch's GPU tests (tests/gpu/test_launch_gpu.py, and the engine's
+#  no-compile-after-warm-up tests, which count the wrapped kernels), then
+#  benchmarks/launch_cost.py: host us per launch of the add + RMSNorm and SwiGLU kernels
+#  through Triton's own launch and through the direct launch, and of their wrappers;
 #  detsweep = benchmarks/invariant_matmul_sweep.py: deterministic mode's matmul, each tile's rows
 #  bitwise against the row alone, and its time next to cuBLAS, weights streamed from HBM;
 #  conformance = `tokenmill eval conformance` of a bf16 server on llama-3.1-8b shapes with random
@@ -172,6 +174,9 @@ if [[ "$what" == prefillattn ]]; then
     | tee "$out/decode-attention.log" | grep -E " batch " >> "$table"
 fi
 if [[ "$what" == launch ]]; then
+  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_launch_gpu.py tests/gpu/test_engine_gpu.py \
+    -k "launch or compile" 2>&1 | tee "$out/pytest-launch.log" | tail -3
+  echo "launch tests: $(tail -1 "$out/pytest-launch.log")" >> "$table"
   python3 benchmarks/launch_cost.py 2>&1 | tee "$out/launch-cost.log" | grep -E "^launch " >> "$table"
 fi
 if [[ "$what" == moesweep ]]; then
