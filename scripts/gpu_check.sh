@@ -45,8 +45,8 @@
 #  2k-32k prompts (paged K/V), every candidate tile, against torch SDPA and the matmul rate;
 #  launch = the direct launch's GPU tests (tests/gpu/test_launch_gpu.py, and the engine's
 #  no-compile-after-warm-up tests, which count the wrapped kernels), then
-#  benchmarks/launch_cost.py: host us per launch of the add + RMSNorm and SwiGLU kernels
-#  through Triton's own launch and through the direct launch, and of their wrappers;
+#  benchmarks/launch_cost.py: host us a call of the add + RMSNorm and SwiGLU wrappers with
+#  direct launches off (Triton's own launch) and on;
 #  detsweep = benchmarks/invariant_matmul_sweep.py: deterministic mode's matmul, each tile's rows
 #  bitwise against the row alone, and its time next to cuBLAS, weights streamed from HBM;
 #  conformance = `tokenmill eval conformance` of a bf16 server on llama-3.1-8b shapes with random

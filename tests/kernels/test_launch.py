@@ -188,6 +188,20 @@ def test_launch_takes_tritons_path_under_hooks_and_odd_arguments(fake) -> None:
     assert len(jit.triton_launches) == 7 and not jit.direct_launches
 
 
+def test_direct_launches_turned_off_take_tritons_path(fake) -> None:
+    kernel, jit, _ = fake
+    t = torch.zeros(4)
+    kernel[(3,)](t, 16)
+    launch.set_direct_launches(False)
+    try:
+        kernel[(3,)](t, 16)
+    finally:
+        launch.set_direct_launches(True)
+    assert len(jit.triton_launches) == 2 and not jit.direct_launches
+    kernel[(3,)](t, 16)
+    assert len(jit.direct_launches) == 1
+
+
 def test_direct_path_only_for_checked_triton_versions_and_compiled_kernels(monkeypatch) -> None:
     """A Triton whose launcher protocol was not checked, and Triton's interpreter (this test
     session's kernels), take Triton's own launch."""

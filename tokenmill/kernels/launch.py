@@ -44,6 +44,15 @@ from triton.runtime.jit import JITFunction
 # y, z, stream, function, packed metadata, launch metadata, enter hook, exit hook, *args)`.
 DIRECT_TRITON = ("3.6",)
 
+_enabled = True
+
+
+def set_direct_launches(enabled: bool) -> None:
+    """Turn direct launches on or off for every kernel from now on (for A/B measurements:
+    off, each launch takes Triton's own path)."""
+    global _enabled
+    _enabled = enabled
+
 
 class _Unkeyed(Exception):
     """An argument whose specialisation the key does not model: take Triton's path."""
@@ -127,7 +136,7 @@ class DirectLaunch:
             self._key = _key_function(jit)
 
     def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., Any]:
-        if not self._direct or callable(grid):
+        if not (self._direct and _enabled) or callable(grid):
             return self.jit[grid]
         return functools.partial(self.launch, grid)
 
