@@ -1106,6 +1106,34 @@ def test_prefill_kernel_leaves_dense_rows_alone() -> None:
     )  # fmt: skip
 
 
+def test_prefill_launches_short_and_long_rows_apart() -> None:
+    """`launches="short"` writes only the short rows' outputs, `"long"` only the others'
+    (dense rows left out as with both): together what one call with both launches writes, so
+    a caller can run them on two streams; another value is refused."""
+    gen = torch.Generator().manual_seed(6)
+    q_lens, prefixes = [40, 1, 3, 64], [5, 30, 20, 0]
+    kv_lens = [q + p for q, p in zip(q_lens, prefixes, strict=True)]
+    k, v, table = _paged_setup(kv_lens, 16, 2, 64, torch.float32, gen)
+    q = _randn(sum(q_lens), 4, 64, gen=gen)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device=DEVICE)
+    kv = torch.tensor(kv_lens, device=DEVICE)
+
+    def run(launches: str) -> torch.Tensor:
+        return prefill_attention(
+            q, k, v, cu, kv, table, 64, 16, 0.125, None, short_q_len=8, dense_min_len=48,
+            out=torch.full_like(q, 7.0), launches=launches,
+        )  # fmt: skip
+
+    both, short, long = run("both"), run("short"), run("long")
+    short_rows = slice(40, 44)  # the 1- and 3-token rows
+    assert (short[:40] == 7.0).all() and (short[44:] == 7.0).all()
+    assert torch.equal(short[short_rows], both[short_rows])
+    assert (long[short_rows] == 7.0).all() and (long[-64:] == 7.0).all()  # short, dense
+    assert torch.equal(long[:40], both[:40])
+    with pytest.raises(ValueError, match="launches"):
+        run("all")
+
+
 def test_dense_rows_only_whole_long_prompts() -> None:
     """Dense rows: no cached prefix, at least the bound's query tokens, at most DENSE_MAX_ROWS
     of them in a step (else none: each is launches of its own); the rows they read past the

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -148,6 +150,11 @@ class TritonAttentionBackend(FusedStoreBackend):
             and dense_supported(device, model.dtype, model.head_dim)
         )
         self._dense: list[DenseRow] = []
+        # the stream the short rows of a step with dense rows run on (`_beside`), and its events
+        self._side, self._forked, self._joined = None, None, None
+        if device.type == "cuda":
+            self._side = torch.cuda.Stream(device)
+            self._forked, self._joined = torch.cuda.Event(), torch.cuda.Event()
         # Deterministic decode batches split while one program per (sequence, KV head) would
         # leave most SMs idle.
         self._split_seqs = 0
@@ -250,14 +257,43 @@ class TritonAttentionBackend(FusedStoreBackend):
                 self._max_q_len, ps, self.scale, window, mid_o, mid_lse,
             )  # fmt: skip
         out = torch.empty_like(q)
-        dense = bool(self._dense) and self._attend_dense(q, out)
-        if dense and not self._triton_q_len:
-            return out  # every row was dense
-        return prefill_attention(
-            q, k_cache, v_cache, inputs.cu_query_lens, inputs.kv_lens, inputs.page_table,
-            self._triton_q_len if dense else self._max_q_len, ps, self.scale, window,
-            self._tiles, self._short_rows, self._dense_min if dense else 0, out,
+        prefill = functools.partial(
+            prefill_attention, q, k_cache, v_cache, inputs.cu_query_lens, inputs.kv_lens,
+            inputs.page_table, page_size=ps, scale=self.scale, window=window, tiles=self._tiles,
+            short_q_len=self._short_rows, out=out,
         )  # fmt: skip
+        if not self._dense:
+            return prefill(max_q_len=self._max_q_len)
+        # The short rows (a mixed step's decode rows: K/V streamed at the copy rate) on a side
+        # stream, beside cuDNN's dense rows (at the matmul rate): each fills SMs the other's
+        # tail leaves idle (docs/perf-notes.md, session 31).
+        joined = None
+        if self._short_rows:
+            joined = self._beside(
+                functools.partial(prefill, max_q_len=self._max_q_len, launches="short")
+            )
+        dense = self._attend_dense(q, out)
+        prefill(
+            max_q_len=self._triton_q_len if dense else self._max_q_len,
+            dense_min_len=self._dense_min if dense else 0, launches="long",
+        )  # fmt: skip
+        if joined is not None:
+            torch.cuda.current_stream(q.device).wait_event(joined)
+        return out
+
+    def _beside(self, launch: Callable[[], object]) -> torch.cuda.Event | None:
+        """Run `launch` on the side stream, after what the current stream has queued; the
+        event its end records (for the current stream to wait on before it reads the result),
+        or None off a GPU, where it runs in line."""
+        if self._side is None or self._forked is None or self._joined is None:
+            launch()
+            return None
+        self._forked.record()
+        self._side.wait_event(self._forked)
+        with torch.cuda.stream(self._side):
+            launch()
+        self._joined.record(self._side)
+        return self._joined
 
     def _attend_dense(self, q: torch.Tensor, out: torch.Tensor) -> bool:
         """Write the step's dense rows into `out`; False if cuDNN refused them (a shape or

@@ -7,7 +7,7 @@ in slot `page_table[seq, p // page_size] * page_size + p % page_size`.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 import triton
@@ -271,6 +271,7 @@ def prefill_attention(
     short_q_len: int = 0,
     dense_min_len: int = 0,
     out: torch.Tensor | None = None,
+    launches: Literal["both", "short", "long"] = "both",
 ) -> torch.Tensor:
     """Causal attention for `q` `[T, Hq, D]` (sequences laid out by `cu_q`) over paged K/V.
 
@@ -283,7 +284,9 @@ def prefill_attention(
     other rows' (in one launch, beside the long rows' tiles and in their shape, they streamed
     K/V at two thirds of the rate they reach alone). `dense_min_len` > 0: rows of at least that
     many query tokens and no cached prefix are left out (their outputs are not written).
-    `out`: the output's tensor (default: a new one).
+    `out`: the output's tensor (default: a new one). `launches`: "short" makes only the short
+    rows' launch, "long" only the other rows' (the short rows left out as with both), so that
+    the caller can put them on different streams.
     """
     if tiles is None:
         tiles = _narrow_tiles(max_q_len)
@@ -295,14 +298,16 @@ def prefill_attention(
     shape = dict(HQ=hq, HKV=hkv, D=d, PAGE=page_size, HAS_WINDOW=window is not None,
                  **pdl_options(q.device))  # fmt: skip
     seqs = kv_lens.shape[0]
-    if short_q_len:
+    if launches not in ("both", "short", "long"):
+        raise ValueError(f"launches must be 'both', 'short' or 'long', not {launches!r}")
+    if short_q_len and launches != "long":
         short = SHORT_PREFILL_TILES
         _prefill_kernel[(seqs, hkv, 1)](
             *common, **shape, BLOCK_M=short.block_m, BLOCK_N=short.block_n,
             SHORT_R=_group_rows_block(short_q_len, hq, hkv), num_warps=short.num_warps,
             num_stages=short.num_stages,
         )  # fmt: skip
-    if max_q_len > short_q_len:
+    if max_q_len > short_q_len and launches != "short":
         _prefill_kernel[(seqs, hq, triton.cdiv(max_q_len, tiles.block_m))](
             *common, **shape, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, SHORT_R=0,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
