@@ -214,3 +214,13 @@ def test_direct_path_only_for_checked_triton_versions_and_compiled_kernels(monke
     assert not DirectLaunch(RUNTIME)._direct
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     assert _add_rms_norm_kernel._direct is not interpreted
+
+
+def test_host_size_helpers_equal_tritons() -> None:
+    """`cdiv` and `next_power_of_2` (the launch arguments' host helpers) equal Triton's."""
+    from tokenmill.kernels.launch import cdiv, next_power_of_2
+
+    for n in [0, 1, 2, 3, 15, 16, 17, 1000, 1024, 1025, 8191, 8192, 2**31 - 1, 2**31, 2**40 + 3]:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 2, 16, 64, 128, 1000):
+            assert cdiv(n, d) == triton.cdiv(n, d), (n, d)

@@ -267,33 +267,37 @@ class TritonAttentionBackend(FusedStoreBackend):
         # The short rows (a mixed step's decode rows: K/V streamed at the copy rate) on a side
         # stream, beside cuDNN's dense rows (at the matmul rate): each fills SMs the other's
         # tail leaves idle (docs/perf-notes.md, session 31).
-        joined = None
-        if self._short_rows:
-            joined = self._beside(
-                functools.partial(prefill, max_q_len=self._max_q_len, launches="short")
-            )
+        main = self._beside(
+            functools.partial(prefill, max_q_len=self._max_q_len, launches="short")
+        ) if self._short_rows else None  # fmt: skip
         dense = self._attend_dense(q, out)
         prefill(
             max_q_len=self._triton_q_len if dense else self._max_q_len,
             dense_min_len=self._dense_min if dense else 0, launches="long",
         )  # fmt: skip
-        if joined is not None:
-            torch.cuda.current_stream(q.device).wait_event(joined)
+        if main is not None:
+            main.wait_event(self._joined)
         return out
 
-    def _beside(self, launch: Callable[[], object]) -> torch.cuda.Event | None:
-        """Run `launch` on the side stream, after what the current stream has queued; the
-        event its end records (for the current stream to wait on before it reads the result),
-        or None off a GPU, where it runs in line."""
+    def _beside(self, launch: Callable[[], object]) -> torch.cuda.Stream | None:
+        """Run `launch` on the side stream, after what the current stream has queued, and
+        record its end in `_joined`; the current stream (to wait on `_joined` before it reads
+        the result), or None off a GPU, where `launch` runs in line. (Streams and events are
+        switched and recorded directly: torch's stream context and current-stream lookups
+        took ~20 us a layer of the host's time.)"""
         if self._side is None or self._forked is None or self._joined is None:
             launch()
             return None
-        self._forked.record()
+        main = torch.cuda.current_stream(self._side.device)
+        self._forked.record(main)
         self._side.wait_event(self._forked)
-        with torch.cuda.stream(self._side):
+        torch.cuda.set_stream(self._side)
+        try:
             launch()
+        finally:
+            torch.cuda.set_stream(main)
         self._joined.record(self._side)
-        return self._joined
+        return main
 
     def _attend_dense(self, q: torch.Tensor, out: torch.Tensor) -> bool:
         """Write the step's dense rows into `out`; False if cuDNN refused them (a shape or

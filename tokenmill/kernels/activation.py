@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.launch import direct_launch
+from tokenmill.kernels.launch import cdiv, direct_launch, next_power_of_2
 from tokenmill.kernels.pdl import pdl_options, pdl_wait
 
 
@@ -41,8 +41,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((n_rows, d), dtype=x.dtype, device=x.device)
     if n_rows == 0:
         return out
-    block = min(triton.next_power_of_2(d), 1024)
-    _silu_and_mul_kernel[(n_rows, triton.cdiv(d, block))](
+    block = min(next_power_of_2(d), 1024)
+    _silu_and_mul_kernel[(n_rows, cdiv(d, block))](
         x, out, x.stride(0), out.stride(0), d, BLOCK=block, **pdl_options(x.device)
     )
     return out

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.launch import direct_launch
+from tokenmill.kernels.launch import cdiv, direct_launch, next_power_of_2
 from tokenmill.kernels.pdl import pdl_options, pdl_wait
 from tokenmill.kernels.tickets import last_to_arrive, reset_ticket, ticket_buffer
 
@@ -62,7 +62,7 @@ def argmax_rows(
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"argmax_rows takes [rows, vocab] contiguous rows, got {logits.shape}")
     rows, vocab = logits.shape
-    chunks = triton.cdiv(vocab, BLOCK)
+    chunks = cdiv(vocab, BLOCK)
     if out is None:
         out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     for name, t in (("out", out), ("host_out", host_out)):
@@ -75,7 +75,7 @@ def argmax_rows(
     _argmax_kernel[(rows, chunks)](
         logits, out, host_out if host_out is not None else out, part_val, part_idx,
         ticket_buffer(logits.device, rows), vocab, logits.stride(0), CHUNKS=chunks, BLOCK=BLOCK,
-        BLOCK_C=triton.next_power_of_2(chunks), TO_HOST=host_out is not None,
+        BLOCK_C=next_power_of_2(chunks), TO_HOST=host_out is not None,
         **pdl_options(logits.device),
     )  # fmt: skip
     return out

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.launch import direct_launch
+from tokenmill.kernels.launch import cdiv, direct_launch, next_power_of_2
 from tokenmill.kernels.pdl import pdl_options, pdl_wait
 
 _LOG2E = 1.4426950408889634
@@ -242,7 +242,7 @@ def _narrow_tiles(max_q_len: int) -> PrefillTiles:
 
 def _group_rows_block(q_len: int, num_heads: int, num_kv_heads: int) -> int:
     """Rows of a program that takes `q_len` query tokens x a KV head's group of query heads."""
-    return max(16, triton.next_power_of_2(q_len * (num_heads // num_kv_heads)))
+    return max(16, next_power_of_2(q_len * (num_heads // num_kv_heads)))
 
 
 def prefill_tiles(query_lens: list[int], head_dim: int, itemsize: int) -> PrefillTiles:
@@ -308,7 +308,7 @@ def prefill_attention(
             num_stages=short.num_stages,
         )  # fmt: skip
     if max_q_len > short_q_len and launches != "short":
-        _prefill_kernel[(seqs, hq, triton.cdiv(max_q_len, tiles.block_m))](
+        _prefill_kernel[(seqs, hq, cdiv(max_q_len, tiles.block_m))](
             *common, **shape, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, SHORT_R=0,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )  # fmt: skip
@@ -489,7 +489,7 @@ def invariant_attention(
             f"{INVARIANT_BLOCK_M} heads per KV head; got {batch} sequences, queries of up to "
             f"{max_q_len}, {group} heads per KV head"
         )
-    blocks = INVARIANT_PARTS if split else triton.cdiv(max_q_len * group, INVARIANT_BLOCK_M)
+    blocks = INVARIANT_PARTS if split else cdiv(max_q_len * group, INVARIANT_BLOCK_M)
     out = torch.empty_like(q)
     pdl = pdl_options(q.device)
     _invariant_kernel[(batch, hkv, blocks)](
@@ -500,8 +500,8 @@ def invariant_attention(
         num_warps=4, num_stages=2, **pdl,
     )  # fmt: skip
     if split:
-        block_h = min(2, triton.next_power_of_2(hq))  # rows merge alone: many small programs
-        _invariant_merge_kernel[(batch, triton.cdiv(hq, block_h))](
+        block_h = min(2, next_power_of_2(hq))  # rows merge alone: many small programs
+        _invariant_merge_kernel[(batch, cdiv(hq, block_h))](
             mid_o, mid_ml, out, HQ=hq, D=d, PARTS=INVARIANT_PARTS, BLOCK_H=block_h, **pdl,
         )  # fmt: skip
     return out
@@ -722,7 +722,7 @@ def decode_attention(
         q, k_cache, v_cache, out, mid_o, mid_lse, kv_lens, page_table, page_table.stride(0),
         scale * _LOG2E, window or 0, splits,
         HQ=hq, HKV=hkv, D=d, PAGE=page_size,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        BLOCK_G=max(16, next_power_of_2(group)), BLOCK_N=block_n,
         HAS_WINDOW=window is not None, EARLY_KV=early_kv, num_warps=warps, num_stages=stages,
         **pdl,
     )  # fmt: skip
@@ -778,6 +778,6 @@ def _merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor)
         return out
     _decode_reduce_kernel[(tokens, hq)](
         mid_o, mid_lse, out, splits, HQ=hq, D=d,
-        BLOCK_S=max(MAX_SPLITS_BLOCK, triton.next_power_of_2(splits)), **pdl_options(out.device),
+        BLOCK_S=max(MAX_SPLITS_BLOCK, next_power_of_2(splits)), **pdl_options(out.device),
     )  # fmt: skip
     return out

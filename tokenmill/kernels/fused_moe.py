@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.gemv_config import InputNorm
-from tokenmill.kernels.launch import direct_launch
+from tokenmill.kernels.launch import cdiv, direct_launch, next_power_of_2
 from tokenmill.kernels.moe_routing import (
     GEMV_MAX_TOKENS,
     MOE_GEMV_CONFIG,
@@ -385,12 +385,12 @@ def experts_gate_up_gemv(
     h = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return h
-    _gate_up_gemv_kernel[(num_tokens, triton.cdiv(inter, config.block_n))](
+    _gate_up_gemv_kernel[(num_tokens, cdiv(inter, config.block_n))](
         x, gate_up, h, router_logits, norm.weight if norm is not None else x,
         norm.eps if norm is not None else 0.0, hidden, inter, num_experts, x.stride(0),
         gate_up.stride(0), gate_up.stride(1), h.stride(0), router_logits.stride(0),
-        TOP_K=top_k, EXPERTS=triton.next_power_of_2(num_experts),
-        SLOTS=triton.next_power_of_2(top_k), NORM=norm is not None, BLOCK_N=config.block_n,
+        TOP_K=top_k, EXPERTS=next_power_of_2(num_experts),
+        SLOTS=next_power_of_2(top_k), NORM=norm is not None, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, num_warps=config.num_warps, **pdl_options(x.device),
     )  # fmt: skip
     return h
@@ -415,11 +415,11 @@ def experts_down_gemv(
     out = torch.empty(num_tokens, hidden, dtype=h.dtype, device=h.device)
     if num_tokens == 0:
         return out
-    _down_gemv_kernel[(num_tokens, triton.cdiv(hidden, config.down_block_n))](
+    _down_gemv_kernel[(num_tokens, cdiv(hidden, config.down_block_n))](
         h, down, out, router_logits, hidden, inter, num_experts, h.stride(0), down.stride(0),
         down.stride(1), out.stride(0), router_logits.stride(0), TOP_K=top_k,
-        RENORMALIZE=renormalize, EXPERTS=triton.next_power_of_2(num_experts),
-        SLOTS=triton.next_power_of_2(top_k), BLOCK_N=config.down_block_n,
+        RENORMALIZE=renormalize, EXPERTS=next_power_of_2(num_experts),
+        SLOTS=next_power_of_2(top_k), BLOCK_N=config.down_block_n,
         BLOCK_K=config.down_block_k, num_warps=config.down_num_warps, **pdl_options(h.device),
     )  # fmt: skip
     return out
@@ -440,7 +440,7 @@ def route_and_align(
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
     rows = max_padded_pairs(num_tokens * top_k, num_experts, block_m)
-    num_blocks = triton.cdiv(rows, block_m)
+    num_blocks = cdiv(rows, block_m)
     pair_ids = torch.empty(rows, dtype=torch.int32, device=device)
     block_experts = torch.empty(num_blocks, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
@@ -449,7 +449,7 @@ def route_and_align(
             router_logits, weights, ids, pair_ids, block_experts, num_padded,
             num_tokens, num_experts, router_logits.stride(0), rows, num_blocks,
             TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_M=block_m,
-            EXPERTS=triton.next_power_of_2(num_experts), ROWS=_ROUTE_ROWS, PAIRS=_SORT_PAIRS,
+            EXPERTS=next_power_of_2(num_experts), ROWS=_ROUTE_ROWS, PAIRS=_SORT_PAIRS,
             num_warps=4, **pdl_options(device),
         )  # fmt: skip
     return weights, ids, SortedPairs(pair_ids, block_experts, num_padded, block_m)
@@ -487,12 +487,12 @@ def fused_experts(
             "num_stages": config.num_stages, **pdl_options(x.device)}  # fmt: skip
     s = sorted_pairs
     half = config.block_n // 2
-    _gate_up_kernel[(blocks, triton.cdiv(inter, half))](
+    _gate_up_kernel[(blocks, cdiv(inter, half))](
         x, gate_up, h, s.pair_ids, s.block_experts, s.num_padded,
         num_pairs, hidden, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
         TOP_K=top_k, HALF_N=half, **meta,
     )  # fmt: skip
-    _down_kernel[(blocks, triton.cdiv(hidden, config.block_n))](
+    _down_kernel[(blocks, cdiv(hidden, config.block_n))](
         h, down, out, topk_weights, s.pair_ids, s.block_experts, s.num_padded,
         num_pairs, hidden, inter, h.stride(0), down.stride(0), down.stride(1), out.stride(0),
         BLOCK_N=config.block_n, **meta,

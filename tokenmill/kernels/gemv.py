@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.gemv_config import GemvConfig, InputNorm
-from tokenmill.kernels.launch import direct_launch
+from tokenmill.kernels.launch import cdiv, direct_launch, next_power_of_2
 from tokenmill.kernels.pdl import pdl_options, pdl_wait
 from tokenmill.kernels.tickets import last_to_arrive, reset_ticket, ticket_buffer
 
@@ -206,9 +206,9 @@ def _launch(
         x_shape = f"[M <= {MAX_M}, {'2K' if gated else 'K'}]"
         raise ValueError(f"gemv takes x {x_shape}, W [N, K]; got {x.shape}, {weight.shape}")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    grid_n = triton.cdiv(n, config.block_n)
-    k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
-    split_k = triton.cdiv(k, k_per_split)
+    grid_n = cdiv(n, config.block_n)
+    k_per_split = cdiv(cdiv(k, config.split_k), config.block_k) * config.block_k
+    split_k = cdiv(k, k_per_split)
     part = sumsq = out
     if split_k > 1:
         part = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
@@ -226,7 +226,7 @@ def _launch(
         residual if residual is not None else x, new_residual if new_residual is not None else x,
         norm.weight if norm is not None else x, sumsq, norm.eps if norm is not None else 0.0,
         m, n, k, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=max(DOT_ROWS if config.dot else 1, triton.next_power_of_2(m)),
+        BLOCK_M=max(DOT_ROWS if config.dot else 1, next_power_of_2(m)),
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k, GATED=gated,
         NORM=norm is not None, HAS_RES=residual is not None, PREFETCH=config.prefetch,
         DEFER=config.defer, DOT=config.dot, IEEE=weight.dtype == torch.float32,

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.activation import silu_mul
-from tokenmill.kernels.launch import direct_launch
+from tokenmill.kernels.launch import cdiv, direct_launch
 from tokenmill.kernels.pdl import pdl_options, pdl_wait
 from tokenmill.kernels.tickets import last_to_arrive, reset_ticket, ticket_buffer
 
@@ -193,7 +193,7 @@ def k_chunks(n: int, k: int, itemsize: int) -> int:
     at least MIN_CHUNK columns (Llama-3.1-8B's B1: 216 tok/s, 202 whole in session 19)."""
     if n * k * itemsize <= PDL_MAX_WEIGHT_BYTES:
         return 1
-    programs = triton.cdiv(n, choose_tile(1, n).block_n)
+    programs = cdiv(n, choose_tile(1, n).block_n)
     chunks = 1
     while programs * chunks < DECODE_PROGRAMS and k >= 2 * chunks * MIN_CHUNK:
         chunks *= 2
@@ -203,7 +203,7 @@ def k_chunks(n: int, k: int, itemsize: int) -> int:
 def chunk_length(k: int, chunks: int) -> int:
     """Columns per chunk when K is cut into `chunks`: K / chunks rounded up to CHUNK_ALIGN, a
     multiple of every tile's BLOCK_K, so every tile's chain steps stop at the chunks' ends."""
-    return triton.cdiv(triton.cdiv(k, chunks), CHUNK_ALIGN) * CHUNK_ALIGN
+    return cdiv(cdiv(k, chunks), CHUNK_ALIGN) * CHUNK_ALIGN
 
 
 def invariant_matmul(
@@ -241,8 +241,8 @@ def invariant_matmul(
     if CHUNK_ALIGN % tile.block_k:
         raise ValueError(f"a tile's block_k must divide {CHUNK_ALIGN}, got {tile.block_k}")
     k_chunk = chunk_length(k, chunks or k_chunks(n, k, weight.element_size()))
-    num_chunks = triton.cdiv(k, k_chunk)
-    tiles = triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n)
+    num_chunks = cdiv(k, k_chunk)
+    tiles = cdiv(m, tile.block_m) * cdiv(n, tile.block_n)
     across = num_chunks > 1 and (tiles < DECODE_PROGRAMS if across is None else across)
     part = torch.empty((num_chunks, m, n), dtype=torch.float32, device=x.device) if across else out
     _invariant_matmul_kernel[(tiles, num_chunks if across else 1)](

@@ -47,6 +47,17 @@ DIRECT_TRITON = ("3.6",)
 _enabled = True
 
 
+def cdiv(a: int, b: int) -> int:
+    """`triton.cdiv` for the host's launch arguments: Triton's (a `ConstexprFunction` since 3.5,
+    which unwraps its arguments) costs ~5 us a call, and a prefill step makes hundreds."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """`triton.next_power_of_2` for the host's launch arguments (see `cdiv`): 0 for 0."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def set_direct_launches(enabled: bool) -> None:
     """Turn direct launches on or off for every kernel from now on (for A/B measurements:
     off, each launch takes Triton's own path)."""

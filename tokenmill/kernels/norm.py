@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.launch import direct_launch
+from tokenmill.kernels.launch import direct_launch, next_power_of_2
 from tokenmill.kernels.pdl import pdl_options, pdl_wait
 
 
@@ -68,8 +68,8 @@ def rms_norm(
         n_cols,
         eps,
         HAS_RESIDUAL=residual is not None,
-        BLOCK=triton.next_power_of_2(n_cols),
-        num_warps=min(max(triton.next_power_of_2(n_cols) // 256, 1), 16),
+        BLOCK=next_power_of_2(n_cols),
+        num_warps=min(max(next_power_of_2(n_cols) // 256, 1), 16),
         **pdl_options(x.device),
     )
     return out

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.launch import direct_launch
+from tokenmill.kernels.launch import cdiv, direct_launch, next_power_of_2
 from tokenmill.kernels.pdl import pdl_options, pdl_wait
 
 # Prefill steps of at least ROPE_BLOCK_MIN_TOKENS tokens rotate ROPE_BLOCK_TOKENS tokens a
@@ -103,7 +103,7 @@ def rope_block_tokens(tokens: int, group: int, head_dim: int) -> int:
     """The tokens a program of `rope_and_store` takes by default in a step of `tokens`, for
     `group` query heads a KV head: ROPE_BLOCK_TOKENS from ROPE_BLOCK_MIN_TOKENS tokens when
     the group's values (padded to a power of two) are at most ROPE_BLOCK_MAX_GROUP, else 1."""
-    small = triton.next_power_of_2(group) * head_dim <= ROPE_BLOCK_MAX_GROUP
+    small = next_power_of_2(group) * head_dim <= ROPE_BLOCK_MAX_GROUP
     return ROPE_BLOCK_TOKENS if tokens >= ROPE_BLOCK_MIN_TOKENS and small else 1
 
 
@@ -144,9 +144,9 @@ def rope_and_store(
         raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
     group = num_heads // num_kv_heads
     k_fresh, v_fresh = fresh if fresh is not None else (k_cache, v_cache)
-    block_g = triton.next_power_of_2(group)
+    block_g = next_power_of_2(group)
     block_t = tokens_per_program or rope_block_tokens(tokens, group, head_dim)
-    _rope_store_kernel[(triton.cdiv(tokens, block_t), num_kv_heads)](
+    _rope_store_kernel[(cdiv(tokens, block_t), num_kv_heads)](
         qkv, positions, slots, cos, sin, q_w, k_w, q, k_cache, v_cache, k_fresh, v_fresh,
         qkv.stride(0), eps, tokens, HQ=num_heads, HKV=num_kv_heads, D=head_dim,
         BLOCK_G=block_g, BLOCK_T=block_t, QK_NORM=qk_norm is not None, FRESH=fresh is not None,
