@@ -13,7 +13,8 @@ same requests through `LLM.generate`, then B6 (prefill of long prompts) on that 
 
 Reports total tok/s of both paths, their ratio (HTTP / offline), and the share of the bf16
 matmul rate (measured in the same run) their FLOPs used, attention included (`ModelCost
-.sequence_flops`); one line each for data and B6; `--output` writes everything as JSON.
+.sequence_flops`), with each engine's host ms a step and its device's busy share (the server's
+from its /metrics); one line each for data and B6; `--output` writes everything as JSON.
 
     PYTHONPATH=$PWD python benchmarks/long_prompts.py DIR --output long.json \\
         [--cache-dir DIR_OF_startup.py] [-- --max-num-batched-tokens 16384]
@@ -97,13 +98,22 @@ def http_row(name: str, http: dict[str, Any], offline: dict[str, Any], hw: Hardw
     def share(seconds: float) -> str:
         return f"{pct_of_matmul_rate(offline['flops'], seconds, hw):.1f}%" if hw else "-"
 
+    def engine(report: dict[str, Any] | None) -> str:
+        if report is None:
+            return ""
+        return (
+            f"; host {report['host_ms_per_step']:.1f} ms a step, device busy "
+            f"{100 * report['device_busy_fraction']:.1f}%"
+        )
+
     ratio = http["total_token_throughput"] / offline["total_tok_s"]
     http_share = share(http["elapsed_s"])
     return (
         f"data {name}: HTTP {http['total_token_throughput']:.0f} total tok/s ({http_share} "
         f"of the matmul rate; {http['completed']}/{http['requests']} ok, TTFT p50 "
-        f"{http['ttft_s']['p50'] or 0:.2f} s), LLM.generate {offline['total_tok_s']:.0f} "
-        f"({share(offline['elapsed_s'])}); HTTP/offline {ratio:.2f}"
+        f"{http['ttft_s']['p50'] or 0:.2f} s{engine(http.get('engine'))}), LLM.generate "
+        f"{offline['total_tok_s']:.0f} ({share(offline['elapsed_s'])}{engine(offline)}); "
+        f"HTTP/offline {ratio:.2f}"
     )
 
 

@@ -84,7 +84,8 @@ def test_metric_definitions_on_a_server_with_known_timings(stand_in: str) -> Non
         assert GAP * 0.9 <= tpot < GAP + 0.1
     assert report["output_throughput"] == pytest.approx(4 * CHUNKS / report["elapsed_s"])
     assert report["goodput"] == pytest.approx(report["request_throughput"])
-    assert report["prefix_cache_hit_rate"] is None  # the stand-in exports no /metrics
+    # the stand-in exports no /metrics
+    assert report["prefix_cache_hit_rate"] is None and report["engine"] is None
     strict = asyncio.run(run_serve_bench(_args(stand_in, spec, slo_ttft=0.1)))
     assert strict["goodput"] == 0
 
@@ -117,6 +118,10 @@ def test_every_request_of_each_workload_is_accounted_for(server: ServerHandle, w
     assert all(r["output_tokens"] == r["max_tokens"] for r in report["records"])
     if workload in ("chatbot", "agent", "shared-prefix"):
         assert report["prefix_cache_hit_rate"] > 0
+    engine = report["engine"]  # the server's steps during the run, from its /metrics
+    assert engine["forwards"] == sum(k["steps"] for k in engine["steps_by_kind"].values()) > 0
+    assert engine["steps"] >= engine["forwards"]  # (steps that only read a forward's tokens)
+    assert engine["host_ms_per_step"] > 0 and 0 < engine["device_busy_fraction"] <= 1
 
 
 def test_cli_writes_json_and_plots(server: ServerHandle, tmp_path: Path, capsys) -> None:

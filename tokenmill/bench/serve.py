@@ -118,7 +118,7 @@ async def run_serve_bench(args: ServeBenchArgs) -> dict[str, Any]:
     timeout = httpx.Timeout(args.timeout, connect=30)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=args.base_url, timeout=timeout, limits=limits) as client:
-        before = await _prefix_counters(client)
+        before = await _server_counters(client)
         total = sum(len(s.turns) for s in sessions)
         bar = tqdm(total=total, desc=f"{args.workload.name}", disable=not args.progress)
         started_at = time.time()
@@ -136,24 +136,70 @@ async def run_serve_bench(args: ServeBenchArgs) -> dict[str, Any]:
         await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - t0
         bar.close()
-        after = await _prefix_counters(client)
+        after = await _server_counters(client)
     # Wall-clock start: runs of a sweep (e.g. a rate step up and down) line up on one time axis.
     return {"started_at": started_at, **summarize(records, elapsed, args, before, after)}
 
 
-async def _prefix_counters(client: httpx.AsyncClient) -> tuple[float, float] | None:
-    """(queries, hits) of the server's prefix cache from /metrics, if it exports them."""
+# What the report takes from the server's /metrics before and after the run (summed over
+# labels): its prefix cache's counters, and its engine steps' host and device seconds
+# (histogram sums and counts; `engine_summary`).
+SERVER_COUNTERS = (
+    "prefix_cache_queries_total", "prefix_cache_hits_total", "scheduler_step_seconds_count",
+    "scheduler_step_seconds_sum", "model_forward_seconds_count", "model_forward_seconds_sum",
+    *(f"model_forward_seconds_{kind}_steps_{part}"
+      for kind in ("prefill", "mixed", "decode") for part in ("count", "sum")),
+)  # fmt: skip
+
+
+async def _server_counters(client: httpx.AsyncClient) -> dict[str, float]:
+    """The SERVER_COUNTERS the server exports on /metrics (none if it has no /metrics)."""
     try:
         text = (await client.get("/metrics")).text
     except httpx.HTTPError:
+        return {}
+    return parse_counters(text)
+
+
+def parse_counters(text: str) -> dict[str, float]:
+    """The SERVER_COUNTERS found in a Prometheus exposition `text`, each summed over its
+    labels."""
+    counters = {}
+    for name in SERVER_COUNTERS:
+        found = re.findall(rf"^\w+:{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+        if found:
+            counters[name] = sum(float(v) for v in found)
+    return counters
+
+
+def engine_summary(
+    before: dict[str, float], after: dict[str, float], elapsed: float
+) -> dict[str, Any] | None:
+    """What the server's engine did during a run of `elapsed` seconds: its steps, host ms a
+    step (not waiting for the device), its forward passes, the share of the run its device was
+    busy, and the forward passes and device seconds of each kind of step; None without those
+    counters."""
+
+    def delta(name: str) -> float:
+        return after[name] - before[name]
+
+    needed = ("scheduler_step_seconds_count", "scheduler_step_seconds_sum",
+              "model_forward_seconds_sum", "model_forward_seconds_count")  # fmt: skip
+    if not all(k in before and k in after for k in needed) or delta(needed[0]) <= 0:
         return None
-    values = []
-    for name in ("prefix_cache_queries", "prefix_cache_hits"):
-        found = re.findall(rf"^\w+:{name}_total(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M)
-        if not found:
-            return None
-        values.append(sum(float(v) for v in found))
-    return values[0], values[1]
+    steps = delta(needed[0])
+    kinds = {}
+    for kind in ("prefill", "mixed", "decode"):
+        count, total = (f"model_forward_seconds_{kind}_steps_{p}" for p in ("count", "sum"))
+        if count in before and count in after and delta(count) > 0:
+            kinds[kind] = {"steps": int(delta(count)), "device_s": delta(total)}
+    return {
+        "steps": int(steps),
+        "host_ms_per_step": 1e3 * delta(needed[1]) / steps,
+        "forwards": int(delta(needed[3])),
+        "device_busy_fraction": delta(needed[2]) / elapsed,
+        "steps_by_kind": kinds,
+    }
 
 
 def _stats(values: list[float]) -> dict[str, float | None]:
@@ -173,8 +219,8 @@ def summarize(
     records: list[RequestRecord],
     elapsed: float,
     args: ServeBenchArgs,
-    before: tuple[float, float] | None,
-    after: tuple[float, float] | None,
+    before: dict[str, float],
+    after: dict[str, float],
 ) -> dict[str, Any]:
     """Metrics as vLLM's `bench serve` defines them, plus every per-request record."""
     ok = [r for r in records if r.success]
@@ -188,8 +234,10 @@ def summarize(
         return ttft_ok and itl_ok
 
     hit_rate = None
-    if before is not None and after is not None and after[0] > before[0]:
-        hit_rate = (after[1] - before[1]) / (after[0] - before[0])
+    queries, hits = "prefix_cache_queries_total", "prefix_cache_hits_total"
+    counted = all(k in before and k in after for k in (queries, hits))
+    if counted and after[queries] > before[queries]:
+        hit_rate = (after[hits] - before[hits]) / (after[queries] - before[queries])
     sessions: dict[int, list[RequestRecord]] = {}
     for r in ok:
         sessions.setdefault(r.session, []).append(r)
@@ -211,6 +259,7 @@ def summarize(
         "goodput": sum(good(r) for r in ok) / elapsed,
         "slo": {"ttft_s": args.slo_ttft, "itl_s": args.slo_itl},
         "prefix_cache_hit_rate": hit_rate,
+        "engine": engine_summary(before, after, elapsed),
         "ttft_s": _stats([r.ttft for r in ok if r.ttft is not None]),
         "itl_s": _stats([gap for r in ok for gap in r.itl]),
         "tpot_s": _stats([t for r in ok if (t := r.tpot) is not None]),
@@ -239,6 +288,10 @@ def format_table(report: dict[str, Any]) -> str:
     ]
     if report["prefix_cache_hit_rate"] is not None:
         rows.append(("prefix cache hit rate", f"{100 * report['prefix_cache_hit_rate']:.1f} %"))
+    if (engine := report.get("engine")) is not None:
+        rows.append(("engine steps / host per step", f"{engine['steps']} / "
+                     f"{engine['host_ms_per_step']:.2f} ms"))  # fmt: skip
+        rows.append(("engine device busy", f"{100 * engine['device_busy_fraction']:.1f} %"))
     lines = [f"{k:<32}{v}" for k, v in rows]
     lines += [f"  failed: {count} x {error}" for error, count in _failure_reasons(report)]
     lines.append(f"{'(ms)':<18}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'max':>10}")
