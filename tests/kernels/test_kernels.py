@@ -7,6 +7,7 @@ run compiled. Tolerances: float32 ~1e-5 relative, bfloat16 ~1e-2.
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import os
 import subprocess
@@ -696,9 +697,10 @@ def test_triton_backend_engine_matches_transformers(checkpoints, family: str, mo
     launches = []
     prefill = triton_backend.prefill_attention
 
-    def recorded(*a):
-        launches.append((a[3].diff().tolist(), a[11]))
-        return prefill(*a)
+    def recorded(*a, **kw):
+        call = inspect.signature(prefill).bind(*a, **kw).arguments
+        launches.append((call["cu_q"].diff().tolist(), call.get("short_q_len", 0)))
+        return prefill(*a, **kw)
 
     monkeypatch.setattr(triton_backend, "prefill_attention", recorded)
     outputs = llm.generate(prompts, greedy, use_tqdm=False)
