@@ -128,10 +128,12 @@ def test_bench_offline_b1_and_b2_on_the_cpu(llama_dir: Path, tmp_path: Path, cap
     kinds = report["tokenmill"]["steps_by_kind"]  # all prompts at once: one prefill, decodes
     assert kinds["prefill"]["steps"] == 1 and kinds["decode"]["steps"] > 0
     assert kinds["mixed"]["steps"] == 0
+    assert kinds["prefill"]["host_ms"] > 0 and kinds["decode"]["host_ms"] > 0
     assert "transformers" not in report
     out = capsys.readouterr().out
     assert "B1 llama" in out and "B2 llama" in out and "transformers not run" in out
     assert "steps: prefill-only 1 (" in out and "decode-only" in out
+    assert "of device / host time each" in out
 
 
 def test_bench_offline_b6_and_data_count_their_tokens_and_flops(

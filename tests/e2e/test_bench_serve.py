@@ -121,6 +121,7 @@ def test_every_request_of_each_workload_is_accounted_for(server: ServerHandle, w
     engine = report["engine"]  # the server's steps during the run, from its /metrics
     assert engine["forwards"] == sum(k["steps"] for k in engine["steps_by_kind"].values()) > 0
     assert engine["steps"] >= engine["forwards"]  # (steps that only read a forward's tokens)
+    assert all(k["host_ms"] > 0 for k in engine["steps_by_kind"].values())
     assert engine["host_ms_per_step"] > 0 and 0 < engine["device_busy_fraction"] <= 1
 
 

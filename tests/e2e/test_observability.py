@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from tests.e2e.server import MODEL_NAME, ServerHandle, run_server, wait_until
-from tokenmill.engine.engine_core import STEP_KINDS
+from tokenmill.ipc.messages import STEP_KINDS
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -108,6 +108,10 @@ def test_metrics_follow_a_known_sequence_of_requests(server: ServerHandle) -> No
     by_kind = [f"tokenmill:model_forward_seconds_{k}_steps_count" for k in STEP_KINDS]
     assert sum(map(delta, by_kind)) == delta("tokenmill:model_forward_seconds_count")
     assert delta(by_kind[0]) > 0 and delta(by_kind[2]) > 0  # prefill-only, decode-only
+    # the host time of the engine steps that launched each kind: one observation a launch
+    launches = [f"tokenmill:scheduler_step_seconds_{k}_steps_count" for k in STEP_KINDS]
+    assert sum(map(delta, launches)) == delta("tokenmill:model_forward_seconds_count")
+    assert delta("tokenmill:scheduler_step_seconds_decode_steps_sum") > 0
     assert after["tokenmill:kv_cache_usage_perc"] == 0.0
     assert after["tokenmill:num_requests_waiting"] == 0
 

@@ -45,6 +45,8 @@ def test_engine_summary_from_the_servers_metrics() -> None:
             f'tokenmill:model_forward_seconds_mixed_steps_sum{{model_name="m"}} {device / 2}',
             f'tokenmill:model_forward_seconds_decode_steps_count{{model_name="m"}} {steps - mixed}',
             f'tokenmill:model_forward_seconds_decode_steps_sum{{model_name="m"}} {device / 2}',
+            f'tokenmill:scheduler_step_seconds_mixed_steps_count{{model_name="m"}} {mixed}',
+            f'tokenmill:scheduler_step_seconds_mixed_steps_sum{{model_name="m"}} {host * 0.8}',
             'tokenmill:prefix_cache_hits_total{model_name="m",x="a"} 2.0',
             'tokenmill:prefix_cache_hits_total{model_name="m",x="b"} 3.0',
         ])  # fmt: skip
@@ -56,8 +58,11 @@ def test_engine_summary_from_the_servers_metrics() -> None:
     assert summary == {
         "steps": 100, "host_ms_per_step": pytest.approx(10.0), "forwards": 100,
         "device_busy_fraction": pytest.approx(0.6),
-        "steps_by_kind": {"mixed": {"steps": 50, "device_s": pytest.approx(3.0)},
-                          "decode": {"steps": 50, "device_s": pytest.approx(3.0)}},
+        "steps_by_kind": {
+            # (the mixed launches' host time: 1.2 - 0.4 s over 50)
+            "mixed": {"steps": 50, "device_s": pytest.approx(3.0), "host_ms": pytest.approx(16.0)},
+            "decode": {"steps": 50, "device_s": pytest.approx(3.0)},  # (no host counters)
+        },
     }  # fmt: skip
     assert engine_summary(before, before, elapsed=1.0) is None  # no step
     assert engine_summary({}, after, elapsed=1.0) is None

@@ -181,13 +181,18 @@ def _b2(llm: LLM, prompts: list[list[int]], outputs: list[int]) -> dict[str, flo
         stats.step_seconds.total,
         stats.forward_seconds.total,
     )
-    before = {k: (h.count, h.total) for k, h in stats.forward_seconds_by_kind.items()}
+    by_kind = (stats.forward_seconds_by_kind, stats.step_seconds_by_kind)
+    before = [{k: (h.count, h.total) for k, h in hists.items()} for hists in by_kind]
     elapsed = _timed(lambda: llm.generate(prompts, params, use_tqdm=False))
     steps = stats.step_seconds.count - steps
-    kinds = {
-        k: {"steps": h.count - before[k][0], "device_s": h.total - before[k][1]}
-        for k, h in stats.forward_seconds_by_kind.items()
-    }
+    kinds = {}
+    for k, h in stats.forward_seconds_by_kind.items():
+        launches = stats.step_seconds_by_kind[k].count - before[1][k][0]
+        host = stats.step_seconds_by_kind[k].total - before[1][k][1]
+        kinds[k] = {
+            "steps": h.count - before[0][k][0], "device_s": h.total - before[0][k][1],
+            "host_ms": 1e3 * host / max(launches, 1),
+        }  # fmt: skip
     total_in = sum(len(p) for p in prompts)
     return {
         "elapsed_s": elapsed,
@@ -200,7 +205,8 @@ def _b2(llm: LLM, prompts: list[list[int]], outputs: list[int]) -> dict[str, flo
         # forward runs on the host, so there the host time includes it.
         "host_ms_per_step": 1e3 * (stats.step_seconds.total - host) / max(steps, 1),
         "device_busy_fraction": (stats.forward_seconds.total - device) / elapsed,
-        # Steps and their device time by kind (prefill-only, mixed, decode-only).
+        # Steps and their device time by kind (prefill-only, mixed, decode-only), and the host
+        # ms a step of the engine steps that launched them.
         "steps_by_kind": kinds,
     }
 
@@ -293,14 +299,15 @@ def summary_rows(report: dict[str, Any]) -> list[str]:
 
 
 def steps_row(result: dict[str, Any]) -> str:
-    """The measured run's steps by kind: how many, and the device time of each on average."""
+    """The measured run's steps by kind: how many, and the device and host time of each on
+    average."""
     cells = [
         f"{kind if kind == 'mixed' else kind + '-only'} {k['steps']} "
-        f"({1e3 * k['device_s'] / k['steps']:.2f} ms)"
+        f"({1e3 * k['device_s'] / k['steps']:.2f} / {k['host_ms']:.2f} ms)"
         for kind, k in result["steps_by_kind"].items()
         if k["steps"]
     ]
-    return "  steps: " + ", ".join(cells) + " of device time each"
+    return "  steps: " + ", ".join(cells) + " of device / host time each"
 
 
 def long_prompts_row(workload: str, name: str, result: dict[str, Any]) -> str:

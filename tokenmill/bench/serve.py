@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from tokenmill.bench.options import ServeBenchArgs
 from tokenmill.bench.workloads import Session, build_workload, reply_placeholder
+from tokenmill.ipc.messages import STEP_KINDS
 
 
 @dataclass
@@ -147,8 +148,9 @@ async def run_serve_bench(args: ServeBenchArgs) -> dict[str, Any]:
 SERVER_COUNTERS = (
     "prefix_cache_queries_total", "prefix_cache_hits_total", "scheduler_step_seconds_count",
     "scheduler_step_seconds_sum", "model_forward_seconds_count", "model_forward_seconds_sum",
-    *(f"model_forward_seconds_{kind}_steps_{part}"
-      for kind in ("prefill", "mixed", "decode") for part in ("count", "sum")),
+    *(f"{name}_{kind}_steps_{part}"
+      for name in ("model_forward_seconds", "scheduler_step_seconds")
+      for kind in STEP_KINDS for part in ("count", "sum")),
 )  # fmt: skip
 
 
@@ -177,8 +179,8 @@ def engine_summary(
 ) -> dict[str, Any] | None:
     """What the server's engine did during a run of `elapsed` seconds: its steps, host ms a
     step (not waiting for the device), its forward passes, the share of the run its device was
-    busy, and the forward passes and device seconds of each kind of step; None without those
-    counters."""
+    busy, and for each kind of step its forward passes, their device seconds and the host ms a
+    step of the engine steps that launched them; None without those counters."""
 
     def delta(name: str) -> float:
         return after[name] - before[name]
@@ -188,11 +190,14 @@ def engine_summary(
     if not all(k in before and k in after for k in needed) or delta(needed[0]) <= 0:
         return None
     steps = delta(needed[0])
-    kinds = {}
-    for kind in ("prefill", "mixed", "decode"):
+    kinds: dict[str, dict[str, float]] = {}
+    for kind in STEP_KINDS:
         count, total = (f"model_forward_seconds_{kind}_steps_{p}" for p in ("count", "sum"))
         if count in before and count in after and delta(count) > 0:
             kinds[kind] = {"steps": int(delta(count)), "device_s": delta(total)}
+        launches, host = (f"scheduler_step_seconds_{kind}_steps_{p}" for p in ("count", "sum"))
+        if kind in kinds and launches in before and launches in after and delta(launches) > 0:
+            kinds[kind]["host_ms"] = 1e3 * delta(host) / delta(launches)
     return {
         "steps": int(steps),
         "host_ms_per_step": 1e3 * delta(needed[1]) / steps,

@@ -260,6 +260,8 @@ def _histograms(engine: EngineCore) -> dict[str, Histogram]:
     }
     for kind, histogram in engine.stats.forward_seconds_by_kind.items():
         histograms[f"model_forward_seconds_{kind}_steps"] = histogram
+    for kind, histogram in engine.stats.step_seconds_by_kind.items():
+        histograms[f"scheduler_step_seconds_{kind}_steps"] = histogram
     if engine.config.speculative is not None:
         histograms["spec_decode_chosen_drafts"] = engine.scheduler.spec_stats.chosen_drafts
     return histograms

@@ -56,6 +56,7 @@ from tokenmill.cache.host_tier import HostKVTier
 from tokenmill.config import EngineConfig
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.intake import ContextLimits, check_prompt
+from tokenmill.ipc.messages import STEP_KINDS
 from tokenmill.observability.histogram import (
     STEP_SECONDS_BUCKETS,
     TOKEN_COUNT_BUCKETS,
@@ -101,11 +102,6 @@ class EngineOutput:
         return self.finish_reason is not None
 
 
-# A step's kind: only prefill rows (prompt chunks), prefill rows beside decode rows, or only
-# decode rows (decodes and speculative verifies).
-STEP_KINDS = ("prefill", "mixed", "decode")
-
-
 def step_kind(batch: SchedulerOutput) -> str:
     """The kind (`STEP_KINDS`) of a step: a row is a prefill row when it computes more tokens
     than it samples (a prompt chunk), a decode row otherwise (a decode, a verify)."""
@@ -131,6 +127,11 @@ class EngineCounters:
     # The same device time by the step's kind (`step_kind`): what mixed steps cost beside
     # prefill-only and decode-only ones.
     forward_seconds_by_kind: dict[str, Histogram] = field(
+        default_factory=lambda: {kind: _seconds_histogram() for kind in STEP_KINDS}
+    )
+    # Host time (`step_seconds`) of the engine steps that launched a step of each kind: where
+    # the host, not the device, sets a kind's pace (e.g. short decode-only steps).
+    step_seconds_by_kind: dict[str, Histogram] = field(
         default_factory=lambda: {kind: _seconds_histogram() for kind in STEP_KINDS}
     )
     iteration_tokens: Histogram = field(default_factory=lambda: Histogram.new(TOKEN_COUNT_BUCKETS))
@@ -430,7 +431,10 @@ class EngineCore:
             outputs += self._finish(self._in_flight)
             self._in_flight = None
         # Host time of the step: everything but waiting for the GPU.
-        self.stats.step_seconds.observe(time.perf_counter() - start - self._waited)
+        host = time.perf_counter() - start - self._waited
+        self.stats.step_seconds.observe(host)
+        if batch.plan is not None:
+            self.stats.step_seconds_by_kind[step_kind(batch)].observe(host)
         if launched is None:
             self._newest = None  # idle: the time until the next launch is no step's cost
         elif self._before_newest is not None:  # read by now, in this call or before

@@ -116,6 +116,12 @@ class RequestDelta(msgspec.Struct):
     metrics: RequestMetrics | None = None
 
 
+# A step's kind: only prefill rows (prompt chunks), prefill rows beside decode rows, or only
+# decode rows (decodes and speculative verifies). EngineStats' histograms of step times are
+# also kept by kind (`<name>_<kind>_steps`).
+STEP_KINDS = ("prefill", "mixed", "decode")
+
+
 class EngineStats(msgspec.Struct):
     """A snapshot of the engine core's load, sent with every step and when idle."""
 

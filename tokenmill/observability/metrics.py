@@ -119,6 +119,12 @@ class _EngineCollector(Collector):
             "rows beside decode rows.",
             "model_forward_seconds_decode_steps": "model_forward_seconds of steps with only "
             "decode rows (decodes, speculative verifies).",
+            "scheduler_step_seconds_prefill_steps": "scheduler_step_seconds of the engine "
+            "steps that launched a step with only prefill rows.",
+            "scheduler_step_seconds_mixed_steps": "scheduler_step_seconds of the engine steps "
+            "that launched a step with prefill rows beside decode rows.",
+            "scheduler_step_seconds_decode_steps": "scheduler_step_seconds of the engine steps "
+            "that launched a step with only decode rows.",
             "iteration_tokens_total": "Tokens processed per engine step.",
             "spec_decode_chosen_drafts": "Drafts verified per request and step, of requests "
             "with drafts to offer (0: adaptive speculation left them out).",
