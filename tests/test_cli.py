@@ -129,6 +129,8 @@ def test_bench_offline_b1_and_b2_on_the_cpu(llama_dir: Path, tmp_path: Path, cap
     assert kinds["prefill"]["steps"] == 1 and kinds["decode"]["steps"] > 0
     assert kinds["mixed"]["steps"] == 0
     assert kinds["prefill"]["host_ms"] > 0 and kinds["decode"]["host_ms"] > 0
+    ours = report["tokenmill"]  # the run's host time: within its wall time, counted once
+    assert 0 < ours["host_ms_per_step"] * ours["engine_steps"] <= 1e3 * ours["elapsed_s"]
     assert "transformers" not in report
     out = capsys.readouterr().out
     assert "B1 llama" in out and "B2 llama" in out and "transformers not run" in out

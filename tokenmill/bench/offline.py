@@ -25,6 +25,7 @@ from tokenmill.bench.roofline import (
 from tokenmill.bench.workloads import WorkloadSpec, build_workload
 from tokenmill.config import ModelConfig
 from tokenmill.entrypoints.llm import LLM
+from tokenmill.observability.histogram import Histogram
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -170,6 +171,18 @@ def _b1(llm: LLM, vocab: int, args: OfflineBenchArgs, rng: np.random.Generator) 
     }
 
 
+def _counts(histograms: dict[str, Histogram]) -> dict[str, tuple[int, float]]:
+    """Each histogram's (count, total)."""
+    return {k: (h.count, h.total) for k, h in histograms.items()}
+
+
+def _since(
+    histograms: dict[str, Histogram], before: dict[str, tuple[int, float]]
+) -> dict[str, tuple[int, float]]:
+    """Each histogram's (count, total) added since `before` (`_counts`)."""
+    return {k: (h.count - before[k][0], h.total - before[k][1]) for k, h in histograms.items()}
+
+
 def _b2(llm: LLM, prompts: list[list[int]], outputs: list[int]) -> dict[str, float]:
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
     # Warm up on the first prompts reversed: their lengths, but nothing the measured run could
@@ -181,18 +194,20 @@ def _b2(llm: LLM, prompts: list[list[int]], outputs: list[int]) -> dict[str, flo
         stats.step_seconds.total,
         stats.forward_seconds.total,
     )
-    by_kind = (stats.forward_seconds_by_kind, stats.step_seconds_by_kind)
-    before = [{k: (h.count, h.total) for k, h in hists.items()} for hists in by_kind]
+    device_before = _counts(stats.forward_seconds_by_kind)
+    host_before = _counts(stats.step_seconds_by_kind)
     elapsed = _timed(lambda: llm.generate(prompts, params, use_tqdm=False))
     steps = stats.step_seconds.count - steps
-    kinds = {}
-    for k, h in stats.forward_seconds_by_kind.items():
-        launches = stats.step_seconds_by_kind[k].count - before[1][k][0]
-        host = stats.step_seconds_by_kind[k].total - before[1][k][1]
-        kinds[k] = {
-            "steps": h.count - before[0][k][0], "device_s": h.total - before[0][k][1],
-            "host_ms": 1e3 * host / max(launches, 1),
-        }  # fmt: skip
+    device_by_kind = _since(stats.forward_seconds_by_kind, device_before)
+    host_by_kind = _since(stats.step_seconds_by_kind, host_before)
+    kinds = {
+        k: {
+            "steps": forwards,
+            "device_s": seconds,
+            "host_ms": 1e3 * host_by_kind[k][1] / max(host_by_kind[k][0], 1),
+        }
+        for k, (forwards, seconds) in device_by_kind.items()
+    }
     total_in = sum(len(p) for p in prompts)
     return {
         "elapsed_s": elapsed,
