@@ -57,6 +57,7 @@ def rms_norm(
     if n_rows == 0:
         return out
     res = residual if residual is not None else x
+    block = next_power_of_2(n_cols)
     _add_rms_norm_kernel[(n_rows,)](
         x,
         res,
@@ -68,8 +69,8 @@ def rms_norm(
         n_cols,
         eps,
         HAS_RESIDUAL=residual is not None,
-        BLOCK=next_power_of_2(n_cols),
-        num_warps=min(max(next_power_of_2(n_cols) // 256, 1), 16),
+        BLOCK=block,
+        num_warps=min(max(block // 256, 1), 16),
         **pdl_options(x.device),
     )
     return out
