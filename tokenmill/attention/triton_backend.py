@@ -150,11 +150,11 @@ class TritonAttentionBackend(FusedStoreBackend):
             and dense_supported(device, model.dtype, model.head_dim)
         )
         self._dense: list[DenseRow] = []
-        # the stream the short rows of a step with dense rows run on (`_beside`), and its events
-        self._side, self._forked, self._joined = None, None, None
+        # the stream the short rows of a step with dense rows run on (`_beside`), the event it
+        # waits on and the one that marks their end (on a GPU)
+        self._side: tuple[torch.cuda.Stream, torch.cuda.Event, torch.cuda.Event] | None = None
         if device.type == "cuda":
-            self._side = torch.cuda.Stream(device)
-            self._forked, self._joined = torch.cuda.Event(), torch.cuda.Event()
+            self._side = (torch.cuda.Stream(device), torch.cuda.Event(), torch.cuda.Event())
         # Deterministic decode batches split while one program per (sequence, KV head) would
         # leave most SMs idle.
         self._split_seqs = 0
@@ -267,7 +267,7 @@ class TritonAttentionBackend(FusedStoreBackend):
         # The short rows (a mixed step's decode rows: K/V streamed at the copy rate) on a side
         # stream, beside cuDNN's dense rows (at the matmul rate): each fills SMs the other's
         # tail leaves idle (docs/perf-notes.md, session 31).
-        main = self._beside(
+        join = self._beside(
             functools.partial(prefill, max_q_len=self._max_q_len, launches="short")
         ) if self._short_rows else None  # fmt: skip
         dense = self._attend_dense(q, out)
@@ -275,29 +275,30 @@ class TritonAttentionBackend(FusedStoreBackend):
             max_q_len=self._triton_q_len if dense else self._max_q_len,
             dense_min_len=self._dense_min if dense else 0, launches="long",
         )  # fmt: skip
-        if main is not None:
-            main.wait_event(self._joined)
+        if join is not None:
+            join()
         return out
 
-    def _beside(self, launch: Callable[[], object]) -> torch.cuda.Stream | None:
-        """Run `launch` on the side stream, after what the current stream has queued, and
-        record its end in `_joined`; the current stream (to wait on `_joined` before it reads
-        the result), or None off a GPU, where `launch` runs in line. (Streams and events are
+    def _beside(self, launch: Callable[[], object]) -> Callable[[], None] | None:
+        """Run `launch` on the side stream, after what the current stream has queued; a
+        function that makes the current stream wait for it (call it before reading the
+        result), or None off a GPU, where `launch` runs in line. (Streams and events are
         switched and recorded directly: torch's stream context and current-stream lookups
         took ~20 us a layer of the host's time.)"""
-        if self._side is None or self._forked is None or self._joined is None:
+        if self._side is None:
             launch()
             return None
-        main = torch.cuda.current_stream(self._side.device)
-        self._forked.record(main)
-        self._side.wait_event(self._forked)
-        torch.cuda.set_stream(self._side)
+        side, forked, joined = self._side
+        main = torch.cuda.current_stream(side.device)
+        forked.record(main)
+        side.wait_event(forked)
+        torch.cuda.set_stream(side)
         try:
             launch()
         finally:
             torch.cuda.set_stream(main)
-        self._joined.record(self._side)
-        return main
+        joined.record(side)
+        return functools.partial(main.wait_event, joined)
 
     def _attend_dense(self, q: torch.Tensor, out: torch.Tensor) -> bool:
         """Write the step's dense rows into `out`; False if cuDNN refused them (a shape or
