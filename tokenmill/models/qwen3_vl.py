@@ -292,13 +292,11 @@ class Qwen3VLForConditionalGeneration(LlamaForCausalLM):
                 assert vision is not None
                 # transformers adds the features to the layer's output (x + residual), which
                 # then is the next layer's residual
-                x = x + residual
+                x = residual if x is None else x + residual
                 x[vision.token_index] += vision.deepstack[i].to(x.dtype)
                 residual = None
-        if residual is None:
-            return model.norm(x)
-        x, _ = model.norm.add_forward(x, residual)
-        return x
+        out, _ = model.norm.add_forward(x, residual)
+        return out
 
 
 class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):
