@@ -11,8 +11,6 @@ from torch.nn import functional as F
 from tests.conftest import hf_greedy
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers.invariant import POINTWISE_PIECE, invariant_linear, invariant_pointwise
-from tokenmill.layers.norm import RMSNorm
-from tokenmill.models.llama import LlamaModel
 from tokenmill.testing.checkpoints import build_checkpoint
 
 ROW_COUNTS = (1, 2, 3, 7, 16, 17, 33, 100, 257)
@@ -81,67 +79,6 @@ def test_invariant_linear_swiglu_rows_do_not_depend_on_the_other_rows(dtype) -> 
     torch.testing.assert_close(alone.float(), F.silu(gate) * up, rtol=2e-2, atol=2e-2)
     with pytest.raises(ValueError, match="no bias"):
         invariant_linear(x, interleaved, torch.zeros(256, dtype=dtype), swiglu=True)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_invariant_linear_with_a_folded_norm_and_a_residual(dtype) -> None:
-    """`norm_eps` (the RMSNorm's weight folded into W's columns) and `residual` (the result
-    added to it in place): each row the row alone, and close to norm-then-product-then-add."""
-    gen = torch.Generator().manual_seed(3)
-    weight = torch.randn(48, 80, generator=gen).to(dtype)
-    gamma = torch.rand(80, generator=gen) + 0.5
-    folded = (weight.float() * gamma).to(dtype)
-    x = torch.randn(300, 80, generator=gen).to(dtype) * 3
-    start = torch.randn(300, 48, generator=gen).to(dtype)
-    alone = torch.cat([invariant_linear(x[i : i + 1], folded, norm_eps=1e-6) for i in range(300)])
-    summed = torch.cat([
-        invariant_linear(x[i : i + 1], folded, norm_eps=1e-6, residual=start[i : i + 1].clone())
-        for i in range(300)
-    ])  # fmt: skip
-    for m in ROW_COUNTS:
-        assert torch.equal(invariant_linear(x[:m], folded, norm_eps=1e-6), alone[:m]), m
-        residual = start[:m].clone()
-        out = invariant_linear(x[:m], folded, norm_eps=1e-6, residual=residual)
-        assert out.data_ptr() == residual.data_ptr() and torch.equal(residual, summed[:m]), m
-    normed = RMSNorm(80, 1e-6)
-    normed.weight.data = gamma
-    want = F.linear(normed(x.float()), weight.float())
-    for got, ref in ((alone, want), (summed, want + start.float())):
-        assert (got.float() - ref).norm() / ref.norm() < 1e-2
-
-
-@pytest.mark.parametrize("family", ["llama", "qwen2_moe"])
-def test_deterministic_mode_folds_the_layer_norms(
-    family: str, tmp_path_factory: pytest.TempPathFactory, monkeypatch
-) -> None:
-    """Deterministic mode runs no RMSNorm inside a dense decoder layer (folded into the
-    q/k/v and gate/up products, the o and down products adding to the residual): a forward
-    pass norms once, at the end; a mixture-of-experts layer keeps its post-attention norm
-    (qwen2_moe: layer 0 dense, two sparse), and both still answer as transformers does."""
-    path = build_checkpoint(tmp_path_factory.mktemp("fold") / family, family)
-    calls = {"norm": 0, "model": 0}
-    norm_forward, model_forward = RMSNorm.forward, LlamaModel.forward
-
-    def count(key, forward):
-        def counted(*args, **kwargs):
-            calls[key] += 1
-            return forward(*args, **kwargs)
-
-        return counted
-
-    monkeypatch.setattr(RMSNorm, "forward", count("norm", norm_forward))
-    monkeypatch.setattr(LlamaModel, "forward", count("model", model_forward))
-    llm = LLM(str(path), device="cpu", deterministic=True)
-    calls.update(norm=0, model=0)
-    prompt = list(range(40, 70))
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(
-        path, prompt, 6
-    )
-    model = llm.config.model
-    kept = sum(model.moe.is_sparse(i) for i in range(model.num_layers)) if model.moe else 0
-    assert kept == (2 if model.moe else 0)
-    assert calls["model"] > 0 and calls["norm"] == calls["model"] * (1 + kept)
 
 
 @pytest.mark.parametrize(

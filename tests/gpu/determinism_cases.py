@@ -4,12 +4,12 @@ product, so each case starts before anything has used it (the torch attention ba
 still go through cuBLAS). Prints one JSON object: the failures found (empty: none) and what was
 compared.
 
-Cases: `linear` (rows of `invariant_matmul` at 1..512 rows against each row alone, and the
+Cases: `linear` (rows of `invariant_linear` at 1..512 rows against each row alone, and the
 512 rows through every tile `choose_tile` can pick, on the shapes of Qwen3-0.6B and
-Llama-3.1-8B, LM heads included; plain, with a folded norm, and adding to a residual);
-`engine-<family>` (a bfloat16 checkpoint built in DIR, CUDA graphs on: the greedy and the
-seeded target alone, in batches of 1..64 other requests, under prefill budgets 16/512/8192,
-after a prefix hit, decode-written KV reused)."""
+Llama-3.1-8B, LM heads included); `engine-<family>` (a bfloat16
+checkpoint built in DIR, CUDA graphs on: the greedy and the seeded target alone, in batches of
+1..64 other requests, under prefill budgets 16/512/8192, after a prefix hit, decode-written KV
+reused)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.kernels.invariant_matmul import choose_tile, invariant_matmul
-from tokenmill.layers.invariant import configure_invariant_cublas
+from tokenmill.layers.invariant import configure_invariant_cublas, invariant_linear
 
 # (N, K) of the products of Qwen3-0.6B and Llama-3.1-8B: q/k/v, o, gate/up, down, LM head.
 SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024),
@@ -38,34 +38,16 @@ def check_linear() -> dict:
     for n, k in SHAPES:
         w = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
         x = torch.randn(max(ROWS), k, device="cuda", generator=gen, dtype=torch.bfloat16)
-        # A folded norm (sums of squares inside 16-row tiles, from their own kernel for larger
-        # ones) and the residual add of the products that end a sub-layer.
-        for form in ({}, {"norm_eps": 1e-6}, {"norm_eps": 1e-6, "residual": True}):
-            failures += _linear_rows(x, w, form)
+        alone = torch.cat([invariant_linear(x[i : i + 1], w) for i in range(max(ROWS))])
+        for m in ROWS:
+            rows = (invariant_linear(x[:m], w) != alone[:m]).any(dim=1)
+            if rows.any():
+                failures.append({"shape": [n, k], "m": m, "rows_differing": int(rows.sum())})
+        for tile in TILES:
+            rows = (invariant_matmul(x, w, tile=tile) != alone).any(dim=1)
+            if rows.any():
+                failures.append({"shape": [n, k], "tile": tile, "rows_differing": int(rows.sum())})
     return {"failures": failures, "shapes": len(SHAPES), "row_counts": ROWS}
-
-
-def _linear_rows(x: torch.Tensor, w: torch.Tensor, form: dict) -> list[dict]:
-    """Rows of `x @ w.T` in `form` (`norm_eps`, `residual`) at each of ROWS rows and through
-    each of TILES against each row alone: the failures."""
-    start = torch.randn(x.shape[0], w.shape[0], device="cuda", dtype=x.dtype)
-
-    def product(rows: slice, tile=None) -> torch.Tensor:
-        kwargs = {**form, "residual": start[rows].clone() if form.get("residual") else None}
-        return invariant_matmul(x[rows], w, tile=tile, **kwargs)
-
-    alone = torch.cat([product(slice(i, i + 1)) for i in range(max(ROWS))])
-    failures = []
-    where = {"shape": list(w.shape), "form": sorted(form)}
-    for m in ROWS:
-        rows = (product(slice(0, m)) != alone[:m]).any(dim=1)
-        if rows.any():
-            failures.append({**where, "m": m, "rows_differing": int(rows.sum())})
-    for tile in TILES:
-        rows = (product(slice(None), tile) != alone).any(dim=1)
-        if rows.any():
-            failures.append({**where, "tile": tile, "rows_differing": int(rows.sum())})
-    return failures
 
 
 GREEDY_ARGS = {"temperature": 0, "max_tokens": 24, "ignore_eos": True, "logprobs": 3}

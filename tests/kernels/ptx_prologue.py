@@ -27,7 +27,7 @@ from tokenmill.kernels.attention import (
 from tokenmill.kernels.fused_moe import _down_gemv_kernel, _gate_up_gemv_kernel
 from tokenmill.kernels.gemv import _gemv_kernel
 from tokenmill.kernels.graph_inputs import _decode_inputs_kernel
-from tokenmill.kernels.invariant_matmul import _invariant_matmul_kernel, _sum_squares_kernel
+from tokenmill.kernels.invariant_matmul import _invariant_matmul_kernel
 from tokenmill.kernels.launch import DirectLaunch
 from tokenmill.kernels.norm import _add_rms_norm_kernel
 from tokenmill.kernels.rope_store import _rope_store_kernel
@@ -73,16 +73,11 @@ KERNELS = {
         BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, SPLIT_K=1, GATED=True, NORM=False, HAS_RES=False,
         PREFETCH=2, DEFER=False, DOT=True, IEEE=False)),
     **{name: (_invariant_matmul_kernel, dict(
-        HAS_BIAS=not swiglu, IEEE=False, SWIGLU=swiglu, NORM=norm, RESIDUAL=residual,
-        CHUNKS=chunks, ACROSS=across, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=8))
-        for name, swiglu, norm, residual, chunks, across in (
-            ("invariant_matmul", False, 0, False, 1, False),
-            ("invariant_matmul_swiglu", True, 0, False, 1, False),
-            ("invariant_matmul_across", True, 0, False, 4, True),
-            ("invariant_matmul_loop", False, 0, False, 2, False),
-            ("invariant_matmul_norm", True, 1, False, 4, True),
-            ("invariant_matmul_residual", False, 2, True, 2, False))},
-    "sum_squares": (_sum_squares_kernel, dict(IEEE=False, CHUNKS=2, BLOCK_M=16, BLOCK_K=128)),
+        HAS_BIAS=not swiglu, IEEE=False, SWIGLU=swiglu, CHUNKS=chunks, ACROSS=across,
+        BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=8)) for name, swiglu, chunks, across in (
+            ("invariant_matmul", False, 1, False), ("invariant_matmul_swiglu", True, 1, False),
+            ("invariant_matmul_across", True, 4, True),
+            ("invariant_matmul_loop", False, 2, False))},
     "add_rms_norm": (_add_rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=1024)),
     "rope_store": (_rope_store_kernel, dict(
         HQ=16, HKV=8, D=128, BLOCK_G=2, BLOCK_T=1, QK_NORM=True, FRESH=False)),

@@ -243,47 +243,6 @@ def test_invariant_matmul(
         assert torch.equal(outs[0], torch.cat(alone)) and torch.equal(outs[1], outs[0])
 
 
-@pytest.mark.parametrize("dtype", DOT_DTYPES)
-@pytest.mark.parametrize("m", [1, 5, 40])
-@pytest.mark.parametrize("tile", [None, MatmulTile(16, 16, 32, 4, 1), MatmulTile(32, 64, 64, 4, 2)])
-@pytest.mark.parametrize("chunks", [None, 3])
-def test_invariant_matmul_folded_norm_and_residual(
-    dtype: torch.dtype, m: int, tile: MatmulTile | None, chunks: int | None
-) -> None:
-    """`norm_eps`: each row scaled by its `rsqrt(mean(x^2) + eps)` before the bias (the sums
-    of squares inside tiles of 16 rows, from `_sum_squares_kernel` for the 32-row tile);
-    `residual`: the result added to it in place. Against float64, K in one chunk and in 3,
-    each chunk in programs of its own and all in one; on the GPU every row is bitwise the row
-    alone (the in-product and the separate sums of squares give the same bits), with the
-    residual too."""
-    gen = torch.Generator().manual_seed(m + 7)
-    x, w = _randn(m, 600, dtype=dtype, gen=gen) * 3, _randn(37, 600, dtype=dtype, gen=gen)
-    bias, start = _randn(37, dtype=dtype, gen=gen), _randn(m, 37, dtype=dtype, gen=gen)
-    x64 = x.double()
-    want = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) @ w.double().T
-    want = want + bias.double()
-    for across in (True, False):
-        out = invariant_matmul(x, w, bias, tile, chunks=chunks, across=across, norm_eps=1e-6)
-        _close(out, want, dtype)
-        residual = start.clone()
-        summed = invariant_matmul(x, w, bias, tile, chunks=chunks, across=across,
-                                  norm_eps=1e-6, residual=residual)  # fmt: skip
-        assert summed.data_ptr() == residual.data_ptr()
-        _close(summed, want + start.double(), dtype)
-        if DEVICE == "cuda":
-            alone = [invariant_matmul(x[i : i + 1], w, bias, chunks=chunks, norm_eps=1e-6)
-                     for i in range(m)]  # fmt: skip
-            assert torch.equal(out, torch.cat(alone))
-            rows = [start[i : i + 1].clone() for i in range(m)]
-            for i, row in enumerate(rows):
-                invariant_matmul(x[i : i + 1], w, bias, chunks=chunks, norm_eps=1e-6, residual=row)
-            assert torch.equal(summed, torch.cat(rows))
-    with pytest.raises(ValueError, match="residual"):
-        invariant_matmul(x, w, norm_eps=1e-6, residual=start[:, :5].clone())
-    with pytest.raises(ValueError, match="no residual"):
-        invariant_matmul(x, torch.cat([w, w[:1]]), swiglu=True, residual=start.clone())
-
-
 def test_invariant_matmul_chunks_follow_the_weight_alone() -> None:
     """K's chunks at the bf16 products of Qwen3-0.6B (latency-bound, 4-13 MB: one chunk) and
     Llama-3.1-8B: those with few decode tiles cut in two (q/k/v 192 tiles of 32 columns, o and
@@ -920,9 +879,7 @@ def test_pdl_kernels_wait_before_touching_memory() -> None:
                                 "gemv_dot", "rope_store", "rope_store_blocked", "moe_gate_up_gemv",
                                 "moe_down_gemv",
                                 "invariant_matmul", "invariant_matmul_swiglu",
-                                "invariant_matmul_across", "invariant_matmul_loop",
-                                "invariant_matmul_norm", "invariant_matmul_residual",
-                                "sum_squares", "invariant",
+                                "invariant_matmul_across", "invariant_matmul_loop", "invariant",
                                 "invariant_int64_index", "invariant_merge"}  # fmt: skip
     reads_first = {"gemv", "gemv_dot", "rope_store", "rope_store_blocked", "decode_split",
                    "decode_split_late", "moe_down_gemv"}  # fmt: skip

@@ -23,17 +23,6 @@ the same k order.
 The `swiglu` epilogue keeps that property because it is per element: it pairs interleaved
 gate/up columns into `silu(gate) * up` before the store.
 
-Deterministic mode folds each RMSNorm into the product behind it (`norm_eps`): the weight holds
-`W diag(g)`, `x` is the un-normed residual stream, and each row's result is scaled by
-`rsqrt(sum(x^2) / K + eps)` before the bias. The sum of squares is one more chain per row:
-`x^2` split into two 16-bit halves (`hi + lo`, exact for a 16-bit `x`), each half times a
-column of ones through the same MMA steps in the same k order and per chunk as the product
-(IEEE FMAs of the float32 squares for float32), so it too is the same in every tile. Tiles of
-16 rows run it inside the product (decode: no norm kernel before it); larger tiles, where it
-would cost an eighth more MMA work, take it from `_sum_squares_kernel`, which runs the same
-chains (the same bits). `residual`: the product is added to it in place, rounded once (the
-projections that end a sub-layer), so the next norm's input needs no add kernel either.
-
 A product is launched with PDL (`kernels/pdl.py`) only when its weight is at most
 PDL_MAX_WEIGHT_BYTES: a small product is latency-bound and gains from starting while the kernel
 before it ends, while Llama-3.1-8B's products (34-235 MB) ran a deterministic decode step at
@@ -62,12 +51,6 @@ PDL_MAX_WEIGHT_BYTES = 16 << 20
 DECODE_PROGRAMS = 256
 MIN_CHUNK = 512
 CHUNK_ALIGN = 256
-# Columns of the sum-of-squares MMA's B operand (`_square_step`): the narrowest `tl.dot`.
-SQUARE_COLS = tl.constexpr(16)
-# Rows of a program of `_sum_squares_kernel`, and the largest tile whose product computes its
-# rows' sums of squares itself (more rows: an eighth more MMA work than the product's own).
-SQUARES_ROWS = 16
-SQUARES_BLOCK_K = 128
 
 
 class MatmulTile(NamedTuple):
@@ -111,119 +94,47 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 @triton.jit
 def _chain(
     x_ptr, x_offs, w_ptrs, m_mask, n_mask, offs_k, k_lo, k_hi, IEEE: tl.constexpr,
-    SQUARES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """One accumulator chain per element of the tile over K's columns [k_lo, k_hi), from zero,
-    and (SQUARES) each row's sum of squares of x over them (`_square_step`; else zeros)."""
+    """One accumulator chain per element of the tile over K's columns [k_lo, k_hi), from zero."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    hi = tl.zeros([BLOCK_M, SQUARE_COLS], dtype=tl.float32)
-    lo = tl.zeros([BLOCK_M, SQUARE_COLS], dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
         k_mask = offs_k < k_hi - k
         a = tl.load(x_ptr + x_offs + k, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(w_ptrs + k, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = _dot(a, b, acc, IEEE)
-        if SQUARES:
-            hi, lo = _square_step(a, hi, lo, IEEE, BLOCK_K)
-    return acc, tl.sum(hi + lo, axis=1)
-
-
-@triton.jit
-def _square_step(a, hi, lo, IEEE: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One more step of a row's sum-of-squares chains: `a * a` (exact in float32 for 16-bit
-    `a`) as a 16-bit high part and the 16-bit rest, each multiplied by a column of ones into
-    its own accumulator (the other SQUARE_COLS - 1 columns of B are zero, so the row's sum is
-    `hi + lo` of column 0 exactly); float32 `a`: the squares in one IEEE chain."""
-    cols = tl.zeros([BLOCK_K, SQUARE_COLS], dtype=tl.int32) + tl.arange(0, SQUARE_COLS)[None, :]
-    a = a.to(tl.float32)
-    sq = a * a
-    if IEEE:
-        hi = tl.dot(sq, (cols == 0).to(tl.float32), hi, input_precision="ieee")
-    else:
-        ones = (cols == 0).to(tl.bfloat16)
-        sq_hi = sq.to(tl.bfloat16)
-        hi = tl.dot(sq_hi, ones, hi)
-        lo = tl.dot((sq - sq_hi.to(tl.float32)).to(tl.bfloat16), ones, lo)
-    return hi, lo
-
-
-@triton.jit
-def _sum_squares(
-    x_ptr, x_offs, m_mask, offs_k, k_lo, k_hi, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """`_chain`'s sum of squares alone: each row's over K's columns [k_lo, k_hi)."""
-    hi = tl.zeros([BLOCK_M, SQUARE_COLS], dtype=tl.float32)
-    lo = tl.zeros([BLOCK_M, SQUARE_COLS], dtype=tl.float32)
-    for k in range(k_lo, k_hi, BLOCK_K):
-        k_mask = offs_k < k_hi - k
-        a = tl.load(x_ptr + x_offs + k, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        hi, lo = _square_step(a, hi, lo, IEEE, BLOCK_K)
-    return tl.sum(hi + lo, axis=1)
-
-
-@direct_launch
-@triton.jit
-def _sum_squares_kernel(
-    x_ptr, ss_ptr, M, K, k_chunk, stride_xm, IEEE: tl.constexpr, CHUNKS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
-    """Each row's sum of squares of x, K's chunks added in order to a zero total: the bits a
-    product with `norm_eps` computes inside its tiles of 16 rows."""
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_mask = offs_m < M
-    x_offs = offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-    pdl_wait(USE_PDL)
-    total = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for c in range(CHUNKS):
-        total += _sum_squares(x_ptr, x_offs, m_mask, offs_k, c * k_chunk,
-                              tl.minimum(K, (c + 1) * k_chunk), IEEE, BLOCK_M, BLOCK_K)  # fmt: skip
-    tl.store(ss_ptr + offs_m, total, mask=m_mask)
+    return acc
 
 
 @triton.jit
 def _finish(
-    acc, ss, bias_ptr, out_ptr, ss_ptr, offs_m, offs_n, m_mask, n_mask, pid_n, N, K, eps,
-    stride_om, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, NORM: tl.constexpr,
-    RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    acc, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, pid_n, N, stride_om,
+    HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """The folded norm's row scale (NORM 1: of the sums of squares `ss`, NORM 2: of those in
-    `ss_ptr`), the bias, the residual the output adds to, one rounding to the output dtype,
-    the SwiGLU epilogue, the store."""
-    if NORM == 2:
-        ss = tl.load(ss_ptr + offs_m, mask=m_mask, other=0.0)
-    if NORM != 0:
-        acc = acc * tl.rsqrt(ss / K + eps)[:, None]
+    """The bias, one rounding to the output dtype, the SwiGLU epilogue, the store."""
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    if RESIDUAL:
-        acc += tl.load(out_ptrs, mask=m_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
     out = acc.to(out_ptr.dtype.element_ty)
     if SWIGLU:  # columns (2j, 2j + 1) are (gate_j, up_j): SiLU-and-mul as `silu_and_mul` does
         gate, up = tl.split(tl.reshape(out, [BLOCK_M, BLOCK_N // 2, 2]))
         out = silu_mul(gate, up).to(out_ptr.dtype.element_ty)
         offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         n_mask = offs_n < N // 2
-        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(out_ptrs, out, mask=m_mask[:, None] & n_mask[None, :])
 
 
 @direct_launch
 @triton.jit
 def _invariant_matmul_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, ss_ptr, ticket_ptr, M, N, K, k_chunk, eps,
-    stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-    SWIGLU: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, CHUNKS: tl.constexpr,
-    ACROSS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, k_chunk, stride_xm,
+    stride_wn, stride_om, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SWIGLU: tl.constexpr,
+    CHUNKS: tl.constexpr, ACROSS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """CHUNKS > 1: K in chunks of `k_chunk` columns, a chain each, added in chunk order to a
-    zero total; ACROSS: a program per (tile, chunk), partial sums to `part_ptr` (NORM 1: the
-    rows' sums of squares to `ss_ptr`) and the tile's last program to finish (an atomic
-    ticket) adds them, else one program runs them all. NORM: the folded RMSNorm (0 none, 1
-    sums of squares in the chains, 2 read from `ss_ptr`); RESIDUAL: `out` += the product."""
+    zero total; ACROSS: a program per (tile, chunk), partial sums to `part_ptr` and the tile's
+    last program to finish (an atomic ticket) adds them, else one program runs them all."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -240,49 +151,36 @@ def _invariant_matmul_kernel(
     n_mask = offs_n < N
     x_offs = offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-    squares: tl.constexpr = NORM == 1
     pdl_wait(USE_PDL)
     if CHUNKS == 1:
-        acc, ss = _chain(x_ptr, x_offs, w_ptrs, m_mask, n_mask, offs_k, 0, K, IEEE, squares,
-                         BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
-        _finish(acc, ss, bias_ptr, out_ptr, ss_ptr, offs_m, offs_n, m_mask, n_mask, pid_n, N, K,
-                eps, stride_om, HAS_BIAS, SWIGLU, NORM, RESIDUAL, BLOCK_M, BLOCK_N)  # fmt: skip
+        acc = _chain(x_ptr, x_offs, w_ptrs, m_mask, n_mask, offs_k, 0, K, IEEE, BLOCK_M,
+                     BLOCK_N, BLOCK_K)  # fmt: skip
+        _finish(acc, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, pid_n, N, stride_om,
+                HAS_BIAS, SWIGLU, BLOCK_M, BLOCK_N)  # fmt: skip
     elif ACROSS:
         chunk = tl.program_id(1)
         k_lo = chunk * k_chunk
-        acc, ss = _chain(x_ptr, x_offs, w_ptrs, m_mask, n_mask, offs_k, k_lo,
-                         tl.minimum(K, k_lo + k_chunk), IEEE, squares, BLOCK_M, BLOCK_N,
-                         BLOCK_K)  # fmt: skip
+        acc = _chain(x_ptr, x_offs, w_ptrs, m_mask, n_mask, offs_k, k_lo,
+                     tl.minimum(K, k_lo + k_chunk), IEEE, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
         part_offs = offs_m[:, None] * N + offs_n[None, :]
         tile_mask = m_mask[:, None] & n_mask[None, :]
         tl.store(part_ptr + chunk * M * N + part_offs, acc, mask=tile_mask)
-        if squares:  # every column tile stores the same sums for this chunk
-            tl.store(ss_ptr + chunk * M + offs_m, ss, mask=m_mask)
         if last_to_arrive(ticket_ptr, pid, CHUNKS):
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            total_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
             for c in range(CHUNKS):
                 total += tl.load(part_ptr + c * M * N + part_offs, mask=tile_mask, other=0.0,
                                  cache_modifier=".cg")  # fmt: skip
-                if squares:
-                    total_ss += tl.load(ss_ptr + c * M + offs_m, mask=m_mask, other=0.0,
-                                        cache_modifier=".cg")  # fmt: skip
-            _finish(total, total_ss, bias_ptr, out_ptr, ss_ptr, offs_m, offs_n, m_mask, n_mask,
-                    pid_n, N, K, eps, stride_om, HAS_BIAS, SWIGLU, NORM, RESIDUAL, BLOCK_M,
-                    BLOCK_N)  # fmt: skip
+            _finish(total, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, pid_n, N,
+                    stride_om, HAS_BIAS, SWIGLU, BLOCK_M, BLOCK_N)  # fmt: skip
             reset_ticket(ticket_ptr, pid)
     else:
         total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        total_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
         for c in range(CHUNKS):
             k_hi = tl.minimum(K, (c + 1) * k_chunk)
-            acc, ss = _chain(x_ptr, x_offs, w_ptrs, m_mask, n_mask, offs_k, c * k_chunk, k_hi,
-                             IEEE, squares, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
-            total += acc
-            total_ss += ss
-        _finish(total, total_ss, bias_ptr, out_ptr, ss_ptr, offs_m, offs_n, m_mask, n_mask,
-                pid_n, N, K, eps, stride_om, HAS_BIAS, SWIGLU, NORM, RESIDUAL, BLOCK_M,
-                BLOCK_N)  # fmt: skip
+            total += _chain(x_ptr, x_offs, w_ptrs, m_mask, n_mask, offs_k, c * k_chunk, k_hi,
+                            IEEE, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+        _finish(total, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, pid_n, N, stride_om,
+                HAS_BIAS, SWIGLU, BLOCK_M, BLOCK_N)  # fmt: skip
 
 
 def k_chunks(n: int, k: int, itemsize: int) -> int:
@@ -316,8 +214,6 @@ def invariant_matmul(
     swiglu: bool = False,
     chunks: int | None = None,
     across: bool | None = None,
-    norm_eps: float | None = None,
-    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`x @ weight.T (+ bias)` for a 2-D `x` `[M, K]` and `weight` `[N, K]` (last dims
     contiguous), each row's bits independent of M and of `tile` (default: `choose_tile`).
@@ -325,10 +221,6 @@ def invariant_matmul(
     `swiglu`: W's rows interleave an MLP's gate and up projections (gate j, up j, ...), and the
     result is `silu(gate) * up` `[M, N / 2]`: bitwise `silu_and_mul` of the plain product with
     de-interleaved rows, without writing and reading that product.
-
-    `norm_eps`: an RMSNorm folded in (its weight multiplied into W's columns): each row of the
-    product scaled by `rsqrt(mean(x^2) + norm_eps)` before the bias. `residual` (`[M, N]`,
-    x's dtype, no `swiglu`): the result is added to it in place and returned.
 
     `chunks`: K's chunks (default `k_chunks`; a row's bits depend on it, so pass the same for
     every M). `across`: each chunk in programs of its own, the tile's last one adding them
@@ -340,19 +232,9 @@ def invariant_matmul(
             f"invariant_matmul takes x [M, K], W [N, K] with contiguous rows; "
             f"got {tuple(x.shape)}, {tuple(weight.shape)}"
         )
-    if swiglu and (n % 2 or bias is not None or residual is not None):
-        raise ValueError(
-            f"swiglu takes an even number of rows, no bias and no residual; got N = {n}"
-        )
-    if residual is None:
-        out = torch.empty((m, n // 2 if swiglu else n), dtype=x.dtype, device=x.device)
-    elif residual.shape != (m, n) or residual.dtype != x.dtype or residual.stride(1) != 1:
-        raise ValueError(
-            f"residual must be [M, N] = {(m, n)} of {x.dtype} with contiguous rows; got "
-            f"{tuple(residual.shape)} of {residual.dtype}"
-        )
-    else:
-        out = residual
+    if swiglu and (n % 2 or bias is not None):
+        raise ValueError(f"swiglu takes an even number of rows and no bias; got N = {n}")
+    out = torch.empty((m, n // 2 if swiglu else n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     tile = tile or choose_tile(m, n)
@@ -363,36 +245,16 @@ def invariant_matmul(
     tiles = cdiv(m, tile.block_m) * cdiv(n, tile.block_n)
     across = num_chunks > 1 and (tiles < DECODE_PROGRAMS if across is None else across)
     part = torch.empty((num_chunks, m, n), dtype=torch.float32, device=x.device) if across else out
-    norm, ss = 0, part
-    if norm_eps is not None and tile.block_m <= SQUARES_ROWS:
-        norm = 1
-        if across:
-            ss = torch.empty((num_chunks, m), dtype=torch.float32, device=x.device)
-    elif norm_eps is not None:
-        norm, ss = 2, sum_squares(x, k_chunk, product_pdl_options(weight))
     _invariant_matmul_kernel[(tiles, num_chunks if across else 1)](
-        x, weight, bias if bias is not None else x, out, part, ss,
+        x, weight, bias if bias is not None else x, out, part,
         ticket_buffer(x.device, tiles if across else 0), m, n, k, k_chunk,
-        norm_eps if norm_eps is not None else 0.0, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, SWIGLU=swiglu, NORM=norm,
-        RESIDUAL=residual is not None, CHUNKS=num_chunks, ACROSS=across, BLOCK_M=tile.block_m,
-        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=8, num_warps=tile.num_warps,
-        num_stages=tile.num_stages, **product_pdl_options(weight),
+        x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, SWIGLU=swiglu,
+        CHUNKS=num_chunks, ACROSS=across, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k, GROUP_M=8, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **product_pdl_options(weight),
     )  # fmt: skip
     return out
-
-
-def sum_squares(x: torch.Tensor, k_chunk: int, pdl: dict[str, bool]) -> torch.Tensor:
-    """Each row's sum of squares of `x` `[M, K]` (float32 `[M]`) over K's chunks of `k_chunk`
-    columns: the bits a product with `norm_eps` computes in its tiles of SQUARES_ROWS rows."""
-    m, k = x.shape
-    ss = torch.empty(m, dtype=torch.float32, device=x.device)
-    _sum_squares_kernel[(cdiv(m, SQUARES_ROWS),)](
-        x, ss, m, k, k_chunk, x.stride(0), IEEE=x.dtype == torch.float32,
-        CHUNKS=cdiv(k, k_chunk), BLOCK_M=SQUARES_ROWS, BLOCK_K=SQUARES_BLOCK_K, num_warps=4,
-        num_stages=3, **pdl,
-    )  # fmt: skip
-    return ss
 
 
 def product_pdl_options(weight: torch.Tensor) -> dict[str, bool]:

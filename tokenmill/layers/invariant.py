@@ -53,45 +53,25 @@ def invariant_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     swiglu: bool = False,
-    norm_eps: float | None = None,
-    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`x @ weight.T (+ bias)` with each row's result independent of the other rows of `x`.
 
     `swiglu`: `weight`'s rows interleave an MLP's gate and up projections (gate j, up j, ...;
     no bias), and the result is `silu(gate) * up` (on CUDA applied as the product stores its
-    result, `kernels.invariant_matmul`). `norm_eps`: an RMSNorm folded into `weight` (its
-    weight multiplied into the columns, `Linear.fold_norm`): each row scaled by
-    `rsqrt(mean(x^2) + norm_eps)` before the bias. `residual` (`x`'s rows, `weight`'s
-    columns): the result is added to it in place and returned."""
+    result, `kernels.invariant_matmul`)."""
     if swiglu and bias is not None:
         raise ValueError("invariant_linear with swiglu takes no bias")
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
-    res_rows = residual.view(-1, residual.shape[-1]) if residual is not None else None
     if x.is_cuda:
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-        out = invariant_matmul(rows, weight, bias, swiglu=swiglu, norm_eps=norm_eps,
-                               residual=res_rows)  # fmt: skip
+        out = invariant_matmul(rows, weight, bias, swiglu=swiglu)
     else:
-        out = _tiled_product(rows, weight, None)
-        if norm_eps is not None:
-            out = (out.float() * _row_rsqrt(rows, norm_eps)).to(out.dtype)
-        if bias is not None:
-            out = out + bias
+        out = _tiled_product(rows, weight, bias)
         if swiglu:
             gate, up = out.view(out.shape[0], -1, 2).unbind(-1)
             out = invariant_swiglu(gate, up)
-        if res_rows is not None:
-            out = res_rows.add_(out)
     return out.view(*shape[:-1], out.shape[-1])
-
-
-def _row_rsqrt(rows: torch.Tensor, eps: float) -> torch.Tensor:
-    """`rsqrt(mean(x^2) + eps)` of each row of `rows` `[M, K]` in float32 (`[M, 1]`), as
-    `RMSNorm` computes it on the CPU."""
-    x32 = rows.float()
-    return invariant_pointwise(torch.rsqrt, x32.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def _tiled_product(
@@ -162,9 +142,8 @@ def configure_invariant_cublas() -> None:
 
 def make_batch_invariant(model: nn.Module) -> int:
     """Switch every layer of `model` that has a batch-invariant path (`batch_invariant`
-    attribute: linear layers, the LM head, mixture-of-experts blocks) onto it, let every
-    SwiGLU MLP (`fuse_swiglu`) apply its activation inside its gate/up product, and let every
-    decoder layer (`fold_norms`) fold its norms into the products behind them. Returns how
+    attribute: linear layers, the LM head, mixture-of-experts blocks) onto it, and let every
+    SwiGLU MLP (`fuse_swiglu`) apply its activation inside its gate/up product. Returns how
     many layers were switched."""
     switched = 0
     for module in model.modules():
@@ -173,6 +152,4 @@ def make_batch_invariant(model: nn.Module) -> int:
             switched += 1
         if hasattr(module, "fuse_swiglu"):
             module.fuse_swiglu()
-        if hasattr(module, "fold_norms"):
-            module.fold_norms()
     return switched

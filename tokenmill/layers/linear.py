@@ -73,11 +73,6 @@ class Linear(nn.Module):
         # up, and the product applies SiLU-and-mul (`LlamaMLP.fuse_swiglu`).
         self.batch_invariant = False
         self.swiglu = False
-        # Deterministic mode on one GPU (`LlamaDecoderLayer.fold_norms`): `norm_eps` is set
-        # when the RMSNorm in front is folded into the weight (`fold_norm`), and
-        # `adds_to_residual` when the product adds itself to the residual stream (`add_to`).
-        self.norm_eps: float | None = None
-        self.adds_to_residual = False
 
     def _gemv_choice(self, x: torch.Tensor) -> GemvChoice | None:
         if self.batch_invariant:
@@ -93,41 +88,18 @@ class Linear(nn.Module):
         return self._product(silu_and_mul(x, self.batch_invariant) if gated else x, choice)
 
     def forward_normed(
-        self, x: torch.Tensor | None, residual: torch.Tensor | None, norm: RMSNorm
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(self(norm(x + residual)), x + residual)`; without a residual, `x` is the next one,
-        and `x` None means the product before added it to `residual` already (`add_to`)."""
-        if self.norm_eps is not None:  # the norm folded into the weight: the sum goes in as is
-            if residual is None or x is None:
-                stream = residual if x is None else x
-            else:
-                stream = residual.add_(x)
-            out = invariant_linear(
-                stream, self.weight, self._product_bias, self.swiglu, norm_eps=self.norm_eps
-            )
-            return out, stream
-        choice = self._gemv_choice(x) if x is not None else None
+        """`(self(norm(x + residual)), x + residual)`; without a residual, `x` is the next one."""
+        choice = self._gemv_choice(x)
         if choice is not None and choice.fused:
             inputs = InputNorm(norm.weight, norm.eps, residual)
             return norm_gemv(x, self.weight, choice.config, inputs)
-        h, residual = norm.add_forward(x, residual)
+        if residual is None:
+            residual, h = x, norm(x)
+        else:
+            h, residual = norm.add_forward(x, residual)
         return self._product(h, choice), residual
-
-    def fold_norm(self, norm: RMSNorm) -> None:
-        """Deterministic mode: multiply `norm`'s weight into this layer's columns (`W diag(g)`,
-        in float32, rounded once), so that the batch-invariant product takes the un-normed
-        input and scales each row by its `rsqrt(mean(x^2) + eps)` itself
-        (`invariant_linear(norm_eps=...)`), with no norm kernel in front. Once, after loading."""
-        if self.norm_eps is not None:
-            raise ValueError("this layer's norm is folded into its weight already")
-        scaled = self.weight.data.float() * norm.weight.data.float()
-        self.weight.data = scaled.to(self.weight.dtype)
-        self.norm_eps = norm.eps
-
-    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> None:
-        """`residual += self(x)` in place, the sum rounded once (deterministic mode's products
-        that end a sub-layer, `adds_to_residual`: the next layer's norm needs no add)."""
-        invariant_linear(x, self.weight, self.bias, residual=residual)
 
     def _product(self, h: torch.Tensor, choice: GemvChoice | None) -> torch.Tensor:
         """`h W^T (+ b)` of an already transformed input: the chosen GEMV, else cuBLAS (or,

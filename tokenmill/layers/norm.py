@@ -25,16 +25,12 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
     def add_forward(
-        self, x: torch.Tensor | None, residual: torch.Tensor | None
+        self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return `(norm(x + residual), x + residual)`: the next input and the next residual.
-        Without a residual `x` is the next one; `x` None: it is in `residual` already.
 
         On CUDA one fused kernel does both, updating `residual` in place.
         """
-        if residual is None or x is None:
-            stream = residual if x is None else x
-            return self.forward(stream), stream
         if x.is_cuda:
             return rms_norm(x, self.weight, self.eps, residual), residual
         residual = x + residual

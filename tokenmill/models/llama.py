@@ -45,20 +45,16 @@ class LlamaAttention(nn.Module):
         positions: torch.Tensor,
         qkv: torch.Tensor,
         attn: AttentionBackend,
-        residual: torch.Tensor,
         rotary: RotaryEmbedding | None = None,
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor:
         """Attention output (after `o_proj`) of the projected `qkv` of every token, rotated by
-        `rotary` (a step's own rows, e.g. multimodal positions) or the model's table; None
-        where `o_proj` added it to `residual` itself (`Linear.adds_to_residual`)."""
+        `rotary` (a step's own rows, e.g. multimodal positions) or the model's table."""
         qk_norm = (self.q_norm, self.k_norm) if self.qk_norm else None
         rotary = self.rotary if rotary is None else rotary
         q = attn.store_qkv(qkv, positions, self.layer, rotary, qk_norm)
-        out = attn.attend(q, self.layer).reshape(-1, self.num_heads * self.head_dim)
-        if self.o_proj.adds_to_residual:
-            self.o_proj.add_to(out, residual)
-            return None
-        return self.o_proj.add_bias(self.tp.all_reduce(self.o_proj(out)))
+        out = attn.attend(q, self.layer)
+        partial = self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+        return self.o_proj.add_bias(self.tp.all_reduce(partial))
 
 
 class LlamaMLP(nn.Module):
@@ -96,15 +92,11 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.gate_up_proj(h))
 
     def forward(
-        self, x: torch.Tensor | None, residual: torch.Tensor | None, norm: RMSNorm
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`(mlp(norm(x + residual)), x + residual)`; the add + norm runs inside the gate/up
-        projection (`Linear.forward_normed`). The first is None where the down projection
-        added it to the residual itself (`Linear.adds_to_residual`)."""
+        projection (`Linear.forward_normed`)."""
         gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
-        if self.down_proj.adds_to_residual:
-            self.down_proj.add_to(gate_up, residual)
-            return None, residual
         return self.tp.all_reduce(self.down_proj(gate_up)), residual
 
 
@@ -135,32 +127,15 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,
-        x: torch.Tensor | None,
+        x: torch.Tensor,
         residual: torch.Tensor | None,
         attn: AttentionBackend,
         rotary: RotaryEmbedding | None = None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """`(x, residual)` in and out: the pending output of the block before (None: added
-        to `residual` already) and the residual stream without it (None: `x` is the stream)."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         attn_in = self.self_attn.qkv_proj
         qkv, residual = attn_in.forward_normed(x, residual, self.input_layernorm)
-        x = self.self_attn(positions, qkv, attn, residual, rotary)
+        x = self.self_attn(positions, qkv, attn, rotary)
         return self.mlp(x, residual, self.post_attention_layernorm)
-
-    def fold_norms(self) -> None:
-        """Deterministic mode on one GPU: each RMSNorm multiplied into the product behind it
-        (`Linear.fold_norm`: the q/k/v and, for a dense MLP, the gate/up product scale their
-        rows themselves) and the o and down products adding themselves to the residual
-        (`Linear.add_to`): no add + norm kernels in the layer. A mixture of experts keeps its
-        norm (its router and experts read the normed input)."""
-        attention = self.self_attn
-        if attention.tp.size > 1:  # the o product's partial sums are added over the ranks
-            return
-        attention.qkv_proj.fold_norm(self.input_layernorm)
-        attention.o_proj.adds_to_residual = True
-        if isinstance(self.mlp, LlamaMLP):
-            self.mlp.gate_up_proj.fold_norm(self.post_attention_layernorm)
-            self.mlp.down_proj.adds_to_residual = True
 
 
 class LlamaModel(nn.Module):
@@ -187,12 +162,11 @@ class LlamaModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
-        x: torch.Tensor | None = self.embed_tokens(input_ids)
-        residual: torch.Tensor | None = None
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, attn)
-        out, _ = self.norm.add_forward(x, residual)
-        return out
+        x, _ = self.norm.add_forward(x, residual)
+        return x
 
 
 class LlamaForCausalLM(nn.Module):

@@ -43,18 +43,20 @@ class SparseMoeBlock(nn.Module):
         self.batch_invariant = False  # deterministic mode: the gate's sigmoid at any size
 
     def forward(
-        self, x: torch.Tensor | None, residual: torch.Tensor | None, norm: RMSNorm
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`(moe(norm(x + residual)), x + residual)`, as `LlamaMLP`. Decode batches on the GPU
         never write the normed input out: the router's GEMV adds the residual and norms as it
         reads (`Linear.forward_normed`), the experts' gate/up kernel norms the sum again as it
         loads it. Otherwise (and with a shared expert) the add + norm runs once, on its own,
         and the router and the experts read its output."""
-        rows = residual if x is None else x  # None: added to `residual` already
-        if self.gate.input_kind == "normed" and self.experts.norms_input(rows):
+        if self.gate.input_kind == "normed" and self.experts.norms_input(x):
             logits, residual = self.gate.forward_normed(x, residual, norm)
             return self.tp.all_reduce(self.experts(residual, logits, norm)), residual
-        h, residual = norm.add_forward(x, residual)
+        if residual is None:
+            h, residual = norm(x), x
+        else:
+            h, residual = norm.add_forward(x, residual)
         out = self.experts(h, self.gate(h))
         if self.shared_expert is not None:
             shared = self.shared_expert.product(h)

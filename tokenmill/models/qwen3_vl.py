@@ -292,11 +292,13 @@ class Qwen3VLForConditionalGeneration(LlamaForCausalLM):
                 assert vision is not None
                 # transformers adds the features to the layer's output (x + residual), which
                 # then is the next layer's residual
-                x = residual if x is None else x + residual
+                x = x + residual
                 x[vision.token_index] += vision.deepstack[i].to(x.dtype)
                 residual = None
-        out, _ = model.norm.add_forward(x, residual)
-        return out
+        if residual is None:
+            return model.norm(x)
+        x, _ = model.norm.add_forward(x, residual)
+        return x
 
 
 class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):
