@@ -5,11 +5,11 @@ still go through cuBLAS). Prints one JSON object: the failures found (empty: non
 compared.
 
 Cases: `linear` (rows of `invariant_linear` at 1..512 rows against each row alone, and the
-512 rows through every tile `choose_tile` can pick, on the shapes of Qwen3-0.6B and
-Llama-3.1-8B, LM heads included); `engine-<family>` (a bfloat16
-checkpoint built in DIR, CUDA graphs on: the greedy and the seeded target alone, in batches of
-1..64 other requests, under prefill budgets 16/512/8192, after a prefix hit, decode-written KV
-reused)."""
+512 rows through every tile `choose_tile` can pick, loaded through pointers and through tensor
+descriptors, on the shapes of Qwen3-0.6B and Llama-3.1-8B, LM heads included);
+`engine-<family>` (a bfloat16 checkpoint built in DIR, CUDA graphs on: the greedy and the
+seeded target alone, in batches of 1..64 other requests, under prefill budgets 16/512/8192,
+after a prefix hit, decode-written KV reused)."""
 
 from __future__ import annotations
 
@@ -43,10 +43,12 @@ def check_linear() -> dict:
             rows = (invariant_linear(x[:m], w) != alone[:m]).any(dim=1)
             if rows.any():
                 failures.append({"shape": [n, k], "m": m, "rows_differing": int(rows.sum())})
-        for tile in TILES:
-            rows = (invariant_matmul(x, w, tile=tile) != alone).any(dim=1)
-            if rows.any():
-                failures.append({"shape": [n, k], "tile": tile, "rows_differing": int(rows.sum())})
+        for tile in TILES:  # and through tensor descriptors (TMA), as products of > 512 rows
+            for tma in (False, True):
+                rows = (invariant_matmul(x, w, tile=tile, tma=tma) != alone).any(dim=1)
+                if rows.any():
+                    failures.append({"shape": [n, k], "tile": tile, "tma": tma,
+                                     "rows_differing": int(rows.sum())})  # fmt: skip
     return {"failures": failures, "shapes": len(SHAPES), "row_counts": ROWS}
 
 

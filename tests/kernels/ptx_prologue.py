@@ -73,11 +73,15 @@ KERNELS = {
         BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, SPLIT_K=1, GATED=True, NORM=False, HAS_RES=False,
         PREFETCH=2, DEFER=False, DOT=True, IEEE=False)),
     **{name: (_invariant_matmul_kernel, dict(
-        HAS_BIAS=not swiglu, IEEE=False, SWIGLU=swiglu, CHUNKS=chunks, ACROSS=across,
-        BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=8)) for name, swiglu, chunks, across in (
-            ("invariant_matmul", False, 1, False), ("invariant_matmul_swiglu", True, 1, False),
-            ("invariant_matmul_across", True, 4, True),
-            ("invariant_matmul_loop", False, 2, False))},
+        HAS_BIAS=not swiglu, IEEE=False, SWIGLU=swiglu, CHUNKS=chunks, ACROSS=across, TMA=tma,
+        BLOCK_M=64 if tma else 16, BLOCK_N=32, BLOCK_K=128, GROUP_M=8))
+        for name, swiglu, chunks, across, tma in (
+            ("invariant_matmul", False, 1, False, False),
+            ("invariant_matmul_swiglu", True, 1, False, False),
+            ("invariant_matmul_across", True, 4, True, False),
+            ("invariant_matmul_loop", False, 2, False, False),
+            ("invariant_matmul_tma", False, 2, False, True),
+            ("invariant_matmul_tma_across", True, 2, True, True))},
     "add_rms_norm": (_add_rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=1024)),
     "rope_store": (_rope_store_kernel, dict(
         HQ=16, HKV=8, D=128, BLOCK_G=2, BLOCK_T=1, QK_NORM=True, FRESH=False)),
@@ -91,7 +95,7 @@ KERNELS = {
     "moe_down_gemv": (_down_gemv_kernel, dict(
         TOP_K=8, RENORMALIZE=True, EXPERTS=128, SLOTS=8, BLOCK_N=8, BLOCK_K=128)),
 }  # fmt: skip
-MEMORY_OP = re.compile(r"^\s*(?:@%\w+\s+)?((?:ld|st|atom|red)\.global\S*)")
+MEMORY_OP = re.compile(r"^\s*(?:@%\w+\s+)?((?:ld|st|atom|red)\.global\S*|cp\.async\.bulk\S*)")
 
 
 def _type(name: str, int64: bool, int64_index: bool = False) -> str:
@@ -115,6 +119,10 @@ def memory_ops_before_wait(
         n: "constexpr" if n in constexprs else _type(n, int64, int64_index)
         for n in kernel.arg_names
     }  # fmt: skip
+    if constexprs.get("TMA"):  # x and W as tensor descriptors of their blocks
+        block_k = constexprs["BLOCK_K"]
+        signature["x_ptr"] = f"tensordesc<bf16[{constexprs['BLOCK_M']}, {block_k}]>"
+        signature["w_ptr"] = f"tensordesc<bf16[{constexprs['BLOCK_N']}, {block_k}]>"
     # As at a real launch, pointers and sizes are specialised as multiples of 16.
     aligned = [n for n in kernel.arg_names if n not in constexprs and n not in UNALIGNED]
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}

@@ -220,17 +220,21 @@ def test_gemv_rejects_bad_shapes() -> None:
 
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
 @pytest.mark.parametrize("m", [1, 5, 40])
-@pytest.mark.parametrize("tile", [None, MatmulTile(16, 16, 32, 4, 1), MatmulTile(32, 64, 64, 4, 2)])
+@pytest.mark.parametrize(
+    "tile",
+    [None, MatmulTile(16, 16, 32, 4, 1), MatmulTile(32, 64, 64, 4, 2),
+     MatmulTile(64, 32, 64, 4, 2)],
+)  # fmt: skip
 @pytest.mark.parametrize("chunks", [None, 3])
 def test_invariant_matmul(
     dtype: torch.dtype, m: int, tile: MatmulTile | None, chunks: int | None
 ) -> None:
     """Ragged N and K (not multiples of the tiles), with a bias; K in one chunk (the default
     at this size) and in 3 (256, 256, 88 columns), each chunk in programs of its own and all
-    in one program; on the GPU also the same bits for each row alone (on the CPU the
-    interpreter's `tl.dot` is a NumPy product per tile, whose rounding follows the tile:
-    bitwise invariance is checked on the GPU only, here and in
-    tests/gpu/determinism_cases.py)."""
+    in one program; on the GPU also the same bits for each row alone and through tensor
+    descriptors (TMA, on Hopper) and pointer loads alike (on the CPU the interpreter's
+    `tl.dot` is a NumPy product per tile, whose rounding follows the tile: bitwise invariance
+    is checked on the GPU only, here and in tests/gpu/determinism_cases.py)."""
     gen = torch.Generator().manual_seed(m)
     x, w = _randn(m, 600, dtype=dtype, gen=gen), _randn(37, 600, dtype=dtype, gen=gen)
     bias = _randn(37, dtype=dtype, gen=gen)
@@ -241,6 +245,10 @@ def test_invariant_matmul(
     if DEVICE == "cuda":
         alone = [invariant_matmul(x[i : i + 1], w, bias, chunks=chunks) for i in range(m)]
         assert torch.equal(outs[0], torch.cat(alone)) and torch.equal(outs[1], outs[0])
+        for a in (True, False):
+            for tma in (True, False):
+                out = invariant_matmul(x, w, bias, tile, chunks=chunks, across=a, tma=tma)
+                assert torch.equal(out, outs[0]), (a, tma)
 
 
 def test_invariant_matmul_chunks_follow_the_weight_alone() -> None:
@@ -879,7 +887,8 @@ def test_pdl_kernels_wait_before_touching_memory() -> None:
                                 "gemv_dot", "rope_store", "rope_store_blocked", "moe_gate_up_gemv",
                                 "moe_down_gemv",
                                 "invariant_matmul", "invariant_matmul_swiglu",
-                                "invariant_matmul_across", "invariant_matmul_loop", "invariant",
+                                "invariant_matmul_across", "invariant_matmul_loop",
+                                "invariant_matmul_tma", "invariant_matmul_tma_across", "invariant",
                                 "invariant_int64_index", "invariant_merge"}  # fmt: skip
     reads_first = {"gemv", "gemv_dot", "rope_store", "rope_store_blocked", "decode_split",
                    "decode_split_late", "moe_down_gemv"}  # fmt: skip
