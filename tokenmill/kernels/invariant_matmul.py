@@ -287,10 +287,11 @@ def tma_operands(
     x: torch.Tensor, weight: torch.Tensor, tile: MatmulTile
 ) -> tuple[TensorDescriptor, TensorDescriptor] | None:
     """Tensor descriptors of `x` and `weight` in blocks of `tile`, or None where the product
-    has to load through pointers: GPUs before Hopper, float32, bases or row strides not
-    16-byte aligned."""
+    loads through pointers: tiles of fewer than 64 rows (mma.sync; TMA was measured with the
+    wgmma tiles only), GPUs before Hopper, float32, bases or row strides not 16-byte aligned."""
     if (
         not x.is_cuda
+        or tile.block_m < 64
         or x.dtype not in (torch.bfloat16, torch.float16)
         or not _has_tma(x.device)
         or any(t.data_ptr() % 16 or t.stride(0) * t.element_size() % 16 for t in (x, weight))
