@@ -2,7 +2,8 @@
 
 Checks that a row's bits do not depend on the tile or on M, and times each tile next to cuBLAS.
 For each product shape of qwen3-0.6b and llama-3.1-8b (LM heads included) and each M: the rows
-of every tile in TILES (and of `choose_tile`'s) are compared bitwise with each row computed
+of every tile in TILES (and of `choose_tile`'s), the 64-row and larger ones both through
+pointer loads and through tensor descriptors (TMA), are compared bitwise with each row computed
 alone, then each is timed as `gemv_sweep.py` times GEMVs (a CUDA graph of one product per
 layer over distinct weight copies, so the weights stream from HBM as in a real step).
 
@@ -30,27 +31,46 @@ TILES = (
 ALONE_ROWS = 9  # rows also computed alone, spread over the M rows
 
 
+def loads(tile: MatmulTile) -> tuple[bool, ...]:
+    """How a tile's product may load x and W: through pointers, and for the wgmma tiles (64
+    rows and more) also through tensor descriptors (TMA, on Hopper)."""
+    return (False, True) if tile.block_m >= 64 else (False,)
+
+
+def label(tile: MatmulTile, tma: bool) -> str:
+    return f"{tuple(tile)}{' tma' if tma else ''}"
+
+
 def check_bits(x: torch.Tensor, w: torch.Tensor) -> dict[str, int]:
-    """Rows differing from the row computed alone, per tile (all zero when invariant)."""
+    """Rows differing from the row computed alone, per tile and load (all zero when
+    invariant)."""
     m = x.shape[0]
     picked = sorted({round(i * (m - 1) / max(ALONE_ROWS - 1, 1)) for i in range(ALONE_ROWS)})
     alone = torch.cat([invariant_matmul(x[i : i + 1], w) for i in picked])
+    tiles = (*TILES, choose_tile(m, w.shape[0]))
     return {
-        str(tuple(tile)): int((invariant_matmul(x, w, tile=tile)[picked] != alone).any(1).sum())
-        for tile in (*TILES, choose_tile(m, w.shape[0]))
+        label(tile, tma): int(
+            (invariant_matmul(x, w, tile=tile, tma=tma)[picked] != alone).any(1).sum()
+        )
+        for tile in tiles
+        for tma in loads(tile)
     }
 
 
 def time_products(
     x: torch.Tensor, weights: list[torch.Tensor]
 ) -> tuple[float, float, dict[str, float]]:
-    """Microseconds per product of `x` with one of `weights`: cuBLAS, the chosen tile, each
-    tile of TILES."""
+    """Microseconds per product of `x` with one of `weights`: cuBLAS, the chosen tile (as the
+    engine loads it), each tile of TILES through each of its loads."""
 
     def timed(product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> float:
         return graph_seconds_per_call(lambda i: product(x, weights[i]), len(weights)) * 1e6
 
-    tiles = {str(tuple(t)): timed(lambda a, w, t=t: invariant_matmul(a, w, tile=t)) for t in TILES}
+    tiles = {
+        label(t, tma): timed(lambda a, w, t=t, tma=tma: invariant_matmul(a, w, tile=t, tma=tma))
+        for t in TILES
+        for tma in loads(t)
+    }
     return timed(F.linear), timed(invariant_matmul), tiles
 
 
