@@ -276,9 +276,8 @@ def invariant_matmul(
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, SWIGLU=swiglu,
         CHUNKS=num_chunks, ACROSS=across, TMA=descriptors is not None, BLOCK_M=tile.block_m,
-        BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, GROUP_M=8, num_warps=tile.num_warps, num_stages=tile.num_stages,
-        **product_pdl_options(weight),
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=8, num_warps=tile.num_warps,
+        num_stages=tile.num_stages, **product_pdl_options(weight),
     )  # fmt: skip
     return out
 
