@@ -200,6 +200,26 @@ BAD_CHATS = [
         },
         "tool_choice",
     ),
+    # JSON the chat template renders, nested deeper than a constraint may be: tool-call
+    # arguments and tools' parameters (RecursionError in json.loads or the template: HTTP 500s)
+    (
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {"function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}
+                    ],
+                },
+            ]
+        },
+        "messages",
+    ),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": DEEP_SCHEMA}}]},
+        "tools",
+    ),
     # a function's parameters that are no JSON schema name `tools` (was `structured_outputs`)
     (
         {
@@ -226,6 +246,10 @@ def test_bad_bodies_get_openai_errors(client: httpx.Client) -> None:
     _assert_error(client.post("/tokenize", json={}), 400, "prompt")
     _assert_error(client.post("/tokenize", json={"messages": []}), 400, "messages")  # was prompt
     _assert_error(client.post("/detokenize", json={"tokens": [512]}), 400, "tokens")
+    deep_call = {"function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}
+    chat = [{"role": "assistant", "tool_calls": [deep_call]}]
+    _assert_error(client.post("/tokenize", json={"messages": chat}), 400, "messages")
+    _assert_error(client.get("/v1/feedback", params={"limit": 0}), 400, "limit")  # was `query`
     _assert_error(client.post("/detokenize", json={"tokens": [True]}), 400, "tokens")
     assert _assert_error(client.get("/v1/nothing"), 404)["type"] == "NotFoundError"
     _assert_error(client.delete("/v1/completions"), 405)

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+from fastapi.responses import JSONResponse
 from fastapi.testclient import TestClient
 
 from tests.reliability.routes import offline_app
@@ -19,6 +20,7 @@ from tokenmill.entrypoints import openai_responses as oai
 from tokenmill.entrypoints.engine_client import ChoiceOutput
 from tokenmill.entrypoints.protocol import error_param
 from tokenmill.entrypoints.server_options import ServerOptions
+from tokenmill.entrypoints.tool_parsers import get_tool_parser
 from tokenmill.ipc.messages import ClientOutput
 from tokenmill.tokenization.tokenizer import PromptBounds, load_tokenizer
 
@@ -108,6 +110,27 @@ def test_error_messages_name_the_path_without_union_tags() -> None:
     assert error_param(limit) == ("n: too many", "n")
     invalid = {"type": "json_invalid", "loc": ("body", 3), "msg": "x", "ctx": {"error": "bad"}}
     assert error_param(invalid) == ("the body is not valid JSON: bad", None)
+    query = {"type": "greater_than_equal", "loc": ("query", "limit"), "msg": "too small"}
+    assert error_param(query) == ("limit: too small", "limit")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        # a lone surrogate, escaped: parsed, it could not be encoded (HTTP 500, or a torn stream)
+        '{"name": "f", "arguments": {"a": "\\ud800"}}',
+        '{"name": "\\udfff", "arguments": {}}',
+        '{"name": "f", "arguments": "\\ud800"}',
+        # nested past json.loads' recursion limit (RecursionError: HTTP 500)
+        '{"name": "f", "arguments": ' + "[" * 5000 + "]" * 5000 + "}",
+    ],
+    ids=["surrogate-in-arguments", "surrogate-in-name", "surrogate-in-arguments-text", "deep"],
+)
+def test_tool_calls_a_response_can_not_carry_stay_content(body: str) -> None:
+    text = f"<tool_call>\n{body}\n</tool_call>"
+    parsed = get_tool_parser("hermes").parse(text)
+    assert parsed.tool_calls == [] and parsed.content == text
+    JSONResponse({"content": parsed.content})  # renders
 
 
 def test_logprob_tokens_are_token_ids_when_asked() -> None:

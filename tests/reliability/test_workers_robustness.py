@@ -21,6 +21,9 @@ from tokenmill.tokenization.detokenizer_worker import Detokenizer
 from tokenmill.tokenization.tokenizer_worker import TokenizerWorker
 
 LIMITS = ContextLimits(vocab_size=512, max_model_len=64)
+DEEP: list = []
+for _ in range(900):  # within what msgpack and json.loads take, past what a template renders
+    DEEP = [DEEP]
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +56,14 @@ def test_the_largest_seed_with_n_2_fans_out_instead_of_killing_the_worker(worker
         ({"prompt": list(range(70))}, 400, "context window"),
         ({"prompt": 12}, 400, "Expected `str | array | null`"),  # refused by the struct
         ({"messages": [{"role": "user", "content": 3}]}, 400, "chat template"),
+        (  # was a RecursionError: HTTP 500
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": DEEP}}],
+            },
+            400,
+            "chat template",
+        ),
     ],
 )
 def test_bad_input_is_a_400_for_that_request(worker, fields, status, fragment) -> None:

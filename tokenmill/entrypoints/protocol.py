@@ -47,11 +47,13 @@ from tokenmill.entrypoints.tool_parsers import ToolParser, get_tool_parser
 from tokenmill.sampling_params import (
     MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
+    MAX_STRUCTURED_DEPTH,
     MAX_TEMPERATURE,
     MIN_REPETITION_PENALTY,
     SamplingDefaults,
     SamplingParams,
     StructuredOutputsParams,
+    json_depth,
 )
 
 MAX_SEED = 2**64 - 1  # seeds are unsigned 64-bit (torch.Generator.manual_seed's range)
@@ -468,6 +470,14 @@ def _check_chat_size(
     size = sum(_message_bytes(m) for m in messages)
     if size > limits.max_prompt_bytes:
         raise limit_error("messages", _too_many_bytes("the messages' text", size, limits))
+    # The template renders JSON (tool-call arguments, tools' parameters) recursively: a deep
+    # document raised RecursionError there (HTTP 500), and in json.loads before it.
+    for i, message in enumerate(messages):
+        for j, call in enumerate(message.tool_calls or []):
+            what = f"the arguments of tool call {j} of message {i}"
+            _check_template_depth("messages", what, call.function.arguments)
+    for i, tool in enumerate(tools or []):
+        _check_template_depth("tools", f"the parameters of tool {i}", tool.function.parameters)
     if tools:
         rendered = [t.model_dump(exclude_none=True) for t in tools]
         size += _utf8_bytes(json.dumps(rendered, ensure_ascii=False))
@@ -475,6 +485,13 @@ def _check_chat_size(
             raise limit_error(
                 "tools", _too_many_bytes("the messages' text and tools", size, limits)
             )
+
+
+def _check_template_depth(param: str, what: str, document: Any) -> None:
+    if json_depth(document, MAX_STRUCTURED_DEPTH) > MAX_STRUCTURED_DEPTH:
+        raise limit_error(
+            param, f"{what} nest more than {MAX_STRUCTURED_DEPTH} levels of objects and arrays"
+        )
 
 
 def _message_bytes(message: ChatMessage) -> int:
@@ -573,7 +590,7 @@ def error_param(error: Mapping[str, Any]) -> tuple[str, str | None]:
     if error.get("type") == "json_invalid":
         return f"the body is not valid JSON: {error.get('ctx', {}).get('error', '')}", None
     loc = [str(p) for p in error.get("loc", ()) if p not in _UNION_TAGS]
-    if loc and loc[0] == "body":
+    if loc and loc[0] in ("body", "query"):
         loc = loc[1:]
     param = (error.get("ctx") or {}).get("param") or (loc[0] if loc else None)
     where = ".".join(loc) or param or "body"

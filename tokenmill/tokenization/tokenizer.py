@@ -125,7 +125,7 @@ def apply_chat_template(
         text = tokenizer.apply_chat_template(
             messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
         )
-    except (TemplateError, TypeError, KeyError) as exc:
+    except (TemplateError, TypeError, KeyError, RecursionError) as exc:
         # The template runs on the client's messages: what it trips over is theirs to fix.
         raise ValueError(f"messages can not be rendered by the chat template: {exc}") from exc
     # The template writes any BOS itself.

@@ -24,12 +24,18 @@ class HermesToolParser(ToolParser):
     def parse_call(self, body: str) -> ToolCall | None:
         try:
             call = json.loads(body)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # the model's text, however deep
             return None
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return None
         arguments = call.get("arguments", call.get("parameters", {}))
-        return ToolCall(call["name"], arguments_text(arguments))
+        try:
+            parsed = ToolCall(call["name"], arguments_text(arguments))
+            # An escaped lone surrogate (`"\ud800"`) parses to text no response can encode.
+            (parsed.name + parsed.arguments).encode("utf-8")
+        except (RecursionError, UnicodeEncodeError):
+            return None
+        return parsed
 
     def constraint(self, tools: list[FunctionTool], parallel: bool) -> StructuredOutputsParams:
         # Exactly the text the chat templates write, with compact JSON arguments: whitespace is
