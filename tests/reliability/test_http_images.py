@@ -6,12 +6,14 @@ naming `messages`, and the server keeps serving."""
 from __future__ import annotations
 
 import base64
+import io
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from PIL import Image
 
 from tests.e2e.server import MODEL_NAME, ServerHandle, run_server
 from tests.multimodal.conftest import png_bytes, random_image
@@ -70,11 +72,22 @@ def test_image_chat_answers_like_the_offline_engine(server: ServerHandle, vl_dir
     assert encoded and float(encoded[0].split()[-1]) >= 1, metrics
 
 
+def _encoded(image: Image.Image, fmt: str) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return buf.getvalue()
+
+
 def _bad_images() -> dict[str, list[str]]:
     png = png_bytes(random_image(32, 32, seed=2))
+    jpeg = _encoded(random_image(32, 32, seed=4), "JPEG")
+    webp = _encoded(random_image(32, 32, seed=5), "WEBP")
     return {
         "http URL": ["https://example.com/cat.png"],
         "truncated bytes": [_data_url(png[: len(png) // 2])],
+        # Cut inside the header: PIL's Image.open raises OSError (not UnidentifiedImageError).
+        "truncated JPEG header": [_data_url(jpeg[:100], mime="image/jpeg")],
+        "truncated WebP header": [_data_url(webp[:60], mime="image/webp")],
         "not an image": [_data_url(b"just some text, not a picture")],
         "not image data": [_data_url(png, mime="text/plain")],
         "bad base64": ["data:image/png;base64,!!!notbase64!!!"],
@@ -102,6 +115,17 @@ def test_malformed_image_part_is_400(server: ServerHandle) -> None:
     response = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=60)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"].startswith("messages")
+
+
+def test_image_placeholder_in_a_completion_prompt_is_400_naming_prompt(
+    server: ServerHandle,
+) -> None:
+    body = {"model": MODEL_NAME, "prompt": "<|vision_start|><|image_pad|><|vision_end|> Hi"}
+    response = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "prompt" and "image" in error["message"], error
+    assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
 
 
 def test_text_only_model_refuses_images(llama_dir: Path) -> None:

@@ -102,6 +102,11 @@ class TokenizerWorker:
             images = [ImagePayload.of(image) for image in inputs]
         elif req.prompt is not None:
             ids = encode_prompt(self.tokenizer, req.prompt, req.add_special_tokens)
+            if self.images is not None and self.images.vision.image_token_id in ids:
+                raise ValueError(
+                    "prompt: holds an image placeholder token, but images come only in chat "
+                    "messages (image_url parts)"
+                )
         else:
             raise ValueError("prompt or messages must be given, got neither")
         children = prepare(req.request_id, ids, req.params, self.limits)

@@ -28,6 +28,9 @@ if TYPE_CHECKING:  # the tokenizer workers import this module; torch (via config
 # a file path), encoded bytes, or a decoded PIL image.
 ImageSource = str | bytes | Path | Image.Image
 
+# What PIL raises for truncated or corrupt data (past `Image.open`'s own checks).
+_CORRUPT = (OSError, SyntaxError, ValueError, EOFError)
+
 # Content part types that carry an image, and the key holding it (OpenAI's and vLLM's forms).
 _IMAGE_PARTS = {"image_url": "image_url", "image": "image", "image_pil": "image_pil"}
 
@@ -189,10 +192,12 @@ class ImagePreprocessor:
             raise ValueError(f"{what} is not an image this server can read") from None
         except Image.DecompressionBombError:
             raise ValueError(self._too_many_pixels(what, None)) from None
+        except _CORRUPT as exc:  # a header cut short or corrupt (JPEG, WebP, ...)
+            raise ValueError(f"{what} could not be decoded: {exc}") from None
         self._checked(image, what)  # the pixel count, before decoding them
         try:
             image.load()
-        except (OSError, SyntaxError, ValueError) as exc:  # truncated or corrupt data
+        except _CORRUPT as exc:  # truncated or corrupt data
             raise ValueError(f"{what} could not be decoded: {exc}") from None
         return image.convert("RGB")
 
