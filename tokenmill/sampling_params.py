@@ -200,6 +200,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        # Before `list()`: a number is not iterable (a TypeError naming nothing), a dict or a
+        # set would pass its keys on.
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            ok = value is None or isinstance(value, list | tuple)
+            _check(ok, f"{name} must be a list", value)
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
@@ -274,6 +280,9 @@ class SamplingParams:
             f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None",
             self.logprobs,
         )
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            value = getattr(self, name)
+            _check(isinstance(value, bool), f"{name} must be True or False", value)
         _check(
             self.structured_outputs is None
             or isinstance(self.structured_outputs, StructuredOutputsParams),

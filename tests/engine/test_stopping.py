@@ -97,6 +97,25 @@ def test_bad_prompts_are_rejected(llm: LLM, prompt: list, message: str) -> None:
         llm.generate([prompt], SamplingParams(max_tokens=4), use_tqdm=False)
 
 
+def test_text_with_an_unpaired_surrogate_is_a_value_error(llm: LLM) -> None:
+    # The tokenizer's own error was a TypeError naming no field (a traceback from the CLI, whose
+    # arguments carry undecodable bytes as surrogates).
+    params = SamplingParams(max_tokens=2)
+    with pytest.raises(ValueError, match="prompt must be valid Unicode"):
+        llm.generate(["a \ud800"], params, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt must be valid Unicode"):
+        llm.stream("a \udcff", params)
+    with pytest.raises(ValueError, match="messages must be valid Unicode"):
+        llm.chat([{"role": "user", "content": "a \ud800"}], params, use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("messages", ["hi", ["hi"], [[{"role": "user", "content": "hi"}]]])
+def test_stream_chat_checks_its_messages_as_chat_does(llm: LLM, messages: object) -> None:
+    with pytest.raises(ValueError, match="messages must be a list of message dicts"):
+        llm.stream_chat(messages, SamplingParams(max_tokens=2))  # type: ignore[arg-type]
+
+
 def test_generate_checks_each_prompt_once(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     # A second pass over every id (the engine repeating `intake.prepare`'s check) idled the
     # GPU for ~0.2 s before the first step of 512 long prompts; a direct engine user still

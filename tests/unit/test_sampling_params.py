@@ -40,6 +40,12 @@ BAD = [
     ("logprobs", -1),
     ("logprobs", 21),
     ("temperature", True),
+    ("stop", 5),  # not iterable
+    ("stop", {"a": 1}),  # would have stopped at its keys
+    ("stop_token_ids", 7),
+    ("ignore_eos", "no"),  # truthy: ignored EOS
+    ("skip_special_tokens", 0),
+    ("include_stop_str_in_output", None),
 ]
 
 

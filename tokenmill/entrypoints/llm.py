@@ -94,9 +94,7 @@ class LLM:
         """
         one = isinstance(messages, list) and bool(messages) and isinstance(messages[0], dict)
         conversations = [messages] if one else messages
-        if not isinstance(conversations, list) or not all(
-            isinstance(c, list) and all(isinstance(m, dict) for m in c) for c in conversations
-        ):
+        if not isinstance(conversations, list) or not all(map(_is_conversation, conversations)):
             raise ValueError("messages must be a list of message dicts or a list of those lists")
         rendered = [render_chat(self.tokenizer, c, self.images) for c in conversations]
         token_ids = [ids for ids, _ in rendered]
@@ -119,6 +117,8 @@ class LLM:
         self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
         """Answer one conversation (image parts as in `chat`), as `stream` does a prompt."""
+        if not _is_conversation(messages):
+            raise ValueError("messages must be a list of message dicts")
         ids, images = render_chat(self.tokenizer, messages, self.images)
         return self._stream(ids, None, sampling_params, images)
 
@@ -230,6 +230,10 @@ class LLM:
                 f"sampling_params has {len(sampling_params)} entries for {count} prompts"
             )
         return list(sampling_params)
+
+
+def _is_conversation(messages: object) -> bool:
+    return isinstance(messages, list) and all(isinstance(m, dict) for m in messages)
 
 
 @dataclasses.dataclass

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 
+from tokenmill.sampling_params import is_valid_text
 from tokenmill.tokenization.tokenizer_class import CLASS_MODULES, auto_tokenizer_class
 from tokenmill.vision.images import split_images
 
@@ -104,6 +105,8 @@ def encode_prompt(
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("prompt is text but the model has no tokenizer; pass token ids")
+        if not is_valid_text(prompt):  # the tokenizer's own error is a TypeError naming nothing
+            raise ValueError("prompt must be valid Unicode text, got an unpaired surrogate")
         return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     if not isinstance(prompt, list | tuple):
         raise ValueError("prompt must be a string or a list of integer token ids")
@@ -128,6 +131,8 @@ def apply_chat_template(
     except (TemplateError, TypeError, KeyError, RecursionError) as exc:
         # The template runs on the client's messages: what it trips over is theirs to fix.
         raise ValueError(f"messages can not be rendered by the chat template: {exc}") from exc
+    if not is_valid_text(text):  # a message's unpaired surrogate: the tokenizer's TypeError
+        raise ValueError("messages must be valid Unicode text, got an unpaired surrogate")
     # The template writes any BOS itself.
     return tokenizer.encode(text, add_special_tokens=False)
 
