@@ -100,6 +100,40 @@ def test_bad_option_is_an_error_message_not_a_traceback(llama_dir: Path, capsys)
     assert "temperature must be in [0, 1e+06], got -1.0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--num-requests", "-3"], "num_sessions (--num-requests) must be >= 1, got -3"),
+        (["--vocab-size", "0"], "vocab_size must be > 10, got 0"),
+        (["--request-rate", "-1"], "request_rate must be > 0, got -1.0"),
+        (["--request-rate", "nan"], "request_rate must be > 0, got nan"),
+        (["--sweep-rates=1,-2"], "request_rate must be > 0, got -2.0"),
+        (["--sweep-rates", "1,x"], "--sweep-rates takes numbers, got 'x'"),
+        (["--slo", "ttft:abc"], "--slo takes numbers, got 'abc'"),
+        (["--max-concurrency", "0"], "max_concurrency must be >= 1, got 0"),
+        (["--timeout", "0"], "timeout must be > 0 seconds, got 0.0"),
+        (["--output-len", "0"], "output_len must be >= 1, got 0"),
+    ],
+)
+def test_bad_bench_serve_option_is_an_error_message(flags: list[str], message: str, capsys) -> None:
+    # A dead address: each is refused before any request (a traceback, a silent empty run, or
+    # float()'s message naming no flag before).
+    argv = ["bench", "serve", "--model", "m", "--base-url", "http://127.0.0.1:1", "--vocab-size"]
+    assert main([*argv, "100", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_serve_without_a_server_says_so(capsys) -> None:
+    assert main(["bench", "serve", "--model", "m", "--base-url", "http://127.0.0.1:1"]) == 2
+    assert "--base-url http://127.0.0.1:1: cannot read /v1/models" in capsys.readouterr().err
+
+
+def test_bad_engine_arg_value_names_the_option(capsys) -> None:
+    argv = ["bench", "offline", "--config", "c", "--engine-arg", "max_num_seqs=many"]
+    assert main(argv) == 2
+    assert "--engine-arg max_num_seqs takes int values, got 'many'" in capsys.readouterr().err
+
+
 def test_help_documents_every_engine_option() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "tokenmill.entrypoints.cli", "generate", "--help"],

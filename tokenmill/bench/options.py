@@ -90,3 +90,16 @@ class ServeBenchArgs:
     slo_itl: float | None = None  # seconds (mean inter-token gap of a request)
     timeout: float = option(600.0, "Seconds one request may take.")
     progress: bool = option(True, "Show a progress bar.")
+
+    def __post_init__(self) -> None:
+        # `not x > 0` refuses NaN too; an infinite rate is "all at once".
+        if not self.request_rate > 0:
+            raise ValueError(f"request_rate must be > 0, got {self.request_rate}")
+        if not 0 < self.burstiness < float("inf"):
+            raise ValueError(f"burstiness must be > 0, got {self.burstiness}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.duration is not None and not self.duration > 0:
+            raise ValueError(f"duration must be > 0 seconds, got {self.duration}")
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")

@@ -57,6 +57,17 @@ class WorkloadSpec:
     def __post_init__(self) -> None:
         if self.num_prefixes < 1:
             raise ValueError(f"num_prefixes must be >= 1, got {self.num_prefixes}")
+        if self.num_sessions < 1:
+            raise ValueError(f"num_sessions (--num-requests) must be >= 1, got {self.num_sessions}")
+        if self.vocab_size <= 10:  # ids are drawn from [10, vocab_size)
+            raise ValueError(f"vocab_size must be > 10, got {self.vocab_size}")
+        for name in ("input_len", "output_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefix_len is not None and self.prefix_len < 0:
+            raise ValueError(f"prefix_len must be >= 0, got {self.prefix_len}")
+        if not 0 < self.length_scale < float("inf"):
+            raise ValueError(f"length_scale must be > 0, got {self.length_scale}")
 
 
 def build_workload(spec: WorkloadSpec) -> list[Session]:

@@ -334,8 +334,16 @@ def _parse_slo(text: str | None) -> tuple[float | None, float | None]:
         key, sep, ms = part.partition(":")
         if key not in ("ttft", "itl") or not sep:
             raise ValueError(f"--slo must look like ttft:500,itl:50 (ms), got {text!r}")
-        values[key] = float(ms) / 1e3
+        values[key] = _float("--slo", ms) / 1e3
     return values.get("ttft"), values.get("itl")
+
+
+def _float(flag: str, text: str) -> float:
+    """`text` as a number; `ValueError` naming `flag` (float's own message names nothing)."""
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{flag} takes numbers, got {text!r}") from None
 
 
 def _serve_bench(ns: argparse.Namespace) -> int:
@@ -349,19 +357,30 @@ def _serve_bench(ns: argparse.Namespace) -> int:
     from tokenmill.bench.serve import format_table, run_serve_bench
     from tokenmill.bench.workloads import WorkloadSpec
 
+    slo_ttft, slo_itl = _parse_slo(ns.slo)
+    if ns.sweep_rates:
+        rates = [_float("--sweep-rates", r) for r in ns.sweep_rates.split(",")]
+    else:
+        rates = [ns.request_rate]
     vocab = ns.vocab_size
     if vocab is None:
-        cards = httpx.get(ns.base_url + "/v1/models", timeout=30).json().get("data", [])
+        try:
+            cards = httpx.get(ns.base_url + "/v1/models", timeout=30).json().get("data", [])
+        except (httpx.HTTPError, ValueError) as exc:  # unreachable, or not a JSON answer
+            raise ValueError(
+                f"--base-url {ns.base_url}: cannot read /v1/models for the vocabulary size "
+                f"({exc}); is the server up? (or give --vocab-size)"
+            ) from None
         vocab = next((c["vocab_size"] for c in cards if "vocab_size" in c), 32000)
     spec = options_from(
         ns, WorkloadSpec, name=ns.workload, num_sessions=ns.num_requests, vocab_size=vocab
     )
-    slo_ttft, slo_itl = _parse_slo(ns.slo)
     base = options_from(
         ns, ServeBenchArgs, base_url=ns.base_url, workload=spec, slo_ttft=slo_ttft,
         slo_itl=slo_itl,
     )  # fmt: skip
-    rates = [float(r) for r in ns.sweep_rates.split(",")] if ns.sweep_rates else [ns.request_rate]
+    for rate in rates:  # each checked before the first runs
+        dataclasses.replace(base, request_rate=rate)
     reports = []
     for rate in rates:
         report = asyncio.run(run_serve_bench(dataclasses.replace(base, request_rate=rate)))
@@ -388,7 +407,12 @@ def _engine_kwargs(pairs: list[str]) -> dict[str, object]:
                 f"--engine-arg must be KEY=VALUE with KEY an engine option, got {pair!r}"
             )
         kind = _base_type(hints[key])
-        out[key] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
+        try:
+            out[key] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
+        except ValueError:
+            raise ValueError(
+                f"--engine-arg {key} takes {getattr(kind, '__name__', kind)} values, got {value!r}"
+            ) from None
     return out
 
 
