@@ -125,6 +125,18 @@ def test_a_draft_with_another_tokenizer_is_refused(
         SpeculativeConfig("draft_model", 2, model=str(other)).check(target, max_model_len=512)
 
 
+@pytest.mark.parametrize("text", ["{not json", '{"added_tokens": [{"id": 5}]}', "[1]"])
+def test_a_draft_with_a_malformed_tokenizer_json_is_refused(
+    llama_dir: Path, draft_dir: Path, tmp_path: Path, text: str
+) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(draft_dir, broken)
+    (broken / "tokenizer.json").write_text(text)  # was a KeyError / a bare JSON error
+    target = ModelConfig.from_pretrained(llama_dir)
+    with pytest.raises(ValueError, match=r"speculative_config\.model: cannot read the vocabulary"):
+        SpeculativeConfig("draft_model", 2, model=str(broken)).check(target, max_model_len=512)
+
+
 def test_a_draft_with_a_shorter_context_is_refused(llama_dir: Path, draft_dir: Path) -> None:
     cfg = SpeculativeConfig("draft_model", 2, model=str(draft_dir))
     with pytest.raises(ValueError, match="max_position_embeddings"):

@@ -170,10 +170,15 @@ def _tokenizer_vocabulary(root: Path) -> dict[str, int] | None:
     path = root / "tokenizer.json"
     if not path.is_file():
         return None
-    data = json.loads(path.read_text(encoding="utf-8"))
-    vocab = dict((data.get("model") or {}).get("vocab") or {})
-    for token in data.get("added_tokens") or []:
-        vocab[token["content"]] = token["id"]
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        vocab = dict((data.get("model") or {}).get("vocab") or {})
+        for token in data.get("added_tokens") or []:
+            vocab[token["content"]] = token["id"]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        # A malformed file: json's bare message, or a KeyError naming a key, named nothing.
+        message = f"{_PREFIX}.model: cannot read the vocabulary of {path}: {exc!r}"
+        raise ValueError(message) from None
     return vocab
 
 
