@@ -964,8 +964,10 @@ class EngineArgs:
         served = self.create_served_model()
         import torch
 
+        # `is None`, not falsiness: an empty string is refused, not taken for "auto".
+        auto_device = "cuda" if torch.cuda.is_available() else "cpu"
         device = check_device(
-            self.device or ("cuda" if torch.cuda.is_available() else "cpu"),
+            self.device if self.device is not None else auto_device,
             max(1, self.tensor_parallel_size),
         )
         # A GPU's step is cheap next to its host time only when it is large: the batch and
@@ -973,11 +975,14 @@ class EngineArgs:
         gpu = device.startswith("cuda")
         runner = RunnerConfig(
             attention_backend=self.attention_backend
-            or ("triton" if device.startswith("cuda") else "torch"),
+            if self.attention_backend is not None
+            else ("triton" if device.startswith("cuda") else "torch"),
             enforce_eager=self.enforce_eager,
             cuda_graph_max_bs=self.cuda_graph_max_bs,
             cuda_graph_max_prefill_tokens=self.cuda_graph_max_prefill_tokens,
-            cuda_graph_capture=self.cuda_graph_capture or "startup",
+            cuda_graph_capture=self.cuda_graph_capture
+            if self.cuda_graph_capture is not None
+            else "startup",
             overlap_scheduling=self.overlap_scheduling,
             gpu_memory_utilization=self.gpu_memory_utilization,
             deterministic=self.deterministic,

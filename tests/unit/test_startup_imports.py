@@ -82,3 +82,16 @@ def test_the_served_model_refuses_what_the_engine_configuration_refuses(
     for resolve in (args.create_served_model, args.create_engine_config):
         with pytest.raises(ValueError, match=error):
             resolve()
+
+
+@pytest.mark.parametrize(
+    ("option", "error"),
+    [("device", "device must be cpu, cuda"), ("attention_backend", "attention_backend must be"),
+     ("cuda_graph_capture", "cuda_graph_capture must be")],
+)  # fmt: skip
+def test_an_empty_choice_is_refused_not_taken_for_auto(
+    llama_dir: Path, option: str, error: str
+) -> None:
+    """None means "choose for me"; an empty string is a mistake (it used to mean the same)."""
+    with pytest.raises(ValueError, match=error):
+        EngineArgs(model=str(llama_dir), **{option: ""}).create_engine_config()  # type: ignore[arg-type]
