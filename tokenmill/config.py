@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, get_args, get_type_hints
 
 from tokenmill.intake import ContextLimits
 from tokenmill.models.registry import MODEL_REGISTRY
-from tokenmill.sampling_params import SamplingDefaults
+from tokenmill.sampling_params import MAX_SEED, SamplingDefaults
 from tokenmill.tuning_cache import default_tuning_cache_dir
 
 if TYPE_CHECKING:
@@ -962,6 +962,8 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """Validate the options and resolve defaults into an `EngineConfig`."""
         served = self.create_served_model()
+        if not 0 <= self.seed <= MAX_SEED:  # a request's own seed has the same range
+            raise ValueError(f"seed must be in [0, {MAX_SEED}], got {self.seed}")
         import torch
 
         # `is None`, not falsiness: an empty string is refused, not taken for "auto".

@@ -95,3 +95,10 @@ def test_an_empty_choice_is_refused_not_taken_for_auto(
     """None means "choose for me"; an empty string is a mistake (it used to mean the same)."""
     with pytest.raises(ValueError, match=error):
         EngineArgs(model=str(llama_dir), **{option: ""}).create_engine_config()  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("seed", "error"), [(-1, "seed must be in"), (2**64, "past 64 bits")])
+def test_an_engine_seed_out_of_range_is_refused(llama_dir: Path, seed: int, error: str) -> None:
+    """A negative seed (torch would wrap it) as a request's is refused, as is one past 64 bits."""
+    with pytest.raises(ValueError, match=error):
+        EngineArgs(model=str(llama_dir), device="cpu", seed=seed).create_engine_config()
