@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -310,17 +309,25 @@ def build_vl_checkpoint(path: str | Path, family: str = "qwen3_vl", seed: int = 
     return path
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """`python -m tokenmill.testing.checkpoints DIR [FAMILY]`: write a tiny checkpoint."""
+    import argparse
+
     families = [*TINY_CONFIGS, *VL_FAMILIES]
-    family = sys.argv[2] if len(sys.argv) == 3 else "llama"
-    if len(sys.argv) not in (2, 3) or family not in families:
-        usage = f"DIR [{'|'.join(families)}]"
-        raise SystemExit(f"usage: python -m tokenmill.testing.checkpoints {usage}")
-    if family in VL_FAMILIES:
-        build_vl_checkpoint(sys.argv[1], family)
+    parser = argparse.ArgumentParser(
+        prog="python -m tokenmill.testing.checkpoints",
+        description="Write a tiny random-weight checkpoint (tokenizer included) to DIR.",
+    )
+    parser.add_argument("dir", metavar="DIR", help="The directory to write (created).")
+    parser.add_argument(
+        "family", nargs="?", default="llama", choices=families,
+        help="The architecture family (default: llama).",
+    )  # fmt: skip
+    ns = parser.parse_args(argv)
+    if ns.family in VL_FAMILIES:
+        build_vl_checkpoint(ns.dir, ns.family)
     else:
-        build_checkpoint(sys.argv[1], family)
+        build_checkpoint(ns.dir, ns.family)
 
 
 if __name__ == "__main__":
