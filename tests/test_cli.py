@@ -241,3 +241,20 @@ def test_bad_sampling_option_fails_before_the_model_loads(tmp_path: Path, capsys
     missing = tmp_path / "no-such-checkpoint"  # loading it would fail with another message
     assert main(["generate", "--model", str(missing), "x", "--max-tokens", "0"]) == 2
     assert "max_tokens must be an integer >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["offline", "roofline"])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--min-len", "10", "--max-len", "5"], "1 <= min_len <= max_len, got 10 and 5"),
+        (["--min-len", "0"], "1 <= min_len <= max_len, got 0 and 1024"),
+        (["--output-len", "0"], "output_len must be >= 1, got 0"),
+    ],
+)
+def test_bad_bench_lengths_name_the_options(
+    command: str, flags: list[str], message: str, capsys
+) -> None:
+    """Refused before anything loads (numpy's "low >= high" named nothing before)."""
+    assert main(["bench", command, "--config", "c", *flags]) == 2
+    assert message in capsys.readouterr().err

@@ -69,8 +69,15 @@ class OfflineBenchArgs:
             raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
         if not self.input_len:  # the workload's own default
             self.input_len = 2048 if self.workload == "b6" else 512
-        if self.length_scale <= 0:
+        if not 0 < self.length_scale < float("inf"):
             raise ValueError(f"length_scale must be > 0, got {self.length_scale}")
+        if not 1 <= self.min_len <= self.max_len:
+            raise ValueError(
+                f"min_len and max_len must satisfy 1 <= min_len <= max_len, got "
+                f"{self.min_len} and {self.max_len}"
+            )
+        if self.output_len < 1:
+            raise ValueError(f"output_len must be >= 1, got {self.output_len}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
 
