@@ -143,6 +143,15 @@ def test_stop_conditions_apply_to_each_accepted_token(
         assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
     assert ours[0].outputs[0].token_ids[-1] == stop
     assert len(ours[0].outputs[0].token_ids) < MAX_TOKENS
+    # A stop string: the tokens a step accepted after the one that completes it are dropped.
+    text = plain.tokenizer.decode(references[1][:7])
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0,
+                            stop=[text[-3:]])  # fmt: skip
+    (a,), (b,) = (m.generate([PROMPTS[1]], params, use_tqdm=False) for m in (llm, plain))
+    assert a.outputs[0].finish_reason == b.outputs[0].finish_reason == "stop"
+    ours_stopped, ref_stopped = a.outputs[0], b.outputs[0]
+    assert (ours_stopped.text, ours_stopped.token_ids) == (ref_stopped.text, ref_stopped.token_ids)
+    assert len(ours_stopped.logprobs) == len(ours_stopped.token_ids) <= 7
 
 
 def test_context_window_caps_speculation(llama_dir: Path) -> None:

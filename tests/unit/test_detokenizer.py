@@ -7,8 +7,9 @@ import random
 import pytest
 
 from tokenmill.config import DEMO_MODEL_DIR
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.testing.checkpoints import build_metaspace_tokenizer, build_tokenizer
-from tokenmill.tokenization.detokenizer import IncrementalDetokenizer
+from tokenmill.tokenization.detokenizer import ChoiceStream, IncrementalDetokenizer
 from tokenmill.tokenization.tokenizer import load_tokenizer
 
 
@@ -54,6 +55,28 @@ def test_stop_string_can_be_kept(tokenizer) -> None:
         if detok.update([t]).stopped:
             break
     assert detok.output_text == "Hello world"
+
+
+@pytest.mark.parametrize("decoder", ["stream", "windows"])
+@pytest.mark.parametrize("finished", [False, True])
+def test_tokens_after_a_stop_string_in_one_update_are_dropped(
+    tokenizer, decoder: str, finished: bool
+) -> None:
+    """A speculative step adds several tokens at once: the choice keeps those up to the one
+    whose text completes the stop string, as it would receiving them one a step."""
+    ids = tokenizer.encode("Hello world! How are you", add_special_tokens=False)
+    stops = [i for i in range(len(ids)) if "How" in tokenizer.decode(ids[: i + 1])]
+    end = stops[0] + 1  # tokens up to the one that completes "How"
+    assert end < len(ids)
+    params = SamplingParams(stop=["How"])
+    choice = ChoiceStream(tokenizer, [], params)
+    if decoder == "windows":
+        choice.detokenizer._stream = None
+    update = choice.update(ids, "length" if finished else None)
+    assert update is not None and update.token_ids == ids[:end]
+    assert update.text == choice.text == "Hello world! "
+    assert update.finish_reason == ("stop" if finished else None)
+    assert update.stop_matched is not finished
 
 
 def test_final_update_flushes_held_back_text(tokenizer) -> None:

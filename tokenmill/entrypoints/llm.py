@@ -254,7 +254,7 @@ class _Child:
         completion = self.completion
         completion.token_ids.extend(update.token_ids)
         if completion.logprobs is not None and update.token_ids and out.new_logprobs:
-            completion.logprobs.extend(out.new_logprobs)
+            completion.logprobs.extend(out.new_logprobs[: len(update.token_ids)])
         completion.text = self.stream.text
         completion.finish_reason = update.finish_reason
         return update.stop_matched

@@ -24,10 +24,13 @@ _CONTEXT_TOKENS = 5
 
 @dataclass(frozen=True)
 class DetokenizerUpdate:
-    """Text that became final with the latest tokens; `stopped` when a stop string matched."""
+    """Text that became final with the latest tokens; `stopped` when a stop string matched.
+    `num_tokens`: how many of the latest tokens the output keeps: all of them, unless a stop
+    string matched in the text of one before the last (a speculative step adds several)."""
 
     text: str
     stopped: bool
+    num_tokens: int = 0
 
 
 def _decode_stream(
@@ -86,15 +89,22 @@ class IncrementalDetokenizer:
         if self.stopped:
             return DetokenizerUpdate("", True)
         if self._stream is not None:
-            self._step_stream(new_token_ids, final)
+            num_tokens = self._step_stream(new_token_ids, final)
+        elif self.stop and len(new_token_ids) > 1:  # one at a time: which token stops
+            num_tokens = 0
+            while num_tokens < len(new_token_ids) and not self.stopped:
+                self._ids.append(new_token_ids[num_tokens])
+                num_tokens += 1
+                self._step_windows(final and num_tokens == len(new_token_ids))
         else:
             self._ids.extend(new_token_ids)
             self._step_windows(final)
+            num_tokens = len(new_token_ids)
         hold = 0 if (final or self.stopped) else self._holdback
         end = max(self._emitted, len(self.output_text) - hold)
         delta = self.output_text[self._emitted : end]
         self._emitted = end
-        return DetokenizerUpdate(delta, self.stopped)
+        return DetokenizerUpdate(delta, self.stopped, num_tokens)
 
     def _step_windows(self, final: bool) -> None:
         """Decode the tokens after the last emitted ones, with a few before them, and emit
@@ -106,22 +116,24 @@ class IncrementalDetokenizer:
             self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
             self._append(new_text)
 
-    def _step_stream(self, new_token_ids: list[int], final: bool) -> None:
+    def _step_stream(self, new_token_ids: list[int], final: bool) -> int:
         """Feed the tokens to the `DecodeStream`; at `final`, an incomplete character at the
-        end is emitted as the full decode shows it (U+FFFD), as `_step_windows` does."""
+        end is emitted as the full decode shows it (U+FFFD), as `_step_windows` does. Returns
+        how many tokens were fed: all, or up to the one whose text completes a stop string."""
         assert self._stream is not None
         backend = self.tokenizer.backend_tokenizer
-        for token in new_token_ids:
+        for i, token in enumerate(new_token_ids):
             self._ids.append(token)
             text = self._stream.step(backend, token)
             if text is not None:
                 self._read_offset = len(self._ids)
                 self._append(text)
                 if self.stopped:
-                    return
+                    return i + 1
         if final and self._read_offset < len(self._ids):
             self._prefix_offset = max(0, self._read_offset - _CONTEXT_TOKENS)
             self._step_windows(final=True)
+        return len(new_token_ids)
 
     def _append(self, new_text: str) -> None:
         if not self.stop:
@@ -193,7 +205,10 @@ class ChoiceStream:
         update = self.detokenizer.update(new_token_ids, final=finish_reason is not None)
         if not update.stopped:
             return ChoiceUpdate(update.text, new_token_ids, finish_reason)
+        # Tokens after the one that completed the stop string are dropped (several come in
+        # one speculative step): the choice's tokens are those it has without speculation.
+        kept = new_token_ids[: update.num_tokens]
         if finish_reason is not None:
-            return ChoiceUpdate(update.text, new_token_ids, "stop")
+            return ChoiceUpdate(update.text, kept, "stop")
         self.stopped = True
-        return ChoiceUpdate(update.text, new_token_ids, None, stop_matched=True)
+        return ChoiceUpdate(update.text, kept, None, stop_matched=True)

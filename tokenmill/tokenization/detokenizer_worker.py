@@ -113,6 +113,8 @@ class Detokenizer:
 
     def _output(self, delta: RequestDelta, update: ChoiceUpdate) -> ClientOutput:
         logprobs = delta.logprobs if update.token_ids else None
+        if logprobs is not None:  # none for tokens after a stop string (`ChoiceStream`)
+            logprobs = logprobs[: len(update.token_ids)]
         return ClientOutput(
             request_id=delta.request_id,
             text=update.text,
