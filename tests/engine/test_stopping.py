@@ -204,3 +204,16 @@ def test_closing_a_stream_aborts_its_request_and_frees_its_pages(llm: LLM) -> No
     assert not first.finished and len(first.outputs[0].token_ids) == 2
     assert not llm.engine.has_unfinished()
     assert llm.engine.cache.num_used_pages == 0
+
+
+def test_a_stream_finished_by_another_callers_steps_still_yields_its_end(llm: LLM) -> None:
+    """`generate` steps the engine for every request: the stream's request finishes inside
+    it, and the stream's next (and last) yield is that finished output, as its docstring says."""
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    stream = llm.stream(PROMPT, params)
+    first = next(stream)
+    llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                 use_tqdm=False)  # fmt: skip
+    rest = list(stream)
+    assert [o is first for o in rest] == [True] and first.finished
+    assert len(first.outputs[0].token_ids) == 3

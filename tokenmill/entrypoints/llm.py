@@ -160,8 +160,12 @@ class LLM:
 
     def _follow(self, result: RequestOutput) -> Iterator[RequestOutput]:
         try:
-            while not result.finished:
-                if any(r is result for r in self._step()):
+            finished = False
+            while not finished:
+                # Finished already: by the steps of another caller (`generate`, another
+                # stream), whose last change this stream has not yielded yet.
+                if result.finished or any(r is result for r in self._step()):
+                    finished = result.finished
                     yield result
         finally:
             for child_id in [i for i, c in self._children.items() if c.result is result]:
