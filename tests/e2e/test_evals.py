@@ -14,12 +14,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry
 
 from tests.e2e.server import MODEL_NAME, ServerHandle, run_server, wait_until
 from tokenmill.config import DEMO_MODEL_DIR
 from tokenmill.entrypoints.cli import main
 from tokenmill.evals.scorers import DEMO_TASKS
-from tokenmill.observability.feedback import RecentRequests, response_id_of
+from tokenmill.observability.feedback import FeedbackLog, RecentRequests, response_id_of
 
 # Answers the demo model does not give, or gives: each scorer both ways.
 EXTRA = [
@@ -172,6 +173,16 @@ def test_recent_requests_forget_the_oldest_first() -> None:
     recent.add("c", None)
     assert "b" not in recent and "a" in recent and "c" in recent
     assert recent.trace_offsets("a") == (0, 20) and recent.trace_offsets("c") == ()
+
+
+def test_trace_of_a_request_whose_trace_file_was_rotated_away_is_none(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(json.dumps({"response_id": "cmpl-a"}) + "\n")
+    log = FeedbackLog("m", CollectorRegistry(), 10, str(trace), lambda record: None)
+    log.requests.add("cmpl-a", 0)
+    assert log.read_trace("cmpl-a") == [{"response_id": "cmpl-a"}]
+    trace.rename(tmp_path / "trace.jsonl.1")  # logrotate: GET /v1/traces/ID is a 404, not a 500
+    assert log.read_trace("cmpl-a") == []
 
 
 def test_response_id_is_the_engine_request_id_without_prompt_and_choice() -> None:

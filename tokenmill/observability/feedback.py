@@ -141,13 +141,18 @@ class FeedbackLog:
     def read_trace(self, request_id: str) -> list[dict[str, Any]]:
         """The trace lines of a recent request, read back from the trace file ([] if none).
 
-        A line that no longer holds this request (the file was rotated or truncated) is skipped.
+        A line that no longer holds this request (the file was rotated or truncated) is skipped;
+        so is a file no longer there (renamed away by a log rotation).
         """
         offsets = self.requests.trace_offsets(request_id)
         if self.trace_path is None or not offsets:
             return []
         lines = []
-        with self.trace_path.open("rb") as f:
+        try:
+            f = self.trace_path.open("rb")
+        except FileNotFoundError:
+            return []
+        with f:
             for offset in offsets:
                 f.seek(offset)
                 try:
