@@ -14,6 +14,7 @@ import pytest
 
 from tokenmill.entrypoints.cli import build_parser, main, options_from
 from tokenmill.entrypoints.server_options import API_KEY_ENV, ServerOptions
+from tokenmill.observability.metrics import ServerMetrics
 
 
 def test_every_server_option_is_a_serve_flag(capsys: pytest.CaptureFixture[str]) -> None:
@@ -69,6 +70,12 @@ def test_server_options_refuse_bad_values(monkeypatch: pytest.MonkeyPatch, tmp_p
     assert ServerOptions().resolved_api_key == "from-env"
     assert ServerOptions(api_key="flag").resolved_api_key == "flag"
     assert ServerOptions(served_model_name="x").model_name("/a/b") == "x"
+
+
+def test_a_trace_file_that_can_not_be_opened_is_refused_naming_it(tmp_path: Path) -> None:
+    for path in (tmp_path, tmp_path / "no-folder" / "trace.jsonl"):
+        with pytest.raises(ValueError, match=f"trace_file: cannot open {str(path)!r}"):
+            ServerMetrics("m", trace_file=str(path), log_requests=False)
 
 
 def _serve(*args: str) -> subprocess.CompletedProcess[str]:

@@ -241,7 +241,11 @@ class ServerMetrics:
         self.log_requests = log_requests
         self._trace: IO[str] | None = None
         if trace_file:  # one line per finished request, flushed per line; closed by close()
-            self._trace = open(trace_file, "a", buffering=1)  # noqa: SIM115
+            try:
+                self._trace = open(trace_file, "a", buffering=1)  # noqa: SIM115
+            except OSError as exc:
+                why = f"cannot open {trace_file!r}: {exc.strerror}"
+                raise ValueError(f"trace_file: {why}") from None
         self.feedback = FeedbackLog(
             model_name, self.registry, max_recent_requests, trace_file, self.write_trace
         )
