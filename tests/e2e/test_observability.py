@@ -177,6 +177,20 @@ def test_profiling_endpoints_are_off_by_default(llama_dir: Path, tmp_path: Path)
         assert httpx.post(plain.base_url + "/start_profile").status_code == 404
 
 
+def test_a_trace_that_can_not_be_written_leaves_the_server_serving(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    blocker = tmp_path / "a-file"  # --profile-dir names a file: the trace cannot be written
+    blocker.write_text("")
+    flags = ("--enable-profiling", "--profile-dir", str(blocker))
+    with run_server(llama_dir, tmp_path / "log", *flags) as server:
+        assert httpx.post(server.base_url + "/start_profile").status_code == 200
+        assert httpx.post(server.base_url + "/stop_profile").status_code == 200
+        assert wait_until(lambda: "profiler trace not written" in server.log, timeout=30)
+        completion = _client(server).completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2)
+        assert completion.choices[0].text and server.proc.poll() is None
+
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 

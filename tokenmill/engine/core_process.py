@@ -165,11 +165,15 @@ class EngineCoreLoop:
             self.profiler.start()
             logger.info("profiler started")
         elif not msg.start and self.profiler is not None:
-            self.profiler.stop()
-            os.makedirs(msg.directory, exist_ok=True)
+            profiler, self.profiler = self.profiler, None
+            profiler.stop()
             path = os.path.join(msg.directory, f"engine-core-{int(time.time())}.json")
-            self.profiler.export_chrome_trace(path)
-            self.profiler = None
+            try:  # --profile-dir may name a file, or a folder this process cannot write
+                os.makedirs(msg.directory, exist_ok=True)
+                profiler.export_chrome_trace(path)
+            except OSError as exc:
+                logger.error("profiler trace not written (--profile-dir): %s", exc)
+                return
             logger.info("profiler trace written to %s", path)
 
     def _add(self, msg: EngineRequest) -> None:
