@@ -66,12 +66,24 @@ def test_scorers(fields: dict, answer: str, passed: bool) -> None:
         ({"prompt": "p", "expected": 1, "scorer": "json_field"}, "needs a field"),
         ({"prompt": "p", "expected": "ten", "scorer": "numeric"}, "needs a number"),
         ({"prompt": "p", "expected": 1, "answer": 1}, "unknown fields"),
+        ({"prompt": "p", "expected": 1, "tolerance": [1]}, "tolerance must be a number"),
+        ({"prompt": "p", "expected": 1, "tolerance": "abc"}, "tolerance must be a number"),
+        ({"prompt": "p", "expected": 1, "temperature": None}, "temperature must be a number"),
+        ({"prompt": "p", "expected": 1, "temperature": True}, "temperature must be a number"),
     ],
 )
 def test_bad_tasks_are_refused_naming_the_line(obj: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message) as info:
         parse_task(obj, "t.jsonl:7")
     assert str(info.value).startswith("t.jsonl:7: ")
+
+
+def test_a_task_file_that_can_not_be_read_is_refused_naming_it(tmp_path) -> None:
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b"\xff\xfe\n")
+    for path in (tmp_path / "missing.jsonl", tmp_path, binary):
+        with pytest.raises(ValueError, match=f"^{path}: cannot read"):
+            load_tasks(path)
 
 
 def test_built_in_tasks_load() -> None:

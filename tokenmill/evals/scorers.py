@@ -57,6 +57,10 @@ def parse_task(obj: Any, where: str) -> Task:
     if scorer == "numeric" and not isinstance(obj["expected"], int | float):
         raise ValueError(f"{where}: the numeric scorer needs a number as expected")
     stop = obj.get("stop")
+    for key in ("tolerance", "temperature"):
+        value = obj.get(key, 0.0)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{where}: {key} must be a number, got {value!r}")
     return Task(
         id=str(obj.get("id", where)),
         expected=obj["expected"],
@@ -73,8 +77,13 @@ def parse_task(obj: Any, where: str) -> Task:
 
 def load_tasks(path: str | Path) -> list[Task]:
     """Every task of a JSONL file (blank lines skipped)."""
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else f"not UTF-8 text ({exc.reason})"
+        raise ValueError(f"{path}: cannot read: {why}") from None
     tasks = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         where = f"{path}:{number}"
