@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -85,6 +86,19 @@ def test_accuracy_below_the_minimum_is_exit_status_1(server: ServerHandle, tmp_p
     argv = ["eval", "tasks", "--base-url", server.base_url, str(tasks), "--no-progress"]
     assert main(argv) == 0  # no minimum: a wrong answer is a result, not a failure
     assert main([*argv, "--min-accuracy", "0.5"]) == 1
+
+
+def test_an_unreachable_server_or_a_bad_timeout_is_a_one_line_error(
+    llama_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}"  # nothing listens there
+    for kind, flags in (("tasks", ["--no-progress"]), ("conformance", ["--model", str(llama_dir)])):
+        assert main(["eval", kind, "--base-url", url, *flags]) == 2
+        assert capsys.readouterr().err.startswith(f"tokenmill: error: {url}: ")
+        assert main(["eval", kind, "--base-url", url, *flags, "--timeout", "0"]) == 2
+        assert "timeout must be > 0" in capsys.readouterr().err
 
 
 def _complete(client: httpx.Client, n: int = 1) -> dict:

@@ -67,20 +67,27 @@ def run_eval(ns: argparse.Namespace) -> int:
 
         print(write_dummy_checkpoint(options_from(ns, DummyCheckpointArgs)))
         return 0
-    if ns.eval == "conformance":
-        from tokenmill.evals import conformance
-        from tokenmill.evals.options import ConformanceArgs
+    import httpx
 
-        report = conformance.run_conformance(options_from(ns, ConformanceArgs))
-        print(conformance.format_table(report))
-        if ns.plot:
-            conformance.plot_agreement(report, ns.plot)
-    else:
-        from tokenmill.evals import tasks
-        from tokenmill.evals.options import TaskEvalArgs
+    from tokenmill.evals.client import EvalRequestError
 
-        report = tasks.run_tasks(options_from(ns, TaskEvalArgs), ns.file)
-        print(tasks.format_table(report))
+    try:
+        if ns.eval == "conformance":
+            from tokenmill.evals import conformance
+            from tokenmill.evals.options import ConformanceArgs
+
+            report = conformance.run_conformance(options_from(ns, ConformanceArgs))
+            print(conformance.format_table(report))
+            if ns.plot:
+                conformance.plot_agreement(report, ns.plot)
+        else:
+            from tokenmill.evals import tasks
+            from tokenmill.evals.options import TaskEvalArgs
+
+            report = tasks.run_tasks(options_from(ns, TaskEvalArgs), ns.file)
+            print(tasks.format_table(report))
+    except (httpx.HTTPError, EvalRequestError) as exc:  # unreachable, timed out, or refused
+        raise ValueError(f"{ns.base_url}: {exc or type(exc).__name__}") from None
     if ns.output:
         with open(ns.output, "w") as f:
             json.dump(report, f, indent=2)

@@ -100,6 +100,8 @@ class ConformanceArgs:
         for name in ("max_tokens", "concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be > 0, got {self.timeout}")
         self.prompt_lengths  # noqa: B018 - validates the text
 
     @property
@@ -138,6 +140,8 @@ class TaskEvalArgs:
         for name in ("max_tokens", "concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be > 0, got {self.timeout}")
         if not 0 <= self.min_accuracy <= 1:
             raise ValueError(f"min_accuracy must be in [0, 1], got {self.min_accuracy}")
 

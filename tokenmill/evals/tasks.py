@@ -12,6 +12,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import httpx
 from tqdm import tqdm
 
 from tokenmill.evals.client import EvalClient, EvalRequestError
@@ -30,8 +31,8 @@ async def _run_one(client: EvalClient, task: Task, args: TaskEvalArgs) -> dict[s
     try:
         prompt_ids = await client.tokenize(task.prompt, task.messages)
         out = await client.generate(task.prompt, task.messages, top_logprobs=0, **params)
-    except EvalRequestError as exc:
-        return {**result, "passed": False, "error": str(exc)}
+    except (EvalRequestError, httpx.HTTPError) as exc:  # e.g. this request timed out
+        return {**result, "passed": False, "error": str(exc) or type(exc).__name__}
     passed, detail = score(task, out.text)
     return {
         **result,
