@@ -101,3 +101,30 @@ def test_when_every_attempt_fails_the_client_gets_a_503_naming_the_replicas() ->
     assert response.status_code == 503
     message = json.loads(response.body)["error"]["message"]
     assert all(f"r{i}: ActorDiedError" in message for i in range(3)), message
+
+
+JSON = [("content-type", "application/json")]
+UNKNOWN_ID = b'{"error":{"message":"request_id: no finished request","param":"request_id"}}'
+
+
+def test_feedback_and_traces_reach_the_replica_that_served_the_request() -> None:
+    # Only the replica that served a response knows its id: the others are asked in turn.
+    replicas = Replicas(
+        [{"replica": "r1"}, {"status": 400, "headers": JSON}, UNKNOWN_ID],
+        [{"replica": "r2"}, {"status": 200, "headers": JSON}, b'{"object":"feedback"}'],
+    )
+    response = asyncio.run(ingress(replicas).forward(RoutedRequest("POST", "/v1/feedback")))
+    assert response.status_code == 200
+    assert [r.avoid for r in replicas.sent] == [frozenset(), frozenset({"r1"})]
+    # Asked every replica (the router hands back one asked already): its answer stands.
+    not_found = [{"status": 404, "headers": JSON}, b'{"error":{"message":"no trace"}}']
+    replicas = Replicas(
+        [{"replica": "r1"}, *not_found], [{"replica": "r2"}, *not_found],
+        [{"replica": "r1"}, *not_found],
+    )  # fmt: skip
+    response = asyncio.run(ingress(replicas).forward(RoutedRequest("GET", "/v1/traces/cmpl-x")))
+    assert response.status_code == 404 and len(replicas.sent) == 3
+    # Any other 400 or 404 is the client's, the same on every replica: not asked again.
+    replicas = Replicas([{"replica": "r1"}, *not_found])
+    response = asyncio.run(ingress(replicas).forward(RoutedRequest("GET", "/v1/nothing")))
+    assert response.status_code == 404 and len(replicas.sent) == 1

@@ -77,17 +77,28 @@ class Ingress:
         return await self.forward(routed)
 
     async def forward(self, routed: RoutedRequest) -> Response:
-        """The response of the first replica that begins one (up to `MAX_ATTEMPTS` replicas)."""
+        """The response of the first replica that begins one (up to `MAX_ATTEMPTS` replicas).
+
+        Feedback on a response, and its trace, are known only to the replica that served it:
+        a replica answering that it does not know the id is skipped for the next one, until
+        the router hands back a replica asked already (every one was), whose answer stands.
+        """
         failures = []
-        for _ in range(MAX_ATTEMPTS):
+        attempts = 0
+        while attempts < MAX_ATTEMPTS:
             stream = self.replicas.options(stream=True).generate.remote(routed)
             try:
-                head, first = await self._begin(stream)
+                replica, head, first = await self._begin(stream)
             except ReplicaFailed as exc:
+                attempts += 1
                 replica, cause = exc.args
                 failures.append(f"{replica or 'a replica'}: {type(cause).__name__}")
                 if replica is not None:
                     routed = replace(routed, avoid=routed.avoid | {replica})
+                continue
+            if _unknown_id(routed, head["status"], first) and replica not in routed.avoid:
+                stream.cancel()
+                routed = replace(routed, avoid=routed.avoid | {replica})
                 continue
             media = dict(head["headers"]).get("content-type", "")
             body = _rest(stream, first, sse=media.startswith("text/event-stream"))
@@ -96,8 +107,11 @@ class Ingress:
             )
         return error_response(503, f"no replica could serve the request ({'; '.join(failures)})")
 
-    async def _begin(self, stream: DeploymentResponseGenerator) -> tuple[dict[str, Any], bytes]:
-        """The replica's response head and first body chunk; `ReplicaFailed` if it fails first."""
+    async def _begin(
+        self, stream: DeploymentResponseGenerator
+    ) -> tuple[str, dict[str, Any], bytes]:
+        """The replica, its response head and first body chunk; `ReplicaFailed` if it fails
+        first."""
         replica = None
         try:
             replica = (await stream.__anext__())["replica"]
@@ -108,7 +122,7 @@ class Ingress:
         except (RayError, RayServeException) as exc:
             logger.warning("replica %s failed a request before answering: %r", replica, exc)
             raise ReplicaFailed(replica, exc) from exc
-        return head, first
+        return replica, head, first
 
     async def metrics(self, authorization: str | None = None) -> str:
         """Every replica's /metrics, samples labelled `replica`, and `tokenmill:replicas`
@@ -144,6 +158,13 @@ async def _rest(
         message = "the replica serving this request failed mid-stream; the response is cut short"
         error = {"message": message, "type": "ServiceUnavailableError", "param": None, "code": 503}
         yield f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n".encode()
+
+
+def _unknown_id(routed: RoutedRequest, status: int, first: bytes) -> bool:
+    """The replica does not know the response id this request names (another served it)."""
+    if routed.method == "POST" and routed.path == "/v1/feedback":
+        return status == 400 and b'"param":"request_id"' in first
+    return routed.method == "GET" and routed.path.startswith("/v1/traces/") and status == 404
 
 
 def _routing_keys(body: bytes, session: str | None) -> dict[str, Any]:
