@@ -22,6 +22,7 @@ from tokenmill.config import DEMO_MODEL_DIR
 from tokenmill.entrypoints.cli import main
 from tokenmill.evals.scorers import DEMO_TASKS
 from tokenmill.observability.feedback import FeedbackLog, RecentRequests, response_id_of
+from tokenmill.observability.metrics import ServerMetrics
 
 # Answers the demo model does not give, or gives: each scorer both ways.
 EXTRA = [
@@ -197,6 +198,16 @@ def test_trace_of_a_request_whose_trace_file_was_rotated_away_is_none(tmp_path: 
     assert log.read_trace("cmpl-a") == [{"response_id": "cmpl-a"}]
     trace.rename(tmp_path / "trace.jsonl.1")  # logrotate: GET /v1/traces/ID is a 404, not a 500
     assert log.read_trace("cmpl-a") == []
+
+
+def test_trace_offsets_hold_when_replicas_append_to_one_trace_file(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"  # --replicas: every replica's server gets --trace-file
+    a, b = ServerMetrics("m", str(path), False), ServerMetrics("m", str(path), False)
+    written = [(m.write_trace({"n": i}), i) for i in range(3) for m in (a, b)]
+    with path.open("rb") as f:
+        for offset, n in written:
+            f.seek(offset)
+            assert json.loads(f.readline()) == {"n": n}
 
 
 def test_response_id_is_the_engine_request_id_without_prompt_and_choice() -> None:

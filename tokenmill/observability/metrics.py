@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -319,9 +320,11 @@ class ServerMetrics:
         """Append one line to the trace file; its byte offset (None without a trace file)."""
         if self._trace is None:
             return None
-        offset = self._trace.tell()  # a byte position: the lines are ASCII (json.dumps escapes)
-        self._trace.write(json.dumps(record) + "\n")
-        return offset
+        line = json.dumps(record) + "\n"  # ASCII (json.dumps escapes): a char is a byte
+        self._trace.write(line)  # line-buffered: one append, at the end whoever else appends
+        # From the end of this append, not the handle's own count: the replicas of a
+        # deployment (`--replicas`) append to one --trace-file.
+        return os.lseek(self._trace.fileno(), 0, os.SEEK_CUR) - len(line)
 
     def close(self) -> None:
         if self._trace is not None:
