@@ -128,3 +128,29 @@ def test_feedback_and_traces_reach_the_replica_that_served_the_request() -> None
     replicas = Replicas([{"replica": "r1"}, *not_found])
     response = asyncio.run(ingress(replicas).forward(RoutedRequest("GET", "/v1/nothing")))
     assert response.status_code == 404 and len(replicas.sent) == 1
+
+
+class Body:
+    """A starlette request of `body`, with or without its Content-Length."""
+
+    def __init__(self, body: bytes, length: bool = True) -> None:
+        self.method, self.data = "POST", body
+        self.url = type("Url", (), {"path": "/v1/completions", "query": ""})()
+        self.headers = {"content-length": str(len(body))} if length else {}
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        for i in range(0, len(self.data), 4):
+            yield self.data[i : i + 4]
+
+
+def test_a_body_over_the_servers_limit_is_a_413_at_the_ingress() -> None:
+    # The replicas' servers would answer 413 mid-upload: the ingress saw a broken connection,
+    # sent the body to every replica in turn, then answered 503.
+    replicas = Replicas()
+    gateway = ingress(replicas)
+    gateway.max_request_body_bytes = 10
+    for request in (Body(b"x" * 11), Body(b"x" * 11, length=False)):
+        response = asyncio.run(gateway(request))  # type: ignore[arg-type]
+        assert response.status_code == 413, response.body
+        assert json.loads(response.body)["error"]["type"] == "RequestTooLargeError"
+    assert replicas.sent == []

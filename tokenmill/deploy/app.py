@@ -99,7 +99,8 @@ def build_app(
     ingress = serve.deployment(Ingress, name="Ingress").options(
         num_replicas=1, max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0}
     )
-    return ingress.bind(replica.bind(server_argv(engine, options), name, STARTUP_TIMEOUT_S), name)
+    replicas = replica.bind(server_argv(engine, options), name, STARTUP_TIMEOUT_S)
+    return ingress.bind(replicas, name, options.max_request_body_bytes)
 
 
 def deploy_app(

@@ -42,16 +42,31 @@ class ReplicaFailed(Exception):
     """A replica failed a request before its response began."""
 
 
-def error_response(status: int, message: str) -> JSONResponse:
-    error = {"message": message, "type": "ServiceUnavailableError", "param": None, "code": status}
+def error_response(
+    status: int, message: str, kind: str = "ServiceUnavailableError"
+) -> JSONResponse:
+    error = {"message": message, "type": kind, "param": None, "code": status}
     return JSONResponse({"error": error}, status_code=status)
+
+
+def _too_large() -> JSONResponse:
+    """The replicas' servers' 413 (`api_server._BodyLimit`), answered before the body is sent
+    on: a server answering it mid-upload breaks the connection, which reads as a failed
+    replica."""
+    message = "request body is larger than this server's limit (--max-request-body-bytes)"
+    response = error_response(413, message, "RequestTooLargeError")
+    response.headers["connection"] = "close"
+    return response
 
 
 class Ingress:
     """Ray Serve deployment: HTTP in, `TokenmillReplica.generate` calls out."""
 
-    def __init__(self, replicas: DeploymentHandle, app_name: str) -> None:
+    def __init__(
+        self, replicas: DeploymentHandle, app_name: str, max_request_body_bytes: int = 16 << 20
+    ) -> None:
         self.replicas = replicas
+        self.max_request_body_bytes = max_request_body_bytes
         self.directory = directory(app_name)
         self.http = httpx.AsyncClient(timeout=METRICS_TIMEOUT_S)
 
@@ -65,7 +80,9 @@ class Ingress:
         if request.method == "GET" and path == "/health":
             servers = await self.directory.list.remote()
             return Response(status_code=200 if servers else 503)
-        body = await request.body()
+        body = await self._body(request)
+        if body is None:
+            return _too_large()
         routed = RoutedRequest(
             method=request.method,
             path=path,
@@ -75,6 +92,19 @@ class Ingress:
             **_routing_keys(body, request.headers.get(SESSION_HEADER)),
         )
         return await self.forward(routed)
+
+    async def _body(self, request: Request) -> bytes | None:
+        """The request's body; None past --max-request-body-bytes."""
+        limit = self.max_request_body_bytes
+        length = request.headers.get("content-length", "0")
+        if not length.isdigit() or int(length) > limit:
+            return None
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                return None
+        return bytes(body)
 
     async def forward(self, routed: RoutedRequest) -> Response:
         """The response of the first replica that begins one (up to `MAX_ATTEMPTS` replicas).
