@@ -3,6 +3,8 @@ load balance; the replica flags."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tokenmill.deploy.options import DeployOptions
@@ -136,6 +138,20 @@ def test_deploy_options_refuse_inconsistent_counts() -> None:
         DeployOptions(min_replicas=3, max_replicas=2)
     with pytest.raises(ValueError, match="router must be one of"):
         DeployOptions(replicas=2, router="random")
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"replica_num_cpus": -1}, {"replica_num_gpus": -0.5}, {"replica_num_cpus": math.inf},
+        {"upscale_delay_s": -1}, {"downscale_delay_s": math.nan},
+        {"target_ongoing_requests": math.nan},
+    ],
+)  # fmt: skip
+def test_deploy_options_refuse_negative_or_not_finite_amounts(bad: dict) -> None:
+    # Ray refused some only once started, naming no flag; took others (NaN) silently.
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        DeployOptions(replicas=1, **bad)
 
 
 def test_serve_refuses_inconsistent_replica_flags_before_starting_anything(capsys) -> None:

@@ -6,6 +6,7 @@ A frozen dataclass whose fields are `tokenmill serve`'s replica flags (generated
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tokenmill.config import option
@@ -68,10 +69,18 @@ class DeployOptions:
                 raise ValueError(
                     f"replicas ({self.replicas}) must lie within min_replicas..max_replicas"
                 )
-        if self.target_ongoing_requests <= 0:
+        if not 0 < self.target_ongoing_requests < math.inf:
             raise ValueError(
                 f"target_ongoing_requests must be > 0, got {self.target_ongoing_requests}"
             )
+        for name in (
+            "upscale_delay_s",
+            "downscale_delay_s",
+            "replica_num_cpus",
+            "replica_num_gpus",
+        ):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be >= 0 and finite, got {getattr(self, name)}")
         if self.max_ongoing_requests < 1:
             raise ValueError(f"max_ongoing_requests must be >= 1, got {self.max_ongoing_requests}")
         if self.router not in ROUTERS:
