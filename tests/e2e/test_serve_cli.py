@@ -59,6 +59,7 @@ def test_server_options_refuse_bad_values(monkeypatch: pytest.MonkeyPatch, tmp_p
     for bad, fragment in (
         ({"ssl_certfile": str(cert)}, "ssl_keyfile and ssl_certfile"),
         ({"ssl_certfile": str(cert), "ssl_keyfile": str(tmp_path / "no")}, "does not exist"),
+        ({"ssl_certfile": str(cert), "ssl_keyfile": str(cert)}, "ssl_certfile, ssl_keyfile: "),
         ({"max_n": 0}, "max_n must be >= 1"),
         ({"max_n": 4097}, "max_n must be <= 4096"),
         ({"port": 70000}, "port must be in"),

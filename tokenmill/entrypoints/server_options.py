@@ -8,6 +8,7 @@ that the command line is built without loading them.
 from __future__ import annotations
 
 import os
+import ssl
 from dataclasses import dataclass
 
 from tokenmill.config import option
@@ -128,6 +129,13 @@ class ServerOptions:
         for path in (self.ssl_keyfile, self.ssl_certfile):
             if path is not None and not os.path.isfile(path):
                 raise ValueError(f"TLS file {path!r} does not exist")
+        if self.ssl_certfile is not None:
+            try:  # as uvicorn will, once the model is loading: a bad file fails here, in a line
+                ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(
+                    self.ssl_certfile, self.ssl_keyfile
+                )
+            except (ssl.SSLError, OSError) as exc:
+                raise ValueError(f"ssl_certfile, ssl_keyfile: cannot load them: {exc}") from None
         if self.root_path and not self.root_path.startswith("/"):
             raise ValueError(f"root_path must start with '/', got {self.root_path!r}")
 
