@@ -9,6 +9,7 @@ between scrapes) and are exported by a custom collector.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -321,10 +322,15 @@ class ServerMetrics:
         if self._trace is None:
             return None
         line = json.dumps(record) + "\n"  # ASCII (json.dumps escapes): a char is a byte
-        self._trace.write(line)  # line-buffered: one append, at the end whoever else appends
-        # From the end of this append, not the handle's own count: the replicas of a
-        # deployment (`--replicas`) append to one --trace-file.
-        return os.lseek(self._trace.fileno(), 0, os.SEEK_CUR) - len(line)
+        # The replicas of a deployment (`--replicas`) append to one --trace-file: the offset is
+        # where this append ended, read under a lock that keeps theirs out between the two.
+        fd = self._trace.fileno()
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            self._trace.write(line)  # line-buffered: flushed, at the end of the file
+            return os.lseek(fd, 0, os.SEEK_CUR) - len(line)
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
         if self._trace is not None:
