@@ -62,6 +62,7 @@ def test_server_options_refuse_bad_values(monkeypatch: pytest.MonkeyPatch, tmp_p
         ({"ssl_certfile": str(cert), "ssl_keyfile": str(cert)}, "ssl_certfile, ssl_keyfile: "),
         ({"max_n": 0}, "max_n must be >= 1"),
         ({"max_n": 4097}, "max_n must be <= 4096"),
+        ({"num_tokenizer_workers": 257}, "num_tokenizer_workers must be <= 256"),
         ({"port": 70000}, "port must be in"),
         ({"root_path": "llm"}, "root_path must start with"),
     ):

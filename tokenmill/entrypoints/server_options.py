@@ -17,6 +17,9 @@ from tokenmill.sampling_params import MAX_N
 API_KEY_ENV = "TOKENMILL_API_KEY"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 MIB = 1024 * 1024
+# Tokenizer processes: each is a Python process with its own tokenizer and sockets; far past a
+# host's cores they only cost memory (a million hung the start in ZMQ errors).
+MAX_TOKENIZER_WORKERS = 256
 
 
 @dataclass(frozen=True)
@@ -28,7 +31,9 @@ class ServerOptions:
     served_model_name: str | None = option(
         None, "Model name clients use (default: the checkpoint folder's name)."
     )
-    num_tokenizer_workers: int = option(1, "Tokenizer processes.")
+    num_tokenizer_workers: int = option(
+        1, f"Tokenizer processes (at most {MAX_TOKENIZER_WORKERS})."
+    )
     restart_engine: bool = option(
         False,
         "Restart a dead engine core in place (its requests fail) instead of exiting with code 1 "
@@ -117,6 +122,11 @@ class ServerOptions:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.max_n > MAX_N:
             raise ValueError(f"max_n must be <= {MAX_N} (the bound of n), got {self.max_n}")
+        if self.num_tokenizer_workers > MAX_TOKENIZER_WORKERS:
+            raise ValueError(
+                f"num_tokenizer_workers must be <= {MAX_TOKENIZER_WORKERS}, got "
+                f"{self.num_tokenizer_workers}"
+            )
         if self.max_stop < 0 or self.retry_after_s < 0:
             raise ValueError(
                 f"max_stop and retry_after_s must be >= 0, got {self.max_stop}, "
