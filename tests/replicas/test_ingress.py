@@ -9,6 +9,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
 import pytest
 
 pytest.importorskip("ray", reason="replicas need Ray Serve: pip install 'tokenmill[ray]'")
@@ -128,6 +129,57 @@ def test_feedback_and_traces_reach_the_replica_that_served_the_request() -> None
     replicas = Replicas([{"replica": "r1"}, *not_found])
     response = asyncio.run(ingress(replicas).forward(RoutedRequest("GET", "/v1/nothing")))
     assert response.status_code == 404 and len(replicas.sent) == 1
+
+
+class Answer:
+    """What `httpx.AsyncClient.get` returns, as far as the ingress reads it."""
+
+    def __init__(self, status: int, payload: dict[str, Any]) -> None:
+        self.status_code, self.payload = status, payload
+        self.content = json.dumps(payload).encode()
+        self.headers = {"content-type": "application/json"}
+
+    def json(self) -> dict[str, Any]:
+        return self.payload
+
+
+def gathering(answers: dict[str, Answer | None]) -> tuple[Ingress, list[str]]:
+    """An ingress whose directory lists `answers`' replicas, each answering GETs with its own
+    (None: unreachable); also the URLs it asked."""
+    asked: list[str] = []
+
+    class Listing:
+        async def remote(self) -> dict[str, str]:
+            return {name: f"http://{name}" for name in answers}
+
+    class Http:
+        async def get(self, url: str, headers: dict[str, str]) -> Answer:
+            asked.append(url)
+            answer = answers[url.split("/")[2]]
+            if answer is None:
+                raise httpx.ConnectError("down")
+            return answer
+
+    gateway = ingress(Replicas())
+    gateway.directory = type("Directory", (), {"list": Listing()})()  # type: ignore[assignment]
+    gateway.http = Http()  # type: ignore[assignment]
+    return gateway, asked
+
+
+def test_feedback_listed_through_the_ingress_merges_every_replicas_newest_first() -> None:
+    def items(*created: float) -> Answer:
+        return Answer(200, {"object": "list", "data": [{"created": c} for c in created]})
+
+    gateway, asked = gathering({"r1": items(5, 1), "r2": items(4, 3, 2), "r3": None})
+    response = asyncio.run(gateway.feedback("limit=4"))
+    assert [f["created"] for f in json.loads(response.body)["data"]] == [5, 4, 3, 2]
+    assert sorted(asked) == [f"http://r{i}/v1/feedback?limit=4" for i in (1, 2, 3)]
+    refusal = Answer(400, {"error": {"message": "limit: ...", "param": "limit"}})
+    gateway, _ = gathering({"r1": items(5), "r2": refusal})
+    response = asyncio.run(gateway.feedback("limit=0"))
+    assert response.status_code == 400 and json.loads(response.body)["error"]["param"] == "limit"
+    gateway, _ = gathering({"r1": None})
+    assert asyncio.run(gateway.feedback("")).status_code == 503
 
 
 class Body:

@@ -5,7 +5,8 @@ session: header `x-session-id`, else the body's `user`), and streams the chosen 
 response back. A replica that dies before its response has begun (no body byte sent) is
 retried on another; one that dies mid-stream ends an SSE stream with an error event and
 `[DONE]`, so a client never waits forever nor gets an answer twice. `/metrics` gathers every
-replica's metrics, each sample labelled `replica`, plus the replica count.
+replica's metrics, each sample labelled `replica`, plus the replica count; `GET /v1/feedback`
+every replica's feedback (each holds that on the responses it served), newest first.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs
 
 import httpx
 from ray.exceptions import RayError
@@ -80,6 +82,8 @@ class Ingress:
         if request.method == "GET" and path == "/health":
             servers = await self.directory.list.remote()
             return Response(status_code=200 if servers else 503)
+        if request.method == "GET" and path == "/v1/feedback":
+            return await self.feedback(request.url.query, request.headers.get("authorization"))
         body = await self._body(request)
         if body is None:
             return _too_large()
@@ -153,6 +157,30 @@ class Ingress:
             logger.warning("replica %s failed a request before answering: %r", replica, exc)
             raise ReplicaFailed(replica, exc) from exc
         return replica, head, first
+
+    async def feedback(self, query: str, authorization: str | None = None) -> Response:
+        """`GET /v1/feedback` of every replica, merged newest first and cut to the query's
+        `limit`; a replica's refusal (a bad query, missing credentials) is the answer."""
+        servers: dict[str, str] = await self.directory.list.remote()
+        headers = {"authorization": authorization} if authorization else {}
+
+        async def ask(url: str) -> httpx.Response | None:
+            try:
+                return await self.http.get(f"{url}/v1/feedback?{query}", headers=headers)
+            except httpx.HTTPError:
+                return None
+
+        answers = [a for a in await asyncio.gather(*map(ask, servers.values())) if a is not None]
+        if not answers:
+            return error_response(503, "no replica answered GET /v1/feedback")
+        for answer in answers:
+            if answer.status_code != 200:
+                media = answer.headers.get("content-type")
+                return Response(answer.content, answer.status_code, media_type=media)
+        items = [item for answer in answers for item in answer.json()["data"]]
+        items.sort(key=lambda item: item["created"], reverse=True)
+        limit = int(parse_qs(query).get("limit", ["50"])[-1])  # the replicas checked it
+        return JSONResponse({"object": "list", "data": items[:limit]})
 
     async def metrics(self, authorization: str | None = None) -> str:
         """Every replica's /metrics, samples labelled `replica`, and `tokenmill:replicas`
