@@ -5,8 +5,10 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -49,6 +51,35 @@ def test_sigterm_finishes_in_flight_requests_and_exits(llama_dir: Path, tmp_path
         assert server.proc.wait(timeout=20) == 0
         assert '"finish_reason": "abort"' in "\n".join(lines)
         assert "data: [DONE]" in lines
+        assert wait_until(lambda: not any(_alive(p) for p in children.values()), timeout=10)
+
+
+def test_sigterm_to_the_process_group_is_a_clean_shutdown(llama_dir: Path, tmp_path: Path) -> None:
+    """systemd (and `kill -- -PGID`) signal every process of the server: the workers that die
+    of it are not restarted nor errors; their requests end with an error, the server with 0."""
+    extra = ("--max-model-len", "1024", "--restart-engine", "--num-tokenizer-workers", "2")
+    with run_server(llama_dir, tmp_path / "log", *extra) as server:
+        children = server.child_pids()
+        lines: list[str] = []
+
+        def streaming() -> None:
+            body = {**LONG, "stream": True}
+            with httpx.stream(
+                "POST", server.base_url + "/v1/completions", json=body, timeout=30
+            ) as r:
+                lines.extend(r.iter_lines())
+
+        thread = threading.Thread(target=streaming)
+        thread.start()
+        assert wait_until(lambda: len(lines) > 0)
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        started = time.monotonic()
+        thread.join(timeout=15)
+        assert server.proc.wait(timeout=20) == 0
+        assert time.monotonic() - started < 5
+        assert "data: [DONE]" in lines
+        assert " ERROR " not in server.log and "restarted" not in server.log
+        assert server.child_pids() == children  # nothing was started again
         assert wait_until(lambda: not any(_alive(p) for p in children.values()), timeout=10)
 
 

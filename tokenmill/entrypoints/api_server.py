@@ -844,6 +844,8 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: Any) -> None:
         if not self.state.shutting_down:
             self.state.shutting_down = True
+            if self.state.supervisor is not None:  # a group-wide signal may reach the workers
+                self.state.supervisor.stopping = True
             logger.info("shutting down: aborting in-flight requests")
             self.state.client.abort_all()
         super().handle_exit(sig, frame)

@@ -9,6 +9,9 @@
   in flight gets an error and new ones get 503 until the model is loaded again.
 - A worker that dies before the engine is ready (or an engine that dies while reloading) is a
   start-up failure: the server exits (it listens meanwhile, answering 503 on /v1 routes).
+- Once the server is shutting down (`stopping`), a worker that dies is not restarted and is no
+  error: a group-wide SIGTERM (systemd, `kill -- -PGID`) reaches the workers too. The requests it
+  held get a 503 error; the server exits normally.
 """
 
 from __future__ import annotations
@@ -123,6 +126,8 @@ class Supervisor:
         self.procs: dict[str, BaseProcess] = {}
         self.restarts = 0
         self.failed = False
+        self.stopping = False  # the server is shutting down: deaths are expected
+        self._ended: set[str] = set()  # workers that died while stopping (not restarted)
         # `start` runs in a thread of its own (`run`): `stop` waits for it to finish.
         self._starting = threading.Lock()
         # Tokenizer and detokenizer workers fork from a server process that imported their
@@ -158,7 +163,7 @@ class Supervisor:
             if self._started is not None:
                 self.procs.update(self._started())
             for spec in self.specs:
-                if self.failed:  # stopping already: start no more
+                if self.failed or self.stopping:  # stopping already: start no more
                     return
                 if spec.name not in self.procs:
                     self._spawn(spec)
@@ -180,12 +185,14 @@ class Supervisor:
     def check(self) -> None:
         """Handle every worker that died since the last check."""
         for spec in self.specs:
-            proc = self.procs[spec.name]
-            if self.failed or proc.is_alive():
+            proc = self.procs.get(spec.name)  # None: not started (stopping during start-up)
+            if self.failed or proc is None or spec.name in self._ended or proc.is_alive():
                 continue
             proc.join()  # reap it
             what = f"{spec.name} (pid {proc.pid}) died with exit code {proc.exitcode}"
-            if not self.client.ready.is_set():
+            if self.stopping:
+                self._died_stopping(spec, what)
+            elif not self.client.ready.is_set():
                 self.fail(f"server process died before the server was ready: {what}")
             elif spec.kind is WorkerKind.ENGINE:
                 self._engine_died(spec, what)
@@ -215,6 +222,13 @@ class Supervisor:
         self._spawn(spec)
         self.restarts += 1
         logger.error("%s; restarted it, failing %d requests it held", what, num_failed)
+
+    def _died_stopping(self, spec: WorkerSpec, what: str) -> None:
+        message = f"the server is shutting down ({what})"
+        tokenizer = spec.index if spec.kind is WorkerKind.TOKENIZER else None
+        self.client.fail_in_flight(message, status=503, tokenizer=tokenizer)
+        self._ended.add(spec.name)
+        logger.info("%s while the server is shutting down", what)
 
     def fail(self, message: str) -> None:
         """End the server (exit code 1): log why, fail every request, refuse new ones."""
