@@ -4,6 +4,7 @@ engine; sizes the model cannot split are refused."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -138,6 +139,18 @@ def test_a_lost_rank_fails_the_engine_within_seconds(llama_dir: Path) -> None:
         assert time.monotonic() - start < 10
     finally:
         llm.close()
+
+
+def test_a_deleted_llm_stops_its_ranks(llama_dir: Path) -> None:
+    """An `LLM` dropped without `close` (a notebook making another) stops its ranks when it is
+    collected, not only at exit: they hold their shard of the weights and KV cache."""
+    llm = LLM(str(llama_dir), device="cpu", tensor_parallel_size=2)
+    workers = llm.engine.runner.workers
+    assert workers is not None
+    procs = list(workers.procs)
+    del llm, workers
+    gc.collect()
+    assert all(p.poll() is not None for p in procs)
 
 
 def test_a_served_engine_that_loses_a_rank_ends_the_server(llama_dir: Path, tmp_path: Path) -> None:

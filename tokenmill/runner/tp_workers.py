@@ -17,7 +17,6 @@ when rank 0's process does (`ipc.process.init_child`).
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import logging
 import multiprocessing
@@ -27,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -71,7 +71,7 @@ class TPWorkers:
         self.store = TPGroup.store(0, size)
         self.on_lost: Callable[[str], None] | None = None
         self.lost: str | None = None
-        self._closing = False
+        self._closing = threading.Event()  # set by `_stop_workers`: exits are expected
         os.environ.update(NCCL_ENV)  # this process's NCCL and, inherited, the workers'
         # A fresh interpreter per rank (not multiprocessing's spawn, which would run the
         # user's script again; not fork, unsafe once CUDA or threads run): its arguments come
@@ -87,10 +87,15 @@ class TPWorkers:
             proc.stdin.close()
             self.procs.append(proc)
             logger.info("started tp_worker_%d (pid %d)", rank, proc.pid)
-            threading.Thread(target=self._watch, args=(rank, proc), daemon=True).start()
+            # A weak reference: the watchdog must not keep an unused engine's workers alive.
+            watch = (weakref.WeakMethod(self._watch), rank, proc)
+            threading.Thread(target=_watchdog, args=watch, daemon=True).start()
         self._ctx = zmq.Context()
         self._plans: list[zmq.Socket] = []
-        atexit.register(self.close)
+        # At exit, or once the engine is garbage (an `LLM` deleted without `close`).
+        self._stop = weakref.finalize(
+            self, _stop_workers, self._closing, self._plans, self.procs, self._ctx
+        )
 
     def connect(self) -> None:
         """Connect to each worker's plan socket (its address comes through the store)."""
@@ -131,23 +136,11 @@ class TPWorkers:
 
     def close(self) -> None:
         """Stop the workers (each finishes the plan it runs), then kill any that lingers."""
-        if self._closing:
-            return
-        self._closing = True
-        for sock in self._plans:
-            sock.send(_STOP)
-        for proc in self.procs:
-            try:
-                proc.wait(JOIN_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self._ctx.destroy(linger=0)
+        self._stop()  # once
 
-    def _watch(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
-        """Report worker `rank` if it exits while the engine runs."""
-        code = proc.wait()
-        if self._closing or self.lost is not None:
+    def _watch(self, rank: int, proc: subprocess.Popen[bytes], code: int) -> None:
+        """Report worker `rank`, which exited with `code`, if the engine runs."""
+        if self._closing.is_set() or self.lost is not None:
             return
         self.lost = (
             f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {code}; "
@@ -156,6 +149,33 @@ class TPWorkers:
         logger.error("%s", self.lost)
         if self.on_lost is not None:
             self.on_lost(self.lost)
+
+
+def _watchdog(watch: weakref.WeakMethod, rank: int, proc: subprocess.Popen[bytes]) -> None:
+    """Wait for worker `rank` to exit, then report it (unless its `TPWorkers` is gone)."""
+    code = proc.wait()
+    report = watch()
+    if report is not None:
+        report(rank, proc, code)
+
+
+def _stop_workers(
+    closing: threading.Event,
+    plans: list[zmq.Socket],
+    procs: list[subprocess.Popen[bytes]],
+    ctx: zmq.Context,
+) -> None:
+    """Stop the workers (each finishes the plan it runs), then kill any that lingers."""
+    closing.set()
+    for sock in plans:
+        sock.send(_STOP)
+    for proc in procs:
+        try:
+            proc.wait(JOIN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    ctx.destroy(linger=0)
 
 
 def run_tp_worker(
