@@ -11,14 +11,15 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
-from tests.multimodal.conftest import chat, png_bytes, random_image
+from tests.multimodal.conftest import chat, hf_vl_greedy, png_bytes, random_image
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineArgs
 from tokenmill.intake import ContextLimits
 from tokenmill.ipc.messages import EngineRequest, TokenizeRequest
 from tokenmill.ipc.sockets import encode
-from tokenmill.tokenization.tokenizer import load_tokenizer
+from tokenmill.tokenization.tokenizer import load_tokenizer, render_chat
 from tokenmill.tokenization.tokenizer_worker import TokenizerWorker
 from tokenmill.vision.images import ImagePreprocessor, image_setup
 from tokenmill.vision.inputs import ImageInput, MultimodalPrompt
@@ -110,3 +111,18 @@ def test_a_steps_images_are_encoded_in_one_pass(vl_dir: Path) -> None:
     assert calls == [2]
     llm.chat([chat("again", random_image(32, 32, 2))], params)
     assert calls == [2] and runner.encoder_cache.stats.cache_hits == 1
+
+
+def test_same_bytes_in_another_shape_is_another_image(vl_dir: Path) -> None:
+    """34x32 and 32x34 pixels of the same bytes resize to one grid of patches: still two
+    images, neither served the other's encoder outputs or KV pages."""
+    flat = np.random.default_rng(0).integers(0, 256, 32 * 34 * 3, dtype=np.uint8)
+    wide, tall = (Image.fromarray(flat.reshape(shape)) for shape in ((32, 34, 3), (34, 32, 3)))
+    llm = LLM(str(vl_dir), dtype="float32", device="cpu", seed=0, page_size=4)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm.chat(chat("Describe.", wide), params)
+    out = llm.chat(chat("Describe.", tall), params)[0]
+    ids, images = render_chat(llm.tokenizer, chat("Describe.", tall), llm.images)
+    assert images[0].grid_thw == (1, 4, 4)  # as the wide one's
+    assert llm.engine.runner.encoder_cache.stats.images_encoded == 2
+    assert out.outputs[0].token_ids == hf_vl_greedy(vl_dir, ids, images, 6)
