@@ -206,6 +206,14 @@ def test_closing_a_stream_aborts_its_request_and_frees_its_pages(llm: LLM) -> No
     assert llm.engine.cache.num_used_pages == 0
 
 
+def test_closing_a_stream_before_its_first_output_aborts_its_request(llm: LLM) -> None:
+    stream = llm.stream(PROMPT, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    assert llm.engine.has_unfinished()  # queued when made
+    stream.close()
+    assert not llm.engine.has_unfinished() and not llm._children
+    assert list(stream) == []
+
+
 def test_a_stream_finished_by_another_callers_steps_still_yields_its_end(llm: LLM) -> None:
     """`generate` steps the engine for every request: the stream's request finishes inside
     it, and the stream's next (and last) yield is that finished output, as its docstring says."""

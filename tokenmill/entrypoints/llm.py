@@ -156,7 +156,7 @@ class LLM:
         params = self._per_prompt(sampling_params, 1)
         # Checked here, not at the first next(): a bad request fails where it is made.
         (result,) = self._add([token_ids], [text], params, [images])
-        return self._follow(result)
+        return _Stream(self, result)
 
     def _follow(self, result: RequestOutput) -> Iterator[RequestOutput]:
         try:
@@ -168,9 +168,13 @@ class LLM:
                     finished = result.finished
                     yield result
         finally:
-            for child_id in [i for i, c in self._children.items() if c.result is result]:
-                self.engine.abort_request(child_id)
-                del self._children[child_id]
+            self._abort(result)
+
+    def _abort(self, result: RequestOutput) -> None:
+        """Abort the request of `result`'s choices still unfinished."""
+        for child_id in [i for i, c in self._children.items() if c.result is result]:
+            self.engine.abort_request(child_id)
+            del self._children[child_id]
 
     def _add(
         self,
@@ -238,6 +242,23 @@ class LLM:
 
 def _is_conversation(messages: object) -> bool:
     return isinstance(messages, list) and all(isinstance(m, dict) for m in messages)
+
+
+class _Stream(Iterator[RequestOutput]):
+    """`LLM.stream`'s iterator: a generator closed before its first `next()` runs no
+    `finally`, so `close()` also aborts the request here (it was queued when the stream was
+    made)."""
+
+    def __init__(self, llm: LLM, result: RequestOutput) -> None:
+        self._llm, self._result = llm, result
+        self._follow = llm._follow(result)
+
+    def __next__(self) -> RequestOutput:
+        return next(self._follow)
+
+    def close(self) -> None:
+        self._follow.close()
+        self._llm._abort(self._result)
 
 
 @dataclasses.dataclass
