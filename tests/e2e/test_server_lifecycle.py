@@ -34,17 +34,7 @@ def test_sigterm_finishes_in_flight_requests_and_exits(llama_dir: Path, tmp_path
     with run_server(llama_dir, tmp_path / "log", "--max-model-len", "1024") as server:
         children = server.child_pids()
         assert set(children) == {"engine-core", "detokenizer", "tokenizer-0"}
-        lines: list[str] = []
-
-        def streaming() -> None:
-            body = {**LONG, "stream": True}
-            with httpx.stream(
-                "POST", server.base_url + "/v1/completions", json=body, timeout=30
-            ) as r:
-                lines.extend(r.iter_lines())
-
-        thread = threading.Thread(target=streaming)
-        thread.start()
+        lines, thread = _stream_in_background(server.base_url)
         assert wait_until(lambda: len(lines) > 0 or _running(server.base_url))
         server.proc.send_signal(signal.SIGTERM)
         thread.join(timeout=15)
@@ -60,17 +50,7 @@ def test_sigterm_to_the_process_group_is_a_clean_shutdown(llama_dir: Path, tmp_p
     extra = ("--max-model-len", "1024", "--restart-engine", "--num-tokenizer-workers", "2")
     with run_server(llama_dir, tmp_path / "log", *extra) as server:
         children = server.child_pids()
-        lines: list[str] = []
-
-        def streaming() -> None:
-            body = {**LONG, "stream": True}
-            with httpx.stream(
-                "POST", server.base_url + "/v1/completions", json=body, timeout=30
-            ) as r:
-                lines.extend(r.iter_lines())
-
-        thread = threading.Thread(target=streaming)
-        thread.start()
+        lines, thread = _stream_in_background(server.base_url)
         assert wait_until(lambda: len(lines) > 0)
         os.killpg(server.proc.pid, signal.SIGTERM)
         started = time.monotonic()
@@ -81,6 +61,21 @@ def test_sigterm_to_the_process_group_is_a_clean_shutdown(llama_dir: Path, tmp_p
         assert " ERROR " not in server.log and "restarted" not in server.log
         assert server.child_pids() == children  # nothing was started again
         assert wait_until(lambda: not any(_alive(p) for p in children.values()), timeout=10)
+
+
+def _stream_in_background(base_url: str) -> tuple[list[str], threading.Thread]:
+    """A long streamed completion on a thread of its own: the lines it has read so far (a
+    list that grows) and the thread."""
+    lines: list[str] = []
+
+    def streaming() -> None:
+        body = {**LONG, "stream": True}
+        with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=30) as r:
+            lines.extend(r.iter_lines())
+
+    thread = threading.Thread(target=streaming)
+    thread.start()
+    return lines, thread
 
 
 def _running(base_url: str) -> bool:
