@@ -196,6 +196,23 @@ def test_a_stream_grows_one_output_to_what_generate_returns(llm: LLM) -> None:
     assert seen[-1][0] == expected.text
 
 
+def test_a_step_whose_requests_were_aborted_while_it_ran_is_still_read(llm: LLM) -> None:
+    """Overlap scheduling leaves the newest step unread; if its requests are aborted meanwhile,
+    `has_unfinished` is false but the step still counts: the server's loop steps once more
+    (`step_in_flight`), which reads it, so every launched step's device time is counted."""
+    engine = llm.engine
+    assert engine.config.runner.overlap_scheduling
+    launched, read = engine.stats.step_seconds_by_kind, engine.stats.forward_seconds
+    before = (sum(h.count for h in launched.values()), read.count)
+    engine.add_request("gone", PROMPT, SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.step()
+    engine.abort_request("gone")
+    assert not engine.has_unfinished() and engine.step_in_flight
+    assert engine.step() == [] and not engine.step_in_flight
+    after = (sum(h.count for h in launched.values()), read.count)
+    assert after[0] - before[0] == after[1] - before[1] == 1
+
+
 def test_closing_a_stream_aborts_its_request_and_frees_its_pages(llm: LLM) -> None:
     stream = llm.stream(PROMPT, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     first = next(stream)

@@ -122,9 +122,10 @@ class EngineCoreLoop:
         self.ctx.destroy(linger=1000)
 
     def _has_work(self) -> bool:
-        """Requests to step, or CUDA graphs still to capture (background capture: an idle
-        step captures one)."""
-        return self.engine.has_unfinished() or self.engine.runner.graphs_pending > 0
+        """Requests to step, a launched step to read (its requests aborted while it ran), or
+        CUDA graphs still to capture (background capture: an idle step captures one)."""
+        engine = self.engine
+        return engine.has_unfinished() or engine.step_in_flight or engine.runner.graphs_pending > 0
 
     def _drain_inputs(self) -> None:
         while True:

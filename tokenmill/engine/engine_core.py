@@ -355,6 +355,13 @@ class EngineCore:
             )
         )
 
+    @property
+    def step_in_flight(self) -> bool:
+        """Whether a launched step is still unread: also one whose requests all finished while
+        it ran (aborted), which `has_unfinished` leaves out. The next `step` reads it (its
+        device time counted, as every launched step's is)."""
+        return self._in_flight is not None
+
     def step(self) -> list[EngineOutput]:
         """Launch the next batch, then apply the previous one's tokens; returns new tokens.
 
