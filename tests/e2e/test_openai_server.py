@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import pytest
 
 from tests.e2e.server import MODEL_NAME, ServerHandle, run_server, wait_until
 from tokenmill import LLM, SamplingParams
+from tokenmill.config import DEMO_MODEL_DIR
 from tokenmill.testing.checkpoints import build_scripted_checkpoint
 
 SCRIPT = "Hello🎉世界!"
@@ -237,6 +240,29 @@ def test_disconnected_stream_is_aborted_and_frees_its_pages(server: ServerHandle
     assert wait_until(lambda: aborts() == aborted + 1, timeout=5), _load(server)
     assert wait_until(lambda: _load(server)["num_requests_running"] == 0, timeout=5)
     assert wait_until(lambda: _load(server)["kv_cache_used_pages"] == 0, timeout=5)
+
+
+def test_a_stream_whose_client_leaves_while_queued_is_aborted_at_once(tmp_path: Path) -> None:
+    """A streamed request still waiting for its first token (no headers sent yet) is aborted
+    when its client leaves, not kept in the queue (counting against --max-waiting-requests)
+    until it is scheduled."""
+    args = ("--max-num-seqs", "1", "--max-model-len", "2048")
+    with run_server(DEMO_MODEL_DIR, tmp_path / "log", *args) as server:  # slow enough to queue
+        body = {"model": MODEL_NAME, "prompt": "go", "max_tokens": 2000, "ignore_eos": True}
+        url = server.base_url + "/v1/completions"
+        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as running:
+            lines = running.iter_lines()  # kept: a dropped iterator closes the stream
+            assert next(lines).startswith("data: ")  # it holds the one seat
+            # A raw socket: sent, then closed while it waits (no response headers yet).
+            payload = json.dumps({**body, "stream": True}).encode()
+            head = f"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: {len(payload)}"
+            port = int(server.base_url.rsplit(":", 1)[1])
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                sock.sendall(f"{head}\r\nContent-Type: application/json\r\n\r\n".encode() + payload)
+                assert wait_until(lambda: _load(server)["num_requests_waiting"] == 1, 10)
+            # Gone from the queue while the first request still runs (not scheduled after it).
+            assert wait_until(lambda: _load(server)["num_requests_waiting"] == 0, 5)
+            assert _load(server)["requests_finished"] == {"abort": 1}
 
 
 def test_disconnected_non_streaming_request_is_aborted(server: ServerHandle) -> None:

@@ -649,7 +649,9 @@ async def _serve_generation(
                 return JSONResponse(oai.chat_body(response, top_n, body.tool_parser))
             return JSONResponse(oai.completion_body(response, top_n))
         # Wait for the first output so that a bad request still gets a 400, not a broken stream.
-        first = await anext(outputs)
+        first = await _first(raw, outputs)
+        if first is None:
+            return Response(status_code=499)  # the client left while the request was queued
     except RequestFailed as exc:
         return error_response(exc.error.status, exc.error.message, exc.error.param)
     parser = body.tool_parser if isinstance(body, ChatCompletionRequest) else None
@@ -725,6 +727,25 @@ async def _collect(
             return False
     task.result()  # re-raises RequestFailed
     return True
+
+
+async def _first(raw: Request, outputs: AsyncIterator[ChoiceOutput]) -> ChoiceOutput | None:
+    """The first output of a streamed request; None (and aborted) if the client disconnects
+    before it, e.g. while the request waits in the queue (no response has started yet)."""
+
+    async def first() -> ChoiceOutput:
+        return await anext(outputs)
+
+    task = asyncio.create_task(first())
+    while not task.done():
+        await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if not task.done() and await raw.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await _close(outputs)
+            return None
+    return task.result()  # re-raises RequestFailed
 
 
 async def _close(outputs: AsyncIterator[ChoiceOutput]) -> None:
