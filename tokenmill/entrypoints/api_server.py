@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Query, Request
@@ -71,6 +71,7 @@ from tokenmill.vision.images import without_image_data
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+T = TypeVar("T")
 logger = logging.getLogger("tokenmill.server")
 
 STARTUP_TIMEOUT_S = 900.0
@@ -712,31 +713,26 @@ async def _collect(
 ) -> bool:
     """Gather a non-streamed response; False (and aborted) if the client disconnects meanwhile."""
 
-    async def gather() -> None:
+    async def gather() -> bool:
         async for item in outputs:
             response.add(item)
+        return True
 
-    task = asyncio.create_task(gather())
-    while not task.done():
-        await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-        if not task.done() and await raw.is_disconnected():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            await _close(outputs)
-            return False
-    task.result()  # re-raises RequestFailed
-    return True
+    return await _unless_client_leaves(raw, outputs, gather()) is not None
 
 
 async def _first(raw: Request, outputs: AsyncIterator[ChoiceOutput]) -> ChoiceOutput | None:
     """The first output of a streamed request; None (and aborted) if the client disconnects
     before it, e.g. while the request waits in the queue (no response has started yet)."""
+    return await _unless_client_leaves(raw, outputs, anext(outputs))
 
-    async def first() -> ChoiceOutput:
-        return await anext(outputs)
 
-    task = asyncio.create_task(first())
+async def _unless_client_leaves(
+    raw: Request, outputs: AsyncIterator[ChoiceOutput], work: Awaitable[T]
+) -> T | None:
+    """`work`'s result (re-raising `RequestFailed`), or None if the client disconnects first:
+    then `work` is cancelled and `outputs` closed, which aborts the request."""
+    task = asyncio.ensure_future(work)
     while not task.done():
         await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
         if not task.done() and await raw.is_disconnected():
@@ -745,7 +741,7 @@ async def _first(raw: Request, outputs: AsyncIterator[ChoiceOutput]) -> ChoiceOu
                 await task
             await _close(outputs)
             return None
-    return task.result()  # re-raises RequestFailed
+    return task.result()
 
 
 async def _close(outputs: AsyncIterator[ChoiceOutput]) -> None:
