@@ -67,6 +67,37 @@ def test_sampled_constrained_outputs_validate_and_drafts_are_accepted(speculativ
     assert stats.num_accepted_tokens > before  # constrained requests did speculate
 
 
+def test_sampled_constrained_outputs_with_logprobs_validate(speculative: LLM) -> None:
+    # A sampled verify step with logprobs must not turn its rejected positions (placeholders)
+    # into token 0: the grammar would reject it and the request end in "error".
+    params = [
+        SamplingParams(temperature=1.0, seed=seed, max_tokens=300, logprobs=1,
+                       structured_outputs=CONSTRAINT)
+        for seed in range(4)
+    ]  # fmt: skip
+    prompts = [PROMPTS[seed % len(PROMPTS)] for seed in range(4)]
+    for out in speculative.generate(prompts, params, use_tqdm=False):
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop", completion.text
+        jsonschema.validate(json.loads(completion.text), SCHEMA)
+        assert len(completion.logprobs) == len(completion.token_ids)
+
+
+def test_a_drafted_stop_token_ends_the_grammar_under_ignore_eos(speculative: LLM) -> None:
+    # The prompt holds the output and then the stop token: prompt lookup drafts the stop token
+    # once the grammar is complete; the position after it must not add a token past the end.
+    constraint = StructuredOutputsParams(choice=["done"])
+    greedy = SamplingParams(temperature=0, max_tokens=20, structured_outputs=constraint)
+    done = speculative.generate(["Hello"], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    eos = speculative.engine.config.model.eos_token_ids[0]
+    assert done[-1] == eos
+    prompt = [5, 6, *done, 7, 8, 9, *done, 7, 8, 9]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                            structured_outputs=constraint)  # fmt: skip
+    out = speculative.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert out.text == "done" and out.finish_reason == "stop"
+
+
 def test_greedy_constrained_tokens_do_not_depend_on_speculation(
     speculative: LLM, llama_dir: Path
 ) -> None:
@@ -112,7 +143,8 @@ def test_the_grammar_knows_a_stop_token_ended_it_and_a_rollback_reopened_it(
     grammar = RequestGrammar(compiled)
     ok = tokenizer.encode("ok", add_special_tokens=False)
     assert all(grammar.accept_token(t) for t in ok) and not grammar.is_terminated
-    assert grammar.valid_prefix([tokenizer.eos_token_id, 5]) == 1 and not grammar.is_terminated
+    # A drafted stop token is not offered: what follows it would be sampled unconstrained.
+    assert grammar.valid_prefix([tokenizer.eos_token_id, 5]) == 0 and not grammar.is_terminated
     assert grammar.accept_token(tokenizer.eos_token_id) and grammar.is_terminated
     assert grammar.matcher.is_terminated()
     grammar.rollback(1)

@@ -244,7 +244,10 @@ class SpecDecoder:
         )  # fmt: skip
         flat = verified.token_ids[row_of_sample_t, position_t]
         if any(n is not None for n in batch.num_logprobs):
-            return Sampler.with_logprobs(logits, flat.clamp(min=0), batch.num_logprobs)
+            # Logprobs of a placeholder's stand-in (0), but its placeholder kept: it is no token.
+            sampled = Sampler.with_logprobs(logits, flat.clamp(min=0), batch.num_logprobs)
+            sampled.token_ids = flat
+            return sampled
         return SampledTokens(flat, batch.num_logprobs)
 
     def _greedy_verdict(self, plan: StepPlan) -> GreedyVerdict:

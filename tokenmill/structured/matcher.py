@@ -53,13 +53,18 @@ class RequestGrammar:
             self._terminated = self.matcher.is_terminated()
 
     def valid_prefix(self, token_ids: Sequence[int]) -> int:
-        """How many of `token_ids` (drafts) the grammar accepts in a row from here; the state
-        is left as it was."""
+        """How many of `token_ids` (drafts) the grammar accepts in a row from here, short of
+        a stop token that would end it: the position after a drafted stop token is sampled
+        unconstrained, and under ignore_eos or min_tokens it would be kept. The state is
+        left as it was."""
         accepted = 0
         for token in token_ids:
-            if self._terminated or not self.accept_token(token):
+            if not self.accept_token(token):
                 break
             accepted += 1
+            if self._terminated:
+                self.rollback(accepted)
+                return accepted - 1
         self.rollback(accepted)
         return accepted
 
