@@ -161,23 +161,15 @@ class Ingress:
     async def feedback(self, query: str, authorization: str | None = None) -> Response:
         """`GET /v1/feedback` of every replica, merged newest first and cut to the query's
         `limit`; a replica's refusal (a bad query, missing credentials) is the answer."""
-        servers: dict[str, str] = await self.directory.list.remote()
-        headers = {"authorization": authorization} if authorization else {}
-
-        async def ask(url: str) -> httpx.Response | None:
-            try:
-                return await self.http.get(f"{url}/v1/feedback?{query}", headers=headers)
-            except httpx.HTTPError:
-                return None
-
-        answers = [a for a in await asyncio.gather(*map(ask, servers.values())) if a is not None]
-        if not answers:
+        answers = await self._ask_every_replica(f"/v1/feedback?{query}", authorization)
+        answered = [a for a in answers.values() if a is not None]
+        if not answered:
             return error_response(503, "no replica answered GET /v1/feedback")
-        for answer in answers:
+        for answer in answered:
             if answer.status_code != 200:
                 media = answer.headers.get("content-type")
                 return Response(answer.content, answer.status_code, media_type=media)
-        items = [item for answer in answers for item in answer.json()["data"]]
+        items = [item for answer in answered for item in answer.json()["data"]]
         items.sort(key=lambda item: item["created"], reverse=True)
         limit = int(parse_qs(query).get("limit", ["50"])[-1])  # the replicas checked it
         return JSONResponse({"object": "list", "data": items[:limit]})
@@ -185,18 +177,29 @@ class Ingress:
     async def metrics(self, authorization: str | None = None) -> str:
         """Every replica's /metrics, samples labelled `replica`, and `tokenmill:replicas`
         (with the caller's credentials: the replicas check them if --metrics-require-auth)."""
+        answers = await self._ask_every_replica("/metrics", authorization)
+        texts = {
+            replica: answer.text if answer is not None and answer.status_code == 200 else ""
+            for replica, answer in answers.items()
+        }
+        return merge_metrics(texts)
+
+    async def _ask_every_replica(
+        self, path: str, authorization: str | None
+    ) -> dict[str, httpx.Response | None]:
+        """`GET path` of every replica's server at once, with the caller's credentials, by
+        replica (None: it did not answer)."""
         servers: dict[str, str] = await self.directory.list.remote()
         headers = {"authorization": authorization} if authorization else {}
 
-        async def scrape(url: str) -> str:
+        async def ask(url: str) -> httpx.Response | None:
             try:
-                response = await self.http.get(url + "/metrics", headers=headers)
+                return await self.http.get(url + path, headers=headers)
             except httpx.HTTPError:
-                return ""
-            return response.text if response.status_code == 200 else ""
+                return None
 
-        texts = await asyncio.gather(*(scrape(url) for url in servers.values()))
-        return merge_metrics(dict(zip(servers, texts, strict=True)))
+        answers = await asyncio.gather(*(ask(url) for url in servers.values()))
+        return dict(zip(servers, answers, strict=True))
 
 
 async def _rest(
