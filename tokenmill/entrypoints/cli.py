@@ -379,11 +379,10 @@ def _serve_bench(ns: argparse.Namespace) -> int:
         ns, ServeBenchArgs, base_url=ns.base_url, workload=spec, slo_ttft=slo_ttft,
         slo_itl=slo_itl,
     )  # fmt: skip
-    for rate in rates:  # each checked before the first runs
-        dataclasses.replace(base, request_rate=rate)
+    runs = [dataclasses.replace(base, request_rate=rate) for rate in rates]  # all checked first
     reports = []
-    for rate in rates:
-        report = asyncio.run(run_serve_bench(dataclasses.replace(base, request_rate=rate)))
+    for run in runs:
+        report = asyncio.run(run_serve_bench(run))
         print(format_table(report))
         reports.append(report)
     if ns.output:
