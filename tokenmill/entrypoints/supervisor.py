@@ -127,7 +127,6 @@ class Supervisor:
         self.restarts = 0
         self.failed = False
         self.stopping = False  # the server is shutting down: deaths are expected
-        self._ended: set[str] = set()  # workers that died while stopping (not restarted)
         # `start` runs in a thread of its own (`run`): `stop` waits for it to finish.
         self._starting = threading.Lock()
         # Tokenizer and detokenizer workers fork from a server process that imported their
@@ -185,8 +184,9 @@ class Supervisor:
     def check(self) -> None:
         """Handle every worker that died since the last check."""
         for spec in self.specs:
-            proc = self.procs.get(spec.name)  # None: not started (stopping during start-up)
-            if self.failed or proc is None or spec.name in self._ended or proc.is_alive():
+            # None: not started (stopping during start-up), or died while stopping (reaped)
+            proc = self.procs.get(spec.name)
+            if self.failed or proc is None or proc.is_alive():
                 continue
             proc.join()  # reap it
             what = f"{spec.name} (pid {proc.pid}) died with exit code {proc.exitcode}"
@@ -227,7 +227,7 @@ class Supervisor:
         message = f"the server is shutting down ({what})"
         tokenizer = spec.index if spec.kind is WorkerKind.TOKENIZER else None
         self.client.fail_in_flight(message, status=503, tokenizer=tokenizer)
-        self._ended.add(spec.name)
+        del self.procs[spec.name]  # reaped, and not restarted: nothing left to check or stop
         logger.info("%s while the server is shutting down", what)
 
     def fail(self, message: str) -> None:
