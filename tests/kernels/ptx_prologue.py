@@ -73,17 +73,15 @@ KERNELS = {
         BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, SPLIT_K=1, GATED=True, NORM=False, HAS_RES=False,
         PREFETCH=2, DEFER=False, DOT=True, IEEE=False)),
     **{name: (_invariant_matmul_kernel, dict(
-        HAS_BIAS=not swiglu, IEEE=False, SWIGLU=swiglu, CHUNKS=chunks, LAYOUT=layout,
-        SLOTS=triton.next_power_of_2(chunks), TMA=tma, BLOCK_M=64 if tma else 16, BLOCK_N=32,
-        BLOCK_K=128 // triton.next_power_of_2(chunks) if layout == 2 else 128, GROUP_M=8))
-        for name, swiglu, chunks, layout, tma in (
-            ("invariant_matmul", False, 1, 0, False),
-            ("invariant_matmul_swiglu", True, 1, 0, False),
-            ("invariant_matmul_across", True, 4, 1, False),
-            ("invariant_matmul_loop", False, 2, 0, False),
-            ("invariant_matmul_side", True, 6, 2, False),
-            ("invariant_matmul_tma", False, 2, 0, True),
-            ("invariant_matmul_tma_across", True, 2, 1, True))},
+        HAS_BIAS=not swiglu, IEEE=False, SWIGLU=swiglu, CHUNKS=chunks, ACROSS=across, TMA=tma,
+        BLOCK_M=64 if tma else 16, BLOCK_N=32, BLOCK_K=128, GROUP_M=8))
+        for name, swiglu, chunks, across, tma in (
+            ("invariant_matmul", False, 1, False, False),
+            ("invariant_matmul_swiglu", True, 1, False, False),
+            ("invariant_matmul_across", True, 4, True, False),
+            ("invariant_matmul_loop", False, 2, False, False),
+            ("invariant_matmul_tma", False, 2, False, True),
+            ("invariant_matmul_tma_across", True, 2, True, True))},
     "add_rms_norm": (_add_rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=1024)),
     "rope_store": (_rope_store_kernel, dict(
         HQ=16, HKV=8, D=128, BLOCK_G=2, BLOCK_T=1, QK_NORM=True, FRESH=False)),

@@ -35,7 +35,6 @@ from tokenmill.kernels.gemv import GemvConfig, InputNorm, gemv, norm_gemv  # noq
 from tokenmill.kernels.invariant_matmul import (  # noqa: E402
     MIN_CHUNK,
     PDL_MAX_WEIGHT_BYTES,
-    ChunkLayout,
     MatmulTile,
     chunk_length,
     invariant_matmul,
@@ -231,34 +230,33 @@ def test_invariant_matmul(
     dtype: torch.dtype, m: int, tile: MatmulTile | None, chunks: int | None
 ) -> None:
     """Ragged N and K (not multiples of the tiles), with a bias; K in one chunk (the default
-    at this size) and in 3 (256, 256, 88 columns) in each layout (a program per chunk, one
-    program looping over them, one running their chains side by side); on the GPU also the
-    same bits for each row alone and through tensor descriptors (TMA, on Hopper) and pointer
-    loads alike (on the CPU the interpreter's `tl.dot` is a NumPy product per tile, whose
-    rounding follows the tile: bitwise invariance is checked on the GPU only, here and in
-    tests/gpu/determinism_cases.py)."""
+    at this size) and in 3 (256, 256, 88 columns), each chunk in programs of its own and all
+    in one program; on the GPU also the same bits for each row alone and through tensor
+    descriptors (TMA, on Hopper) and pointer loads alike (on the CPU the interpreter's
+    `tl.dot` is a NumPy product per tile, whose rounding follows the tile: bitwise invariance
+    is checked on the GPU only, here and in tests/gpu/determinism_cases.py)."""
     gen = torch.Generator().manual_seed(m)
     x, w = _randn(m, 600, dtype=dtype, gen=gen), _randn(37, 600, dtype=dtype, gen=gen)
     bias = _randn(37, dtype=dtype, gen=gen)
-    outs = [invariant_matmul(x, w, bias, tile, chunks=chunks, layout=lay) for lay in ChunkLayout]
+    outs = [invariant_matmul(x, w, bias, tile, chunks=chunks, across=a) for a in (True, False)]
     for out in outs:
         assert out.dtype == dtype and out.shape == (m, 37)
         _close(out, x.double() @ w.double().T + bias.double(), dtype)
     if DEVICE == "cuda":
         alone = [invariant_matmul(x[i : i + 1], w, bias, chunks=chunks) for i in range(m)]
-        assert torch.equal(outs[0], torch.cat(alone))
-        for layout in ChunkLayout:
+        assert torch.equal(outs[0], torch.cat(alone)) and torch.equal(outs[1], outs[0])
+        for a in (True, False):
             for tma in (True, False):
-                out = invariant_matmul(x, w, bias, tile, chunks=chunks, layout=layout, tma=tma)
-                assert torch.equal(out, outs[0]), (layout, tma)
+                out = invariant_matmul(x, w, bias, tile, chunks=chunks, across=a, tma=tma)
+                assert torch.equal(out, outs[0]), (a, tma)
 
 
 def test_invariant_matmul_chunks_follow_the_weight_alone() -> None:
-    """K's chunks at the bf16 products of Qwen3-0.6B (latency-bound, 4-13 MB: chunks of
-    LATENCY_CHUNK columns) and Llama-3.1-8B: those with few decode tiles cut in two (q/k/v 192
-    tiles of 32 columns, o and down 128), none below MIN_CHUNK columns, the LM head and gate/up
-    (enough tiles) not at all; every chunk a whole number of every tile's K steps."""
-    shapes = {(4096, 1024): 2, (1024, 2048): 4, (6144, 1024): 2, (1024, 3072): 6,
+    """K's chunks at the bf16 products of Qwen3-0.6B (latency-bound, 4-13 MB: one chunk) and
+    Llama-3.1-8B: those with few decode tiles cut in two (q/k/v 192 tiles of 32 columns, o and
+    down 128), none below MIN_CHUNK columns, the LM head and gate/up (enough tiles) not at all;
+    every chunk a whole number of every tile's K steps."""
+    shapes = {(4096, 1024): 1, (1024, 2048): 1, (6144, 1024): 1, (1024, 3072): 1,
               (151936, 1024): 1, (6144, 4096): 2, (4096, 4096): 2, (28672, 4096): 1,
               (4096, 14336): 2, (128256, 4096): 1}  # fmt: skip
     assert {shape: k_chunks(*shape, itemsize=2) for shape in shapes} == shapes
@@ -299,13 +297,11 @@ def test_invariant_matmul_launches_with_pdl_only_for_small_weights(monkeypatch) 
 def test_invariant_matmul_swiglu_is_silu_and_mul_of_the_product(dtype, tile, chunks) -> None:
     """Interleaved gate/up rows with `swiglu`: `silu_and_mul` of the plain product (bitwise on
     the GPU, where a product's elements do not depend on their column; ragged N), K in one
-    chunk and in two (looped in one program against the default layout)."""
+    chunk and in two (all in one program against a program per chunk)."""
     gen = torch.Generator().manual_seed(3)
     x, w = _randn(7, 300, dtype=dtype, gen=gen), _randn(2 * 45, 300, dtype=dtype, gen=gen)
     interleaved = w.view(2, 45, 300).transpose(0, 1).reshape(90, 300)
-    out = invariant_matmul(
-        x, interleaved, tile=tile, swiglu=True, chunks=chunks, layout=ChunkLayout.LOOP
-    )
+    out = invariant_matmul(x, interleaved, tile=tile, swiglu=True, chunks=chunks, across=False)
     plain = silu_and_mul(invariant_matmul(x, w, tile=tile, chunks=chunks))
     assert out.shape == (7, 45)
     if DEVICE == "cuda":
@@ -892,8 +888,7 @@ def test_pdl_kernels_wait_before_touching_memory() -> None:
                                 "moe_down_gemv",
                                 "invariant_matmul", "invariant_matmul_swiglu",
                                 "invariant_matmul_across", "invariant_matmul_loop",
-                                "invariant_matmul_side", "invariant_matmul_tma",
-                                "invariant_matmul_tma_across", "invariant",
+                                "invariant_matmul_tma", "invariant_matmul_tma_across", "invariant",
                                 "invariant_int64_index", "invariant_merge"}  # fmt: skip
     reads_first = {"gemv", "gemv_dot", "rope_store", "rope_store_blocked", "decode_split",
                    "decode_split_late", "moe_down_gemv"}  # fmt: skip

@@ -6,14 +6,11 @@ row's output element is one accumulator chain: `acc = 0`, then `acc = mma(a[k:k+
 acc)` for k = chunk start, +16, +32, ... in order; the chunks' sums are added in chunk order to
 a zero float32 total, then the bias, then one rounding to the output dtype. Nothing else is
 ever done to it (cuBLAS and the decode GEMV split K by the row count, and partial sums added
-another way round differently). Where the chunks run is free (`ChunkLayout`): while the tiles
-of a large weight are too few to fill the GPU, a program per (tile, chunk) writes its float32
-sums and the tile's last program to finish adds them in order (decode, and up to a few hundred
-rows: Llama-3.1-8B's o and down have 128 tiles of 32 columns, and stream through 2x the
-programs); a small (latency-bound) weight's 16-row tiles run their chunks' chains side by
-side in one program, one batched MMA a step (at one row its product is bound by the chain of
-dependent MMA steps, K / 16 long, which chunks of 512 columns cut); otherwise each program
-loops over its tile's chunks, the same additions. The tile
+another way round differently). Where the chunks run is free: while the tiles are too few to
+fill the GPU, a program per (tile, chunk) writes its float32 sums and the tile's last program
+to finish adds them in order (decode, and up to a few hundred rows: a large weight with few
+column tiles, Llama-3.1-8B's o and down have 128 at 32 columns, streams through 2x the
+programs); otherwise each program loops over its tile's chunks, the same additions. The tile
 shape (BLOCK_M, BLOCK_N, BLOCK_K) only decides which rows and columns a program holds and how
 many 16-wide steps of the chain one `tl.dot` issues (chunk lengths are multiples of every
 BLOCK_K), so it can follow M for speed (small tiles for decode, which is weight-bandwidth-
@@ -36,7 +33,6 @@ before it ends, while Llama-3.1-8B's products (34-235 MB) ran a deterministic de
 
 from __future__ import annotations
 
-import enum
 import functools
 from typing import NamedTuple
 
@@ -59,8 +55,6 @@ PDL_MAX_WEIGHT_BYTES = 16 << 20
 DECODE_PROGRAMS = 256
 MIN_CHUNK = 512
 CHUNK_ALIGN = 256
-# K's chunks of a weight of at most PDL_MAX_WEIGHT_BYTES (`k_chunks`), a multiple of CHUNK_ALIGN.
-LATENCY_CHUNK = 512
 # Products of more than this many rows (prefill) load x and W through the tensor memory
 # accelerator where the GPU has one (`tma_operands`): Llama-3.1-8B's B2 mixed steps 9% faster
 # (H200, session 32); its 256-row decode steps were 5% slower through it.
@@ -136,37 +130,6 @@ def _chain(
 
 
 @triton.jit
-def _side_chains(
-    x_ptr, w_ptr, pid_m, pid_n, M, N, K, k_chunk, stride_xm, stride_wn, IEEE: tl.constexpr,
-    SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """Every chunk's chain of tile (pid_m, pid_n) at once, chunk c over K's columns
-    [c * k_chunk, min(K, (c + 1) * k_chunk)), as one batched product a step (`[SLOTS,
-    BLOCK_M, BLOCK_K] @ [SLOTS, BLOCK_K, BLOCK_N]`: the chains are independent, so their MMAs
-    overlap where one chain's would wait on the one before), then their sums added in chunk
-    order to a zero total. Columns past K (a shorter last chunk, slots past the last chunk)
-    load zeros: their steps add exact zeros to the chains, whose bits are `_chain`'s."""
-    offs_c = tl.arange(0, SLOTS)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_mask, n_mask = (offs_m < M)[None, :, None], (offs_n < N)[None, None, :]
-    cols_x = offs_c[:, None, None] * k_chunk + offs_k[None, None, :]  # [SLOTS, 1, BLOCK_K]
-    cols_w = offs_c[:, None, None] * k_chunk + offs_k[None, :, None]  # [SLOTS, BLOCK_K, 1]
-    x_ptrs = x_ptr + offs_m[None, :, None].to(tl.int64) * stride_xm + cols_x
-    w_ptrs = w_ptr + offs_n[None, None, :].to(tl.int64) * stride_wn + cols_w
-    acc = tl.zeros([SLOTS, BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, k_chunk, BLOCK_K):
-        a = tl.load(x_ptrs + k, mask=m_mask & (cols_x < K - k), other=0.0)
-        b = tl.load(w_ptrs + k, mask=(cols_w < K - k) & n_mask, other=0.0)
-        acc = _dot(a, b, acc, IEEE)
-    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for c in tl.static_range(SLOTS):  # one chain's sum a pass (the other slots add zeros)
-        total += tl.sum(tl.where(offs_c[:, None, None] == c, acc, 0.0), axis=0)
-    return total
-
-
-@triton.jit
 def _finish(
     acc, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, pid_n, N, stride_om,
     HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -189,16 +152,13 @@ def _finish(
 def _invariant_matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, k_chunk, stride_xm,
     stride_wn, stride_om, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SWIGLU: tl.constexpr,
-    CHUNKS: tl.constexpr, LAYOUT: tl.constexpr, SLOTS: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    CHUNKS: tl.constexpr, ACROSS: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """CHUNKS > 1: K in chunks of `k_chunk` columns, a chain each, added in chunk order to a
-    zero total, laid out as LAYOUT says (`ChunkLayout`): ACROSS, a program per (tile, chunk),
-    partial sums to `part_ptr` and the tile's last program to finish (an atomic ticket) adds
-    them; SIDE, one program runs all chains at once (SLOTS, a power of two >= CHUNKS, side by
-    side); LOOP, one program runs them one after another. TMA: `x_ptr` and `w_ptr` are tensor
-    descriptors (`_chain`)."""
+    zero total; ACROSS: a program per (tile, chunk), partial sums to `part_ptr` and the tile's
+    last program to finish (an atomic ticket) adds them, else one program runs them all.
+    TMA: `x_ptr` and `w_ptr` are tensor descriptors (`_chain`)."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -218,7 +178,7 @@ def _invariant_matmul_kernel(
                      BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
         _finish(acc, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, pid_n, N, stride_om,
                 HAS_BIAS, SWIGLU, BLOCK_M, BLOCK_N)  # fmt: skip
-    elif LAYOUT == 1:  # ACROSS
+    elif ACROSS:
         chunk = tl.program_id(1)
         k_lo = chunk * k_chunk
         acc = _chain(x_ptr, w_ptr, pid_m, pid_n, M, N, k_lo, tl.minimum(K, k_lo + k_chunk),
@@ -234,11 +194,6 @@ def _invariant_matmul_kernel(
             _finish(total, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, pid_n, N,
                     stride_om, HAS_BIAS, SWIGLU, BLOCK_M, BLOCK_N)  # fmt: skip
             reset_ticket(ticket_ptr, pid)
-    elif LAYOUT == 2:  # SIDE
-        acc = _side_chains(x_ptr, w_ptr, pid_m, pid_n, M, N, K, k_chunk, stride_xm, stride_wn,
-                           IEEE, SLOTS, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
-        _finish(acc, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, pid_n, N, stride_om,
-                HAS_BIAS, SWIGLU, BLOCK_M, BLOCK_N)  # fmt: skip
     else:
         total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for c in range(CHUNKS):
@@ -252,15 +207,13 @@ def _invariant_matmul_kernel(
 def k_chunks(n: int, k: int, itemsize: int) -> int:
     """How many chunks of K a product with a weight `[n, k]` of `itemsize`-byte elements sums
     separately (`chunk_length` columns each, the last one shorter): set by the weight alone,
-    never by M. A weight of at most PDL_MAX_WEIGHT_BYTES has chunks of LATENCY_CHUNK columns:
-    its product is latency-bound, at one row by its chain of dependent MMA steps (K / 16 of
-    them), which the SIDE layout runs side by side in one program (more programs with a
-    reduction after them did not help: Qwen3-0.6B's B1 832 tok/s split vs 850 whole, H200,
-    session 19). Larger ones double their chunks while the decode
+    never by M. A weight of at most PDL_MAX_WEIGHT_BYTES is one chunk: its product is
+    latency-bound, and more programs with a reduction after them did not help it (Qwen3-0.6B's,
+    B1 832 tok/s split vs 850 whole, H200). Larger ones double their chunks while the decode
     tile (`choose_tile(1, n)`) leaves fewer than DECODE_PROGRAMS programs and each chunk keeps
     at least MIN_CHUNK columns (Llama-3.1-8B's B1: 216 tok/s, 202 whole in session 19)."""
     if n * k * itemsize <= PDL_MAX_WEIGHT_BYTES:
-        return cdiv(k, LATENCY_CHUNK)
+        return 1
     programs = cdiv(n, choose_tile(1, n).block_n)
     chunks = 1
     while programs * chunks < DECODE_PROGRAMS and k >= 2 * chunks * MIN_CHUNK:
@@ -274,28 +227,6 @@ def chunk_length(k: int, chunks: int) -> int:
     return cdiv(cdiv(k, chunks), CHUNK_ALIGN) * CHUNK_ALIGN
 
 
-class ChunkLayout(enum.IntEnum):
-    """Where a product's chunks of K run (`_invariant_matmul_kernel`); the same bits in each."""
-
-    LOOP = 0  # one program a tile, its chunks one after another
-    ACROSS = 1  # a program per (tile, chunk), the tile's last program adds their sums
-    SIDE = 2  # one program a tile, its chunks' chains side by side (batched MMAs)
-
-
-def default_layout(tile: MatmulTile, tiles: int, weight: torch.Tensor) -> ChunkLayout:
-    """SIDE for the 16-row tiles (decode) of a latency-bound weight (`k_chunks`); ACROSS while
-    the tiles of a larger one are fewer than DECODE_PROGRAMS; else LOOP."""
-    if tile.block_m == 16 and weight.numel() * weight.element_size() <= PDL_MAX_WEIGHT_BYTES:
-        return ChunkLayout.SIDE
-    return ChunkLayout.ACROSS if tiles < DECODE_PROGRAMS else ChunkLayout.LOOP
-
-
-def side_tile(tile: MatmulTile, slots: int) -> MatmulTile:
-    """`tile` with its K step cut so that all `slots` chains load about what its one did a
-    step (shared memory: every stage holds each slot's x and W blocks)."""
-    return tile._replace(block_k=max(16, tile.block_k // slots))
-
-
 def invariant_matmul(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -303,21 +234,21 @@ def invariant_matmul(
     tile: MatmulTile | None = None,
     swiglu: bool = False,
     chunks: int | None = None,
-    layout: ChunkLayout | None = None,
+    across: bool | None = None,
     tma: bool | None = None,
 ) -> torch.Tensor:
     """`x @ weight.T (+ bias)` for a 2-D `x` `[M, K]` and `weight` `[N, K]` (last dims
-    contiguous), each row's bits independent of M and of `tile` (default: `choose_tile`, with
-    `side_tile`'s K step for the SIDE layout).
+    contiguous), each row's bits independent of M and of `tile` (default: `choose_tile`).
 
     `swiglu`: W's rows interleave an MLP's gate and up projections (gate j, up j, ...), and the
     result is `silu(gate) * up` `[M, N / 2]`: bitwise `silu_and_mul` of the plain product with
     de-interleaved rows, without writing and reading that product.
 
     `chunks`: K's chunks (default `k_chunks`; a row's bits depend on it, so pass the same for
-    every M). `layout`: where the chunks run (default `default_layout`), the same bits in each.
-    `tma`: load through tensor descriptors where `tma_operands` allows (default: for more than
-    TMA_MIN_ROWS rows; not with SIDE), the same bits."""
+    every M). `across`: each chunk in programs of its own, the tile's last one adding them
+    (default: while the tiles are fewer than DECODE_PROGRAMS), else all of a tile's chunks in
+    one program; the same bits either way. `tma`: load through tensor descriptors where
+    `tma_operands` allows (default: for more than TMA_MIN_ROWS rows), the same bits."""
     (m, k), n = x.shape, weight.shape[0]
     if weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(
@@ -329,29 +260,24 @@ def invariant_matmul(
     out = torch.empty((m, n // 2 if swiglu else n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
+    tile = tile or choose_tile(m, n)
+    if CHUNK_ALIGN % tile.block_k:
+        raise ValueError(f"a tile's block_k must divide {CHUNK_ALIGN}, got {tile.block_k}")
     k_chunk = chunk_length(k, chunks or k_chunks(n, k, weight.element_size()))
     num_chunks = cdiv(k, k_chunk)
-    slots = triton.next_power_of_2(num_chunks)
-    chosen = tile or choose_tile(m, n)
-    tiles = cdiv(m, chosen.block_m) * cdiv(n, chosen.block_n)
-    layout = ChunkLayout.LOOP if num_chunks == 1 else layout
-    layout = default_layout(chosen, tiles, weight) if layout is None else layout
-    if layout == ChunkLayout.SIDE and tile is None:
-        chosen = side_tile(chosen, slots)
-    if CHUNK_ALIGN % chosen.block_k:
-        raise ValueError(f"a tile's block_k must divide {CHUNK_ALIGN}, got {chosen.block_k}")
-    across = layout == ChunkLayout.ACROSS
+    tiles = cdiv(m, tile.block_m) * cdiv(n, tile.block_n)
+    across = num_chunks > 1 and (tiles < DECODE_PROGRAMS if across is None else across)
     part = torch.empty((num_chunks, m, n), dtype=torch.float32, device=x.device) if across else out
     wanted = m > TMA_MIN_ROWS if tma is None else tma
-    descriptors = tma_operands(x, weight, chosen) if wanted and layout != ChunkLayout.SIDE else None
+    descriptors = tma_operands(x, weight, tile) if wanted else None
     _invariant_matmul_kernel[(tiles, num_chunks if across else 1)](
         *(descriptors or (x, weight)), bias if bias is not None else x, out, part,
         ticket_buffer(x.device, tiles if across else 0), m, n, k, k_chunk,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, SWIGLU=swiglu,
-        CHUNKS=num_chunks, LAYOUT=int(layout), SLOTS=slots, TMA=descriptors is not None,
-        BLOCK_M=chosen.block_m, BLOCK_N=chosen.block_n, BLOCK_K=chosen.block_k, GROUP_M=8,
-        num_warps=chosen.num_warps, num_stages=chosen.num_stages, **product_pdl_options(weight),
+        CHUNKS=num_chunks, ACROSS=across, TMA=descriptors is not None, BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=8, num_warps=tile.num_warps,
+        num_stages=tile.num_stages, **product_pdl_options(weight),
     )  # fmt: skip
     return out
 
