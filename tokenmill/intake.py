@@ -77,6 +77,10 @@ def check_prompt(
         raise IntakeError("prompt must contain at least one token, got none", "prompt")
     _check_ids(prompt_token_ids, limits.vocab_size, "prompt token ids", "prompt")
     _check_ids(params.stop_token_ids, limits.vocab_size, "stop_token_ids", "stop_token_ids")
+    _check_ids(list(params.logit_bias or ()), limits.vocab_size, "logit_bias keys", "logit_bias")
+    _check_ids(
+        params.allowed_token_ids or [], limits.vocab_size, "allowed_token_ids", "allowed_token_ids"
+    )
     max_len = limits.max_model_len
     if num_prompt >= max_len:
         raise IntakeError(

@@ -35,6 +35,12 @@ MAX_SEED = 2**64 - 1
 # levels of objects in a schema, about 20-40 levels of JSON.
 MAX_STRUCTURED_CHARS = 128 * 1024
 MAX_STRUCTURED_DEPTH = 64
+# OpenAI's range of a logit bias; the most entries a request's map may hold (each one is an
+# element the sampler adds on the device, at every step of the request).
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 4096
+# The most ids `allowed_token_ids` may list (a vocabulary of 256 k tokens at most).
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
 
 
 @dataclass
@@ -196,6 +202,8 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -208,7 +216,51 @@ class SamplingParams:
             _check(ok, f"{name} must be a list", value)
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self._normalize_token_maps()
         self._validate()
+
+    def _normalize_token_maps(self) -> None:
+        """`logit_bias` as a dict (empty: None), `allowed_token_ids` as a list, each checked
+        for shape and bounds before anything iterates it (ids against the vocabulary: the
+        engine's intake)."""
+        bias = self.logit_bias
+        _check(bias is None or isinstance(bias, Mapping), "logit_bias must be a map", bias)
+        _check(
+            bias is None or len(bias) <= MAX_LOGIT_BIAS_ENTRIES,
+            f"logit_bias must have at most {MAX_LOGIT_BIAS_ENTRIES} entries",
+            f"{len(bias or ())} entries",
+        )
+        for token, value in (bias or {}).items():
+            _check(
+                _is_int(token) and 0 <= token <= MAX_INT,
+                "logit_bias keys must be token ids (integers >= 0)",
+                token,
+            )
+            _check(
+                _is_number(value) and abs(value) <= MAX_LOGIT_BIAS,
+                f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+                value,
+            )
+        self.logit_bias = {t: float(v) for t, v in bias.items()} if bias else None
+        allowed = self.allowed_token_ids
+        _check(
+            allowed is None or (isinstance(allowed, list | tuple) and len(allowed) > 0),
+            "allowed_token_ids must be a non-empty list or None",
+            allowed,
+        )
+        if allowed is None:
+            return
+        _check(
+            len(allowed) <= MAX_ALLOWED_TOKEN_IDS,
+            f"allowed_token_ids must list at most {MAX_ALLOWED_TOKEN_IDS} ids",
+            f"{len(allowed)} ids",
+        )
+        _check(
+            all(_is_int(t) and 0 <= t <= MAX_INT for t in allowed),
+            "allowed_token_ids must be a list of integers >= 0",
+            allowed,
+        )
+        self.allowed_token_ids = list(allowed)
 
     def _validate(self) -> None:
         _check(
@@ -288,6 +340,12 @@ class SamplingParams:
             or isinstance(self.structured_outputs, StructuredOutputsParams),
             "structured_outputs must be a StructuredOutputsParams or None",
             self.structured_outputs,
+        )
+        _check(
+            self.allowed_token_ids is None or self.structured_outputs is None,
+            "allowed_token_ids cannot be combined with structured_outputs (a grammar decides "
+            "which tokens may follow)",
+            self.allowed_token_ids,
         )
 
     def for_choice(self, index: int) -> SamplingParams:

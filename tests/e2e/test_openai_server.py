@@ -60,6 +60,21 @@ def test_completion_matches_offline_engine(client: openai.OpenAI, llama_dir: Pat
     assert usage.total_tokens == usage.prompt_tokens + 12
 
 
+def test_logit_bias_and_allowed_token_ids_steer_the_tokens(server: ServerHandle) -> None:
+    """A +100 bias makes its token the greedy choice; allowed ids bound what is sampled."""
+    body = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True,
+            "logprobs": 0, "return_tokens_as_token_ids": True}  # fmt: skip
+    forced = {**body, "temperature": 0, "logit_bias": {"321": 100}}
+    response = httpx.post(server.base_url + "/v1/completions", json=forced, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["logprobs"]["tokens"] == ["token_id:321"] * 4
+    allowed = {**body, "temperature": 1.5, "n": 3, "allowed_token_ids": [40, 41, 42]}
+    response = httpx.post(server.base_url + "/v1/completions", json=allowed, timeout=60)
+    assert response.status_code == 200, response.text
+    tokens = {t for c in response.json()["choices"] for t in c["logprobs"]["tokens"]}
+    assert tokens <= {"token_id:40", "token_id:41", "token_id:42"}
+
+
 def test_streamed_completion_concatenates_to_the_full_text(client: openai.OpenAI) -> None:
     kwargs = {"model": MODEL_NAME, "prompt": "The cat", "max_tokens": 16, "temperature": 0}
     full = client.completions.create(**kwargs).choices[0].text

@@ -51,6 +51,15 @@ COMPLETION_ERRORS = [
     ({"stop": [""]}, "stop", "stop.0: String should have at least 1 character"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "stream_options"),
     ({"min_tokens": 5, "max_tokens": 4}, "min_tokens", "min_tokens must be <= max_tokens (4)"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias", "keys must be token ids, integers in [0, 512)"),
+    ({"logit_bias": {"512": 1}}, "logit_bias", "got '512'"),
+    ({"logit_bias": {"007": 1}}, "logit_bias", "got '007'"),
+    ({"logit_bias": {"5": 101}}, "logit_bias", "less than or equal to 100"),
+    ({"logit_bias": {"5": "1"}}, "logit_bias", "valid number"),
+    ({"allowed_token_ids": []}, "allowed_token_ids", "at least 1 item"),
+    ({"allowed_token_ids": [512]}, "allowed_token_ids", "less than 512"),
+    ({"allowed_token_ids": [3], "response_format": {"type": "json_object"}}, "allowed_token_ids",
+     "cannot be combined with structured_outputs"),
 ]  # fmt: skip
 
 
@@ -120,6 +129,7 @@ _FIELDS = [
     "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop",
     "seed", "logprobs", "top_logprobs", "stream", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "max_completion_tokens",
+    "logit_bias", "allowed_token_ids",
 ]  # fmt: skip
 
 

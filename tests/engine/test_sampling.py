@@ -176,3 +176,63 @@ def test_logprobs_zero_returns_only_the_sampled_token(llm: LLM) -> None:
     assert all(
         e[t].logprob <= 0 for e, t in zip(completion.logprobs, completion.token_ids, strict=True)
     )
+
+
+class _BiasAndAllowed(LogitsProcessor):
+    """OpenAI's `logit_bias` (added to the logits) and vLLM's `allowed_token_ids` (every other
+    token at -inf), for transformers' generate."""
+
+    def __init__(self, bias: dict[int, float], allowed: list[int] | None = None) -> None:
+        self.bias, self.allowed = bias, allowed
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.clone()
+        for token, value in self.bias.items():
+            scores[:, token] += value
+        if self.allowed is not None:
+            kept = scores[:, self.allowed]
+            scores.fill_(float("-inf"))
+            scores[:, self.allowed] = kept
+        return scores
+
+
+def test_logit_bias_and_allowed_token_ids_match_a_reference(llm: LLM, llama_dir: Path) -> None:
+    """Greedy rows with a bias, with allowed ids, and plain ones, in one batch: each as
+    transformers with the same processing; logprobs stay the model's (as OpenAI's)."""
+    greedy = hf_greedy(llama_dir, PROMPT, 12)
+    bias = {greedy[0]: -100.0, 77: 5.0, 3: 2.5}
+    allowed = [11, 12, 13, 200, greedy[1]]
+    common = dict(temperature=0, max_tokens=12, ignore_eos=True)
+    params = [
+        SamplingParams(**common, logit_bias=bias, logprobs=2),
+        SamplingParams(**common, allowed_token_ids=allowed),
+        SamplingParams(**common),
+    ]
+    biased, only_allowed, plain = (
+        o.outputs[0] for o in llm.generate([PROMPT] * 3, params, use_tqdm=False)
+    )
+    assert biased.token_ids == _hf_generate(
+        llama_dir, PROMPT, 12, logits_processor=LogitsProcessorList([_BiasAndAllowed(bias)])
+    )
+    assert biased.token_ids[0] != greedy[0]
+    assert only_allowed.token_ids == _hf_generate(
+        llama_dir, PROMPT, 12, logits_processor=LogitsProcessorList([_BiasAndAllowed({}, allowed)])
+    )
+    assert set(only_allowed.token_ids) <= set(allowed)
+    assert plain.token_ids == greedy
+    reference = hf_logprobs(llama_dir, PROMPT + biased.token_ids)
+    for i, (token, entry) in enumerate(zip(biased.token_ids, biased.logprobs, strict=True)):
+        assert entry[token].logprob == pytest.approx(reference[len(PROMPT) - 1 + i][token].item(),
+                                                     abs=1e-4)  # fmt: skip
+
+
+def test_sampled_rows_draw_only_allowed_tokens_and_follow_the_bias(llm: LLM) -> None:
+    """Sampled choices: only allowed ids; a +100 bias on one token makes it (almost) certain."""
+    allowed = [40, 41, 42, 43]
+    params = SamplingParams(temperature=1.5, allowed_token_ids=allowed, max_tokens=6, n=20)
+    outputs = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs
+    drawn = {t for o in outputs for t in o.token_ids}
+    assert drawn <= set(allowed) and len(drawn) > 1
+    params = SamplingParams(temperature=1.0, logit_bias={99: 100.0}, max_tokens=5, n=8)
+    outputs = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs
+    assert all(o.token_ids == [99] * 5 for o in outputs)

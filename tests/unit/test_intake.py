@@ -31,6 +31,8 @@ LIMITS = ContextLimits(vocab_size=100, max_model_len=32)
         ([1] * 20, SamplingParams(max_tokens=13), "max_tokens", ["20", "13", "33", "32"]),
         ([1] * 20, SamplingParams(max_tokens=None, min_tokens=13), "min_tokens", ["(12"]),
         ([1], SamplingParams(stop_token_ids=[100]), "stop_token_ids", ["[0, 100)"]),
+        ([1], SamplingParams(logit_bias={3: 1, 100: 1}), "logit_bias", ["[0, 100)", "[100]"]),
+        ([1], SamplingParams(allowed_token_ids=[7, 250]), "allowed_token_ids", ["[250]"]),
     ],
 )
 def test_a_request_that_can_never_run_names_its_field(prompt, params, param, fragments) -> None:

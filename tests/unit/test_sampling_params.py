@@ -7,7 +7,7 @@ import math
 import pytest
 
 from tokenmill import SamplingParams
-from tokenmill.sampling_params import SamplingDefaults
+from tokenmill.sampling_params import SamplingDefaults, StructuredOutputsParams
 
 BAD = [
     ("n", 0),
@@ -46,6 +46,13 @@ BAD = [
     ("ignore_eos", "no"),  # truthy: ignored EOS
     ("skip_special_tokens", 0),
     ("include_stop_str_in_output", None),
+    ("logit_bias", [1]),
+    ("logit_bias", 5),
+    ("allowed_token_ids", []),
+    ("allowed_token_ids", [-1]),
+    ("allowed_token_ids", ["a"]),
+    ("allowed_token_ids", 7),
+    ("allowed_token_ids", {3: 1}),
 ]
 
 
@@ -97,3 +104,22 @@ def test_the_callers_fallback_comes_after_the_models_defaults() -> None:
 def test_a_bad_default_is_refused_naming_the_field() -> None:
     with pytest.raises(ValueError, match="top_p must be in"):
         SamplingDefaults(top_p=0.0)
+
+
+@pytest.mark.parametrize(
+    ("bias", "shown"),
+    [({"3": 1.0}, "'3'"), ({True: 1.0}, "True"), ({-1: 1.0}, "-1"), ({3: 100.5}, "100.5"),
+     ({3: math.inf}, "inf"), ({3: "1"}, "'1'"), ({i: 1.0 for i in range(4097)}, "4097 entries")],
+)  # fmt: skip
+def test_bad_logit_bias_names_the_field_and_the_entry(bias: dict, shown: str) -> None:
+    with pytest.raises(ValueError, match="logit_bias") as info:
+        SamplingParams(logit_bias=bias)
+    assert shown in str(info.value)
+
+
+def test_logit_bias_and_allowed_token_ids_are_normalised() -> None:
+    params = SamplingParams(logit_bias={5: 1, 7: -2.5}, allowed_token_ids=(4, 5))
+    assert params.logit_bias == {5: 1.0, 7: -2.5} and params.allowed_token_ids == [4, 5]
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    with pytest.raises(ValueError, match="allowed_token_ids cannot be combined"):
+        SamplingParams(allowed_token_ids=[1], structured_outputs=StructuredOutputsParams(regex="a"))

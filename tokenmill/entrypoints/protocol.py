@@ -42,9 +42,12 @@ from tokenmill.entrypoints.schema_types import (
     TokenId,
     count_type,
     text_type,
+    token_id_key_type,
 )
 from tokenmill.entrypoints.tool_parsers import ToolParser, get_tool_parser
 from tokenmill.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
     MAX_STRUCTURED_DEPTH,
@@ -121,6 +124,12 @@ def _prompt_type(text: Any = Text, ids: Any = list[TokenId], max_prompts: int | 
     ]
 
 
+def _logit_bias_type(key: Any) -> Any:
+    """OpenAI's `logit_bias`: token id keys to biases in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]."""
+    value = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
+    return Annotated[dict[key, value] | None, Field(max_length=MAX_LOGIT_BIAS_ENTRIES)]
+
+
 class _SamplingRequest(_Strict):
     """Fields common to completions and chat completions (OpenAI's, then vLLM's extensions)."""
 
@@ -135,8 +144,8 @@ class _SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
-    # Accepted but refused unless empty (see _check_supported); the schema says so.
-    logit_bias: dict[Text, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
+    # Token ids (as JSON keys: strings of digits) to numbers added to their logits.
+    logit_bias: _logit_bias_type(token_id_key_type()) = None  # type: ignore[valid-type]
     # vLLM-compatible extensions
     top_k: count_type(ge=-1, le=MAX_INT64) | None = None  # type: ignore[valid-type]
     min_p: float | None = Field(None, ge=0, le=1)
@@ -145,6 +154,7 @@ class _SamplingRequest(_Strict):
     )
     min_tokens: count_type(ge=0) = 0  # type: ignore[valid-type]
     stop_token_ids: list[TokenId] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -156,9 +166,7 @@ class _SamplingRequest(_Strict):
         return response_constraint(self.response_format, self.structured_outputs)
 
     def _check_supported(self) -> None:
-        """Refuse fields the schema accepts but tokenmill does not implement yet."""
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported, got a non-empty map")
+        """Refuse a combination of fields that the schema cannot express."""
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true, got stream=false")
 
@@ -177,6 +185,8 @@ class _SamplingRequest(_Strict):
             "seed": self.seed,
             "stop": self.stop or [],
             "stop_token_ids": self.stop_token_ids or [],
+            "logit_bias": {int(t): v for t, v in (self.logit_bias or {}).items()} or None,
+            "allowed_token_ids": self.allowed_token_ids,
             "max_tokens": max_tokens,
             "min_tokens": self.min_tokens,
             "ignore_eos": self.ignore_eos,
@@ -534,6 +544,11 @@ def request_models(limits: RequestLimits) -> RequestModels:
             None,
         ),
         "min_tokens": (count_type(ge=0, le=limits.max_model_len), 0),
+        "logit_bias": (_logit_bias_type(token_id_key_type(limits.vocab_size)), None),
+        "allowed_token_ids": (
+            Annotated[list[token_id], Field(min_length=1, max_length=limits.vocab_size)] | None,
+            None,
+        ),
     }
 
     def derive(base: type[M], **fields: Any) -> type[M]:

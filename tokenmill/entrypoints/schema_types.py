@@ -76,3 +76,36 @@ class ImagePart(StrictModel):
 
     type: Literal["image_url"]
     image_url: ImageUrl
+
+
+def token_id_key_type(vocab_size: int = MAX_INT64 + 1) -> Any:
+    """A JSON object key naming a token id (OpenAI's `logit_bias`): the decimal digits of an
+    integer in [0, vocab_size); the schema shows it as a pattern, the check names the bound."""
+
+    def check(key: str) -> str:
+        digits = key.isascii() and key.isdigit() and len(key) <= 20
+        if not (digits and int(key) < vocab_size and str(int(key)) == key):
+            raise PydanticCustomError(
+                "token_id_key",
+                "keys must be token ids, integers in [0, {vocab_size}) as decimal strings, "
+                "got {key!r}",
+                {"vocab_size": vocab_size, "key": key[:40]},
+            )
+        return key
+
+    pattern = below_pattern(vocab_size)
+    return Annotated[str, Field(json_schema_extra={"pattern": pattern}), AfterValidator(check)]
+
+
+def below_pattern(bound: int) -> str:
+    """A regular expression matching exactly the decimal integers in [0, bound) (bound >= 1),
+    without leading zeros."""
+    top = str(bound - 1)
+    digits = len(top)
+    shorter = ["0", f"[1-9][0-9]{{0,{digits - 2}}}"] if digits > 1 else []
+    same_length = []
+    for i, d in enumerate(top):  # a smaller digit at i, any digits after
+        low = 1 if i == 0 and digits > 1 else 0
+        if int(d) > low:
+            same_length.append(f"{top[:i]}[{low}-{int(d) - 1}][0-9]{{{digits - i - 1}}}")
+    return "^(" + "|".join([*shorter, *same_length, top]) + ")$"

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from tokenmill.batch import Logprob, SamplingRows
 from tokenmill.kernels import argmax_rows
+from tokenmill.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -43,9 +44,17 @@ class SamplingBatch:
     penalties: _Penalties | None
     suppressed: list[tuple[int, list[int]]]  # (row, token ids) banned by min_tokens
     num_logprobs: list[int | None]
+    bias: _LogitBias | None = None
+    allowed: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (row, ids)
     bitmask: torch.Tensor | None = None  # [S, ceil(G / 32)] int32 on the device: GrammarMask
     # The grammar positions, on the device, when the mask covers fewer ids than the logits.
     grammar_rows: torch.Tensor | None = None
+
+    @property
+    def adjusted(self) -> bool:
+        """Whether any row's logits change before its argmax other than by a grammar mask:
+        penalties, min_tokens' bans, a logit bias, allowed token ids."""
+        return bool(self.penalties or self.suppressed or self.bias or self.allowed)
 
     @staticmethod
     def from_rows(
@@ -88,6 +97,12 @@ class SamplingBatch:
             penalties=_Penalties.from_rows(rows, vocab_size, device),
             suppressed=suppressed,
             num_logprobs=[p.logprobs for p in params],
+            bias=_LogitBias.from_params(params, device),
+            allowed=[
+                (i, _to_device(p.allowed_token_ids, device))
+                for i, p in enumerate(params)
+                if p.allowed_token_ids is not None
+            ],
             bitmask=bitmask,
             grammar_rows=grammar_rows,
         )
@@ -98,6 +113,30 @@ def _to_device(values: list, device: torch.device) -> torch.Tensor:
     step's forward pass is queued, and `torch.tensor(values, device=...)` synchronises the
     stream after its copy (a blocking copy), so the host would wait for the forward pass."""
     return torch.tensor(values).to(device, non_blocking=True)
+
+
+@dataclass(frozen=True)
+class _LogitBias:
+    """Every row's `logit_bias` as one sparse addition: `logits[rows[i], ids[i]] += values[i]`."""
+
+    rows: torch.Tensor
+    ids: torch.Tensor
+    values: torch.Tensor
+
+    @staticmethod
+    def from_params(params: Sequence[SamplingParams], device: torch.device) -> _LogitBias | None:
+        entries = [(i, t, v) for i, p in enumerate(params) for t, v in (p.logit_bias or {}).items()]
+        if not entries:
+            return None
+        rows, ids, values = zip(*entries, strict=True)
+        return _LogitBias(
+            rows=_to_device(list(rows), device),
+            ids=_to_device(list(ids), device),
+            values=torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True),
+        )
+
+    def apply(self, logits: torch.Tensor) -> None:
+        logits.index_put_((self.rows, self.ids), self.values, accumulate=True)
 
 
 @dataclass(frozen=True)
@@ -272,7 +311,7 @@ class Sampler:
         """Sample on the device (the tokens into `out` where given); nothing here waits for
         the GPU."""
         wants_logprobs = any(n is not None for n in batch.num_logprobs)
-        plain = batch.temperature is None and batch.penalties is None and not batch.suppressed
+        plain = batch.temperature is None and not batch.adjusted
         if plain and not wants_logprobs:  # greedy only: argmax is exact in the logits' dtype
             if batch.bitmask is not None:
                 _apply_bitmask(logits, batch)
@@ -299,7 +338,7 @@ class Sampler:
         """What each row would sample from: its normalised probabilities after penalties,
         min_tokens, temperature, top-k/top-p and min-p (None when every row is greedy), and its
         greedy token (the argmax after penalties and min_tokens)."""
-        plain = batch.penalties is None and not batch.suppressed and batch.bitmask is None
+        plain = not batch.adjusted and batch.bitmask is None
         if batch.temperature is None and plain:
             return None, _greedy(logits)  # exact in the logits' dtype: no float copy
         logits = _penalized(logits.float(), batch)
@@ -353,12 +392,19 @@ class Sampler:
 
 
 def _penalized(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Float logits after penalties, min_tokens' bans and grammar masks (what greedy rows take
-    the argmax of); `logits` itself is left as it is (logprobs are reported from it)."""
-    if (batch.suppressed or batch.bitmask is not None) and batch.penalties is None:
-        logits = logits.clone()
+    """Float logits after penalties, logit biases, allowed token ids, min_tokens' bans and
+    grammar masks (what greedy rows take the argmax of); `logits` itself is left as it is
+    (logprobs are reported from it)."""
     if batch.penalties is not None:
         logits = batch.penalties.apply(logits)
+    elif batch.adjusted or batch.bitmask is not None:
+        logits = logits.clone()
+    if batch.bias is not None:
+        batch.bias.apply(logits)
+    for row, ids in batch.allowed:
+        kept = logits[row, ids]
+        logits[row] = float("-inf")
+        logits[row, ids] = kept
     for row, ids in batch.suppressed:
         logits[row, ids] = float("-inf")
     if batch.bitmask is not None:
