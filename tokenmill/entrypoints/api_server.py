@@ -671,8 +671,9 @@ async def _echo(state: ServerState, body: CompletionRequest) -> oai.Echo | Respo
     """What `echo` puts before each choice: its prompt's text (token ids decoded, off the event
     loop, by the server's tokenizer; a 503 if it failed to load)."""
     prompts = body.prompts()
-    texts = [p for p in prompts if isinstance(p, str)]
-    if len(texts) < len(prompts):
+    if all(isinstance(p, str) for p in prompts):
+        texts = [str(p) for p in prompts]
+    else:
         tokenizer = await _tokenizer(state)
         if isinstance(tokenizer, Response):
             return tokenizer

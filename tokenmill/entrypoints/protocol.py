@@ -190,9 +190,7 @@ class _SamplingRequest(_Strict):
             "min_tokens": self.min_tokens,
             "ignore_eos": self.ignore_eos,
             "logprobs": logprobs,
-            "prompt_logprobs": prompt_logprobs
-            if prompt_logprobs is not None
-            else self.prompt_logprobs,
+            "prompt_logprobs": self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "structured_outputs": self._constraint(),
