@@ -35,6 +35,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_triton_interpreter()
 from transformers import AutoModelForCausalLM  # noqa: E402
 
+from tokenmill.batch import Logprob  # noqa: E402
 from tokenmill.testing.checkpoints import TINY_CONFIGS, build_checkpoint  # noqa: E402
 
 FAMILIES = tuple(TINY_CONFIGS)
@@ -108,3 +109,32 @@ def hf_logprobs(path: Path, tokens: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = _hf_model(path)(torch.tensor([tokens])).logits[0]
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+def assert_prompt_logprobs_match(
+    scores: list[dict[int, Logprob] | None] | None,
+    reference: torch.Tensor,
+    prompt: list[int],
+    tolerance: float = 1e-4,
+) -> None:
+    """`scores` (`RequestOutput.prompt_logprobs` of `prompt`, asked with 3 alternatives) are
+    the `reference` log-softmax's (`hf_logprobs`), within `tolerance`: entry i (i >= 1) holds
+    prompt token i first, with its logprob and rank, then the 3 most likely tokens in order;
+    entry 0 is None."""
+    assert scores is not None and len(scores) == len(prompt)
+    assert scores[0] is None
+    for i in range(1, len(prompt)):
+        entry, row = scores[i], reference[i - 1]
+        assert entry is not None
+        token, *alternatives = entry
+        assert token == prompt[i]
+        assert entry[token].logprob == pytest.approx(row[token].item(), abs=tolerance)
+        value = row[token].item()  # its rank: 1 + the tokens more likely, within the tolerance
+        rank = entry[token].rank
+        assert (row > value + tolerance).sum() + 1 <= rank <= (row > value - tolerance).sum() + 1
+        top = row.topk(3)
+        expected = [t for t in top.indices.tolist() if t != token]
+        assert alternatives == expected
+        assert {entry[t].rank for t in top.indices.tolist()} == {1, 2, 3}
+        for t, value in zip(top.indices.tolist(), top.values.tolist(), strict=True):
+            assert entry[t].logprob == pytest.approx(value, abs=tolerance)

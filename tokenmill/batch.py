@@ -178,6 +178,8 @@ class Request:
     finish_time: float | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    # `params.prompt_logprobs`: entry i scores prompt token i + 1 given the tokens before it.
+    prompt_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_computed_tokens: int = 0
@@ -259,6 +261,14 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def add_prompt_logprobs(self, first: int, entries: list[dict[int, Logprob]]) -> None:
+        """Record the scores of prompt tokens `first`, `first + 1`, ...; those recorded
+        already (a preempted request computes its prompt again) are kept as they are."""
+        skip = len(self.prompt_logprobs) + 1 - first
+        if skip < 0:
+            raise ValueError(f"prompt logprobs from token {first} leave a gap before it")
+        self.prompt_logprobs += entries[skip:]
 
     def append_token(self, token_id: int, logprobs: dict[int, Logprob] | None) -> None:
         """Record a sampled token and finish the request if it hit a stop condition."""
@@ -359,6 +369,48 @@ class SamplingRows:
 
 
 @dataclass(frozen=True)
+class PromptLogprobRows:
+    """The query tokens of a step whose logits score the prompt token after them
+    (`SamplingParams.prompt_logprobs`), P of them, rows in order.
+
+    `rows`: (row, first prompt token scored, how many) for each row that scores any; its
+    scores are the next `how many` of the P, in order.
+    """
+
+    token_index: np.ndarray  # [P] indices among the step's T query tokens
+    target_ids: np.ndarray  # [P] the prompt token each scores (the one after it)
+    num_top: list[int]  # [P] how many most likely alternatives each reports
+    rows: list[tuple[int, int, int]]
+
+    @staticmethod
+    def build(
+        seqs: Sequence[ScheduledSeq], asking: list[tuple[int, int]]
+    ) -> PromptLogprobRows | None:
+        """The scored tokens of the rows `asking` (row, its first query token's index) of
+        `seqs`: a row's query tokens before its prompt's last (whose logits give the first
+        output token). None when they score none."""
+        index: list[np.ndarray] = []
+        targets: list[int] = []
+        num_top: list[int] = []
+        rows: list[tuple[int, int, int]] = []
+        for row, offset in asking:
+            s = seqs[row]
+            req = s.request
+            end = min(s.start + s.num_new_tokens, len(req.prompt_token_ids) - 1)
+            if end <= s.start:
+                continue
+            count = end - s.start
+            index.append(np.arange(offset, offset + count))
+            targets += req.prompt_token_ids[s.start + 1 : end + 1]
+            num_top += [req.params.prompt_logprobs or 0] * count
+            rows.append((row, s.start + 1, count))
+        if not rows:
+            return None
+        ids = np.array(targets, dtype=np.int64)
+        return PromptLogprobRows(np.concatenate(index), ids, num_top, rows)
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """One step as plain data: the runner's whole input (see `engine.engine_core` for the
     protocol). B rows, T query tokens, S sampled positions; arrays are int64.
@@ -386,6 +438,8 @@ class StepPlan:
     # take.
     rope_positions: np.ndarray | None = None
     images: tuple[StepImage, ...] = ()
+    # The query tokens whose logits score the prompt token after them (None: no row asks).
+    prompt_logprobs: PromptLogprobRows | None = None
 
     @property
     def blocking(self) -> bool:
@@ -436,8 +490,11 @@ class StepPlan:
         multimodal = any(s.request.mm is not None for s in seqs)
         rope: list[np.ndarray] = []
         images: list[StepImage] = []
-        for s in seqs:
+        scoring: list[tuple[int, int]] = []  # rows asking for prompt logprobs, and their offset
+        for row, s in enumerate(seqs):
             req, num_new, num_device = s.request, s.num_new_tokens, len(s.device_tokens)
+            if req.params.prompt_logprobs is not None:
+                scoring.append((row, len(ids)))
             num_drafted = len(s.drafts) + s.num_device_drafts
             if multimodal:
                 rope.append(_rope_positions(req, s.start, s.start + num_new))
@@ -475,6 +532,7 @@ class StepPlan:
             ),
             rope_positions=np.concatenate(rope, axis=1) if multimodal else None,
             images=tuple(images),
+            prompt_logprobs=PromptLogprobRows.build(seqs, scoring) if scoring else None,
         )
 
 

@@ -24,13 +24,19 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """A prompt and its completions, as vLLM's `RequestOutput`."""
+    """A prompt and its completions, as vLLM's `RequestOutput`.
+
+    `prompt_logprobs` (when `SamplingParams.prompt_logprobs` asks for them): one entry per
+    prompt token, None for the first; entry i maps prompt token i, then its `prompt_logprobs`
+    most likely alternatives, to their logprob and rank given the tokens before it.
+    """
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:

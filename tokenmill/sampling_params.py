@@ -180,8 +180,11 @@ class SamplingParams:
 
     temperature 0 (below 1e-5) means greedy. `seed` makes a sampled request reproducible whatever
     else runs in the same batch. Penalties follow OpenAI (presence/frequency, on generated tokens)
-    and transformers (repetition, on prompt and generated tokens). Every bad value raises
-    `ValueError` naming the field.
+    and transformers (repetition, on prompt and generated tokens). `logprobs` k reports each
+    generated token's logprob and the top k; `prompt_logprobs` k the same for every prompt
+    token after the first, given the tokens before it (a request asking for them prefills its
+    whole prompt: it reads no cached prefix). Every bad value raises `ValueError` naming the
+    field.
     """
 
     n: int = 1
@@ -200,6 +203,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
@@ -326,12 +330,13 @@ class SamplingParams:
             "stop_token_ids must be a list of integers >= 0 and < 2**63",
             self.stop_token_ids,
         )
-        _check(
-            self.logprobs is None
-            or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-            f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None",
-            self.logprobs,
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(
+                value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
+                f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None",
+                value,
+            )
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             value = getattr(self, name)
             _check(isinstance(value, bool), f"{name} must be True or False", value)

@@ -39,14 +39,16 @@ def _assert_error(response: httpx.Response, status: int, *fragments: str) -> dic
 COMPLETION_ERRORS = [
     ({"temperature": -1}, "temperature", "greater than or equal to 0, got -1"),
     ({"top_p": 0}, "top_p", "top_p: Input should be greater than 0, got 0"),
-    ({"max_tokens": 0}, "max_tokens", "max_tokens: Input should be greater than or equal to 1"),
+    ({"max_tokens": 0}, "max_tokens", "max_tokens must be >= 1 unless echo is true, got 0"),
+    ({"max_tokens": -1, "echo": True}, "max_tokens", "greater than or equal to 0"),
     ({"n": 0}, "n", "n: Input should be greater than or equal to 1"),
     ({"logprobs": 50}, "logprobs", "logprobs: Input should be less than or equal to 20"),
     ({"presence_penalty": 5}, "presence_penalty", "presence_penalty: Input should be less than"),
     ({"temperature": "hot"}, "temperature", "a valid number, got 'hot'"),
     ({"prompt": []}, "prompt", "at least 1 item"),
     ({"prompt": [[1, 2], "mixed"]}, "prompt", "prompt.1: Input should be a valid list"),
-    ({"echo": True}, "echo", "echo is not supported"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs", "less than or equal to 20"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "not available when stream"),
     ({"prompt": [10**9]}, "prompt", "prompt.0: Input should be less than"),
     ({"stop": [""]}, "stop", "stop.0: String should have at least 1 character"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "stream_options"),
@@ -129,7 +131,7 @@ _FIELDS = [
     "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop",
     "seed", "logprobs", "top_logprobs", "stream", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "max_completion_tokens",
-    "logit_bias", "allowed_token_ids",
+    "logit_bias", "allowed_token_ids", "echo", "prompt_logprobs",
 ]  # fmt: skip
 
 

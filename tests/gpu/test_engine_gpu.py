@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import FAMILIES
+from tests.conftest import FAMILIES, assert_prompt_logprobs_match, hf_logprobs
 from tests.gpu.bf16_tracking import track
 from tests.gpu.hf_reference import hf_greedy_on
 from tokenmill import LLM, SamplingParams
@@ -56,6 +56,24 @@ def test_one_sequence_prefill_graphs_equal_transformers(checkpoints, family: str
     outputs = [llm.generate([p], greedy, use_tqdm=False)[0] for p in PROMPTS]
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy_on(path, PROMPTS, MAX_TOKENS)
     assert outputs[-1].num_cached_tokens > 0
+
+
+def test_prompt_logprobs_beside_graph_steps_equal_transformers(checkpoints) -> None:
+    """Steps scoring a prompt run eagerly (the graphs keep no prompt position's hidden state)
+    among decode steps through the graphs; the scores come back through pinned copies. (The
+    tolerance allows the Triton kernels' TF32 products.)"""
+    path = checkpoints["llama"]
+    llm = LLM(str(path), device="cuda", dtype="float32", max_num_batched_tokens=16)
+    scored = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=3)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, [scored if i % 2 else greedy for i in range(len(PROMPTS))],
+                           use_tqdm=False)  # fmt: skip
+    for i, (prompt, out) in enumerate(zip(PROMPTS, outputs, strict=True)):
+        if i % 2:
+            reference = hf_logprobs(path, prompt)
+            assert_prompt_logprobs_match(out.prompt_logprobs, reference, prompt, 2e-2)
+        else:
+            assert out.prompt_logprobs is None
 
 
 def test_a_second_start_reads_the_tuning_cache_and_measures_nothing(

@@ -43,11 +43,7 @@ def chat(text: str, *images: Image.Image) -> list[dict[str, Any]]:
 _HF: dict[Path, torch.nn.Module] = {}
 
 
-def hf_vl_greedy(
-    path: Path, token_ids: list[int], images: tuple[Any, ...], max_new_tokens: int
-) -> list[int]:
-    """transformers' greedy continuation (float32, EOS ignored) of expanded prompt ids with
-    these images (`ImageInput`s: the same pixels the engine got)."""
+def _hf_vl(path: Path) -> torch.nn.Module:
     from transformers import AutoModelForImageTextToText
 
     if path not in _HF:
@@ -55,15 +51,41 @@ def hf_vl_greedy(
         model.generation_config.eos_token_id = None
         model.generation_config.pad_token_id = 0
         _HF[path] = model
-    model = _HF[path]
+    return _HF[path]
+
+
+def _image_kwargs(
+    model: torch.nn.Module, ids: torch.Tensor, images: tuple[Any, ...]
+) -> dict[str, Any]:
+    """transformers' image inputs of prompt `ids` for these `ImageInput`s."""
+    if not images:
+        return {}
+    return {
+        "pixel_values": torch.from_numpy(np.concatenate([i.pixel_values for i in images])),
+        "image_grid_thw": torch.tensor([i.grid_thw for i in images]),
+        "mm_token_type_ids": (ids == model.config.image_token_id).int(),
+    }
+
+
+def hf_vl_greedy(
+    path: Path, token_ids: list[int], images: tuple[Any, ...], max_new_tokens: int
+) -> list[int]:
+    """transformers' greedy continuation (float32, EOS ignored) of expanded prompt ids with
+    these images (`ImageInput`s: the same pixels the engine got)."""
+    model = _hf_vl(path)
     ids = torch.tensor([token_ids])
-    kwargs: dict[str, Any] = {}
-    if images:
-        kwargs["pixel_values"] = torch.from_numpy(np.concatenate([i.pixel_values for i in images]))
-        kwargs["image_grid_thw"] = torch.tensor([i.grid_thw for i in images])
-        kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
     out = model.generate(
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-        min_new_tokens=0, do_sample=False, **kwargs,
+        min_new_tokens=0, do_sample=False, **_image_kwargs(model, ids, images),
     )  # fmt: skip
     return out[0, len(token_ids) :].tolist()
+
+
+def hf_vl_logprobs(path: Path, token_ids: list[int], images: tuple[Any, ...]) -> torch.Tensor:
+    """Log-softmax of transformers' logits at every position of expanded prompt ids with these
+    images (float32)."""
+    model = _hf_vl(path)
+    ids = torch.tensor([token_ids])
+    with torch.no_grad():
+        logits = model(ids, **_image_kwargs(model, ids, images)).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)

@@ -1,7 +1,7 @@
 """Qwen3-VL and Qwen3-VL-MoE with images: greedy output equals transformers' token for token
 (float32, CPU), with one image, several, and batched with text-only chats; prefix caching and
 the encoder cache keyed on image content; multimodal positions through chunked prefill and
-preemption."""
+preemption; prompt logprobs."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.multimodal.conftest import chat, hf_vl_greedy, random_image
+from tests.conftest import assert_prompt_logprobs_match
+from tests.multimodal.conftest import chat, hf_vl_greedy, hf_vl_logprobs, random_image
 from tokenmill import LLM, SamplingParams
 from tokenmill.testing.checkpoints import VL_FAMILIES
 from tokenmill.tokenization.tokenizer import render_chat
@@ -106,6 +107,19 @@ def test_chunked_prefill_and_preemption_keep_multimodal_positions(
     for conversation, out in zip(conversations, outputs, strict=True):
         ids, images = render_chat(llm.tokenizer, conversation, llm.images)
         assert out.outputs[0].token_ids == hf_vl_greedy(path, ids, images, 12)
+
+
+def test_prompt_logprobs_with_an_image_match_transformers(vl_checkpoints: dict[str, Path]) -> None:
+    """Every prompt position is scored, the image's placeholders and the text after them
+    alike, through chunks that split the image."""
+    path = vl_checkpoints["qwen3_vl"]
+    llm = _llm(path, page_size=4, max_num_batched_tokens=8)
+    conversation = chat("Describe it.", random_image(48, 32, seed=8))
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
+    out = llm.chat(conversation, params)[0]
+    ids, images = render_chat(llm.tokenizer, conversation, llm.images)
+    reference = hf_vl_logprobs(path, ids, images)
+    assert_prompt_logprobs_match(out.prompt_logprobs, reference, ids)
 
 
 def test_tensor_parallel_ranks_answer_like_transformers(vl_checkpoints: dict[str, Path]) -> None:

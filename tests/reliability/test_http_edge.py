@@ -114,6 +114,13 @@ BAD_COMPLETIONS = [
     ({"max_tokens": MAX_MODEL_LEN + 1}, "max_tokens"),
     ({"min_tokens": 10**9}, "min_tokens"),
     ({"min_tokens": 8, "max_tokens": 4}, "min_tokens"),
+    # echo and prompt logprobs (vLLM's rules)
+    ({"max_tokens": 0}, "max_tokens"),  # only with echo
+    ({"max_tokens": 0, "echo": "yes"}, "echo"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),  # vLLM's whole vocabulary: not offered
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"echo": True, "logprobs": 21}, "logprobs"),
     # structured output that cannot be built
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
     (
@@ -192,6 +199,8 @@ BAD_CHATS = [
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
     ({"logprobs": "yes"}, "logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
     ({"tool_choice": "required"}, "tool_choice"),
     (
         {

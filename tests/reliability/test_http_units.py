@@ -21,7 +21,7 @@ from tokenmill.entrypoints.engine_client import ChoiceOutput
 from tokenmill.entrypoints.protocol import error_param
 from tokenmill.entrypoints.server_options import ServerOptions
 from tokenmill.entrypoints.tool_parsers import get_tool_parser
-from tokenmill.ipc.messages import ClientOutput
+from tokenmill.ipc.messages import ClientOutput, PromptTextLogprobs
 from tokenmill.tokenization.tokenizer import PromptBounds, load_tokenizer
 
 
@@ -134,14 +134,37 @@ def test_tool_calls_a_response_can_not_carry_stay_content(body: str) -> None:
 
 
 def test_logprob_tokens_are_token_ids_when_asked() -> None:
-    # Two tokens decoding to the same text collide as text, never as ids.
+    # Two tokens decoding to the same text collide as text (the text keeps the more likely
+    # one's logprob: lm-eval's is_greedy compares a token with the top's best), never as ids.
     entries = [[(7, "a", -0.1, 1), (9, "a", -2.3, 2)]]
-    assert oai.completion_logprobs(entries, 2)["top_logprobs"] == [{"a": -2.3}]
+    assert oai.completion_logprobs(entries, 2)["top_logprobs"] == [{"a": -0.1}]
     named = oai.completion_logprobs(entries, 2, tokens_as_ids=True)
     assert named["tokens"] == ["token_id:7"]
     assert named["top_logprobs"] == [{"token_id:7": -0.1, "token_id:9": -2.3}]
     chat = oai.chat_logprobs(entries, 2, tokens_as_ids=True)["content"][0]
     assert [t["token"] for t in chat["top_logprobs"]] == ["token_id:7", "token_id:9"]
+
+
+def test_echoed_prompt_starts_the_completion_logprobs() -> None:
+    prompt = PromptTextLogprobs((1, "<s>"), [[(5, "ab", -1.5, 3), (6, "x", -0.2, 1)]])
+    generated = [[(8, "c", -0.7, 1)]]
+    body = oai.completion_logprobs(generated, 1, prompt=prompt)
+    assert body == {
+        "tokens": ["<s>", "ab", "c"],
+        "token_logprobs": [None, -1.5, -0.7],
+        "top_logprobs": [None, {"x": -0.2}, {"c": -0.7}],
+        "text_offset": [0, 3, 5],
+    }
+    assert oai.completion_logprobs(None, 1, prompt=prompt)["tokens"] == ["<s>", "ab"]
+    named = oai.completion_logprobs(None, 1, tokens_as_ids=True, prompt=prompt)
+    assert named["tokens"] == ["token_id:1", "token_id:5"]
+    # vLLM's prompt_logprobs: the token itself, and its alternatives up to the rank asked
+    assert oai.prompt_logprobs_json(prompt, 0) == [
+        None,
+        {5: {"logprob": -1.5, "rank": 3, "decoded_token": "ab"}},
+    ]
+    assert set(oai.prompt_logprobs_json(prompt, 1)[1]) == {5, 6}
+    JSONResponse({"prompt_logprobs": oai.prompt_logprobs_json(prompt, 1)})  # renders
 
 
 def test_dashboard_requests_are_relative_so_it_works_under_a_root_path() -> None:

@@ -146,3 +146,23 @@ def test_a_restarted_engine_core_drops_the_old_streams(tokenizer) -> None:
     restarted = EngineStats(0, 0, 0, 1, 0, 0, 0, {}, 0, 0, {}, engine_pid=2)
     detok.process(EngineStep([], [], [], restarted))
     assert detok.streams == {}
+
+
+def test_prompt_logprobs_reach_the_server_with_texts_once(tokenizer) -> None:
+    detok = Detokenizer(tokenizer)
+    prompt = tokenizer.encode("a cat", add_special_tokens=False)
+    new = NewRequest("p:0", prompt, SamplingParams(prompt_logprobs=1))
+    scores = [None, *[[(t, -1.0, 2), (4, -0.5, 1)] for t in prompt[1:]]]
+    first = RequestDelta("p:0", [5], None, None, len(prompt), 0, prompt_logprobs=scores)
+    (out,) = detok.process(EngineStep([new], [first], [], _stats()))[0].outputs
+    assert out.prompt_logprobs is not None
+    assert out.prompt_logprobs.first_token == (prompt[0], tokenizer.decode([prompt[0]]))
+    assert len(out.prompt_logprobs.entries) == len(prompt) - 1 >= 1
+    decode = tokenizer.decode
+    expected = [(prompt[1], decode([prompt[1]]), -1.0, 2), (4, decode([4]), -0.5, 1)]
+    assert out.prompt_logprobs.entries[0] == expected
+    assert detok.first_tokens == {}  # sent once, with the first output
+    later = RequestDelta("p:0", [6], None, "length", len(prompt), 0)
+    assert (
+        detok.process(EngineStep([], [later], [], _stats()))[0].outputs[0].prompt_logprobs is None
+    )

@@ -39,6 +39,10 @@ BAD = [
     ("stop_token_ids", ["a"]),
     ("logprobs", -1),
     ("logprobs", 21),
+    ("prompt_logprobs", -1),
+    ("prompt_logprobs", 21),
+    ("prompt_logprobs", 1.0),
+    ("prompt_logprobs", True),
     ("temperature", True),
     ("stop", 5),  # not iterable
     ("stop", {"a": 1}),  # would have stopped at its keys

@@ -12,7 +12,7 @@ import msgspec
 import torch
 import zmq
 
-from tokenmill.batch import FinishReason
+from tokenmill.batch import FinishReason, Logprob
 from tokenmill.config import EngineArgs, EngineConfig
 from tokenmill.engine.engine_core import EngineCore, EngineOutput
 from tokenmill.intake import IntakeError
@@ -30,6 +30,7 @@ from tokenmill.ipc.messages import (
     ResetPrefixCacheRequest,
     ShutdownRequest,
     SpecDecodeCounts,
+    TokenLogprobs,
     VisionEncoderCounts,
     param_of,
 )
@@ -308,12 +309,17 @@ def _host_counts(engine: EngineCore) -> HostKVCacheCounts | None:
     )
 
 
+def _wire_logprobs(entry: dict[int, Logprob]) -> TokenLogprobs:
+    return [(tid, lp.logprob, lp.rank) for tid, lp in entry.items()]
+
+
 def _delta(out: EngineOutput) -> RequestDelta:
     logprobs = None
     if out.new_logprobs is not None:
-        logprobs = [
-            [(tid, lp.logprob, lp.rank) for tid, lp in entry.items()] for entry in out.new_logprobs
-        ]
+        logprobs = [_wire_logprobs(entry) for entry in out.new_logprobs]
+    prompt_logprobs = None
+    if out.prompt_logprobs is not None:
+        prompt_logprobs = [None if e is None else _wire_logprobs(e) for e in out.prompt_logprobs]
     return RequestDelta(
         request_id=out.request_id,
         new_token_ids=out.new_token_ids,
@@ -322,4 +328,5 @@ def _delta(out: EngineOutput) -> RequestDelta:
         num_prompt_tokens=out.num_prompt_tokens,
         num_cached_tokens=out.num_cached_tokens,
         metrics=out.metrics,
+        prompt_logprobs=prompt_logprobs,
     )

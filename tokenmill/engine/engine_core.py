@@ -93,6 +93,9 @@ class EngineOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     metrics: RequestMetrics | None = None  # set when finished
+    # With the first token of a request asking for them (`SamplingParams.prompt_logprobs`):
+    # one entry per prompt token, None for the first (nothing predicts it).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # Set when the request failed on its own input after it was accepted (a constraint that
     # compiles to a grammar no token can start): the message for the client, a 400.
     error: str | None = None
@@ -161,6 +164,19 @@ class InFlight:
             if s.num_samples
         }
         return InFlight(batch, plan, launched, unread, launched_at)
+
+
+def _add_prompt_logprobs(step: InFlight) -> None:
+    """Wait for a launched step's prompt logprobs (if it scored any) and give each row's to
+    its request."""
+    rows = step.plan.prompt_logprobs
+    if rows is None:
+        return
+    entries = step.launched.read_prompt_logprobs()
+    at = 0
+    for row, first, count in rows.rows:
+        step.batch.seqs[row].request.add_prompt_logprobs(first, entries[at : at + count])
+        at += count
 
 
 def _grammars(batch: SchedulerOutput) -> tuple[list[RequestGrammar | None], list[tuple[int, ...]]]:
@@ -492,6 +508,7 @@ class EngineCore:
         seconds = step.launched.forward_seconds()
         self.stats.forward_seconds.observe(seconds)
         self.stats.forward_seconds_by_kind[step_kind(step.batch)].observe(seconds)
+        _add_prompt_logprobs(step)
         tokens = sampled.token_ids if sampled is not None else []
         logprobs = sampled.logprobs if sampled is not None else []
         touched = self.scheduler.update(step.batch, tokens, logprobs)
@@ -508,7 +525,11 @@ class EngineCore:
                 self.stats.prompt_tokens += len(req.prompt_token_ids)
             wants_logprobs = req.params.logprobs is not None
             logprobs = req.output_logprobs[-num_new:] if wants_logprobs else None
-            outputs.append(self._output(req, req.output_token_ids[-num_new:], logprobs))
+            first = len(req.output_token_ids) == num_new
+            output = self._output(req, req.output_token_ids[-num_new:], logprobs)
+            if first and req.params.prompt_logprobs is not None:
+                output = replace(output, prompt_logprobs=[None, *req.prompt_logprobs])
+            outputs.append(output)
             if req.is_finished:
                 del self._requests[req.request_id]
                 assert req.finish_reason is not None

@@ -630,11 +630,18 @@ async def _serve_generation(
     sequences = params.n * len(requests)
     if (overloaded := _shed(state, sequences)) is not None:
         return overloaded
+    echo = None
+    if isinstance(body, CompletionRequest) and body.echo:
+        echo = await _echo(state, body)
+        if isinstance(echo, Response):
+            return echo
     response = oai.ResponseState(
         request_id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
         model=state.model_name,
         n=params.n,
         tokens_as_ids=body.return_tokens_as_token_ids,
+        echo=echo,
+        prompt_top_n=body.prompt_logprobs,
     )
     for i, r in enumerate(requests):
         r.request_id = f"{response.request_id}-{i}"
@@ -658,6 +665,29 @@ async def _serve_generation(
     parser = body.tool_parser if isinstance(body, ChatCompletionRequest) else None
     stream = _stream(response, first, outputs, chat, top_n, body.include_usage, parser)
     return StreamingResponse(stream, media_type="text/event-stream")
+
+
+async def _echo(state: ServerState, body: CompletionRequest) -> oai.Echo | Response:
+    """What `echo` puts before each choice: its prompt's text (token ids decoded, off the event
+    loop, by the server's tokenizer; a 503 if it failed to load)."""
+    prompts = body.prompts()
+    if all(isinstance(p, str) for p in prompts):
+        texts = [str(p) for p in prompts]
+    else:
+        tokenizer = await _tokenizer(state)
+        if isinstance(tokenizer, Response):
+            return tokenizer
+        texts = await asyncio.to_thread(_prompt_texts, tokenizer, prompts)
+    return oai.Echo(texts, logprobs=body.logprobs is not None, only=body.echo_only)
+
+
+def _prompt_texts(
+    tokenizer: "PreTrainedTokenizerBase | None", prompts: list[str | list[int]]
+) -> list[str]:
+    """Each prompt as text: token ids decoded (special tokens kept, as vLLM's echo)."""
+    if tokenizer is None:
+        return [p if isinstance(p, str) else "" for p in prompts]
+    return [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
 
 
 def _count_waiting(
@@ -767,11 +797,12 @@ async def _stream(
         index = response.index(item)
         response.add(item)
         out = item.output
+        first = index not in started
+        started.add(index)
         if not chat:
-            return [oai.completion_chunk(response, index, out, top_n)]
+            return [oai.completion_chunk(response, index, out, top_n, first)]
         result = []
-        if index not in started:
-            started.add(index)
+        if first:
             role = {"role": "assistant", "content": ""}
             result.append(oai.chat_chunk(response, index, role, None, top_n))
         if tool_parser is not None:

@@ -274,6 +274,8 @@ class _Child:
         reason = out.finish_reason.value if out.finish_reason is not None else None
         update = self.stream.update(out.new_token_ids, reason)
         self.result.num_cached_tokens = max(self.result.num_cached_tokens, out.num_cached_tokens)
+        if out.prompt_logprobs is not None and self.result.prompt_logprobs is None:
+            self.result.prompt_logprobs = out.prompt_logprobs  # every choice has the same
         if update is None:
             return False
         completion = self.completion

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.entrypoints.engine_client import ChoiceOutput
 from tokenmill.entrypoints.tool_parsers import ToolCall, ToolParser, ToolStream
-from tokenmill.ipc.messages import ClientOutput
+from tokenmill.ipc.messages import ClientOutput, PromptTextLogprobs, TextLogprobs
 
 
 @dataclass
@@ -17,18 +18,36 @@ class ChoiceState:
 
     text: str = ""
     num_tokens: int = 0
-    logprobs: list[list[tuple[int, str, float, int]]] | None = None
+    logprobs: list[TextLogprobs] | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptTextLogprobs | None = None
+
+
+@dataclass(frozen=True)
+class Echo:
+    """Completions' `echo`: each choice starts with its prompt's text (`texts`, by prompt) and,
+    with `logprobs`, its prompt's tokens; `only`: nothing generated is returned (max_tokens
+    0)."""
+
+    texts: list[str]
+    logprobs: bool
+    only: bool
 
 
 @dataclass
 class ResponseState:
-    """Accumulates the choices of one HTTP request (prompts x n), and its usage."""
+    """Accumulates the choices of one HTTP request (prompts x n), and its usage.
+
+    `prompt_top_n`: the `prompt_logprobs` the request asked for (vLLM's extension; None: not
+    asked), so many alternatives a token in the response's `prompt_logprobs`.
+    """
 
     request_id: str
     model: str
     n: int
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:N"
+    echo: Echo | None = None
+    prompt_top_n: int | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     choices: dict[int, ChoiceState] = field(default_factory=dict)
     prompt_tokens: dict[int, int] = field(default_factory=dict)
@@ -41,10 +60,13 @@ class ResponseState:
     def add(self, item: ChoiceOutput) -> ChoiceState:
         out: ClientOutput = item.output
         state = self.choices.setdefault(self.index(item), ChoiceState())
-        state.text += out.text
-        state.num_tokens += len(out.token_ids)
-        if out.logprobs is not None:
-            state.logprobs = (state.logprobs or []) + out.logprobs
+        if out.prompt_logprobs is not None:
+            state.prompt_logprobs = out.prompt_logprobs
+        if self.echo is None or not self.echo.only:
+            state.text += out.text
+            state.num_tokens += len(out.token_ids)
+            if out.logprobs is not None:
+                state.logprobs = (state.logprobs or []) + out.logprobs
         if out.finish_reason is not None:
             state.finish_reason = out.finish_reason
         self.prompt_tokens[item.prompt_index] = out.num_prompt_tokens
@@ -64,10 +86,23 @@ class ResponseState:
     def sorted_choices(self) -> list[tuple[int, ChoiceState]]:
         return sorted(self.choices.items())
 
+    def echoed_text(self, index: int, text: str) -> str:
+        """Choice `index`'s `text` after its prompt's, with echo (else as it is)."""
+        return text if self.echo is None else self.echo.texts[index // self.n] + text
 
-def _named(
-    entries: list[list[tuple[int, str, float, int]]], tokens_as_ids: bool
-) -> list[list[tuple[int, str, float, int]]]:
+    def echoed_prompt(self, prompt: PromptTextLogprobs | None) -> PromptTextLogprobs | None:
+        """A choice's prompt logprobs where its `logprobs` start with them (echo with
+        logprobs), else None."""
+        return prompt if self.echo is not None and self.echo.logprobs else None
+
+    def prompt_logprobs(self, prompt: PromptTextLogprobs | None) -> list[Any] | None:
+        """vLLM's `prompt_logprobs` field (None where the request did not ask for it)."""
+        if self.prompt_top_n is None or prompt is None:
+            return None
+        return prompt_logprobs_json(prompt, self.prompt_top_n, self.tokens_as_ids)
+
+
+def _named(entries: list[TextLogprobs], tokens_as_ids: bool) -> list[TextLogprobs]:
     """Entries whose token text is `"token_id:N"` when the client asked for ids (text can be
     ambiguous: several tokens may decode to the same string, or to part of a character)."""
     if not tokens_as_ids:
@@ -76,31 +111,66 @@ def _named(
 
 
 def completion_logprobs(
-    entries: list[list[tuple[int, str, float, int]]] | None, top_n: int, tokens_as_ids: bool = False
+    entries: list[TextLogprobs] | None,
+    top_n: int,
+    tokens_as_ids: bool = False,
+    prompt: PromptTextLogprobs | None = None,
 ) -> dict[str, Any] | None:
-    """The legacy completions `logprobs` object."""
-    if entries is None:
+    """The legacy completions `logprobs` object; `prompt` (echo): the prompt's tokens first,
+    the very first with a null logprob and no alternatives (as OpenAI and vLLM)."""
+    if entries is None and prompt is None:
         return None
-    entries = _named(entries, tokens_as_ids)
-    tokens, token_logprobs, top, offsets = [], [], [], []
-    offset = 0
-    for entry in entries:
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top: list[dict[str, float] | None] = []
+    if prompt is not None:
+        first_id, first_text = prompt.first_token
+        tokens.append(f"token_id:{first_id}" if tokens_as_ids else first_text)
+        token_logprobs.append(None)
+        top.append(None)
+        entries = prompt.entries + (entries or [])
+    for entry in _named(entries or [], tokens_as_ids):
         _, text, logprob, _ = entry[0]
         tokens.append(text)
         token_logprobs.append(logprob)
-        top.append({t: lp for _, t, lp, rank in entry if rank <= top_n} or {text: logprob})
-        offsets.append(offset)
-        offset += len(text)
+        top.append(_top_by_text(entry, top_n) or {text: logprob})
+    offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
         "top_logprobs": top,
-        "text_offset": offsets,
+        "text_offset": offsets if tokens else [],
     }
 
 
+def _top_by_text(entry: TextLogprobs, top_n: int) -> dict[str, float]:
+    """The `top_n` most likely tokens of an entry by text; where several decode to the same
+    text (byte tokens of one character), the most likely one's logprob."""
+    top: dict[str, float] = {}
+    for _, text, logprob in sorted((rank, t, lp) for _, t, lp, rank in entry if rank <= top_n):
+        top.setdefault(text, logprob)
+    return top
+
+
+def prompt_logprobs_json(
+    prompt: PromptTextLogprobs, top_n: int, tokens_as_ids: bool = False
+) -> list[Any]:
+    """vLLM's `prompt_logprobs`: null for the first prompt token, then per token a map from
+    token id to `{"logprob", "rank", "decoded_token"}`: the token itself and its `top_n` most
+    likely alternatives."""
+    scored = [
+        {
+            tid: {"logprob": lp, "rank": rank, "decoded_token": text}
+            for j, (tid, text, lp, rank) in enumerate(entry)
+            if j == 0 or rank <= top_n
+        }
+        for entry in _named(prompt.entries, tokens_as_ids)
+    ]
+    return [None, *scored]
+
+
 def chat_logprobs(
-    entries: list[list[tuple[int, str, float, int]]] | None, top_n: int, tokens_as_ids: bool = False
+    entries: list[TextLogprobs] | None, top_n: int, tokens_as_ids: bool = False
 ) -> dict[str, Any] | None:
     """The chat completions `logprobs` object."""
     if entries is None:
@@ -132,14 +202,26 @@ def completion_body(state: ResponseState, top_n: int) -> dict[str, Any]:
         "choices": [
             {
                 "index": i,
-                "text": c.text,
-                "logprobs": completion_logprobs(c.logprobs, top_n, state.tokens_as_ids),
+                "text": state.echoed_text(i, c.text),
+                "logprobs": completion_logprobs(
+                    c.logprobs, top_n, state.tokens_as_ids, state.echoed_prompt(c.prompt_logprobs)
+                ),
                 "finish_reason": c.finish_reason,
+                **_prompt_logprobs_field(state, c.prompt_logprobs),
             }
             for i, c in state.sorted_choices()
         ],
         "usage": state.usage(),
     }
+
+
+def _prompt_logprobs_field(
+    state: ResponseState, prompt: PromptTextLogprobs | None
+) -> dict[str, Any]:
+    """`{"prompt_logprobs": ...}` where the request asked for them, else nothing."""
+    if state.prompt_top_n is None:
+        return {}
+    return {"prompt_logprobs": state.prompt_logprobs(prompt)}
 
 
 def chat_body(
@@ -157,7 +239,10 @@ def chat_body(
                 "finish_reason": finish_reason,
             }
         )
-    return {**_envelope(state, "chat.completion"), "choices": choices, "usage": state.usage()}
+    body = {**_envelope(state, "chat.completion"), "choices": choices, "usage": state.usage()}
+    # vLLM's: one for the response (every choice has the same prompt).
+    prompt = next((c.prompt_logprobs for _, c in state.sorted_choices()), None)
+    return {**body, **_prompt_logprobs_field(state, prompt)}
 
 
 def assistant_message(
@@ -206,16 +291,20 @@ def tool_chunks(
 
 
 def completion_chunk(
-    state: ResponseState, index: int, out: ClientOutput, top_n: int
+    state: ResponseState, index: int, out: ClientOutput, top_n: int, first: bool = False
 ) -> dict[str, Any]:
-    """One streamed `text_completion` chunk for choice `index`."""
+    """One streamed `text_completion` chunk for choice `index`; with echo, its `first` chunk
+    starts with the prompt (as vLLM's), and with max_tokens 0 that is all any chunk holds."""
+    only = state.echo is not None and state.echo.only
+    text, entries = ("", None) if only else (out.text, out.logprobs)
+    prompt = state.echoed_prompt(out.prompt_logprobs) if first else None
     return {
         **_envelope(state, "text_completion"),
         "choices": [
             {
                 "index": index,
-                "text": out.text,
-                "logprobs": completion_logprobs(out.logprobs, top_n, state.tokens_as_ids),
+                "text": state.echoed_text(index, text) if first else text,
+                "logprobs": completion_logprobs(entries, top_n, state.tokens_as_ids, prompt),
                 "finish_reason": out.finish_reason,
             }
         ],

@@ -161,6 +161,8 @@ class _SamplingRequest(_Strict):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None  # vLLM's extension
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" (evals need ids)
+    # vLLM's extension: each prompt token's logprob and this many alternatives (not streamed).
+    prompt_logprobs: count_type(ge=0, le=MAX_LOGPROBS) | None = None  # type: ignore[valid-type]
 
     def _constraint(self) -> StructuredOutputsParams | None:
         return response_constraint(self.response_format, self.structured_outputs)
@@ -169,6 +171,11 @@ class _SamplingRequest(_Strict):
         """Refuse a combination of fields that the schema cannot express."""
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true, got stream=false")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError(
+                "prompt_logprobs is not available when stream is true (as in vLLM), "
+                f"got {self.prompt_logprobs}"
+            )
 
     def _sampling_params(
         self,
@@ -176,9 +183,11 @@ class _SamplingRequest(_Strict):
         logprobs: int | None,
         defaults: SamplingDefaults,
         fallback_max_tokens: int | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """The request's settings; those it leaves unset (None) come from `defaults` (the
-        model's), then SamplingParams' own (max_tokens: `fallback_max_tokens`)."""
+        model's), then SamplingParams' own (max_tokens: `fallback_max_tokens`).
+        `prompt_logprobs`: what the engine computes, if not the request's own."""
         self._check_supported()
         given: dict[str, Any] = {
             "n": self.n,
@@ -191,6 +200,7 @@ class _SamplingRequest(_Strict):
             "min_tokens": self.min_tokens,
             "ignore_eos": self.ignore_eos,
             "logprobs": logprobs,
+            "prompt_logprobs": self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "structured_outputs": self._constraint(),
@@ -235,9 +245,10 @@ class CompletionRequest(_SamplingRequest):
     """`POST /v1/completions`."""
 
     prompt: _prompt_type(ids=Annotated[list[TokenId], Field(min_length=1)])  # type: ignore[valid-type]
-    max_tokens: count_type(ge=1) | None = 16  # type: ignore[valid-type]
+    # 0 only with echo: the prompt alone comes back (as in vLLM).
+    max_tokens: count_type(ge=0) | None = 16  # type: ignore[valid-type]
     logprobs: count_type(ge=0, le=MAX_LOGPROBS) | None = None  # type: ignore[valid-type]
-    echo: bool = Field(False, json_schema_extra={"enum": [False]})  # refused when true
+    echo: bool = False  # each choice's text (and logprobs) starts with the prompt's
     best_of: count_type(ge=1) | None = None  # type: ignore[valid-type]
     suffix: Text | None = Field(None, json_schema_extra={"maxLength": 0})  # refused unless empty
 
@@ -252,20 +263,36 @@ class CompletionRequest(_SamplingRequest):
     def num_prompts(self) -> int:
         return len(self.prompts())
 
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: each choice is its prompt, nothing is generated."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def echoed_logprobs(self) -> int | None:
+        """The alternatives each echoed prompt token reports (None: no prompt logprobs in the
+        choices' `logprobs`)."""
+        return self.logprobs if self.echo else None
+
     def sampling_params(self, defaults: SamplingDefaults) -> SamplingParams:
         """The request as SamplingParams, `defaults` for the settings it leaves unset; raises
-        ValueError for unsupported fields."""
-        if self.echo:
-            raise ValueError("echo is not supported, got true")
+        ValueError for unsupported fields. With echo and logprobs the engine scores the prompt
+        too (with the more alternatives of `logprobs` and `prompt_logprobs`); echo with
+        max_tokens 0 generates one token, which the response leaves out."""
         if self.suffix:
             raise ValueError("suffix is not supported, got a non-empty string")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of must equal n ({self.n}), got {self.best_of}")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be >= 1 unless echo is true, got 0")
+        scored = [k for k in (self.echoed_logprobs, self.prompt_logprobs) if k is not None]
+        prompt_logprobs = max(scored) if scored else None
         # Without max_tokens: the model's default, else OpenAI's 16; an explicit null: the
         # model's default, else the room left in the context (as chat completions).
-        if "max_tokens" in self.model_fields_set:
-            return self._sampling_params(self.max_tokens, self.logprobs, defaults, None)
-        return self._sampling_params(None, self.logprobs, defaults, 16)
+        if "max_tokens" not in self.model_fields_set:
+            return self._sampling_params(None, self.logprobs, defaults, 16, prompt_logprobs)
+        max_tokens = 1 if self.echo_only else self.max_tokens
+        return self._sampling_params(max_tokens, self.logprobs, defaults, None, prompt_logprobs)
 
 
 def _content_shape(value: Any) -> str:
@@ -565,7 +592,7 @@ def request_models(limits: RequestLimits) -> RequestModels:
             CompletionRequest,
             **common,
             prompt=(_prompt_type(prompt_text(limits.min_prompt_chars), ids, limits.max_n), ...),
-            max_tokens=(count_type(**context) | None, 16),
+            max_tokens=(count_type(ge=0, le=limits.max_model_len) | None, 16),
             best_of=(count_type(ge=1, le=limits.max_n) | None, None),
         ),
         chat=derive(

@@ -114,6 +114,9 @@ class RequestDelta(msgspec.Struct):
     num_prompt_tokens: int
     num_cached_tokens: int
     metrics: RequestMetrics | None = None
+    # With a request's first tokens, if its params ask (`SamplingParams.prompt_logprobs`):
+    # one entry per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 # A step's kind: only prefill rows (prompt chunks), prefill rows beside decode rows, or only
@@ -216,17 +219,34 @@ class EngineStep(msgspec.Struct, tag=True):
     stats: EngineStats
 
 
+# A token's logprob entry with texts: (id, text, logprob, rank), the token itself first, then
+# its alternatives.
+TextLogprobs = list[tuple[int, str, float, int]]
+
+
+class PromptTextLogprobs(msgspec.Struct):
+    """A prompt's tokens with their logprobs: the first token (nothing predicts it) and, for
+    each token after it, its entry."""
+
+    first_token: tuple[int, str]
+    entries: list[TextLogprobs]
+
+
 class ClientOutput(msgspec.Struct):
-    """Decoded output of one engine request, for the api server."""
+    """Decoded output of one engine request, for the api server.
+
+    `prompt_logprobs`: with a request's first output, if its params ask for them.
+    """
 
     request_id: str
     text: str
     token_ids: list[int]
-    logprobs: list[list[tuple[int, str, float, int]]] | None  # (id, text, logprob, rank)
+    logprobs: list[TextLogprobs] | None
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
     metrics: RequestMetrics | None = None
+    prompt_logprobs: PromptTextLogprobs | None = None
 
 
 class ClientBatch(msgspec.Struct, tag=True):

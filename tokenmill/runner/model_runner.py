@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionInputs, create_backend
-from tokenmill.batch import StepPlan
+from tokenmill.batch import Logprob, StepPlan
 from tokenmill.cache.kv_cache import KVCache
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.distributed.group import TPGroup
@@ -27,6 +27,7 @@ from tokenmill.layers.invariant import configure_invariant_cublas, make_batch_in
 from tokenmill.layers.linear import choose_gemv_kernels
 from tokenmill.models.loader import load_model
 from tokenmill.observability.startup import StartupTimer
+from tokenmill.runner.prompt_logprobs import read_scores, score_prompt
 from tokenmill.runner.sampler import (
     GrammarMask,
     SampledTokens,
@@ -115,6 +116,8 @@ class LaunchedStep:
 
     def __init__(self, device: torch.device) -> None:
         self.sampled: SampledTokens | None = None
+        # The plan's prompt logprobs (`StepPlan.prompt_logprobs`), on their way to the host.
+        self.prompt_scores: list[SampledTokens] = []
         self._deferred: Callable[[], SampledTokens] | None = None
         # Query tokens the forward computes, CUDA graphs' padding included (adaptive
         # speculation measures step costs by it).
@@ -165,6 +168,11 @@ class LaunchedStep:
         if self._cuda:
             self._end.synchronize()
         return None
+
+    def read_prompt_logprobs(self) -> list[dict[int, Logprob]]:
+        """Wait for the plan's prompt logprobs: one map per scored position, in the plan's
+        order (`PromptLogprobRows`); empty when it scores none."""
+        return read_scores(self.prompt_scores)
 
     def forward_seconds(self) -> float:
         """Device time of the forward pass and sampling (call after `read`); a deferred
@@ -352,7 +360,7 @@ class ModelRunner:
 
     def pending_graph_for(self, plan: StepPlan) -> GraphKey | None:
         """Background capture: the pending graph `plan`'s step would run, or None."""
-        if self.graphs is None or not self.graphs.pending or plan.images:
+        if self.graphs is None or not self.graphs.pending or _eager_only(plan):
             return None
         return self.graphs.pending_key(plan.num_rows, plan.query_lens)
 
@@ -465,8 +473,9 @@ class ModelRunner:
             assert self.spec is not None
             launched.start()
             drafts = self.spec.draft(plan, self._last_tokens)
-        # Images and multimodal positions run eagerly: the graphs take one position per token.
-        graphs = None if host.multimodal or plan.images else self.graphs
+        # Images and multimodal positions run eagerly: the graphs take one position per token;
+        # so do prompt logprobs: the graphs keep only the sampled positions' hidden states.
+        graphs = None if host.multimodal or _eager_only(plan) else self.graphs
         ids: torch.Tensor | None = None
         verify = self._verify_graph(plan) if graphs is not None else None
         launched.num_computed_tokens = len(host.input_ids)
@@ -499,6 +508,8 @@ class ModelRunner:
             else:
                 hidden = self.model(ids, positions, self.attention)
             logits = self.model.compute_logits(hidden[logits_index])
+            if plan.prompt_logprobs is not None:
+                launched.prompt_scores = self._score_prompt(hidden, plan)
         if self.spec is not None and self.spec.drafter is not None:
             # The draft's cache follows the target's: the same tokens in the same slots.
             if path == "eager":
@@ -547,6 +558,18 @@ class ModelRunner:
         sampled.start_copy()
         self._last_tokens = sampled.token_ids
         return sampled
+
+    def _score_prompt(self, hidden: torch.Tensor, plan: StepPlan) -> list[SampledTokens]:
+        """Queue the prompt logprobs of `plan` (every rank computes them: the logits are
+        gathered by a collective) and, on rank 0, their copy to the host."""
+        assert plan.prompt_logprobs is not None
+        vocab_size = self.config.model.vocab_size
+        parts = score_prompt(self.model.compute_logits, hidden, plan.prompt_logprobs, vocab_size)
+        if self.tp.rank > 0:
+            return []
+        for part in parts:
+            part.start_copy()
+        return parts
 
     def _token_buffer(self, num_sampled: int) -> torch.Tensor:
         """Where a worker rank receives a step's `num_sampled` tokens (the graphs' static
@@ -659,6 +682,12 @@ class ModelRunner:
             slot_mapping=slots,
         )
         return ids, positions, inputs, logits_index
+
+
+def _eager_only(plan: StepPlan) -> bool:
+    """Steps no CUDA graph runs: with images (the encoder's features go in) or prompt
+    logprobs (they score hidden states the graphs do not keep)."""
+    return bool(plan.images) or plan.prompt_logprobs is not None
 
 
 def warm_up_batches(max_tokens: int, max_len: int, whole_min: int = 0) -> list[list[int]]:

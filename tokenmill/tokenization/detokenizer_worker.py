@@ -14,8 +14,10 @@ from tokenmill.ipc.messages import (
     ClientBatch,
     ClientOutput,
     EngineStep,
+    PromptTextLogprobs,
     RequestDelta,
     RequestError,
+    TextLogprobs,
     TokenLogprobs,
 )
 from tokenmill.ipc.process import init_child
@@ -70,6 +72,8 @@ class Detokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
         self.tokenizer = tokenizer
         self.streams: dict[str, ChoiceStream] = {}
+        # The first prompt token of each request asking for prompt logprobs, until they go out.
+        self.first_tokens: dict[str, int] = {}
         self._engine_pid: int | None = None
 
     def process(self, step: EngineStep) -> tuple[ClientBatch, list[str], list[str]]:
@@ -79,12 +83,15 @@ class Detokenizer:
             # A restarted engine core: the requests of the old one are gone (and failed).
             self._engine_pid = step.stats.engine_pid
             self.streams.clear()
+            self.first_tokens.clear()
         errors = list(step.errors)
         for new in step.new_requests:
             try:
                 self.streams[new.request_id] = ChoiceStream(
                     self.tokenizer, new.prompt_token_ids, new.params
                 )
+                if new.params.prompt_logprobs is not None:
+                    self.first_tokens[new.request_id] = new.prompt_token_ids[0]
             except Exception as exc:  # one request's failure stays its own
                 errors.append(_failure(new.request_id, exc))
         outputs, stopped = [], []
@@ -96,20 +103,24 @@ class Detokenizer:
                 update = stream.update(delta.new_token_ids, delta.finish_reason)
                 out = None if update is None else self._output(delta, update)
             except Exception as exc:  # one request's failure stays its own
-                del self.streams[delta.request_id]
+                self._forget(delta.request_id)
                 errors.append(_failure(delta.request_id, exc))
                 continue
             if update is not None and update.finish_reason is not None:
-                del self.streams[delta.request_id]
+                self._forget(delta.request_id)
             if update is not None and update.stop_matched:
                 stopped.append(delta.request_id)
             if out is not None:
                 outputs.append(out)
         for error in step.errors:
-            self.streams.pop(error.request_id, None)
+            self._forget(error.request_id)
         failed = [e.request_id for e in errors[len(step.errors) :]]
         started = [new.request_id for new in step.new_requests]
         return ClientBatch(outputs, errors, step.stats, started), stopped, failed
+
+    def _forget(self, request_id: str) -> None:
+        self.streams.pop(request_id, None)
+        self.first_tokens.pop(request_id, None)
 
     def _output(self, delta: RequestDelta, update: ChoiceUpdate) -> ClientOutput:
         logprobs = delta.logprobs if update.token_ids else None
@@ -124,11 +135,19 @@ class Detokenizer:
             num_prompt_tokens=delta.num_prompt_tokens,
             num_cached_tokens=delta.num_cached_tokens,
             metrics=delta.metrics,
+            prompt_logprobs=self._prompt_logprobs(delta),
         )
 
-    def _logprobs(
-        self, logprobs: list[TokenLogprobs] | None
-    ) -> list[list[tuple[int, str, float, int]]] | None:
+    def _prompt_logprobs(self, delta: RequestDelta) -> PromptTextLogprobs | None:
+        """The prompt's logprobs with token texts (a request's first output, if asked)."""
+        first = self.first_tokens.pop(delta.request_id, None)
+        if delta.prompt_logprobs is None or first is None:
+            return None
+        entries = self._logprobs([e for e in delta.prompt_logprobs[1:] if e is not None])
+        assert entries is not None
+        return PromptTextLogprobs((first, self._token_text(first)), entries)
+
+    def _logprobs(self, logprobs: list[TokenLogprobs] | None) -> list[TextLogprobs] | None:
         if logprobs is None:
             return None
         return [

@@ -1,0 +1,111 @@
+"""Prompt logprobs (`SamplingParams.prompt_logprobs`) equal transformers' log-softmax of the
+prompt's logits, for every family, through chunked prefill, beside plain requests, with a
+cached prefix present (which such a request must not read), after preemption, with speculative
+decoding, on two tensor-parallel ranks and in deterministic mode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import FAMILIES, assert_prompt_logprobs_match, hf_logprobs
+from tokenmill import LLM, SamplingParams
+from tokenmill.runner.prompt_logprobs import slice_rows
+
+PROMPT = list(range(20, 70))  # 50 tokens: several 16-token chunks
+SHARED = [*PROMPT[:40], 7, 8, 9]  # 40 tokens (10 pages of 4) in common with PROMPT
+K = 3  # the alternatives asked for; assert_prompt_logprobs_match checks 3
+SCORED = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=K)
+PLAIN = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+CHUNKED = {"max_num_batched_tokens": 16, "page_size": 4}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prompt_logprobs_match_transformers_in_chunks_beside_plain_requests(
+    family: str, checkpoints: dict[str, Path]
+) -> None:
+    path = checkpoints[family]
+    llm = LLM(str(path), device="cpu", **CHUNKED)
+    outputs = llm.generate([SHARED, PROMPT, [5, 6, 7]], [PLAIN, SCORED, PLAIN], use_tqdm=False)
+    assert_prompt_logprobs_match(outputs[1].prompt_logprobs, hf_logprobs(path, PROMPT), PROMPT)
+    assert outputs[0].prompt_logprobs is None and outputs[2].prompt_logprobs is None
+    assert len(outputs[1].outputs[0].token_ids) == 3
+
+
+def test_a_cached_prefix_is_not_read_by_a_request_scoring_its_prompt(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir), device="cpu", **CHUNKED)
+    llm.generate([SHARED], PLAIN, use_tqdm=False)  # caches 40 tokens of PROMPT
+    scored, plain = llm.generate([PROMPT, PROMPT], [SCORED, PLAIN], use_tqdm=False)
+    assert scored.num_cached_tokens == 0
+    assert plain.num_cached_tokens >= 40  # the prefix stayed cached for the others
+    assert_prompt_logprobs_match(scored.prompt_logprobs, hf_logprobs(llama_dir, PROMPT), PROMPT)
+    assert scored.outputs[0].token_ids == plain.outputs[0].token_ids[:3]
+
+
+def test_preempted_request_keeps_one_score_per_prompt_token(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir), device="cpu", page_size=4, num_pages=24, max_model_len=96,
+              max_num_batched_tokens=8)  # fmt: skip
+    prompts = [PROMPT, list(range(100, 140)), list(range(200, 230))]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, prompt_logprobs=K)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.scheduler.stats.num_preemptions > 0
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert_prompt_logprobs_match(out.prompt_logprobs, hf_logprobs(llama_dir, prompt), prompt)
+
+
+def test_zero_alternatives_and_a_one_token_prompt(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir), device="cpu")
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, logprobs=0)
+    long, short = llm.generate([PROMPT, [42]], params, use_tqdm=False)
+    assert short.prompt_logprobs == [None]
+    reference = hf_logprobs(llama_dir, PROMPT)
+    assert long.prompt_logprobs is not None
+    for i, entry in enumerate(long.prompt_logprobs[1:], 1):
+        assert entry is not None
+        # The prompt token itself, and the most likely one only where they are the same.
+        assert list(entry) == [PROMPT[i]]
+        assert entry[PROMPT[i]].logprob == pytest.approx(reference[i - 1, PROMPT[i]].item(), 1e-4)
+
+
+def test_scores_are_sliced_across_the_vocabulary(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk's positions go through the LM head a slice at a time (here 4 rows a slice)."""
+    vocab = LLM(str(llama_dir), device="cpu").config.model.vocab_size
+    monkeypatch.setattr("tokenmill.runner.prompt_logprobs.SLICE_BYTES", 4 * 4 * vocab + 5)
+    assert slice_rows(vocab) == 4
+    llm = LLM(str(llama_dir), device="cpu", **CHUNKED)
+    (out,) = llm.generate([PROMPT], SCORED, use_tqdm=False)
+    assert_prompt_logprobs_match(out.prompt_logprobs, hf_logprobs(llama_dir, PROMPT), PROMPT)
+
+
+def test_speculative_decoding_keeps_prompt_logprobs_and_tokens(llama_dir: Path) -> None:
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    llm = LLM(str(llama_dir), device="cpu", speculative_config=ngram, **CHUNKED)
+    plain = LLM(str(llama_dir), device="cpu").generate([PROMPT], PLAIN, use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, prompt_logprobs=K)
+    (out,) = llm.generate([PROMPT], params, use_tqdm=False)
+    assert out.outputs[0].token_ids == plain[0].outputs[0].token_ids
+    assert_prompt_logprobs_match(out.prompt_logprobs, hf_logprobs(llama_dir, PROMPT), PROMPT)
+
+
+def test_two_tensor_parallel_ranks_score_alike(llama_dir: Path) -> None:
+    """Every rank computes the scores (the logits are gathered by a collective); rank 0 reads."""
+    threads = torch.get_num_threads()  # rank 0 runs here and takes its share of the cores
+    llm = LLM(str(llama_dir), device="cpu", tensor_parallel_size=2, **CHUNKED)
+    try:
+        outputs = llm.generate([SHARED, PROMPT], [PLAIN, SCORED], use_tqdm=False)
+    finally:
+        llm.close()
+        torch.set_num_threads(threads)
+    assert_prompt_logprobs_match(outputs[1].prompt_logprobs, hf_logprobs(llama_dir, PROMPT), PROMPT)
+
+
+def test_deterministic_mode_scores_alike_alone_and_in_any_batch(llama_dir: Path) -> None:
+    alone = LLM(str(llama_dir), device="cpu", deterministic=True)
+    (reference,) = alone.generate([PROMPT], SCORED, use_tqdm=False)
+    mixed = LLM(str(llama_dir), device="cpu", deterministic=True, **CHUNKED)
+    outputs = mixed.generate([SHARED, PROMPT, [5, 6]], [PLAIN, SCORED, PLAIN], use_tqdm=False)
+    assert outputs[1].prompt_logprobs == reference.prompt_logprobs  # bitwise
