@@ -1,7 +1,7 @@
 """Where a decode step's time goes on the GPU: graph replay vs. host work, and the top kernels.
 
 python benchmarks/profile_decode.py --config shared/models/qwen3-0.6b [--batch 1 8 64] [--no-pdl]
-    [--deterministic]
+    [--deterministic] [--kv-cache-bytes N]
 """
 
 from __future__ import annotations
@@ -30,6 +30,12 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=640)
     parser.add_argument("--no-pdl", action="store_true", help="launch kernels without PDL")
     parser.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=20_000_000_000,
+        help="KV cache size; every batch's prompts and 200 tokens each must fit",
+    )
+    parser.add_argument(
         "--deterministic", action="store_true", help="the engine in deterministic mode"
     )
     args = parser.parse_args()
@@ -37,7 +43,7 @@ def main() -> None:
     set_pdl_enabled(not args.no_pdl)
     llm = LLM(
         args.config, load_format="dummy", dtype="bfloat16", max_num_seqs=max(args.batch),
-        kv_cache_memory_bytes=20_000_000_000, enable_prefix_caching=False, max_model_len=4096,
+        kv_cache_memory_bytes=args.kv_cache_bytes, enable_prefix_caching=False, max_model_len=4096,
         deterministic=args.deterministic,
     )  # fmt: skip
     runner, engine = llm.engine.runner, llm.engine
@@ -45,7 +51,14 @@ def main() -> None:
     assert graphs is not None
     rng = np.random.default_rng(0)
     vocab = llm.config.model.vocab_size
+    page = llm.config.cache.page_size
     for bs in args.batch:
+        if bs * -(-(args.context + 200) // page) > runner.num_pages:
+            raise SystemExit(
+                f"batch {bs} of {args.context}-token prompts needs more than the KV cache's "
+                f"{runner.num_pages} pages: raise --kv-cache-bytes (a preempted batch leaves "
+                "the graph replayed below with stale inputs)"
+            )
         prompts = [rng.integers(10, vocab, args.context).tolist() for _ in range(bs)]
         for i, p in enumerate(prompts):
             engine.add_request(f"p{bs}-{i}", p, SamplingParams(temperature=0, max_tokens=200,
