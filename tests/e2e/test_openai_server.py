@@ -182,6 +182,24 @@ def test_models_tokenize_detokenize_version(server: ServerHandle, client: openai
     assert httpx.get(server.base_url + "/version").json()["version"]
 
 
+def test_chat_template_options_render_as_offline(server: ServerHandle, llama_dir: Path) -> None:
+    """`add_generation_prompt`, `continue_final_message` and `chat_template_kwargs` render the
+    chat as `LLM.chat` does with the same options, in /tokenize and in a chat completion."""
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello wor"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True,
+               "chat_template_kwargs": {"enable_thinking": False}}  # fmt: skip
+    tokens = httpx.post(server.base_url + "/tokenize", json={"messages": chat, **options}).json()
+    llm = LLM(str(llama_dir), device="cpu")
+    offline = llm.chat(chat, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False,
+                       **options)[0]  # fmt: skip
+    assert tokens["tokens"] == offline.prompt_token_ids
+    body = {"model": MODEL_NAME, "messages": chat, "temperature": 0, "max_tokens": 5, **options}
+    response = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == offline.outputs[0].text
+    assert response.json()["usage"]["prompt_tokens"] == len(offline.prompt_token_ids)
+
+
 def test_multibyte_characters_stream_intact(scripted_server: ServerHandle, scripted) -> None:
     _, ids = scripted
     client = openai.OpenAI(base_url=scripted_server.base_url + "/v1", api_key="x", max_retries=0)

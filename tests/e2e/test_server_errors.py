@@ -73,6 +73,23 @@ def test_bad_completion_parameters_are_400(server: ServerHandle, patch, param, m
         assert error["param"] == param
 
 
+CHAT_ERRORS = [
+    ({"continue_final_message": True}, "continue_final_message", "cannot be combined"),
+    ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs", "may not set"),
+    ({"chat_template_kwargs": [1]}, "chat_template_kwargs", "valid dictionary"),
+    ({"add_generation_prompt": False, "continue_final_message": True}, "messages",
+     "the last message to be the assistant's"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("patch", "param", "message"), CHAT_ERRORS)
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_bad_chat_template_options_are_400(server: ServerHandle, path, patch, param, message):
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], **patch}
+    error = _assert_error(_post(server, path, body), 400, message)
+    assert error["param"] == param
+
+
 def test_bad_chat_parameters_are_400(server: ServerHandle) -> None:
     base = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
     _assert_error(_post(server, "/v1/chat/completions", {**base, "messages": []}), 400)
@@ -131,7 +148,8 @@ _FIELDS = [
     "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop",
     "seed", "logprobs", "top_logprobs", "stream", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "max_completion_tokens",
-    "logit_bias", "allowed_token_ids", "echo", "prompt_logprobs",
+    "logit_bias", "allowed_token_ids", "echo", "prompt_logprobs", "add_generation_prompt",
+    "continue_final_message", "chat_template_kwargs",
 ]  # fmt: skip
 
 

@@ -302,6 +302,10 @@ def build_app(state: ServerState) -> FastAPI:
         """Token ids of a prompt or of a chat rendered with the chat template."""
         if (failure := _check_model(state, body.model)) is not None:
             return failure
+        try:
+            options = body.chat_options()
+        except ValueError as exc:
+            return error_response(400, str(exc), messages.param_of(str(exc)))
 
         def encode(tokenizer: "PreTrainedTokenizerBase | None") -> list[int]:
             if body.messages is not None:
@@ -311,7 +315,7 @@ def build_app(state: ServerState) -> FastAPI:
                         "on its preprocessing)"
                     )
                 chat = [m.template_dict() for m in body.messages]
-                return apply_chat_template(tokenizer, chat)
+                return apply_chat_template(tokenizer, chat, options=options)
             return encode_prompt(tokenizer, body.prompt, body.add_special_tokens)
 
         tokenizer = await _tokenizer(state)
@@ -733,8 +737,10 @@ def _tokenize_requests(
 ) -> list[messages.TokenizeRequest]:
     if isinstance(body, ChatCompletionRequest):
         chat = [m.template_dict() for m in body.messages]
-        tools = body.template_tools()
-        return [messages.TokenizeRequest("", params, messages=chat, tools=tools)]
+        tools, options = body.template_tools(), body.chat_options()
+        return [
+            messages.TokenizeRequest("", params, messages=chat, tools=tools, chat_options=options)
+        ]
     return [messages.TokenizeRequest("", params, prompt=p) for p in body.prompts()]
 
 

@@ -16,6 +16,7 @@ from tokenmill.engine.engine_core import EngineCore, EngineOutput
 from tokenmill.intake import prepare
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenization.chat_options import ChatTemplateOptions
 from tokenmill.tokenization.detokenizer import ChoiceStream
 from tokenmill.tokenization.tokenizer import Prompt, encode_prompt, load_tokenizer, render_chat
 from tokenmill.vision.images import ImagePreprocessor, image_setup
@@ -85,18 +86,29 @@ class LLM:
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation or several, rendered with the model's chat template.
 
         With a vision-language model a message's content may be a list of parts: `{"type":
         "text", "text": ...}` and images, as `{"type": "image_url", "image_url": {"url":
         "data:image/png;base64,..."}}` or `{"type": "image", "image": PIL_IMAGE_OR_PATH}`.
+        `add_generation_prompt`, `continue_final_message` (the last, assistant message left open
+        for the model to continue) and `chat_template_kwargs` (more template variables, e.g.
+        Qwen3's `{"enable_thinking": False}`) as vLLM's `LLM.chat`.
         """
+        options = ChatTemplateOptions(
+            add_generation_prompt, continue_final_message, chat_template_kwargs
+        )
         one = isinstance(messages, list) and bool(messages) and isinstance(messages[0], dict)
         conversations = [messages] if one else messages
         if not isinstance(conversations, list) or not all(map(_is_conversation, conversations)):
             raise ValueError("messages must be a list of message dicts or a list of those lists")
-        rendered = [render_chat(self.tokenizer, c, self.images) for c in conversations]
+        rendered = [
+            render_chat(self.tokenizer, c, self.images, options=options) for c in conversations
+        ]
         token_ids = [ids for ids, _ in rendered]
         images = [inputs for _, inputs in rendered]
         return self._run(token_ids, [None] * len(token_ids), sampling_params, use_tqdm, images)
@@ -114,12 +126,21 @@ class LLM:
         return self._stream(ids, prompt if isinstance(prompt, str) else None, sampling_params)
 
     def stream_chat(
-        self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None
+        self,
+        messages: list[dict[str, Any]],
+        sampling_params: SamplingParams | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> Iterator[RequestOutput]:
-        """Answer one conversation (image parts as in `chat`), as `stream` does a prompt."""
+        """Answer one conversation (image parts and template options as in `chat`), as
+        `stream` does a prompt."""
         if not _is_conversation(messages):
             raise ValueError("messages must be a list of message dicts")
-        ids, images = render_chat(self.tokenizer, messages, self.images)
+        options = ChatTemplateOptions(
+            add_generation_prompt, continue_final_message, chat_template_kwargs
+        )
+        ids, images = render_chat(self.tokenizer, messages, self.images, options=options)
         return self._stream(ids, None, sampling_params, images)
 
     def flush_prefix_cache(self) -> int:

@@ -58,6 +58,7 @@ from tokenmill.sampling_params import (
     StructuredOutputsParams,
     json_depth,
 )
+from tokenmill.tokenization.chat_options import ChatTemplateOptions
 
 MAX_SEED = 2**64 - 1  # seeds are unsigned 64-bit (torch.Generator.manual_seed's range)
 MAX_FEEDBACK_COMMENT_CHARS = 10_000
@@ -227,7 +228,7 @@ class _SamplingRequest(_Strict):
                 f"the {limits.max_n} one request may start (--max-n)",
             )
         if isinstance(self, ChatCompletionRequest):
-            _check_chat_size(self.messages, limits, self.tools)
+            _check_chat_size(self.messages, limits, self.tools, self.chat_template_kwargs)
         return self
 
     @property
@@ -375,7 +376,22 @@ class ChatMessage(_Strict):
         return message
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class _ChatTemplateFields(_Strict):
+    """vLLM's chat fields: how the model's template renders the conversation."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    # More variables for the template, e.g. Qwen3's {"enable_thinking": false}.
+    chat_template_kwargs: dict[Text, Any] | None = None
+
+    def chat_options(self) -> ChatTemplateOptions:
+        """The fields as the tokenizer takes them; ValueError for a combination it refuses."""
+        return ChatTemplateOptions(
+            self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs
+        )
+
+
+class ChatCompletionRequest(_ChatTemplateFields, _SamplingRequest):
     """`POST /v1/chat/completions`."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -425,7 +441,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return self._sampling_params(max_tokens, logprobs, defaults, None)
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_ChatTemplateFields):
     """`POST /tokenize`: a prompt or a chat."""
 
     model: Text | None = None
@@ -439,7 +455,7 @@ class TokenizeRequest(_Strict):
             raise limit_error("prompt", "give exactly one of prompt and messages")
         limits = type(self).limits
         if limits is not None and self.messages is not None:
-            _check_chat_size(self.messages, limits)
+            _check_chat_size(self.messages, limits, template_kwargs=self.chat_template_kwargs)
         return self
 
 
@@ -498,12 +514,15 @@ def _too_many_bytes(what: str, size: int, limits: RequestLimits) -> str:
 
 
 def _check_chat_size(
-    messages: list[ChatMessage], limits: RequestLimits, tools: list[ToolDefinition] | None = None
+    messages: list[ChatMessage],
+    limits: RequestLimits,
+    tools: list[ToolDefinition] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> None:
     """The chat template only adds text to what it renders: the messages' contents, names and
-    tool calls, and the tools offered (as JSON), so a chat of more bytes than the limit cannot
-    fit. Checked before the tokenizer worker renders and tokenizes it (seconds for megabytes,
-    while the worker's other requests wait)."""
+    tool calls, the tools offered (as JSON) and the template's variables, so a chat of more
+    bytes than the limit cannot fit. Checked before the tokenizer worker renders and tokenizes
+    it (seconds for megabytes, while the worker's other requests wait)."""
     size = sum(_message_bytes(m) for m in messages)
     if size > limits.max_prompt_bytes:
         raise limit_error("messages", _too_many_bytes("the messages' text", size, limits))
@@ -522,6 +541,13 @@ def _check_chat_size(
             raise limit_error(
                 "tools", _too_many_bytes("the messages' text and tools", size, limits)
             )
+    if template_kwargs:
+        param = "chat_template_kwargs"
+        _check_template_depth(param, "chat_template_kwargs", template_kwargs)
+        size += _utf8_bytes(json.dumps(template_kwargs, ensure_ascii=False))
+        if size > limits.max_prompt_bytes:
+            what = "the chat with its template's variables"
+            raise limit_error(param, _too_many_bytes(what, size, limits))
 
 
 def _check_template_depth(param: str, what: str, document: Any) -> None:

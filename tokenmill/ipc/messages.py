@@ -16,6 +16,7 @@ import numpy as np
 from tokenmill.observability.histogram import Histogram
 from tokenmill.observability.request_metrics import RequestMetrics
 from tokenmill.sampling_params import SamplingParams, is_valid_text
+from tokenmill.tokenization.chat_options import DEFAULT_CHAT_OPTIONS, ChatTemplateOptions
 from tokenmill.vision.inputs import ImageInput
 
 # The integers msgpack carries.
@@ -36,10 +37,12 @@ class TokenizeRequest(msgspec.Struct, tag=True):
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     tools: list[dict[str, Any]] | None = None  # offered to the chat template
+    chat_options: ChatTemplateOptions = DEFAULT_CHAT_OPTIONS
 
     def __post_init__(self) -> None:
         check_wire_value(self.prompt, "prompt")
         check_wire_value(self.messages, "messages")
+        check_wire_value(self.chat_options.template_kwargs, "chat_template_kwargs")
 
 
 class ImagePayload(msgspec.Struct):

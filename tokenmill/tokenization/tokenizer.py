@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from jinja2 import TemplateError
 
 from tokenmill.sampling_params import is_valid_text
+from tokenmill.tokenization.chat_options import DEFAULT_CHAT_OPTIONS, ChatTemplateOptions
 from tokenmill.tokenization.tokenizer_class import CLASS_MODULES, auto_tokenizer_class
 from tokenmill.vision.images import split_images
 
@@ -116,19 +117,27 @@ def encode_prompt(
 def apply_chat_template(
     tokenizer: PreTrainedTokenizerBase | None,
     messages: list[dict[str, Any]],
-    add_generation_prompt: bool = True,
     tools: list[dict[str, Any]] | None = None,
+    options: ChatTemplateOptions = DEFAULT_CHAT_OPTIONS,
 ) -> list[int]:
-    """Token ids of a conversation rendered with the model's chat template (offering `tools`)."""
+    """Token ids of a conversation rendered with the model's chat template (offering `tools`),
+    as `options` say."""
     if tokenizer is None or not tokenizer.chat_template:
         raise ValueError("the model has no chat template; send a plain completion prompt")
     if not messages:
         raise ValueError("messages must contain at least one message")
+    if options.continue_final_message and messages[-1].get("role") != "assistant":
+        raise ValueError("continue_final_message requires the last message to be the assistant's")
     try:
         text = tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message,
+            **(options.template_kwargs or {}),
         )
-    except (TemplateError, TypeError, KeyError, RecursionError) as exc:
+    except (TemplateError, TypeError, KeyError, RecursionError, ValueError) as exc:
         # The template runs on the client's messages: what it trips over is theirs to fix.
         raise ValueError(f"messages can not be rendered by the chat template: {exc}") from exc
     if not is_valid_text(text):  # a message's unpaired surrogate: the tokenizer's TypeError
@@ -142,11 +151,12 @@ def render_chat(
     messages: list[dict[str, Any]],
     images: ImagePreprocessor | None,
     tools: list[dict[str, Any]] | None = None,
+    options: ChatTemplateOptions = DEFAULT_CHAT_OPTIONS,
 ) -> tuple[list[int], tuple[ImageInput, ...]]:
     """Token ids of a conversation whose messages may hold image parts, and its images
     (`images` preprocesses them; None: the model takes none, and an image is an error)."""
     rendered, sources = split_images(messages)
     if images is None and sources:
         raise ValueError("messages: this model takes no images (send text only)")
-    ids = apply_chat_template(tokenizer, rendered, tools=tools)
+    ids = apply_chat_template(tokenizer, rendered, tools, options)
     return (ids, ()) if images is None else images.expand(ids, sources)

@@ -98,7 +98,9 @@ class TokenizerWorker:
     def _engine_requests(self, req: TokenizeRequest) -> list[bytes]:
         images: list[ImagePayload] = []
         if req.messages is not None:
-            ids, inputs = render_chat(self.tokenizer, req.messages, self.images, req.tools)
+            ids, inputs = render_chat(
+                self.tokenizer, req.messages, self.images, req.tools, req.chat_options
+            )
             images = [ImagePayload.of(image) for image in inputs]
         elif req.prompt is not None:
             ids = encode_prompt(self.tokenizer, req.prompt, req.add_special_tokens)
