@@ -37,7 +37,8 @@ CROSS_FIELD_RULE = re.compile(
     r"^(top_logprobs requires logprobs|tool_choice requires tools|stream_options is only allowed"
     r"|min_tokens must be <= max_tokens|structured_outputs must set exactly one"
     r"|messages: tool call arguments must be JSON|prompt_logprobs is not available when stream"
-    r"|max_tokens must be >= 1 unless echo|allowed_token_ids cannot be combined)"
+    r"|max_tokens must be >= 1 unless echo|allowed_token_ids cannot be combined"
+    r"|continue_final_message (cannot be combined|requires the last message))"
 )
 REFUSALS: dict[str, Counter[str]] = {}  # operation → its 4xx messages, to explain a failure
 EXAMPLES = int(os.environ.get("TOKENMILL_FUZZ_EXAMPLES", "50"))
