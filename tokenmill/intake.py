@@ -5,6 +5,8 @@ The offline `LLM` and the server's tokenizer workers both call `prepare`; the en
 (but for `LLM`'s, which `prepare` made a call before in the same process: `checked=True`).
 The rules, written once:
 
+- a prompt longer than `truncate_prompt_tokens` keeps its last that many tokens (not one with
+  images);
 - the prompt has at least one token, every id inside the vocabulary, and leaves room for one
   output token in the context window (`max_model_len`);
 - `max_tokens` absent means the room left in the context (as vLLM), or the model's default
@@ -49,14 +51,38 @@ class ContextLimits:
 
 
 def prepare(
-    request_id: str, prompt_token_ids: list[int], params: SamplingParams, limits: ContextLimits
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    limits: ContextLimits,
+    has_images: bool = False,
 ) -> list[ChildRequest]:
-    """The engine requests of one client request; raises `IntakeError` if it can never run."""
-    checked = check_prompt(prompt_token_ids, params, limits)
+    """The engine requests of one client request (its prompt truncated as `params` say);
+    raises `IntakeError` if it can never run."""
+    ids = truncate_prompt(prompt_token_ids, params, has_images)
+    checked = check_prompt(ids, params, limits)
     return [
-        ChildRequest(child_id, prompt_token_ids, child_params)
+        ChildRequest(child_id, ids, child_params)
         for child_id, child_params in fan_out(request_id, checked)
     ]
+
+
+def truncate_prompt(
+    prompt_token_ids: list[int], params: SamplingParams, has_images: bool = False
+) -> list[int]:
+    """The prompt's last `truncate_prompt_tokens` ids (all of them if it is shorter or unset,
+    as vLLM's left truncation); a prompt with images is never cut (their placeholder tokens
+    must stay whole)."""
+    keep = params.truncate_prompt_tokens
+    if keep is None or len(prompt_token_ids) <= keep:
+        return prompt_token_ids
+    if has_images:
+        raise IntakeError(
+            f"truncate_prompt_tokens ({keep}) would cut a prompt with images "
+            f"({len(prompt_token_ids)} tokens); send fewer images or less text",
+            "truncate_prompt_tokens",
+        )
+    return list(prompt_token_ids[-keep:])
 
 
 @dataclass(frozen=True)

@@ -208,6 +208,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -313,6 +314,14 @@ class SamplingParams:
             _is_int(self.min_tokens) and 0 <= self.min_tokens <= MAX_INT,
             "min_tokens must be an integer >= 0 and < 2**63",
             self.min_tokens,
+        )
+        _check(
+            self.truncate_prompt_tokens is None
+            or (
+                _is_int(self.truncate_prompt_tokens) and 1 <= self.truncate_prompt_tokens <= MAX_INT
+            ),
+            "truncate_prompt_tokens must be an integer >= 1 and < 2**63, or None",
+            self.truncate_prompt_tokens,
         )
         if self.max_tokens is not None:
             _check(

@@ -75,6 +75,17 @@ def test_logit_bias_and_allowed_token_ids_steer_the_tokens(server: ServerHandle)
     assert tokens <= {"token_id:40", "token_id:41", "token_id:42"}
 
 
+def test_truncate_prompt_tokens_keeps_the_end_of_a_long_prompt(server: ServerHandle) -> None:
+    """A text prompt longer than the context is refused, or runs on its last tokens."""
+    body = {"model": MODEL_NAME, "prompt": "one two three " * 300, "max_tokens": 3}
+    response = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    body["truncate_prompt_tokens"] = 50
+    response = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == 50
+
+
 def test_streamed_completion_concatenates_to_the_full_text(client: openai.OpenAI) -> None:
     kwargs = {"model": MODEL_NAME, "prompt": "The cat", "max_tokens": 16, "temperature": 0}
     full = client.completions.create(**kwargs).choices[0].text

@@ -59,6 +59,7 @@ COMPLETION_ERRORS = [
     ({"logit_bias": {"5": 101}}, "logit_bias", "less than or equal to 100"),
     ({"logit_bias": {"5": "1"}}, "logit_bias", "valid number"),
     ({"allowed_token_ids": []}, "allowed_token_ids", "at least 1 item"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "greater than or equal to 1"),
     ({"allowed_token_ids": [512]}, "allowed_token_ids", "less than 512"),
     ({"allowed_token_ids": [3], "response_format": {"type": "json_object"}}, "allowed_token_ids",
      "cannot be combined with structured_outputs"),
@@ -149,7 +150,7 @@ _FIELDS = [
     "seed", "logprobs", "top_logprobs", "stream", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "max_completion_tokens",
     "logit_bias", "allowed_token_ids", "echo", "prompt_logprobs", "add_generation_prompt",
-    "continue_final_message", "chat_template_kwargs",
+    "continue_final_message", "chat_template_kwargs", "truncate_prompt_tokens",
 ]  # fmt: skip
 
 

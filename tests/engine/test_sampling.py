@@ -236,3 +236,15 @@ def test_sampled_rows_draw_only_allowed_tokens_and_follow_the_bias(llm: LLM) -> 
     params = SamplingParams(temperature=1.0, logit_bias={99: 100.0}, max_tokens=5, n=8)
     outputs = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs
     assert all(o.token_ids == [99] * 5 for o in outputs)
+
+
+def test_truncate_prompt_tokens_generates_from_the_last_tokens(llm: LLM, llama_dir: Path) -> None:
+    """A prompt longer than the context runs on its last `truncate_prompt_tokens` ids (vLLM's
+    left truncation), as transformers does on those ids alone."""
+    long_prompt = [5 + i % 400 for i in range(llm.engine.config.max_model_len + 50)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, truncate_prompt_tokens=20)
+    out = llm.generate([long_prompt], params, use_tqdm=False)[0]
+    assert out.prompt_token_ids == long_prompt[-20:]
+    assert out.outputs[0].token_ids == hf_greedy(llama_dir, long_prompt[-20:], 6)
+    with pytest.raises(ValueError, match="context window"):
+        llm.generate([long_prompt], SamplingParams(max_tokens=6), use_tqdm=False)

@@ -125,3 +125,22 @@ def test_without_a_tokenizer_token_ids_pass_through() -> None:
     stream = ChoiceStream(None, [1], SamplingParams(stop=["x"]))
     update = stream.update([4, 5], "length")
     assert update is not None and update.token_ids == [4, 5] and update.text == ""
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens() -> None:
+    params = SamplingParams(truncate_prompt_tokens=5, max_tokens=3)
+    (child,) = prepare("r", list(range(1, 41)), params, LIMITS)
+    assert child.prompt_token_ids == [36, 37, 38, 39, 40]
+    (short,) = prepare("r", [7, 8], params, LIMITS)
+    assert short.prompt_token_ids == [7, 8]
+    # Too long for the context without truncation, fine with it.
+    with pytest.raises(IntakeError):
+        prepare("r", [1] * 40, SamplingParams(max_tokens=3), LIMITS)
+
+
+def test_truncation_never_cuts_a_prompt_with_images() -> None:
+    params = SamplingParams(truncate_prompt_tokens=5)
+    with pytest.raises(IntakeError) as info:
+        prepare("r", list(range(1, 11)), params, LIMITS, has_images=True)
+    assert info.value.param == "truncate_prompt_tokens"
+    assert prepare("r", [1, 2], params, LIMITS, has_images=True)[0].prompt_token_ids == [1, 2]

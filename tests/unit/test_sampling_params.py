@@ -57,6 +57,9 @@ BAD = [
     ("allowed_token_ids", ["a"]),
     ("allowed_token_ids", 7),
     ("allowed_token_ids", {3: 1}),
+    ("truncate_prompt_tokens", 0),
+    ("truncate_prompt_tokens", 2.5),
+    ("truncate_prompt_tokens", True),
 ]
 
 

@@ -55,7 +55,7 @@ from tokenmill.cache.cache_manager import CacheManager
 from tokenmill.cache.host_tier import HostKVTier
 from tokenmill.config import EngineConfig
 from tokenmill.engine.scheduler import Scheduler
-from tokenmill.intake import ContextLimits, check_prompt
+from tokenmill.intake import ContextLimits, check_prompt, truncate_prompt
 from tokenmill.ipc.messages import STEP_KINDS
 from tokenmill.observability.histogram import (
     STEP_SECONDS_BUCKETS,
@@ -253,6 +253,7 @@ class EngineCore:
                 f"n must be 1 for one engine request (see intake.prepare), got {params.n}"
             )
         if not checked:
+            prompt_token_ids = truncate_prompt(prompt_token_ids, params, bool(images))
             params = check_prompt(prompt_token_ids, params, self.limits)
         req = Request(
             request_id=request_id,

@@ -212,8 +212,10 @@ class LLM:
         prepared = []
         for ids, text, p, inputs in zip(token_ids, texts, params, images, strict=True):
             request_id = str(next(self._ids))
-            result = RequestOutput(request_id, text, ids, [])
-            prepared.append((result, prepare(request_id, ids, p, limits), inputs))
+            children = prepare(request_id, ids, p, limits, bool(inputs))
+            # The prompt the model sees (truncated where `truncate_prompt_tokens` says).
+            result = RequestOutput(request_id, text, children[0].prompt_token_ids, [])
+            prepared.append((result, children, inputs))
             if p.structured_outputs is not None:
                 # Compiled now (the engine reuses it): a constraint no token can start raises.
                 self.engine.grammar_compiler.submit(p.structured_outputs).result()

@@ -156,6 +156,7 @@ class _SamplingRequest(_Strict):
     min_tokens: count_type(ge=0) = 0  # type: ignore[valid-type]
     stop_token_ids: list[TokenId] | None = None
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    truncate_prompt_tokens: count_type(ge=1) | None = None  # type: ignore[valid-type]
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -197,6 +198,7 @@ class _SamplingRequest(_Strict):
             "stop_token_ids": self.stop_token_ids or [],
             "logit_bias": {int(t): v for t, v in (self.logit_bias or {}).items()} or None,
             "allowed_token_ids": self.allowed_token_ids,
+            "truncate_prompt_tokens": self.truncate_prompt_tokens,
             "max_tokens": max_tokens,
             "min_tokens": self.min_tokens,
             "ignore_eos": self.ignore_eos,

@@ -111,5 +111,8 @@ class TokenizerWorker:
                 )
         else:
             raise ValueError("prompt or messages must be given, got neither")
-        children = prepare(req.request_id, ids, req.params, self.limits)
-        return [encode(EngineRequest(c.request_id, ids, c.params, images)) for c in children]
+        children = prepare(req.request_id, ids, req.params, self.limits, bool(images))
+        return [
+            encode(EngineRequest(c.request_id, c.prompt_token_ids, c.params, images))
+            for c in children
+        ]
