@@ -332,15 +332,18 @@ class SamplingRows:
 
     `token_index[s]`: how many tokens the request generated before this one, unread ones
     included; it numbers the seeded draws and decides `min_tokens`. `suppressed`: position ->
-    token ids banned there (end-of-sequence and stop ids before `min_tokens`). `history`:
-    position -> (prompt, generated) token ids, where a penalty counts them (such steps are
-    blocking, so no generated token is unread).
+    token ids banned there (end-of-sequence and stop ids before `min_tokens`; the last token of
+    each bad word whose other tokens were just generated). `history`: position -> (prompt,
+    generated) token ids, where a penalty counts them; `watched`: the positions whose bad words
+    are longer than a token (both make the step blocking, so no generated token is unread).
     """
 
     params: list[SamplingParams] = field(default_factory=list)
     token_index: list[int] = field(default_factory=list)
     suppressed: dict[int, tuple[int, ...]] = field(default_factory=dict)
     history: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
+    # Positions whose bans follow the tokens before them (a bad word of several tokens).
+    watched: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.params)
@@ -366,6 +369,28 @@ class SamplingRows:
                 ahead = drafts[:j]
                 output = [*req.output_token_ids, *ahead] if ahead else req.output_token_ids
                 self.history[first + j] = (req.prompt_token_ids, output)
+        if p.bad_words_token_ids:
+            self._ban_bad_words(req, first, num_samples, drafts)
+
+    def _ban_bad_words(
+        self, req: Request, first: int, num_samples: int, drafts: Sequence[int]
+    ) -> None:
+        """Ban at each of the row's positions the last token of every bad word whose other
+        tokens end the output so far (a one-token word: always), as vLLM does."""
+        words = req.params.bad_words_token_ids or []
+        watched = any(len(w) > 1 for w in words)
+        for j in range(num_samples):
+            output = [*req.output_token_ids, *drafts[:j]]
+            banned = tuple(w[-1] for w in words if len(w) == 1 or _ends_with(output, w[:-1]))
+            if banned:
+                self.suppressed[first + j] = (*self.suppressed.get(first + j, ()), *banned)
+            if watched:
+                self.watched.append(first + j)
+
+
+def _ends_with(tokens: Sequence[int], suffix: Sequence[int]) -> bool:
+    n = len(suffix)
+    return len(tokens) >= n and list(tokens[len(tokens) - n :]) == list(suffix)
 
 
 @dataclass(frozen=True)
@@ -444,8 +469,10 @@ class StepPlan:
     @property
     def blocking(self) -> bool:
         """The next step must not be scheduled before this one's tokens are on the host: a
-        penalty counts every generated token; a verify decides how many tokens it emits."""
-        return bool(self.sampling.history) or bool((self.num_samples > 1).any())
+        penalty counts every generated token, a bad word of several tokens the newest ones; a
+        verify decides how many tokens it emits."""
+        sampling = self.sampling
+        return bool(sampling.history or sampling.watched) or bool((self.num_samples > 1).any())
 
     @property
     def samples_every_token(self) -> bool:

@@ -107,6 +107,8 @@ def check_prompt(
     _check_ids(
         params.allowed_token_ids or [], limits.vocab_size, "allowed_token_ids", "allowed_token_ids"
     )
+    for sequence in params.bad_words_token_ids or []:
+        _check_ids(sequence, limits.vocab_size, "bad_words_token_ids", "bad_words")
     max_len = limits.max_model_len
     if num_prompt >= max_len:
         raise IntakeError(

@@ -41,6 +41,10 @@ MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 4096
 # The most ids `allowed_token_ids` may list (a vocabulary of 256 k tokens at most).
 MAX_ALLOWED_TOKEN_IDS = 1 << 18
+# `bad_words`: how many, how long each (characters; tokens of a tokenized one); each is checked
+# against the newest tokens of every step the request samples in.
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 256
 
 
 @dataclass
@@ -209,20 +213,57 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    # vLLM's: words never to generate; tokenized by `LLM` and the server (`with_bad_words`)
+    # into `bad_words_token_ids`, which engine users may also set directly.
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         # Before `list()`: a number is not iterable (a TypeError naming nothing), a dict or a
         # set would pass its keys on.
-        for name in ("stop", "stop_token_ids"):
+        for name in ("stop", "stop_token_ids", "bad_words"):
             value = getattr(self, name)
             ok = value is None or isinstance(value, list | tuple)
             _check(ok, f"{name} must be a list", value)
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.bad_words = list(self.bad_words or [])
+        self._check_bad_words()
         self._normalize_token_maps()
         self._validate()
+
+    def _check_bad_words(self) -> None:
+        words, ids = self.bad_words, self.bad_words_token_ids
+        _check(
+            len(words) <= MAX_BAD_WORDS
+            and all(
+                isinstance(w, str) and w.strip() and len(w) <= MAX_BAD_WORD_CHARS
+                and is_valid_text(w)
+                for w in words
+            ),
+            f"bad_words must be at most {MAX_BAD_WORDS} non-blank strings of at most "
+            f"{MAX_BAD_WORD_CHARS} characters",
+            words if len(words) <= MAX_BAD_WORDS else f"{len(words)} words",
+        )  # fmt: skip
+        _check(
+            ids is None
+            or (
+                isinstance(ids, list | tuple)
+                and len(ids) <= 2 * MAX_BAD_WORDS
+                and all(
+                    isinstance(seq, list | tuple) and 0 < len(seq) <= MAX_BAD_WORD_CHARS
+                    and all(_is_int(t) and 0 <= t <= MAX_INT for t in seq)
+                    for seq in ids
+                )
+            ),
+            f"bad_words_token_ids must be at most {2 * MAX_BAD_WORDS} non-empty lists of token "
+            "ids",
+            ids if ids is None or len(ids) <= 2 * MAX_BAD_WORDS else f"{len(ids)} lists",
+        )  # fmt: skip
+        if ids is not None:
+            self.bad_words_token_ids = [list(seq) for seq in ids]
 
     def _normalize_token_maps(self) -> None:
         """`logit_bias` as a dict (empty: None), `allowed_token_ids` as a list, each checked

@@ -86,6 +86,31 @@ def test_truncate_prompt_tokens_keeps_the_end_of_a_long_prompt(server: ServerHan
     assert response.json()["usage"]["prompt_tokens"] == 50
 
 
+def test_bad_words_keep_a_word_out_of_the_output(server: ServerHandle) -> None:
+    """A token of the greedy output whose text tokenizes back to it alone, sent as a bad word
+    (text), is drawn no more."""
+    url = server.base_url
+    body = {"model": MODEL_NAME, "prompt": "Hello world", "max_tokens": 12, "temperature": 0,
+            "logprobs": 0, "return_tokens_as_token_ids": True, "ignore_eos": True}  # fmt: skip
+    response = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+    ids = [int(t.split(":")[1]) for t in response["choices"][0]["logprobs"]["tokens"]]
+
+    def alone(token: int) -> str | None:
+        text = httpx.post(url + "/detokenize", json={"tokens": [token]}).json()["prompt"]
+        if not text.strip() or not text.isprintable():
+            return None
+        again = httpx.post(
+            url + "/tokenize", json={"prompt": text.strip(), "add_special_tokens": False}
+        ).json()
+        return text.strip() if again["tokens"] == [token] else None
+
+    token, word = next((t, w) for t in ids if (w := alone(t)) is not None)
+    response = httpx.post(url + "/v1/completions", json={**body, "bad_words": [word]}, timeout=60)
+    assert response.status_code == 200, response.text
+    tokens = response.json()["choices"][0]["logprobs"]["tokens"]
+    assert f"token_id:{token}" not in tokens
+
+
 def test_streamed_completion_concatenates_to_the_full_text(client: openai.OpenAI) -> None:
     kwargs = {"model": MODEL_NAME, "prompt": "The cat", "max_tokens": 16, "temperature": 0}
     full = client.completions.create(**kwargs).choices[0].text

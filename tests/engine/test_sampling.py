@@ -248,3 +248,37 @@ def test_truncate_prompt_tokens_generates_from_the_last_tokens(llm: LLM, llama_d
     assert out.outputs[0].token_ids == hf_greedy(llama_dir, long_prompt[-20:], 6)
     with pytest.raises(ValueError, match="context window"):
         llm.generate([long_prompt], SamplingParams(max_tokens=6), use_tqdm=False)
+
+
+def test_bad_words_match_transformers_bad_words_ids(llm: LLM, llama_dir: Path) -> None:
+    """A bad word of one token is never drawn; one of two tokens never completed (its last
+    token banned right after its first), as transformers' `bad_words_ids` in one batch."""
+    greedy = hf_greedy(llama_dir, PROMPT, 12)
+    assert greedy[3] != PROMPT[-1]  # transformers also matches words against the prompt
+    words = {"one": [[greedy[0]]], "two": [[greedy[3], greedy[4]]]}
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, bad_words_token_ids=ids)
+        for ids in words.values()
+    ]
+    outputs = llm.generate([PROMPT, PROMPT], params, use_tqdm=False)
+    for out, ids in zip(outputs, words.values(), strict=True):
+        tokens = out.outputs[0].token_ids
+        assert tokens == _hf_generate(llama_dir, PROMPT, 12, bad_words_ids=ids) != greedy
+    two = outputs[1].outputs[0].token_ids
+    assert two[:4] == greedy[:4] and all(two[i : i + 2] != greedy[3:5] for i in range(11))
+
+
+def test_bad_words_are_tokenized_as_vllm_does(llm: LLM) -> None:
+    """Text bad words become token sequences with and without a leading space; a request's
+    output then holds neither."""
+    from tokenmill.tokenization.tokenizer import with_bad_words
+
+    params = with_bad_words(llm.tokenizer, SamplingParams(bad_words=["hello", " world"]))
+    tok = llm.tokenizer
+    assert tok.encode("hello", add_special_tokens=False) in params.bad_words_token_ids
+    assert tok.encode("world", add_special_tokens=False) in params.bad_words_token_ids
+    text = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    first = text[0].outputs[0].token_ids[0]
+    banned = SamplingParams(temperature=0, max_tokens=8, bad_words=[tok.decode([first])])
+    out = llm.generate(["hello"], banned, use_tqdm=False)[0].outputs[0].token_ids
+    assert first not in out

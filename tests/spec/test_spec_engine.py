@@ -471,3 +471,20 @@ def test_a_step_costs_the_time_from_its_launch_to_the_next_caller_time_included(
     # Plain steps (a token per row, two rows at most) and verify steps are reported apart.
     assert {verify for _, verify in cost.kinds} == {False, True}
     assert all(n <= 2 for n, verify in cost.kinds if not verify)
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "self_draft"])
+def test_bad_words_hold_across_accepted_drafts(
+    proposer: str, llama_dir: Path, draft_dir: Path, references: list[list[int]]
+) -> None:
+    """A bad word of two tokens is never completed inside a run of accepted drafts: greedy
+    with speculation equals greedy without, with the same bad words."""
+    method, draft = _proposers(llama_dir, draft_dir)[proposer]
+    llm = LLM(str(llama_dir), device="cpu", speculative_config=_spec(method, 4, draft))
+    plain = LLM(str(llama_dir), device="cpu")
+    ref = references[1]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                            bad_words_token_ids=[ref[5:7], [ref[9]]])  # fmt: skip
+    ours = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0].outputs[0].token_ids
+    expected = plain.generate([PROMPTS[1]], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert ours == expected and expected[:5] == ref[:5] and expected[5:7] != ref[5:7]

@@ -58,6 +58,13 @@ BAD = [
     ("allowed_token_ids", 7),
     ("allowed_token_ids", {3: 1}),
     ("truncate_prompt_tokens", 0),
+    ("bad_words", [""]),
+    ("bad_words", ["x" * 257]),
+    ("bad_words", [3]),
+    ("bad_words", "word"),
+    ("bad_words_token_ids", [[]]),
+    ("bad_words_token_ids", [[-1]]),
+    ("bad_words_token_ids", [3]),
     ("truncate_prompt_tokens", 2.5),
     ("truncate_prompt_tokens", True),
 ]

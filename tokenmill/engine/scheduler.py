@@ -535,10 +535,11 @@ def _pause_after(ready: list[Request], offers: np.ndarray, chosen: np.ndarray) -
 
 def _host_only(req: Request) -> bool:
     """Requests the draft model does not draft for: its drafts are not on the host to count
-    (penalties) or to check against a grammar."""
+    (penalties), to check against a grammar or to end a bad word of several tokens."""
     p = req.params
     penalised = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1
-    return bool(penalised) or p.structured_outputs is not None
+    watched = any(len(w) > 1 for w in p.bad_words_token_ids or ())
+    return bool(penalised) or watched or p.structured_outputs is not None
 
 
 def _pinned(req: Request) -> bool:

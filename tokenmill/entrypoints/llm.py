@@ -18,7 +18,13 @@ from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenization.chat_options import ChatTemplateOptions
 from tokenmill.tokenization.detokenizer import ChoiceStream
-from tokenmill.tokenization.tokenizer import Prompt, encode_prompt, load_tokenizer, render_chat
+from tokenmill.tokenization.tokenizer import (
+    Prompt,
+    encode_prompt,
+    load_tokenizer,
+    render_chat,
+    with_bad_words,
+)
 from tokenmill.vision.images import ImagePreprocessor, image_setup
 from tokenmill.vision.inputs import ImageInput
 
@@ -212,7 +218,9 @@ class LLM:
         prepared = []
         for ids, text, p, inputs in zip(token_ids, texts, params, images, strict=True):
             request_id = str(next(self._ids))
-            children = prepare(request_id, ids, p, limits, bool(inputs))
+            children = prepare(
+                request_id, ids, with_bad_words(self.tokenizer, p), limits, bool(inputs)
+            )
             # The prompt the model sees (truncated where `truncate_prompt_tokens` says).
             result = RequestOutput(request_id, text, children[0].prompt_token_ids, [])
             prepared.append((result, children, inputs))

@@ -46,6 +46,8 @@ from tokenmill.entrypoints.schema_types import (
 )
 from tokenmill.entrypoints.tool_parsers import ToolParser, get_tool_parser
 from tokenmill.sampling_params import (
+    MAX_BAD_WORD_CHARS,
+    MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
@@ -157,6 +159,11 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[TokenId] | None = None
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     truncate_prompt_tokens: count_type(ge=1) | None = None  # type: ignore[valid-type]
+    bad_words: (
+        Annotated[list[text_type(min_length=1, max_length=MAX_BAD_WORD_CHARS)],
+                  Field(max_length=MAX_BAD_WORDS)]
+        | None
+    ) = None  # fmt: skip
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -199,6 +206,7 @@ class _SamplingRequest(_Strict):
             "logit_bias": {int(t): v for t, v in (self.logit_bias or {}).items()} or None,
             "allowed_token_ids": self.allowed_token_ids,
             "truncate_prompt_tokens": self.truncate_prompt_tokens,
+            "bad_words": self.bad_words or [],
             "max_tokens": max_tokens,
             "min_tokens": self.min_tokens,
             "ignore_eos": self.ignore_eos,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 from collections.abc import Iterable
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 
-from tokenmill.sampling_params import is_valid_text
+from tokenmill.sampling_params import SamplingParams, is_valid_text
 from tokenmill.tokenization.chat_options import DEFAULT_CHAT_OPTIONS, ChatTemplateOptions
 from tokenmill.tokenization.tokenizer_class import CLASS_MODULES, auto_tokenizer_class
 from tokenmill.vision.images import split_images
@@ -112,6 +113,26 @@ def encode_prompt(
     if not isinstance(prompt, list | tuple):
         raise ValueError("prompt must be a string or a list of integer token ids")
     return list(prompt)  # each id is checked with the request (`intake.check_prompt`)
+
+
+def with_bad_words(
+    tokenizer: PreTrainedTokenizerBase | None, params: SamplingParams
+) -> SamplingParams:
+    """`params` with its `bad_words` tokenized into `bad_words_token_ids` (added to any given),
+    as vLLM does: each word as written (leading spaces stripped) and, where it tokenizes to
+    as many tokens but starts with another one, after a space (the word inside a sentence)."""
+    if not params.bad_words:
+        return params
+    if tokenizer is None:
+        raise ValueError("bad_words needs the model's tokenizer; pass bad_words_token_ids")
+    sequences = list(params.bad_words_token_ids or [])
+    for word in params.bad_words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        sequences.append(bare)
+        if len(spaced) == len(bare) and spaced[0] != bare[0]:
+            sequences.append(spaced)
+    return dataclasses.replace(params, bad_words_token_ids=sequences)
 
 
 def apply_chat_template(

@@ -18,7 +18,12 @@ from tokenmill.ipc.messages import (
 )
 from tokenmill.ipc.process import init_child
 from tokenmill.ipc.sockets import Addresses, encode, pull, push, request_id_of
-from tokenmill.tokenization.tokenizer import encode_prompt, load_tokenizer, render_chat
+from tokenmill.tokenization.tokenizer import (
+    encode_prompt,
+    load_tokenizer,
+    render_chat,
+    with_bad_words,
+)
 from tokenmill.vision.images import ImagePreprocessor, ImageSetup
 
 if TYPE_CHECKING:
@@ -111,7 +116,8 @@ class TokenizerWorker:
                 )
         else:
             raise ValueError("prompt or messages must be given, got neither")
-        children = prepare(req.request_id, ids, req.params, self.limits, bool(images))
+        params = with_bad_words(self.tokenizer, req.params)
+        children = prepare(req.request_id, ids, params, self.limits, bool(images))
         return [
             encode(EngineRequest(c.request_id, c.prompt_token_ids, c.params, images))
             for c in children
