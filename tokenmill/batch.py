@@ -11,6 +11,8 @@ the loop, not the vocabulary. The step protocol itself is explained in `engine.e
 from __future__ import annotations
 
 import enum
+import functools
+import hashlib
 import math
 import time
 from collections.abc import Sequence
@@ -216,9 +218,14 @@ class Request:
 
     def prefix_keys(self, end: int) -> list[int]:
         """The prefix cache's keys of tokens `[0, end)`: the token ids, with an image's
-        placeholder tokens keyed by the image's content (`MultimodalPrompt.cache_keys`)."""
+        placeholder tokens keyed by the image's content (`MultimodalPrompt.cache_keys`), and
+        the first keyed by the request's `cache_salt` too (`salted_key`)."""
         tokens = self.token_slice(0, end)
-        return tokens if self.mm is None else self.mm.cache_keys(tokens)
+        keys = tokens if self.mm is None else self.mm.cache_keys(tokens)
+        salt = self.params.cache_salt
+        if salt is None or not keys:
+            return keys
+        return [salted_key(salt, keys[0]), *keys[1:]]
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -299,6 +306,16 @@ class Request:
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.finish_time = time.time()
+
+
+@functools.lru_cache(maxsize=4096)
+def salted_key(salt: str, first: int) -> int:
+    """The prefix cache's key of a salted request's first token (or image key): a negative
+    key below every image's (`image_key`: 62 bits, keys -1 - key), from a hash of the salt and
+    the key it replaces, so that only requests of the same salt share any cached page."""
+    digest = hashlib.blake2b(salt.encode(), digest_size=8)
+    digest.update(first.to_bytes(8, "little", signed=True))
+    return -(1 << 62) - 1 - (int.from_bytes(digest.digest(), "little") >> 2)
 
 
 @dataclass(frozen=True)

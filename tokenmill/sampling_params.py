@@ -45,6 +45,7 @@ MAX_ALLOWED_TOKEN_IDS = 1 << 18
 # against the newest tokens of every step the request samples in.
 MAX_BAD_WORDS = 128
 MAX_BAD_WORD_CHARS = 256
+MAX_CACHE_SALT_CHARS = 256
 
 
 @dataclass
@@ -217,6 +218,9 @@ class SamplingParams:
     # into `bad_words_token_ids`, which engine users may also set directly.
     bad_words: list[str] = field(default_factory=list)
     bad_words_token_ids: list[list[int]] | None = None
+    # vLLM's: requests share cached prefixes only with requests of the same salt (tenants
+    # cannot learn from cache hits what others sent).
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -364,6 +368,15 @@ class SamplingParams:
             "truncate_prompt_tokens must be an integer >= 1 and < 2**63, or None",
             self.truncate_prompt_tokens,
         )
+        salt = self.cache_salt
+        _check(
+            salt is None
+            or (isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT_CHARS
+                and is_valid_text(salt)),
+            f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+            "characters, or None",
+            salt,
+        )  # fmt: skip
         if self.max_tokens is not None:
             _check(
                 self.min_tokens <= self.max_tokens,

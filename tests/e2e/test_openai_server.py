@@ -196,6 +196,18 @@ def test_repeated_prompt_reports_cached_tokens(client: openai.OpenAI) -> None:
     assert cached >= second.usage.prompt_tokens - 16 and cached > 0
 
 
+def test_cache_salt_keeps_tenants_prefixes_apart(client: openai.OpenAI) -> None:
+    prompt = "A salted prompt of a tenant of its own, long enough for pages. " * 8
+
+    def cached(salt: str) -> int:
+        response = client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=2, extra_body={"cache_salt": salt}
+        )
+        return response.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("a") == 0 and cached("a") > 0 and cached("b") == 0
+
+
 def test_reset_prefix_cache_empties_the_cache(server: ServerHandle, client: openai.OpenAI):
     prompt = "Reset me please, this prompt spans several pages. " * 4
     client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2)

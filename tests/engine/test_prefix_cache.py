@@ -60,6 +60,25 @@ def test_identical_1000_token_prefix_is_not_recomputed(llama_dir: Path) -> None:
     assert stats.hits == second.num_cached_tokens and stats.queries == 1003 + 1004
 
 
+def test_cache_salt_shares_cached_prefixes_only_within_a_salt(llama_dir: Path) -> None:
+    """A salted request hits only pages its own salt cached (vLLM's `cache_salt`): unsalted and
+    other salts' requests of the same prompt compute it again; the outputs do not change."""
+    llm = LLM(str(llama_dir), device="cpu")
+    prompt = [random.Random(1).randrange(5, 500) for _ in range(100)]
+
+    def run(salt: str | None):
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, cache_salt=salt)
+        return llm.generate([prompt], params, use_tqdm=False)[0]
+
+    plain = run(None)
+    assert run("tenant-a").num_cached_tokens == 0
+    again = run("tenant-a")
+    assert again.num_cached_tokens >= 96
+    assert run("tenant-b").num_cached_tokens == 0
+    assert run(None).num_cached_tokens >= 96  # the unsalted pages are still there
+    assert again.outputs[0].token_ids == plain.outputs[0].token_ids
+
+
 def test_without_prefix_caching_nothing_is_cached(llama_dir: Path) -> None:
     llm = LLM(str(llama_dir), device="cpu", enable_prefix_caching=False)
     outputs = llm.generate([BASE, BASE], GREEDY, use_tqdm=False)

@@ -94,3 +94,13 @@ def test_eviction_follows_use_without_walking_the_tree(
     assert cache.evict(1) == 1 and cache.pool.is_free(c[0])  # their parent, a leaf now
     assert not any(cache.pool.is_free(p) for p in a)
     assert cache.evict(8) == 2 and cache.num_cached_pages == 0
+
+
+def test_salted_keys_lie_below_every_image_key() -> None:
+    """A salted first key never equals a token id (>= 0) or an image's key (-1 - a 62-bit
+    hash), and differs by salt and by the key it replaces."""
+    from tokenmill.batch import salted_key
+
+    keys = {salted_key(salt, first) for salt in ("a", "b") for first in (0, 7, -5)}
+    assert len(keys) == 6
+    assert all(-(1 << 63) <= k < -(1 << 62) for k in keys)

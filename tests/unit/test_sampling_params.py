@@ -65,6 +65,9 @@ BAD = [
     ("bad_words_token_ids", [[]]),
     ("bad_words_token_ids", [[-1]]),
     ("bad_words_token_ids", [3]),
+    ("cache_salt", ""),
+    ("cache_salt", 5),
+    ("cache_salt", "x" * 257),
     ("truncate_prompt_tokens", 2.5),
     ("truncate_prompt_tokens", True),
 ]

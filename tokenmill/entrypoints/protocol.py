@@ -48,6 +48,7 @@ from tokenmill.entrypoints.tool_parsers import ToolParser, get_tool_parser
 from tokenmill.sampling_params import (
     MAX_BAD_WORD_CHARS,
     MAX_BAD_WORDS,
+    MAX_CACHE_SALT_CHARS,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
@@ -164,6 +165,7 @@ class _SamplingRequest(_Strict):
                   Field(max_length=MAX_BAD_WORDS)]
         | None
     ) = None  # fmt: skip
+    cache_salt: text_type(min_length=1, max_length=MAX_CACHE_SALT_CHARS) | None = None  # type: ignore[valid-type]
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -207,6 +209,7 @@ class _SamplingRequest(_Strict):
             "allowed_token_ids": self.allowed_token_ids,
             "truncate_prompt_tokens": self.truncate_prompt_tokens,
             "bad_words": self.bad_words or [],
+            "cache_salt": self.cache_salt,
             "max_tokens": max_tokens,
             "min_tokens": self.min_tokens,
             "ignore_eos": self.ignore_eos,
