@@ -494,7 +494,7 @@ class CacheConfig:
             )
 
 
-SCHEDULING_POLICIES = ("fcfs", "cache-aware")
+SCHEDULING_POLICIES = ("fcfs", "cache-aware", "priority")
 # When CUDA graphs are captured: all before the engine is ready, or one at a time between its
 # steps after it (a step of a size with no graph yet runs eagerly).
 CUDA_GRAPH_CAPTURES = ("startup", "background")
@@ -621,11 +621,18 @@ class ServedModel:
     vision: VisionConfig | None = None
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     images: ImageLimits = field(default_factory=ImageLimits)
+    priority_scheduling: bool = False  # a request may set `priority`
 
     @property
     def context_limits(self) -> ContextLimits:
-        """What a request must fit (vocabulary, context), and its default max_tokens."""
-        return ContextLimits(self.vocab_size, self.max_model_len, self.sampling_defaults.max_tokens)
+        """What a request must fit (vocabulary, context), its default max_tokens, and whether
+        it may set a priority."""
+        return ContextLimits(
+            self.vocab_size,
+            self.max_model_len,
+            self.sampling_defaults.max_tokens,
+            self.priority_scheduling,
+        )
 
 
 @dataclass(frozen=True)
@@ -660,6 +667,7 @@ class EngineConfig:
             vision=self.model.vision,
             sampling_defaults=self.sampling_defaults,
             images=self.images,
+            priority_scheduling=self.scheduler.policy == "priority",
         )
 
     @property
@@ -758,7 +766,9 @@ class EngineArgs:
     )
     scheduling_policy: str = option(
         "fcfs",
-        "Waiting-queue order: fcfs, or cache-aware (longest cached prefix first, bounded by age).",
+        "Waiting-queue order: fcfs, cache-aware (longest cached prefix first, bounded by age), "
+        "or priority (each request's `priority`, lower first, then arrival; the lowest is "
+        "preempted first).",
         choices=SCHEDULING_POLICIES,
     )
     cache_aware_max_wait: float = option(
@@ -903,6 +913,7 @@ class EngineArgs:
             images=ImageLimits(
                 self.max_images_per_prompt, self.max_image_bytes, self.max_image_pixels
             ),
+            priority_scheduling=self.scheduling_policy == "priority",
         )
 
     def _check_tokenizer_dir(self) -> None:

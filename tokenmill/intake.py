@@ -48,6 +48,7 @@ class ContextLimits:
     vocab_size: int
     max_model_len: int
     default_max_tokens: int | None = None
+    priority_scheduling: bool = False  # requests may set `priority` (else only 0)
 
 
 def prepare(
@@ -102,6 +103,12 @@ def check_prompt(
     if num_prompt == 0:
         raise IntakeError("prompt must contain at least one token, got none", "prompt")
     _check_ids(prompt_token_ids, limits.vocab_size, "prompt token ids", "prompt")
+    if params.priority and not limits.priority_scheduling:
+        raise IntakeError(
+            f"priority is {params.priority}, but this engine does not schedule by priority "
+            "(start it with --scheduling-policy priority)",
+            "priority",
+        )
     _check_ids(params.stop_token_ids, limits.vocab_size, "stop_token_ids", "stop_token_ids")
     _check_ids(list(params.logit_bias or ()), limits.vocab_size, "logit_bias keys", "logit_bias")
     _check_ids(

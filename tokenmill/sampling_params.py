@@ -221,6 +221,8 @@ class SamplingParams:
     # vLLM's: requests share cached prefixes only with requests of the same salt (tenants
     # cannot learn from cache hits what others sent).
     cache_salt: str | None = None
+    # vLLM's: the scheduling priority under `--scheduling-policy priority` (lower runs first).
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -367,6 +369,11 @@ class SamplingParams:
             ),
             "truncate_prompt_tokens must be an integer >= 1 and < 2**63, or None",
             self.truncate_prompt_tokens,
+        )
+        _check(
+            _is_int(self.priority) and -MAX_INT <= self.priority <= MAX_INT,
+            "priority must be an integer in (-2**63, 2**63)",
+            self.priority,
         )
         salt = self.cache_salt
         _check(

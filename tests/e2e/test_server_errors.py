@@ -61,6 +61,7 @@ COMPLETION_ERRORS = [
     ({"allowed_token_ids": []}, "allowed_token_ids", "at least 1 item"),
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "greater than or equal to 1"),
     ({"bad_words": [" "]}, "bad_words", "non-blank strings"),
+    ({"priority": 1}, "priority", "does not schedule by priority"),
     ({"bad_words": ["x"] * 129}, "bad_words", "at most 128 items"),
     ({"allowed_token_ids": [512]}, "allowed_token_ids", "less than 512"),
     ({"allowed_token_ids": [3], "response_format": {"type": "json_object"}}, "allowed_token_ids",
@@ -153,6 +154,7 @@ _FIELDS = [
     "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "max_completion_tokens",
     "logit_bias", "allowed_token_ids", "echo", "prompt_logprobs", "add_generation_prompt",
     "continue_final_message", "chat_template_kwargs", "truncate_prompt_tokens", "bad_words",
+    "cache_salt", "priority",
 ]  # fmt: skip
 
 

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import hf_greedy
 from tokenmill import LLM, SamplingParams
 from tokenmill.cache.cache_manager import CacheManager
 from tokenmill.engine.engine_core import EngineCore
@@ -125,6 +126,44 @@ def test_scheduling_policy_orders_admission(
     engine.add_request("cold", list(range(100, 140)), GREEDY)
     engine.add_request("warm", [*BASE, 1], GREEDY)
     assert _first_token_order(engine) == expected
+
+
+def test_priority_policy_admits_and_preempts_by_priority(llama_dir: Path) -> None:
+    """Under `priority`: the lowest priority value is admitted first whatever its arrival,
+    ties in arrival order; with a priority set, another policy refuses the request."""
+    llm = LLM(str(llama_dir), device="cpu", max_num_seqs=1, scheduling_policy="priority")
+    engine = llm.engine
+    for name, priority in (("late", 5), ("urgent", -2), ("normal", 0), ("normal2", 0)):
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, priority=priority)
+        engine.add_request(name, list(range(100, 120)), params)
+    assert _first_token_order(engine) == ["urgent", "normal", "normal2", "late"]
+    fcfs = LLM(str(llama_dir), device="cpu")
+    with pytest.raises(ValueError, match="priority is 3, but this engine does not schedule"):
+        fcfs.generate([[1, 2, 3]], SamplingParams(priority=3), use_tqdm=False)
+
+
+def test_priority_policy_preempts_the_lowest_priority(llama_dir: Path) -> None:
+    """Out of pages, the running request of the highest priority value is preempted, not the
+    newest one (an urgent request that came later); outputs stay transformers' greedy ones."""
+    llm = LLM(str(llama_dir), device="cpu", page_size=4, num_pages=24, max_model_len=96,
+              scheduling_policy="priority")  # fmt: skip
+    engine = llm.engine
+    preempted: list[str] = []
+    preempt = engine.scheduler._preempt
+    engine.scheduler._preempt = lambda req: (preempted.append(req.request_id), preempt(req))[1]
+    prompts = {"background": list(range(10, 30)), "urgent": list(range(60, 80))}
+    tokens: dict[str, list[int]] = {"background": [], "urgent": []}
+    for name, priority in (("background", 9), ("urgent", -1)):
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, priority=priority)
+        engine.add_request(name, prompts[name], params)
+        for _ in range(3):  # the background request runs alone first
+            for out in engine.step():
+                tokens[out.request_id].extend(out.new_token_ids)
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+    assert preempted and set(preempted) == {"background"}
+    assert tokens["urgent"] == hf_greedy(llama_dir, prompts["urgent"], 40)
 
 
 def assert_pages_partitioned(cache: CacheManager, engine: EngineCore) -> None:

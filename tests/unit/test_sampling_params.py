@@ -66,6 +66,8 @@ BAD = [
     ("bad_words_token_ids", [[-1]]),
     ("bad_words_token_ids", [3]),
     ("cache_salt", ""),
+    ("priority", 1.5),
+    ("priority", True),
     ("cache_salt", 5),
     ("cache_salt", "x" * 257),
     ("truncate_prompt_tokens", 2.5),

@@ -105,6 +105,10 @@ class Scheduler:
         """
         in_flight = in_flight or {}
         out = SchedulerOutput()
+        if self.config.policy == "priority":
+            # Higher priority first: scheduled first, admitted first, preempted last.
+            self.running.sort(key=_priority)
+            self.waiting = deque(sorted(self.waiting, key=_priority))
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget, in_flight)
         if not out.preempted:
@@ -408,12 +412,13 @@ class Scheduler:
     def _next_waiting(self) -> Request:
         """The waiting request to admit next under the configured policy.
 
-        `fcfs`: arrival order (preempted requests first). `cache-aware`: the longest cached prefix
+        `fcfs`: arrival order (preempted requests first). `priority`: the waiting queue in
+        `_priority` order (sorted by `schedule`). `cache-aware`: the longest cached prefix
         among the first `CACHE_AWARE_SCAN` waiting requests, except that a request waiting longer
         than `cache_aware_max_wait` seconds is taken in arrival order, so none starves.
         """
         head = self.waiting[0]
-        if self.config.policy == "fcfs":
+        if self.config.policy != "cache-aware":
             return head
         if time.time() - head.arrival_time > self.config.cache_aware_max_wait:
             return head
@@ -493,6 +498,11 @@ class Scheduler:
                 self._remove_finished(req)
                 return req
         return None
+
+
+def _priority(req: Request) -> tuple[int, float]:
+    """The `priority` policy's order: the request's priority (lower first), then arrival."""
+    return req.params.priority, req.arrival_time
 
 
 def _prefix_key(req: Request) -> list[int]:

@@ -166,6 +166,7 @@ class _SamplingRequest(_Strict):
         | None
     ) = None  # fmt: skip
     cache_salt: text_type(min_length=1, max_length=MAX_CACHE_SALT_CHARS) | None = None  # type: ignore[valid-type]
+    priority: Annotated[int, Field(ge=-MAX_INT64, le=MAX_INT64)] = 0  # lower runs first
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -210,6 +211,7 @@ class _SamplingRequest(_Strict):
             "truncate_prompt_tokens": self.truncate_prompt_tokens,
             "bad_words": self.bad_words or [],
             "cache_salt": self.cache_salt,
+            "priority": self.priority,
             "max_tokens": max_tokens,
             "min_tokens": self.min_tokens,
             "ignore_eos": self.ignore_eos,
