@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import msgspec
 import uvicorn
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -51,6 +52,7 @@ from tokenmill.entrypoints.protocol import (
     error_param,
     request_models,
 )
+from tokenmill.entrypoints.reasoning import REASONING_PARSERS, ReasoningParser, ReasoningStream
 from tokenmill.entrypoints.server_options import ServerOptions
 from tokenmill.entrypoints.supervisor import Supervisor, server_workers
 from tokenmill.entrypoints.tool_parsers import ToolParser, ToolStream
@@ -653,12 +655,14 @@ async def _serve_generation(
         _log_arrival(state, response.request_id, requests)
     outputs = _count_waiting(state, state.client.generate(requests), len(requests), params.n)
     top_n = params.logprobs or 0
+    reasoning = _reasoning_parser(state, params) if chat else None
     try:
         if not body.stream:
             if not await _collect(raw, response, outputs):
                 return Response(status_code=499)  # the client is gone; nobody reads this
             if isinstance(body, ChatCompletionRequest):
-                return JSONResponse(oai.chat_body(response, top_n, body.tool_parser))
+                chat_body = oai.chat_body(response, top_n, body.tool_parser, reasoning)
+                return JSONResponse(chat_body)
             return JSONResponse(oai.completion_body(response, top_n))
         # Wait for the first output so that a bad request still gets a 400, not a broken stream.
         first = await _first(raw, outputs)
@@ -667,8 +671,18 @@ async def _serve_generation(
     except RequestFailed as exc:
         return error_response(exc.error.status, exc.error.message, exc.error.param)
     parser = body.tool_parser if isinstance(body, ChatCompletionRequest) else None
-    stream = _stream(response, first, outputs, chat, top_n, body.include_usage, parser)
+    parsers = (parser, reasoning)
+    stream = _stream(response, first, outputs, chat, top_n, body.include_usage, parsers)
     return StreamingResponse(stream, media_type="text/event-stream")
+
+
+def _reasoning_parser(state: ServerState, params: SamplingParams) -> ReasoningParser | None:
+    """The server's reasoning parser, unless a grammar shapes the output from its first token
+    (structured outputs, a required tool call): such an output holds no reasoning."""
+    name = state.options.reasoning_parser
+    if name is None or params.structured_outputs is not None:
+        return None
+    return REASONING_PARSERS[name]
 
 
 async def _echo(state: ServerState, body: CompletionRequest) -> oai.Echo | Response:
@@ -793,11 +807,15 @@ async def _stream(
     chat: bool,
     top_n: int,
     include_usage: bool,
-    tool_parser: ToolParser | None = None,
+    parsers: tuple[ToolParser | None, ReasoningParser | None] = (None, None),
 ) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per output, an optional usage chunk, then `[DONE]`."""
+    """Server-sent events: one chunk per output, an optional usage chunk, then `[DONE]`. A
+    chat's text goes through the reasoning parser (reasoning as `delta.reasoning_content`),
+    then the rest through the tool parser, where given."""
+    tool_parser, reasoning = parsers
     started: set[int] = set()
     tool_streams: dict[int, ToolStream] = {}
+    reasoning_streams: dict[int, ReasoningStream] = {}
 
     def chunks(item: ChoiceOutput) -> list[dict[str, Any]]:
         index = response.index(item)
@@ -811,6 +829,13 @@ async def _stream(
         if first:
             role = {"role": "assistant", "content": ""}
             result.append(oai.chat_chunk(response, index, role, None, top_n))
+        if reasoning is not None:
+            split = reasoning_streams.setdefault(index, ReasoningStream(reasoning))
+            thought, text = split.feed(out.text, final=out.finish_reason is not None)
+            if thought:
+                delta = {"reasoning_content": thought}
+                result.append(oai.chat_chunk(response, index, delta, None, top_n))
+            out = msgspec.structs.replace(out, text=text)
         if tool_parser is not None:
             stream = tool_streams.setdefault(index, ToolStream(tool_parser))
             return result + oai.tool_chunks(response, index, stream, out, top_n)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.entrypoints.engine_client import ChoiceOutput
+from tokenmill.entrypoints.reasoning import ReasoningParser
 from tokenmill.entrypoints.tool_parsers import ToolCall, ToolParser, ToolStream
 from tokenmill.ipc.messages import ClientOutput, PromptTextLogprobs, TextLogprobs
 
@@ -225,12 +226,21 @@ def _prompt_logprobs_field(
 
 
 def chat_body(
-    state: ResponseState, top_n: int, tool_parser: ToolParser | None = None
+    state: ResponseState,
+    top_n: int,
+    tool_parser: ToolParser | None = None,
+    reasoning: ReasoningParser | None = None,
 ) -> dict[str, Any]:
-    """The non-streamed `chat.completion` body; `tool_parser` finds tool calls in the text."""
+    """The non-streamed `chat.completion` body; `reasoning` splits off the text's reasoning,
+    `tool_parser` finds tool calls in the rest."""
     choices = []
     for i, c in state.sorted_choices():
-        message, finish_reason = assistant_message(c.text, c.finish_reason, tool_parser)
+        thought, text = reasoning.split(c.text) if reasoning is not None else (None, c.text)
+        message, finish_reason = assistant_message(text or "", c.finish_reason, tool_parser)
+        if reasoning is not None:
+            message["reasoning_content"] = thought
+            if text is None:  # all reasoning (no closing tag yet)
+                message["content"] = None
         choices.append(
             {
                 "index": i,

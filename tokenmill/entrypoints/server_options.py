@@ -12,6 +12,7 @@ import ssl
 from dataclasses import dataclass
 
 from tokenmill.config import option
+from tokenmill.entrypoints.reasoning import REASONING_PARSERS
 from tokenmill.sampling_params import MAX_N
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
@@ -50,6 +51,14 @@ class ServerOptions:
     )
     chat_template: str | None = option(
         None, "Chat template (a file, or the Jinja text itself) instead of the checkpoint's."
+    )
+    reasoning_parser: str | None = option(
+        None,
+        "Split a thinking model's chat output into `reasoning_content` (between <think> and "
+        "</think>) and `content`: deepseek_r1 (reasoning from the first token) or qwen3 "
+        "(reasoning only when the output opens with <think>). Not for requests with structured "
+        "outputs, whose grammar applies from the first token.",
+        choices=tuple(REASONING_PARSERS),
     )
     max_request_body_bytes: int = option(
         16 * MIB, "Largest request body; larger ones get 413 before they are read."
@@ -134,6 +143,11 @@ class ServerOptions:
             )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(
+                f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got "
+                f"{self.reasoning_parser!r}"
+            )
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("give both ssl_keyfile and ssl_certfile, or neither")
         for path in (self.ssl_keyfile, self.ssl_certfile):

@@ -89,7 +89,7 @@ class ToolStream:
             if not self._in_call:
                 index = self._buffer.find(start)
                 if index < 0:
-                    keep = _partial_suffix(self._buffer, start)
+                    keep = partial_suffix(self._buffer, start)
                     events.append(self._buffer[: len(self._buffer) - keep])
                     self._buffer = self._buffer[len(self._buffer) - keep :]
                     break
@@ -124,7 +124,7 @@ class ToolStream:
         return call
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest end of `text` that begins `tag`."""
     for size in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-size:]):
