@@ -111,6 +111,20 @@ def test_bad_words_keep_a_word_out_of_the_output(server: ServerHandle) -> None:
     assert f"token_id:{token}" not in tokens
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server: ServerHandle):
+    """vLLM's `stream_options.continuous_usage_stats`: each chunk's usage counts the tokens
+    so far (never fewer than the chunk before), the last one all of them."""
+    body = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 6, "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: {")]
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert all("usage" in c for c in chunks) and counts == sorted(counts)
+    assert counts[-1] == 6 and chunks[-1]["choices"] == []
+
+
 def test_streamed_completion_concatenates_to_the_full_text(client: openai.OpenAI) -> None:
     kwargs = {"model": MODEL_NAME, "prompt": "The cat", "max_tokens": 16, "temperature": 0}
     full = client.completions.create(**kwargs).choices[0].text

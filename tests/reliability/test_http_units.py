@@ -52,7 +52,7 @@ def test_exception_mid_stream_ends_the_stream_with_an_error_event() -> None:
 
     async def run() -> list[str]:
         state = oai.ResponseState("cmpl-1", "m", 1)
-        stream = api_server._stream(state, _output("a"), outputs(), False, 0, False)
+        stream = api_server._stream(state, _output("a"), outputs(), False, 0, (False, False))
         return [chunk async for chunk in stream]
 
     chunks = asyncio.run(run())

@@ -83,7 +83,7 @@ def test_chat_body_and_stream_carry_reasoning_content_and_tool_calls() -> None:
 
     async def run() -> list[dict]:
         stream = api_server._stream(oai.ResponseState("chatcmpl-2", "m", 1), _output("<think>ta"),
-                                    outputs(), True, 0, False, (None, parser))  # fmt: skip
+                                    outputs(), True, 0, (False, False), (None, parser))  # fmt: skip
         chunks = [c async for c in stream]
         return [json.loads(c.removeprefix("data: ")) for c in chunks[:-1]]
 

@@ -672,7 +672,8 @@ async def _serve_generation(
         return error_response(exc.error.status, exc.error.message, exc.error.param)
     parser = body.tool_parser if isinstance(body, ChatCompletionRequest) else None
     parsers = (parser, reasoning)
-    stream = _stream(response, first, outputs, chat, top_n, body.include_usage, parsers)
+    usage = (body.include_usage, body.continuous_usage)
+    stream = _stream(response, first, outputs, chat, top_n, usage, parsers)
     return StreamingResponse(stream, media_type="text/event-stream")
 
 
@@ -806,13 +807,15 @@ async def _stream(
     outputs: AsyncIterator[ChoiceOutput],
     chat: bool,
     top_n: int,
-    include_usage: bool,
+    usage: tuple[bool, bool],
     parsers: tuple[ToolParser | None, ReasoningParser | None] = (None, None),
 ) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per output, an optional usage chunk, then `[DONE]`. A
-    chat's text goes through the reasoning parser (reasoning as `delta.reasoning_content`),
-    then the rest through the tool parser, where given."""
+    """Server-sent events: one chunk per output, an optional usage chunk, then `[DONE]`;
+    `usage`: (a usage chunk at the end, the usage so far in every chunk). A chat's text goes
+    through the reasoning parser (reasoning as `delta.reasoning_content`), then the rest
+    through the tool parser, where given."""
     tool_parser, reasoning = parsers
+    include_usage, continuous_usage = usage
     started: set[int] = set()
     tool_streams: dict[int, ToolStream] = {}
     reasoning_streams: dict[int, ReasoningStream] = {}
@@ -844,12 +847,18 @@ async def _stream(
             result.append(oai.chat_chunk(response, index, delta, out, top_n))
         return result
 
+    def events(item: ChoiceOutput) -> list[str]:
+        made = chunks(item)
+        if continuous_usage:
+            made = [{**chunk, "usage": response.usage()} for chunk in made]
+        return [_sse(chunk) for chunk in made]
+
     try:
-        for chunk in chunks(first):
-            yield _sse(chunk)
+        for event in events(first):
+            yield event
         async for item in outputs:
-            for chunk in chunks(item):
-                yield _sse(chunk)
+            for event in events(item):
+                yield event
         if include_usage:
             yield _sse(oai.usage_chunk(response, chat))
     except RequestFailed as exc:

@@ -86,6 +86,7 @@ class StreamOptions(_Strict):
     """`stream_options` of a streamed request."""
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
 # A union is told apart by the shape of its input (callable discriminators), so an error names
@@ -250,6 +251,12 @@ class _SamplingRequest(_Strict):
     def include_usage(self) -> bool:
         """Whether the stream ends with a usage chunk."""
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every streamed chunk carries the usage so far."""
+        options = self.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
 
     @property
     def num_prompts(self) -> int:
