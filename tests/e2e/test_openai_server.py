@@ -262,6 +262,17 @@ def test_chat_template_options_render_as_offline(server: ServerHandle, llama_dir
     assert response.json()["usage"]["prompt_tokens"] == len(offline.prompt_token_ids)
 
 
+def test_head_requests_get_the_headers_of_get(server: ServerHandle) -> None:
+    """Load balancers' HEAD health checks: 200 with GET's headers and no body, not 405."""
+    for path in ("/health", "/v1/models", "/version"):
+        head, get = httpx.head(server.base_url + path), httpx.get(server.base_url + path)
+        assert head.status_code == get.status_code == 200, path
+        assert head.content == b"" and head.headers.get("content-type") == get.headers.get(
+            "content-type"
+        )
+    assert httpx.head(server.base_url + "/v1/completions").status_code == 405
+
+
 def test_multibyte_characters_stream_intact(scripted_server: ServerHandle, scripted) -> None:
     _, ids = scripted
     client = openai.OpenAI(base_url=scripted_server.base_url + "/v1", api_key="x", max_retries=0)

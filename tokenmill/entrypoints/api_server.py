@@ -414,9 +414,11 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _add_middleware(app: FastAPI, state: ServerState) -> None:
-    """Innermost first: 503 on /v1 while starting, internal errors as 500s, the body limit, the
-    api key, then CORS (outermost, so that browsers' preflight requests need no key)."""
+    """Innermost first: 503 on /v1 while starting, HEAD as GET, internal errors as 500s, the
+    body limit, the api key, then CORS (outermost, so that browsers' preflight requests need no
+    key)."""
     app.add_middleware(_Starting, state=state)
+    app.add_middleware(_HeadAsGet)
     app.add_middleware(_InternalErrors)
     app.add_middleware(_BodyLimit, max_bytes=state.options.max_request_body_bytes)
     key = state.options.resolved_api_key
@@ -449,6 +451,26 @@ class _Starting:
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+class _HeadAsGet:
+    """HEAD on a GET route (load balancers' health checks) is answered as GET without the body,
+    as HTTP says, rather than 405."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def headers_only(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, headers_only)
 
 
 class _InternalErrors:
