@@ -32,6 +32,37 @@ class ServerHandle:
         """Child process name → pid, from the start-up log."""
         return {m[0]: int(m[1]) for m in re.findall(r"started (\S+) \(pid (\d+)\)", self.log)}
 
+    def group_processes(self) -> list[GroupProcess]:
+        """The running processes of the server's process group (zombies left out), the server
+        itself included, wherever they were reparented."""
+        return group_processes(self.proc.pid)
+
+
+@dataclass(frozen=True)
+class GroupProcess:
+    pid: int
+    ppid: int
+    title: str  # the first word of its command line: `tokenmill::tokenizer_0`, `python`, ...
+    command: str  # its whole command line, words joined by spaces
+
+
+def group_processes(pgid: int) -> list[GroupProcess]:
+    """The running processes (zombies left out) of process group `pgid`, from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            words = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue  # ended meanwhile
+        state, ppid, group = stat.rsplit(")", 1)[1].split()[:3]
+        if int(group) == pgid and state not in ("Z", "X"):
+            command = " ".join(w for w in words if w)
+            found.append(GroupProcess(int(entry.name), int(ppid), words[0].strip(), command))
+    return found
+
 
 def _free_port() -> int:
     with socket.socket() as s:

@@ -170,3 +170,58 @@ def test_workers_have_process_titles_and_sockets_are_removed_at_exit(
 
 def _title(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode().strip()
+
+
+WORKER_TITLES = [
+    "tokenmill::detokenizer",
+    "tokenmill::engine_core",
+    "tokenmill::tokenizer_0",
+    "tokenmill::tokenizer_1",
+]
+
+
+def _worker_pids(server: ServerHandle) -> dict[str, list[int]]:
+    """Every running tokenmill worker of the server's process group, by title."""
+    workers: dict[str, list[int]] = {}
+    for process in server.group_processes():
+        if process.title.startswith("tokenmill::"):
+            workers.setdefault(process.title, []).append(process.pid)
+    return dict(sorted(workers.items()))
+
+
+def _fork_server(server: ServerHandle) -> int | None:
+    """The pid of the server's fork server, if one runs."""
+    found = [
+        p.pid
+        for p in server.group_processes()
+        if p.ppid == server.proc.pid and "multiprocessing.forkserver" in p.command
+    ]
+    return found[0] if found else None
+
+
+def _one_of_each(server: ServerHandle, old: dict[str, list[int]]) -> bool:
+    """Exactly one of each worker, the forked ones new (the engine core the same)."""
+    now = _worker_pids(server)
+    if sorted(now) != WORKER_TITLES or any(len(pids) != 1 for pids in now.values()):
+        return False
+    forked = [title for title in WORKER_TITLES if title != "tokenmill::engine_core"]
+    return (
+        all(now[t] != old[t] for t in forked)
+        and now["tokenmill::engine_core"] == old["tokenmill::engine_core"]
+    )
+
+
+def test_killed_fork_server_leaves_one_of_each_worker_and_the_server_answers(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    with run_server(llama_dir, tmp_path / "log", "--num-tokenizer-workers", "2") as server:
+        assert wait_until(lambda: sorted(_worker_pids(server)) == WORKER_TITLES, timeout=30)
+        old = _worker_pids(server)
+        fork_server = _fork_server(server)
+        assert fork_server is not None
+        os.kill(fork_server, signal.SIGKILL)
+        # Its workers lived on, orphaned, beside the ones started in their place.
+        assert wait_until(lambda: _one_of_each(server, old), timeout=10), _worker_pids(server)
+        assert _post(server, SHORT).status_code == 200
+        assert "lost its fork server" in server.log
+        assert httpx.get(server.base_url + "/health").status_code == 200
