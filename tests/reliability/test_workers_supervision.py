@@ -225,3 +225,21 @@ def test_killed_fork_server_leaves_one_of_each_worker_and_the_server_answers(
         assert _post(server, SHORT).status_code == 200
         assert "lost its fork server" in server.log
         assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+def test_fork_server_killed_again_while_it_restarts_the_workers_is_started_once_more(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    with run_server(llama_dir, tmp_path / "log", "--num-tokenizer-workers", "2") as server:
+        assert wait_until(lambda: sorted(_worker_pids(server)) == WORKER_TITLES, timeout=30)
+        old = _worker_pids(server)
+        first = _fork_server(server)
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        # The supervisor starts a new one to restart the workers; it dies while importing their
+        # modules, before forking any (the restart's first try fails).
+        assert wait_until(lambda: _fork_server(server) not in (None, first), 5, interval=0.001)
+        os.kill(_fork_server(server), signal.SIGKILL)
+        assert wait_until(lambda: _one_of_each(server, old), timeout=10), _worker_pids(server)
+        assert _post(server, SHORT).status_code == 200
+        assert httpx.get(server.base_url + "/health").status_code == 200

@@ -12,7 +12,8 @@
 - A dead fork server (the tokenizer and detokenizer workers' parent) leaves its workers running,
   orphaned, though multiprocessing reports them dead: each is killed (through a pidfd, never a
   stale pid) and started again from a new fork server, like a dead worker, so that exactly the
-  configured workers run and none is left over.
+  configured workers run and none is left over. A restart that fails (its fork server died
+  meanwhile) is tried again; only a worker that cannot be restarted at all ends the server.
 - Once the server is shutting down (`stopping`), a worker that dies is not restarted and is no
   error: a group-wide SIGTERM (systemd, `kill -- -PGID`) reaches the workers too. The requests it
   held get a 503 error; the server exits normally.
@@ -51,6 +52,8 @@ logger = logging.getLogger("tokenmill.server")
 
 CHECK_INTERVAL_S = 0.2
 STOP_TIMEOUT_S = 5.0
+# A restart that fails is tried again (each try starts a new fork server if the last one died).
+RESTART_ATTEMPTS = 3
 
 
 class WorkerKind(enum.Enum):
@@ -226,6 +229,21 @@ class Supervisor:
         how = "killed it" if killed else f"it did not end within {STOP_TIMEOUT_S:.0f} s of SIGKILL"
         return f"{name} (pid {proc.pid}) lost its fork server ({how})"
 
+    def _restart(self, spec: WorkerSpec, what: str) -> BaseProcess | None:
+        """Start `spec` again, trying `RESTART_ATTEMPTS` times (a fork server that dies during a
+        start fails it; the next start starts a new one); None, and the server ends, if no try
+        succeeds."""
+        for attempt in range(1, RESTART_ATTEMPTS + 1):
+            try:
+                proc = self._spawn(spec)
+            except (OSError, EOFError) as exc:  # EOFError: the fork server died while forking
+                logger.warning("%s: restart %d failed: %r", spec.name, attempt, exc)
+                continue
+            self.restarts += 1
+            return proc
+        self.fail(f"{what}; it could not be restarted ({RESTART_ATTEMPTS} tries failed)")
+        return None
+
     def _engine_died(self, spec: WorkerSpec, what: str) -> None:
         if self.client.awaiting_engine:
             self.fail(f"server process died while restarting: {what}")
@@ -235,8 +253,9 @@ class Supervisor:
             self.fail(f"server process died: {what}")
             return
         num_failed = self.client.num_in_flight
-        proc = self._spawn(spec)
-        self.restarts += 1
+        proc = self._restart(spec, what)
+        if proc is None:
+            return
         logger.error(
             "%s; restarted it (--restart-engine), failing %d requests in flight", what, num_failed
         )
@@ -246,8 +265,8 @@ class Supervisor:
         message = f"{what} while this request was in flight; retry"
         tokenizer = spec.index if spec.kind is WorkerKind.TOKENIZER else None
         num_failed = self.client.fail_in_flight(message, status=503, tokenizer=tokenizer)
-        self._spawn(spec)
-        self.restarts += 1
+        if self._restart(spec, what) is None:
+            return
         logger.error("%s; restarted it, failing %d requests it held", what, num_failed)
 
     def _died_stopping(self, spec: WorkerSpec, what: str) -> None:
