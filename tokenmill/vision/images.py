@@ -147,24 +147,31 @@ class ImagePreprocessor:
         if not sources:
             return token_ids, ()
         images = [self.open(source, n) for n, source in enumerate(sources)]
-        rgb = [np.asarray(image) for image in images]
-        out = self.processor(images=images, return_tensors="np")
-        pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
-        grids = [tuple(int(x) for x in g) for g in out["image_grid_thw"]]
+        processed = [self._preprocess(image, n) for n, image in enumerate(images)]
         expanded: list[int] = []
         inputs: list[ImageInput] = []
-        cursor = start = 0
-        for position, grid, decoded in zip(placeholders, grids, rgb, strict=True):
-            patches = pixels[start : start + grid[0] * grid[1] * grid[2]]
-            start += len(patches)
-            n = num_image_tokens(grid, vision.spatial_merge_size)  # type: ignore[arg-type]
+        cursor = 0
+        for position, image, (patches, grid) in zip(placeholders, images, processed, strict=True):
+            n = num_image_tokens(grid, vision.spatial_merge_size)
             expanded += token_ids[cursor:position]
-            key = image_key(decoded, grid)  # type: ignore[arg-type]
-            inputs.append(ImageInput(key, patches, grid, len(expanded), n))  # type: ignore[arg-type]
+            key = image_key(np.asarray(image), grid)
+            inputs.append(ImageInput(key, patches, grid, len(expanded), n))
             expanded += [vision.image_token_id] * n
             cursor = position + 1
         expanded += token_ids[cursor:]
         return expanded, tuple(inputs)
+
+    def _preprocess(self, image: Image.Image, n: int) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """Image `n`'s patches and grid, from the image processor (one image at a time, so that
+        what it refuses, such as Qwen2-VL's aspect ratios over 200, is named by its image)."""
+        try:
+            out = self.processor(images=[image], return_tensors="np")
+        except ValueError as exc:
+            width, height = image.size
+            raise ValueError(f"messages: image {n} ({width}x{height}): {exc}") from None
+        pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
+        t, h, w = (int(x) for x in out["image_grid_thw"][0])
+        return pixels, (t, h, w)
 
     def open(self, source: ImageSource, n: int) -> Image.Image:
         """Image `n` of a request, decoded, in RGB, within the limits."""

@@ -1,0 +1,76 @@
+"""Images of every mode and shape a client may send, through a tokenizer worker: each is either
+preprocessed as transformers' image processor would see it, or refused with a 400 naming
+`messages` and the image, never a 500 or a dead worker."""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.multimodal.conftest import png_bytes, random_image
+from tokenmill.config import EngineArgs
+from tokenmill.intake import ContextLimits
+from tokenmill.ipc.messages import EngineRequest, RequestError, TokenizeRequest
+from tokenmill.ipc.sockets import encode
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenization.tokenizer import load_tokenizer
+from tokenmill.tokenization.tokenizer_worker import TokenizerWorker
+from tokenmill.vision.images import ImagePreprocessor, image_setup
+from tokenmill.vision.inputs import ImageInput
+
+
+@pytest.fixture(scope="module")
+def worker(vl_checkpoints: dict[str, Path]) -> TokenizerWorker:
+    path = vl_checkpoints["qwen3_vl"]
+    setup = image_setup(EngineArgs(model=str(path), device="cpu").create_served_model())
+    assert setup is not None
+    return TokenizerWorker(
+        load_tokenizer(str(path)), ContextLimits(600, 4096, None), ImagePreprocessor(setup)
+    )
+
+
+def _encoded(image: Image.Image, fmt: str = "PNG", **options: object) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt, **options)
+    return buf.getvalue()
+
+
+def _handle(worker: TokenizerWorker, *images: bytes) -> tuple[list[bytes], RequestError | None]:
+    urls = [f"data:image/png;base64,{base64.b64encode(data).decode()}" for data in images]
+    parts = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+    messages = [{"role": "user", "content": [*parts, {"type": "text", "text": "Describe."}]}]
+    request = TokenizeRequest("r", SamplingParams(max_tokens=2), messages=messages)
+    return worker.handle(encode(request))
+
+
+def _refusal(worker: TokenizerWorker, *images: bytes) -> str:
+    """The message of the 400 naming `messages` that `images` get."""
+    encoded, error = _handle(worker, *images)
+    assert encoded == [] and error is not None
+    assert (error.status, error.param) == (400, "messages"), error
+    return error.message
+
+
+def _preprocessed(worker: TokenizerWorker, *images: bytes) -> tuple[ImageInput, ...]:
+    (encoded,), error = _handle(worker, *images)
+    assert error is None, error
+    request = msgspec.msgpack.decode(encoded, type=EngineRequest)
+    return tuple(payload.image() for payload in request.images)
+
+
+def _reference(worker: TokenizerWorker, image: Image.Image) -> np.ndarray:
+    """transformers' pixel values of `image`, given to its image processor as it is."""
+    assert worker.images is not None
+    return worker.images.processor(images=[image], return_tensors="np")["pixel_values"]
+
+
+def test_an_aspect_ratio_over_200_is_a_400_naming_the_image(worker: TokenizerWorker) -> None:
+    fine, wide = png_bytes(random_image(32, 32, seed=1)), png_bytes(random_image(402, 2, seed=2))
+    message = _refusal(worker, fine, wide)
+    assert message.startswith("messages: image 1 (402x2): ") and "aspect ratio" in message
