@@ -74,3 +74,31 @@ def test_an_aspect_ratio_over_200_is_a_400_naming_the_image(worker: TokenizerWor
     fine, wide = png_bytes(random_image(32, 32, seed=1)), png_bytes(random_image(402, 2, seed=2))
     message = _refusal(worker, fine, wide)
     assert message.startswith("messages: image 1 (402x2): ") and "aspect ratio" in message
+
+
+def _transparent(mode: str) -> Image.Image:
+    """Red, its left half transparent, in `mode` (a palette's transparency: its entry 0)."""
+    if mode == "P":
+        image = Image.new("P", (16, 16), 0)
+        image.putpalette([0, 0, 0, 255, 0, 0])
+        image.paste(1, (8, 0, 16, 16))
+        return image
+    rgba = np.zeros((16, 16, 4), np.uint8)
+    rgba[..., 0] = 255
+    rgba[:, 8:, 3] = 255
+    return Image.fromarray(rgba).convert(mode)
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P"])
+def test_transparency_is_composited_on_white_as_transformers_does(
+    worker: TokenizerWorker, mode: str
+) -> None:
+    image = _transparent(mode)
+    options = {"transparency": 0} if mode == "P" else {}
+    data = _encoded(image, **options)
+    (preprocessed,) = _preprocessed(worker, data)
+    reference = _reference(worker, Image.open(io.BytesIO(data)))
+    # transformers composites it on white; PIL's convert("RGB") showed what the transparent
+    # half hides (black for RGBA, dark gray for LA; for P it keeps the transparent colour,
+    # which transformers then composites).
+    np.testing.assert_array_equal(preprocessed.pixel_values, reference)

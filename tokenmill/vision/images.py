@@ -177,7 +177,7 @@ class ImagePreprocessor:
         """Image `n` of a request, decoded, in RGB, within the limits."""
         what = f"messages: image {n}"
         if isinstance(source, Image.Image):
-            return self._checked(source, what).convert("RGB")
+            return rgb(self._checked(source, what))
         if isinstance(source, str) and source.startswith("data:"):
             data = self._data_url(source, what)
         elif isinstance(source, str) and source.split(":", 1)[0].lower() in ("http", "https"):
@@ -206,7 +206,7 @@ class ImagePreprocessor:
             image.load()
         except _CORRUPT as exc:  # truncated or corrupt data
             raise ValueError(f"{what} could not be decoded: {exc}") from None
-        return image.convert("RGB")
+        return rgb(image)
 
     def _data_url(self, url: str, what: str) -> bytes:
         header, sep, payload = url.partition(",")
@@ -242,3 +242,13 @@ class ImagePreprocessor:
         limit = self.limits.max_image_pixels
         shown = f" ({size[0]}x{size[1]})" if size else ""
         return f"{what} has more than {limit} pixels{shown} (--max-image-pixels)"
+
+
+def rgb(image: Image.Image) -> Image.Image:
+    """`image` in RGB as transformers' image processors convert it (`convert_to_rgb`): what is
+    transparent composited on white (PIL's `convert("RGB")` drops the alpha channel, showing
+    what the transparent pixels hide, often black)."""
+    if "A" not in image.getbands() and image.info.get("transparency") is None:
+        return image.convert("RGB")
+    white = Image.new("RGBA", image.size, (255, 255, 255, 255))
+    return Image.alpha_composite(white, image.convert("RGBA")).convert("RGB")
