@@ -102,3 +102,13 @@ def test_transparency_is_composited_on_white_as_transformers_does(
     # half hides (black for RGBA, dark gray for LA; for P it keeps the transparent colour,
     # which transformers then composites).
     np.testing.assert_array_equal(preprocessed.pixel_values, reference)
+
+
+def test_a_16_bit_grayscale_image_keeps_its_shades(worker: TokenizerWorker) -> None:
+    shades = np.random.default_rng(3).integers(0, 256, (24, 32), dtype=np.uint8)
+    sixteen = Image.fromarray(shades.astype(np.uint16) * 257)  # 0x00..0xFFFF, mode I;16
+    assert sixteen.mode == "I;16"
+    (preprocessed,) = _preprocessed(worker, _encoded(sixteen))
+    # PIL's convert("RGB") clipped every value over 255: an image almost all white.
+    reference = _reference(worker, Image.fromarray(shades).convert("RGB"))
+    np.testing.assert_array_equal(preprocessed.pixel_values, reference)

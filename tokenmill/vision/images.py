@@ -247,8 +247,16 @@ class ImagePreprocessor:
 def rgb(image: Image.Image) -> Image.Image:
     """`image` in RGB as transformers' image processors convert it (`convert_to_rgb`): what is
     transparent composited on white (PIL's `convert("RGB")` drops the alpha channel, showing
-    what the transparent pixels hide, often black)."""
+    what the transparent pixels hide, often black); a 16-bit grayscale image (`I;16`, `I;16B`,
+    ...) as its values' top bytes (PIL's clips every value over 255: the image turned white)."""
+    if image.mode.startswith("I;16"):
+        image = Image.fromarray(_top_bytes(np.asarray(image)))
     if "A" not in image.getbands() and image.info.get("transparency") is None:
         return image.convert("RGB")
     white = Image.new("RGBA", image.size, (255, 255, 255, 255))
     return Image.alpha_composite(white, image.convert("RGBA")).convert("RGB")
+
+
+def _top_bytes(values: np.ndarray) -> np.ndarray:
+    """16-bit values as 8-bit ones."""
+    return (values.astype(np.int64).clip(0, 65535) >> 8).astype(np.uint8)
