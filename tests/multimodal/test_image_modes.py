@@ -112,3 +112,17 @@ def test_a_16_bit_grayscale_image_keeps_its_shades(worker: TokenizerWorker) -> N
     # PIL's convert("RGB") clipped every value over 255: an image almost all white.
     reference = _reference(worker, Image.fromarray(shades).convert("RGB"))
     np.testing.assert_array_equal(preprocessed.pixel_values, reference)
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "WEBP", "TIFF"])
+def test_an_exif_orientation_is_applied_as_a_viewer_shows_it(
+    worker: TokenizerWorker, fmt: str
+) -> None:
+    stored = random_image(48, 16, seed=4)
+    exif = stored.getexif()
+    exif[0x0112] = 6  # Orientation: shown turned 90 degrees clockwise
+    options = {"lossless": True} if fmt == "WEBP" else {}
+    (preprocessed,) = _preprocessed(worker, _encoded(stored, fmt, exif=exif, **options))
+    shown = stored.transpose(Image.Transpose.ROTATE_270)  # 16 wide, 48 high
+    np.testing.assert_array_equal(preprocessed.pixel_values, _reference(worker, shown))
+    assert preprocessed.grid_thw[1] > preprocessed.grid_thw[2]  # taller than wide

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from tokenmill.vision.inputs import ImageInput, image_key, num_image_tokens
 
@@ -174,7 +174,8 @@ class ImagePreprocessor:
         return pixels, (t, h, w)
 
     def open(self, source: ImageSource, n: int) -> Image.Image:
-        """Image `n` of a request, decoded, in RGB, within the limits."""
+        """Image `n` of a request, decoded, turned by its EXIF orientation (not a PIL image:
+        that is taken as it is), in RGB, within the limits."""
         what = f"messages: image {n}"
         if isinstance(source, Image.Image):
             return rgb(self._checked(source, what))
@@ -204,6 +205,8 @@ class ImagePreprocessor:
         self._checked(image, what)  # the pixel count, before decoding them
         try:
             image.load()
+            # Turned as a viewer shows it (phone cameras store photos sideways and say so).
+            ImageOps.exif_transpose(image, in_place=True)
         except _CORRUPT as exc:  # truncated or corrupt data
             raise ValueError(f"{what} could not be decoded: {exc}") from None
         return rgb(image)
