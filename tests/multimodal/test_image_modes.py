@@ -126,3 +126,17 @@ def test_an_exif_orientation_is_applied_as_a_viewer_shows_it(
     shown = stored.transpose(Image.Transpose.ROTATE_270)  # 16 wide, 48 high
     np.testing.assert_array_equal(preprocessed.pixel_values, _reference(worker, shown))
     assert preprocessed.grid_thw[1] > preprocessed.grid_thw[2]  # taller than wide
+
+
+EPS = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\n{ } loop\n"  # Ghostscript: forever
+
+
+@pytest.mark.parametrize("data", [EPS, b"P6\n2 2\n255\n" + bytes(12)], ids=["EPS", "PPM"])
+def test_a_format_outside_the_read_ones_is_a_400_naming_them(
+    worker: TokenizerWorker, data: bytes
+) -> None:
+    message = _refusal(worker, data)
+    assert message == (
+        "messages: image 0 is not an image this server reads "
+        "(PNG, JPEG, WEBP, GIF, BMP, TIFF, AVIF)"
+    )

@@ -28,6 +28,10 @@ if TYPE_CHECKING:  # the tokenizer workers import this module; torch (via config
 # a file path), encoded bytes, or a decoded PIL image.
 ImageSource = str | bytes | Path | Image.Image
 
+# The formats read: what image APIs take, and no more of PIL's decoders than that (EPS would run
+# Ghostscript on the client's PostScript; the rarer ones are attack surface nobody needs).
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "AVIF")
+
 # What PIL raises for truncated or corrupt data (past `Image.open`'s own checks).
 _CORRUPT = (OSError, SyntaxError, ValueError, EOFError)
 
@@ -195,9 +199,10 @@ class ImagePreprocessor:
         if len(data) > self.limits.max_image_bytes:
             raise ValueError(self._too_many_bytes(what, len(data)))
         try:
-            image = Image.open(io.BytesIO(data))  # reads the header only
+            image = Image.open(io.BytesIO(data), formats=FORMATS)  # reads the header only
         except UnidentifiedImageError:
-            raise ValueError(f"{what} is not an image this server can read") from None
+            formats = ", ".join(FORMATS)
+            raise ValueError(f"{what} is not an image this server reads ({formats})") from None
         except Image.DecompressionBombError:
             raise ValueError(self._too_many_pixels(what, None)) from None
         except _CORRUPT as exc:  # a header cut short or corrupt (JPEG, WebP, ...)
