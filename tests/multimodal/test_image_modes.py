@@ -140,3 +140,9 @@ def test_a_format_outside_the_read_ones_is_a_400_naming_them(
         "messages: image 0 is not an image this server reads "
         "(PNG, JPEG, WEBP, GIF, BMP, TIFF, AVIF)"
     )
+
+
+def test_a_corrupt_avif_is_a_400(worker: TokenizerWorker) -> None:
+    data = bytearray(_encoded(random_image(40, 24, seed=5), "AVIF"))
+    data[81] ^= 0xFF  # its decoder raises RuntimeError("Missing or empty image item")
+    assert _refusal(worker, bytes(data)).startswith("messages: image 0 could not be decoded: ")

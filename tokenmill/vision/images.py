@@ -32,8 +32,9 @@ ImageSource = str | bytes | Path | Image.Image
 # Ghostscript on the client's PostScript; the rarer ones are attack surface nobody needs).
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "AVIF")
 
-# What PIL raises for truncated or corrupt data (past `Image.open`'s own checks).
-_CORRUPT = (OSError, SyntaxError, ValueError, EOFError)
+# What PIL raises for truncated or corrupt data (past `Image.open`'s own checks; AVIF's decoder
+# raises RuntimeError).
+_CORRUPT = (OSError, SyntaxError, ValueError, EOFError, RuntimeError)
 
 # Content part types that carry an image, and the key holding it (OpenAI's and vLLM's forms).
 _IMAGE_PARTS = {"image_url": "image_url", "image": "image", "image_pil": "image_pil"}
