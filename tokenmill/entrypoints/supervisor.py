@@ -28,6 +28,7 @@ import multiprocessing
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
@@ -52,8 +53,10 @@ logger = logging.getLogger("tokenmill.server")
 
 CHECK_INTERVAL_S = 0.2
 STOP_TIMEOUT_S = 5.0
-# A restart that fails is tried again (each try starts a new fork server if the last one died).
+# A restart that fails is tried again (each try starts a new fork server if the last one died),
+# after a pause: multiprocessing starts a new one only once the dead one has exited (waitpid).
 RESTART_ATTEMPTS = 3
+RESTART_PAUSE_S = 0.5
 
 
 class WorkerKind(enum.Enum):
@@ -238,6 +241,7 @@ class Supervisor:
                 proc = self._spawn(spec)
             except (OSError, EOFError) as exc:  # EOFError: the fork server died while forking
                 logger.warning("%s: restart %d failed: %r", spec.name, attempt, exc)
+                time.sleep(RESTART_PAUSE_S)
                 continue
             self.restarts += 1
             return proc
