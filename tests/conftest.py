@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -108,3 +111,13 @@ def hf_logprobs(path: Path, tokens: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = _hf_model(path)(torch.tensor([tokens])).logits[0]
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+@pytest.fixture
+def socket_root(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The temporary directory of the servers a test starts (short: ipc:// paths are limited to
+    ~100 bytes), where each keeps its socket folder (`tests.e2e.server.socket_folders`)."""
+    root = Path(tempfile.mkdtemp(prefix="tm-", dir="/tmp"))
+    monkeypatch.setenv("TMPDIR", str(root))
+    yield root
+    shutil.rmtree(root)

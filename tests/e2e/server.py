@@ -70,8 +70,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
-def run_server(model_dir: Path, log_path: Path, *extra: str) -> Iterator[ServerHandle]:
+def launch_server(model_dir: Path, log_path: Path, *extra: str) -> ServerHandle:
+    """`tokenmill serve` of `model_dir` on a free port, in a session of its own, logging to
+    `log_path`; returns at once (see `run_server`)."""
     port = _free_port()
     cmd = [
         sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", str(model_dir),
@@ -79,7 +80,14 @@ def run_server(model_dir: Path, log_path: Path, *extra: str) -> Iterator[ServerH
     ]  # fmt: skip
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    handle = ServerHandle(f"http://127.0.0.1:{port}", proc, log_path)
+    return ServerHandle(f"http://127.0.0.1:{port}", proc, log_path)
+
+
+@contextlib.contextmanager
+def run_server(model_dir: Path, log_path: Path, *extra: str) -> Iterator[ServerHandle]:
+    """A healthy server (`launch_server`), stopped (SIGTERM, then SIGKILL) at the end."""
+    handle = launch_server(model_dir, log_path, *extra)
+    proc = handle.proc
     try:
         _wait_healthy(handle)
         yield handle
@@ -113,3 +121,8 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.1) -> bool:
             return True
         time.sleep(interval)
     return False
+
+
+def socket_folders(root: Path) -> list[Path]:
+    """tokenmill's socket folders under `root` (multiprocessing may keep its own `pymp-*`)."""
+    return list(root.glob("tokenmill-*"))

@@ -3,36 +3,19 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.e2e.server import MODEL_NAME, ServerHandle, run_server, wait_until
+from tests.e2e.server import MODEL_NAME, ServerHandle, run_server, socket_folders, wait_until
 
 # Long choices keep the engine busy, so the requests are surely in flight when a worker dies.
 LONG = {"model": MODEL_NAME, "prompt": "go", "max_tokens": 1000, "n": 4, "ignore_eos": True}
 SHORT = {"model": MODEL_NAME, "prompt": "hello there", "max_tokens": 4}
-
-
-@pytest.fixture
-def socket_root(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """The server's temporary directory (short: ipc:// paths are limited to ~100 bytes)."""
-    root = Path(tempfile.mkdtemp(prefix="tm-", dir="/tmp"))
-    monkeypatch.setenv("TMPDIR", str(root))
-    yield root
-    shutil.rmtree(root)
-
-
-def _socket_folders(root: Path) -> list[Path]:
-    """tokenmill's folders under ``root`` (multiprocessing may keep its own ``pymp-*`` there)."""
-    return list(root.glob("tokenmill-*"))
 
 
 def _post(server: ServerHandle, body: dict, timeout: float = 60) -> httpx.Response:
@@ -162,10 +145,10 @@ def test_workers_have_process_titles_and_sockets_are_removed_at_exit(
         # still be importing, before it titles itself.
         wait_until(lambda: {n: _title(p) for n, p in pids.items()} == expected, timeout=30)
         assert {name: _title(pid) for name, pid in pids.items()} == expected
-        assert len(_socket_folders(socket_root)) == 1
+        assert len(socket_folders(socket_root)) == 1
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(timeout=30) == 0
-    assert _socket_folders(socket_root) == []
+    assert socket_folders(socket_root) == []
 
 
 def _title(pid: int) -> str:
