@@ -14,7 +14,7 @@ import threading
 import types
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, get_args, get_origin, get_type_hints
 
 from tokenmill import __version__
 from tokenmill.config import DEMO_MODEL_DIR, EngineArgs
@@ -478,17 +478,22 @@ def _spec_bench(args: OfflineBenchArgs, output: str | None) -> int:
 
 
 def _serve(ns: argparse.Namespace) -> int:
-    stop_on_signals()  # before anything starts: a SIGTERM from here on stops it cleanly
-    try:
-        return _serve_model(ns)
-    except (KeyboardInterrupt, Stopped) as exc:  # before (or after) uvicorn handled signals
-        code, why = (130, "interrupted") if isinstance(exc, KeyboardInterrupt) else (0, str(exc))
-        print(f"tokenmill: {why}", file=sys.stderr, flush=True)
-        # The clean-ups have run. An import the signal cut short on this thread can leave its
-        # module's lock held for good, and the thread loading the tokenizer waiting for it:
-        # exiting normally would join that thread forever.
-        logging.shutdown()
-        os._exit(code)
+    # Before anything starts: a SIGTERM from here on stops the server cleanly.
+    with stop_on_signals():
+        try:
+            return _serve_model(ns)
+        except (KeyboardInterrupt, Stopped) as exc:  # before (or after) uvicorn took signals
+            _exit_stopped(exc)
+
+
+def _exit_stopped(exc: KeyboardInterrupt | Stopped) -> NoReturn:
+    code, why = (130, "interrupted") if isinstance(exc, KeyboardInterrupt) else (0, str(exc))
+    print(f"tokenmill: {why}", file=sys.stderr, flush=True)
+    # The clean-ups have run. An import the signal cut short on this thread can leave its
+    # module's lock held for good, and the thread loading the tokenizer waiting for it: exiting
+    # normally would join that thread forever.
+    logging.shutdown()
+    os._exit(code)
 
 
 def _serve_model(ns: argparse.Namespace) -> int:

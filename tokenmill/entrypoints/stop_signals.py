@@ -11,8 +11,10 @@ start-up unwinds through its clean-ups; SIGHUP is passed on as a SIGTERM.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+from collections.abc import Iterator
 from types import FrameType
 
 
@@ -24,11 +26,19 @@ class Stopped(BaseException):
         super().__init__(f"stopped by {signal.Signals(signum).name} while starting")
 
 
-def stop_on_signals() -> None:
-    """From now on in this process (its main thread), SIGTERM raises `Stopped` (once: later ones
-    are ignored, so that the clean-ups it starts run to their end) and SIGHUP is a SIGTERM."""
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Within it, in this process (its main thread), SIGTERM raises `Stopped` (once: later ones
+    are ignored, so that the clean-ups it starts run to their end) and SIGHUP is a SIGTERM;
+    the handlers before it are restored at its end."""
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGHUP, _terminate)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _stop(signum: int, frame: FrameType | None) -> None:
