@@ -172,14 +172,23 @@ def _worker_pids(server: ServerHandle) -> dict[str, list[int]]:
     return dict(sorted(workers.items()))
 
 
-def _fork_server(server: ServerHandle) -> int | None:
-    """The pid of the server's fork server, if one runs."""
-    found = [
-        p.pid
-        for p in server.group_processes()
-        if p.ppid == server.proc.pid and "multiprocessing.forkserver" in p.command
-    ]
-    return found[0] if found else None
+def _kill_fork_server(server: ServerHandle, not_these: set[int]) -> int:
+    """SIGKILL the server's fork server, once one that is not in `not_these` runs; its pid."""
+    found: list[int] = []
+
+    def started() -> bool:
+        found[:] = [
+            p.pid
+            for p in server.group_processes()
+            if p.ppid == server.proc.pid
+            and "multiprocessing.forkserver" in p.command
+            and p.pid not in not_these
+        ]
+        return bool(found)
+
+    assert wait_until(started, timeout=5, interval=0.001)
+    os.kill(found[0], signal.SIGKILL)
+    return found[0]
 
 
 def _one_of_each(server: ServerHandle, old: dict[str, list[int]]) -> bool:
@@ -194,35 +203,20 @@ def _one_of_each(server: ServerHandle, old: dict[str, list[int]]) -> bool:
     )
 
 
+@pytest.mark.parametrize("kills", [1, 2], ids=["once", "again while restarting"])
 def test_killed_fork_server_leaves_one_of_each_worker_and_the_server_answers(
-    llama_dir: Path, tmp_path: Path
+    llama_dir: Path, tmp_path: Path, kills: int
 ) -> None:
+    """Its workers lived on, orphaned, beside the ones started in their place. Killed again,
+    the fork server the supervisor starts to restart them dies while importing their modules,
+    before forking any: the restart's first try fails (it ended the supervisor's watch)."""
     with run_server(llama_dir, tmp_path / "log", "--num-tokenizer-workers", "2") as server:
         assert wait_until(lambda: sorted(_worker_pids(server)) == WORKER_TITLES, timeout=30)
         old = _worker_pids(server)
-        fork_server = _fork_server(server)
-        assert fork_server is not None
-        os.kill(fork_server, signal.SIGKILL)
-        # Its workers lived on, orphaned, beside the ones started in their place.
+        killed: set[int] = set()
+        for _ in range(kills):
+            killed.add(_kill_fork_server(server, killed))
         assert wait_until(lambda: _one_of_each(server, old), timeout=10), _worker_pids(server)
         assert _post(server, SHORT).status_code == 200
         assert "lost its fork server" in server.log
-        assert httpx.get(server.base_url + "/health").status_code == 200
-
-
-def test_fork_server_killed_again_while_it_restarts_the_workers_is_started_once_more(
-    llama_dir: Path, tmp_path: Path
-) -> None:
-    with run_server(llama_dir, tmp_path / "log", "--num-tokenizer-workers", "2") as server:
-        assert wait_until(lambda: sorted(_worker_pids(server)) == WORKER_TITLES, timeout=30)
-        old = _worker_pids(server)
-        first = _fork_server(server)
-        assert first is not None
-        os.kill(first, signal.SIGKILL)
-        # The supervisor starts a new one to restart the workers; it dies while importing their
-        # modules, before forking any (the restart's first try fails).
-        assert wait_until(lambda: _fork_server(server) not in (None, first), 5, interval=0.001)
-        os.kill(_fork_server(server), signal.SIGKILL)
-        assert wait_until(lambda: _one_of_each(server, old), timeout=10), _worker_pids(server)
-        assert _post(server, SHORT).status_code == 200
         assert httpx.get(server.base_url + "/health").status_code == 200
