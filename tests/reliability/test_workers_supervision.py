@@ -220,3 +220,21 @@ def test_killed_fork_server_leaves_one_of_each_worker_and_the_server_answers(
         assert _post(server, SHORT).status_code == 200
         assert "lost its fork server" in server.log
         assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+def test_requests_in_flight_when_the_fork_server_dies_end_with_an_error_not_a_hang(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    with run_server(llama_dir, tmp_path / "log", "--max-model-len", "1024") as server:
+        results: dict[str, object] = {}
+        threads = _in_flight(server, results)
+        _kill_fork_server(server, set())
+        for t in threads:
+            t.join(timeout=10)
+        assert not any(t.is_alive() for t in threads)
+        plain = results["plain"]
+        assert plain.status_code == 503 and "fork server" in plain.json()["error"]["message"]
+        lines = results["stream"]
+        assert any('"error"' in line for line in lines) and "data: [DONE]" in lines
+        assert wait_until(lambda: _load(server).get("num_requests_running") == 0, timeout=10)
+        assert _post(server, SHORT).status_code == 200
