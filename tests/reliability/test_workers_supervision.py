@@ -70,19 +70,25 @@ def test_killed_worker_is_back_within_5s_and_the_next_request_succeeds(
         assert httpx.get(server.base_url + "/health").status_code == 200
 
 
+@pytest.mark.parametrize("killed", ["detokenizer", "fork server"])
 def test_killed_detokenizer_fails_its_in_flight_requests_and_frees_their_pages(
-    llama_dir: Path, tmp_path: Path
+    llama_dir: Path, tmp_path: Path, killed: str
 ) -> None:
+    """A dead fork server's detokenizer (orphaned, running on) is killed and restarted alike."""
     with run_server(llama_dir, tmp_path / "log", "--max-model-len", "1024") as server:
         results: dict[str, object] = {}
         threads = _in_flight(server, results)
-        os.kill(server.child_pids()["detokenizer"], signal.SIGKILL)
+        if killed == "detokenizer":
+            os.kill(server.child_pids()["detokenizer"], signal.SIGKILL)
+        else:
+            _kill_fork_server(server, set())
         killed_at = time.monotonic()
         for t in threads:
             t.join(timeout=10)
         assert time.monotonic() - killed_at < 5
         plain = results["plain"]
-        assert plain.status_code == 503 and "detokenizer" in plain.json()["error"]["message"]
+        message = plain.json()["error"]["message"]
+        assert plain.status_code == 503 and "detokenizer" in message and killed in message
         lines = results["stream"]
         assert any('"error"' in line for line in lines) and "data: [DONE]" in lines
         # Their choices were aborted in the engine: nothing is left running.
@@ -220,21 +226,3 @@ def test_killed_fork_server_leaves_one_of_each_worker_and_the_server_answers(
         assert _post(server, SHORT).status_code == 200
         assert "lost its fork server" in server.log
         assert httpx.get(server.base_url + "/health").status_code == 200
-
-
-def test_requests_in_flight_when_the_fork_server_dies_end_with_an_error_not_a_hang(
-    llama_dir: Path, tmp_path: Path
-) -> None:
-    with run_server(llama_dir, tmp_path / "log", "--max-model-len", "1024") as server:
-        results: dict[str, object] = {}
-        threads = _in_flight(server, results)
-        _kill_fork_server(server, set())
-        for t in threads:
-            t.join(timeout=10)
-        assert not any(t.is_alive() for t in threads)
-        plain = results["plain"]
-        assert plain.status_code == 503 and "fork server" in plain.json()["error"]["message"]
-        lines = results["stream"]
-        assert any('"error"' in line for line in lines) and "data: [DONE]" in lines
-        assert wait_until(lambda: _load(server).get("num_requests_running") == 0, timeout=10)
-        assert _post(server, SHORT).status_code == 200
