@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -138,3 +141,13 @@ def assert_prompt_logprobs_match(
         assert {entry[t].rank for t in top.indices.tolist()} == {1, 2, 3}
         for t, value in zip(top.indices.tolist(), top.values.tolist(), strict=True):
             assert entry[t].logprob == pytest.approx(value, abs=tolerance)
+
+
+@pytest.fixture
+def socket_root(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The temporary directory of the servers a test starts (short: ipc:// paths are limited to
+    ~100 bytes), where each keeps its socket folder (`tests.e2e.server.socket_folders`)."""
+    root = Path(tempfile.mkdtemp(prefix="tm-", dir="/tmp"))
+    monkeypatch.setenv("TMPDIR", str(root))
+    yield root
+    shutil.rmtree(root)

@@ -32,6 +32,37 @@ class ServerHandle:
         """Child process name → pid, from the start-up log."""
         return {m[0]: int(m[1]) for m in re.findall(r"started (\S+) \(pid (\d+)\)", self.log)}
 
+    def group_processes(self) -> list[GroupProcess]:
+        """The running processes of the server's process group (zombies left out), the server
+        itself included, wherever they were reparented."""
+        return group_processes(self.proc.pid)
+
+
+@dataclass(frozen=True)
+class GroupProcess:
+    pid: int
+    ppid: int
+    title: str  # the first word of its command line: `tokenmill::tokenizer_0`, `python`, ...
+    command: str  # its whole command line, words joined by spaces
+
+
+def group_processes(pgid: int) -> list[GroupProcess]:
+    """The running processes (zombies left out) of process group `pgid`, from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            words = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue  # ended meanwhile
+        state, ppid, group = stat.rsplit(")", 1)[1].split()[:3]
+        if int(group) == pgid and state not in ("Z", "X"):
+            command = " ".join(w for w in words if w)
+            found.append(GroupProcess(int(entry.name), int(ppid), words[0].strip(), command))
+    return found
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -39,8 +70,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
-def run_server(model_dir: Path, log_path: Path, *extra: str) -> Iterator[ServerHandle]:
+def launch_server(model_dir: Path, log_path: Path, *extra: str) -> ServerHandle:
+    """`tokenmill serve` of `model_dir` on a free port, in a session of its own, logging to
+    `log_path`; returns at once (see `run_server`)."""
     port = _free_port()
     cmd = [
         sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", str(model_dir),
@@ -48,7 +80,14 @@ def run_server(model_dir: Path, log_path: Path, *extra: str) -> Iterator[ServerH
     ]  # fmt: skip
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    handle = ServerHandle(f"http://127.0.0.1:{port}", proc, log_path)
+    return ServerHandle(f"http://127.0.0.1:{port}", proc, log_path)
+
+
+@contextlib.contextmanager
+def run_server(model_dir: Path, log_path: Path, *extra: str) -> Iterator[ServerHandle]:
+    """A healthy server (`launch_server`), stopped (SIGTERM, then SIGKILL) at the end."""
+    handle = launch_server(model_dir, log_path, *extra)
+    proc = handle.proc
     try:
         _wait_healthy(handle)
         yield handle
@@ -82,3 +121,8 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.1) -> bool:
             return True
         time.sleep(interval)
     return False
+
+
+def socket_folders(root: Path) -> list[Path]:
+    """tokenmill's socket folders under `root` (multiprocessing may keep its own `pymp-*`)."""
+    return list(root.glob("tokenmill-*"))

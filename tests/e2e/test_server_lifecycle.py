@@ -1,4 +1,5 @@
-"""Process failures and shutdown: SIGTERM ends requests cleanly; children die with the server.
+"""Process failures and shutdown: SIGTERM (and SIGHUP, which is one) ends requests cleanly, at
+any time, start-up included; children die with the server.
 
 (A killed engine core, tokenizer or detokenizer: tests/reliability/test_workers_supervision.py.)
 """
@@ -14,7 +15,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.server import MODEL_NAME, run_server, wait_until
+from tests.e2e.server import (
+    MODEL_NAME,
+    ServerHandle,
+    launch_server,
+    run_server,
+    socket_folders,
+    wait_until,
+)
 
 # Eight long choices per request keep the engine busy for seconds, so the requests are surely
 # still running when the test kills or stops the server.
@@ -61,6 +69,50 @@ def test_sigterm_to_the_process_group_is_a_clean_shutdown(llama_dir: Path, tmp_p
         assert " ERROR " not in server.log and "restarted" not in server.log
         assert server.child_pids() == children  # nothing was started again
         assert wait_until(lambda: not any(_alive(p) for p in children.values()), timeout=10)
+
+
+@pytest.mark.parametrize("to_group", [False, True], ids=["server", "group"])
+def test_sighup_is_a_sigterm(
+    llama_dir: Path, tmp_path: Path, socket_root: Path, to_group: bool
+) -> None:
+    """A closed terminal or ssh session hangs the server up (and, its group, the workers):
+    in-flight requests end cleanly, the server with 0 and its sockets removed."""
+    with run_server(llama_dir, tmp_path / "log", "--max-model-len", "1024") as server:
+        lines, thread = _stream_in_background(server.base_url)
+        assert wait_until(lambda: len(lines) > 0)
+        (os.killpg if to_group else os.kill)(server.proc.pid, signal.SIGHUP)
+        thread.join(timeout=15)
+        assert server.proc.wait(timeout=20) == 0
+        assert "data: [DONE]" in lines
+        assert wait_until(lambda: _ended(server, socket_root), timeout=10), _left(server)
+
+
+@pytest.mark.parametrize("to_group", [False, True], ids=["server", "group"])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["TERM", "HUP"])
+def test_a_stop_signal_during_start_up_stops_every_process_and_removes_the_sockets(
+    llama_dir: Path, tmp_path: Path, socket_root: Path, signum: int, to_group: bool
+) -> None:
+    server = launch_server(llama_dir, tmp_path / "log")
+    try:
+        # The engine core, the fork server and its workers start ahead of the server's imports.
+        assert wait_until(lambda: "started engine-core" in server.log, timeout=30), server.log
+        (os.killpg if to_group else os.kill)(server.proc.pid, signum)
+        assert server.proc.wait(timeout=20) == 0, server.log
+        assert "stopped by SIGTERM while starting" in server.log
+        assert wait_until(lambda: _ended(server, socket_root), timeout=10), _left(server)
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait()
+
+
+def _ended(server: ServerHandle, socket_root: Path) -> bool:
+    """Every process of the server's group ended, its socket folder removed."""
+    return not server.group_processes() and not socket_folders(socket_root)
+
+
+def _left(server: ServerHandle) -> list[str]:
+    return [process.command[:80] for process in server.group_processes()]
 
 
 def _stream_in_background(base_url: str) -> tuple[list[str], threading.Thread]:

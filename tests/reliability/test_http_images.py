@@ -94,6 +94,7 @@ def _bad_images() -> dict[str, list[str]]:
         "too many bytes": [_data_url(b"\0" * (MAX_IMAGE_BYTES + 1))],
         "too many pixels": [_data_url(png_bytes(random_image(101, 100, seed=3)))],
         "too many images": [_data_url(png)] * (MAX_IMAGES + 1),
+        "aspect ratio over 200": [_data_url(png_bytes(random_image(201, 1, seed=6)))],
     }
 
 
@@ -106,6 +107,8 @@ def test_bad_image_is_400_naming_messages(server: ServerHandle, case: str) -> No
     assert set(error) == {"message", "type", "param", "code"}
     assert error["param"] == "messages", error
     assert "image" in error["message"]
+    if case != "too many images":
+        assert error["message"].startswith("messages: image 0"), error
     assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
 
 

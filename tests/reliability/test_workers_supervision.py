@@ -3,36 +3,19 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.e2e.server import MODEL_NAME, ServerHandle, run_server, wait_until
+from tests.e2e.server import MODEL_NAME, ServerHandle, run_server, socket_folders, wait_until
 
 # Long choices keep the engine busy, so the requests are surely in flight when a worker dies.
 LONG = {"model": MODEL_NAME, "prompt": "go", "max_tokens": 1000, "n": 4, "ignore_eos": True}
 SHORT = {"model": MODEL_NAME, "prompt": "hello there", "max_tokens": 4}
-
-
-@pytest.fixture
-def socket_root(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """The server's temporary directory (short: ipc:// paths are limited to ~100 bytes)."""
-    root = Path(tempfile.mkdtemp(prefix="tm-", dir="/tmp"))
-    monkeypatch.setenv("TMPDIR", str(root))
-    yield root
-    shutil.rmtree(root)
-
-
-def _socket_folders(root: Path) -> list[Path]:
-    """tokenmill's folders under ``root`` (multiprocessing may keep its own ``pymp-*`` there)."""
-    return list(root.glob("tokenmill-*"))
 
 
 def _post(server: ServerHandle, body: dict, timeout: float = 60) -> httpx.Response:
@@ -87,19 +70,25 @@ def test_killed_worker_is_back_within_5s_and_the_next_request_succeeds(
         assert httpx.get(server.base_url + "/health").status_code == 200
 
 
+@pytest.mark.parametrize("killed", ["detokenizer", "fork server"])
 def test_killed_detokenizer_fails_its_in_flight_requests_and_frees_their_pages(
-    llama_dir: Path, tmp_path: Path
+    llama_dir: Path, tmp_path: Path, killed: str
 ) -> None:
+    """A dead fork server's detokenizer (orphaned, running on) is killed and restarted alike."""
     with run_server(llama_dir, tmp_path / "log", "--max-model-len", "1024") as server:
         results: dict[str, object] = {}
         threads = _in_flight(server, results)
-        os.kill(server.child_pids()["detokenizer"], signal.SIGKILL)
+        if killed == "detokenizer":
+            os.kill(server.child_pids()["detokenizer"], signal.SIGKILL)
+        else:
+            _kill_fork_server(server, set())
         killed_at = time.monotonic()
         for t in threads:
             t.join(timeout=10)
         assert time.monotonic() - killed_at < 5
         plain = results["plain"]
-        assert plain.status_code == 503 and "detokenizer" in plain.json()["error"]["message"]
+        message = plain.json()["error"]["message"]
+        assert plain.status_code == 503 and "detokenizer" in message and killed in message
         lines = results["stream"]
         assert any('"error"' in line for line in lines) and "data: [DONE]" in lines
         # Their choices were aborted in the engine: nothing is left running.
@@ -162,11 +151,78 @@ def test_workers_have_process_titles_and_sockets_are_removed_at_exit(
         # still be importing, before it titles itself.
         wait_until(lambda: {n: _title(p) for n, p in pids.items()} == expected, timeout=30)
         assert {name: _title(pid) for name, pid in pids.items()} == expected
-        assert len(_socket_folders(socket_root)) == 1
+        assert len(socket_folders(socket_root)) == 1
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(timeout=30) == 0
-    assert _socket_folders(socket_root) == []
+    assert socket_folders(socket_root) == []
 
 
 def _title(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode().strip()
+
+
+WORKER_TITLES = [
+    "tokenmill::detokenizer",
+    "tokenmill::engine_core",
+    "tokenmill::tokenizer_0",
+    "tokenmill::tokenizer_1",
+]
+
+
+def _worker_pids(server: ServerHandle) -> dict[str, list[int]]:
+    """Every running tokenmill worker of the server's process group, by title."""
+    workers: dict[str, list[int]] = {}
+    for process in server.group_processes():
+        if process.title.startswith("tokenmill::"):
+            workers.setdefault(process.title, []).append(process.pid)
+    return dict(sorted(workers.items()))
+
+
+def _kill_fork_server(server: ServerHandle, not_these: set[int]) -> int:
+    """SIGKILL the server's fork server, once one that is not in `not_these` runs; its pid."""
+    found: list[int] = []
+
+    def started() -> bool:
+        found[:] = [
+            p.pid
+            for p in server.group_processes()
+            if p.ppid == server.proc.pid
+            and "multiprocessing.forkserver" in p.command
+            and p.pid not in not_these
+        ]
+        return bool(found)
+
+    assert wait_until(started, timeout=5, interval=0.001)
+    os.kill(found[0], signal.SIGKILL)
+    return found[0]
+
+
+def _one_of_each(server: ServerHandle, old: dict[str, list[int]]) -> bool:
+    """Exactly one of each worker, the forked ones new (the engine core the same)."""
+    now = _worker_pids(server)
+    if sorted(now) != WORKER_TITLES or any(len(pids) != 1 for pids in now.values()):
+        return False
+    forked = [title for title in WORKER_TITLES if title != "tokenmill::engine_core"]
+    return (
+        all(now[t] != old[t] for t in forked)
+        and now["tokenmill::engine_core"] == old["tokenmill::engine_core"]
+    )
+
+
+@pytest.mark.parametrize("kills", [1, 2], ids=["once", "again while restarting"])
+def test_killed_fork_server_leaves_one_of_each_worker_and_the_server_answers(
+    llama_dir: Path, tmp_path: Path, kills: int
+) -> None:
+    """Its workers lived on, orphaned, beside the ones started in their place. Killed again,
+    the fork server the supervisor starts to restart them dies while importing their modules,
+    before forking any: the restart's first try fails (it ended the supervisor's watch)."""
+    with run_server(llama_dir, tmp_path / "log", "--num-tokenizer-workers", "2") as server:
+        assert wait_until(lambda: sorted(_worker_pids(server)) == WORKER_TITLES, timeout=30)
+        old = _worker_pids(server)
+        killed: set[int] = set()
+        for _ in range(kills):
+            killed.add(_kill_fork_server(server, killed))
+        assert wait_until(lambda: _one_of_each(server, old), timeout=10), _worker_pids(server)
+        assert _post(server, SHORT).status_code == 200
+        assert "lost its fork server" in server.log
+        assert httpx.get(server.base_url + "/health").status_code == 200

@@ -4,6 +4,7 @@ load balance; the replica flags."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -157,3 +158,35 @@ def test_deploy_options_refuse_negative_or_not_finite_amounts(bad: dict) -> None
 def test_serve_refuses_inconsistent_replica_flags_before_starting_anything(capsys) -> None:
     assert main(["serve", "--max-replicas", "2"]) == 2
     assert "give both min_replicas and max_replicas" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("options", "fragment"),
+    [
+        ({"replicas": 1, "replica_num_gpus": 1}, "replica_num_gpus 1 need 1 GPUs"),
+        ({"replicas": 3}, "3 replica(s) of replica_num_cpus 1 need 3 CPUs"),
+        ({"min_replicas": 2, "max_replicas": 4, "replica_num_cpus": 1.5}, "need 3 CPUs"),
+    ],
+)
+def test_replicas_that_a_local_ray_instance_cannot_hold_are_refused_naming_the_option(
+    options: dict, fragment: str
+) -> None:
+    # Ray Serve waited for them forever (its autoscaler logging that nothing can hold them).
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        DeployOptions(**options).check_fits({"CPU": 2.0})
+    DeployOptions(replicas=2).check_fits({"CPU": 2.0})
+
+
+@pytest.mark.parametrize(
+    ("flags", "fragment"),
+    [
+        (["--host", "999.1.1.1"], "cannot listen on 999.1.1.1:8000"),  # was Ray's RuntimeError
+        (["--ray-address", "no-such-cluster"], "ray_address 'no-such-cluster': "),
+    ],
+)
+def test_serve_replicas_refuses_what_cannot_work_naming_the_option(
+    capsys, flags: list[str], fragment: str
+) -> None:
+    pytest.importorskip("ray", reason="replicas need Ray Serve: pip install 'tokenmill[ray]'")
+    assert main(["serve", "--replicas", "1", *flags]) == 2
+    assert fragment in capsys.readouterr().err

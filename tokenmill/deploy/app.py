@@ -20,6 +20,7 @@ from tokenmill.deploy.directory import NAMESPACE, directory
 from tokenmill.deploy.ingress import Ingress
 from tokenmill.deploy.options import DeployOptions
 from tokenmill.deploy.replica import TokenmillReplica
+from tokenmill.entrypoints.api_server import bind_socket
 from tokenmill.entrypoints.server_options import ServerOptions
 
 logger = logging.getLogger("tokenmill.deploy")
@@ -122,12 +123,17 @@ def shutdown_app(name: str = "tokenmill") -> None:
 
 
 def run(engine: EngineArgs, options: ServerOptions, deploy: DeployOptions) -> int:
-    """`tokenmill serve --replicas N`: serve until SIGINT/SIGTERM; returns an exit code."""
-    ray.init(address=deploy.ray_address, namespace=NAMESPACE)
+    """`tokenmill serve --replicas N`: serve until SIGINT/SIGTERM; returns an exit code. What
+    cannot work (an address that cannot be listened on, a Ray cluster that cannot be joined,
+    replicas that do not fit in a local Ray instance) is a `ValueError` naming the option."""
+    bind_socket(options.host, options.port).close()  # Ray Serve's proxy binds it later
+    _init_ray(deploy.ray_address)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
+        if deploy.ray_address is None:
+            deploy.check_fits(ray.cluster_resources())
         deploy_app(engine, options, deploy)
         logger.info(
             "tokenmill serving %r on http://%s:%d through Ray Serve",
@@ -143,3 +149,13 @@ def run(engine: EngineArgs, options: ServerOptions, deploy: DeployOptions) -> in
             serve.shutdown()
         ray.shutdown()
     return 0
+
+
+def _init_ray(address: str | None) -> None:
+    """Start a local Ray instance (`address` None) or join the cluster at `address`."""
+    try:
+        ray.init(address=address, namespace=NAMESPACE)
+    except (ConnectionError, ValueError) as exc:
+        if address is None:
+            raise
+        raise ValueError(f"ray_address {address!r}: {exc}") from None

@@ -7,6 +7,7 @@ A frozen dataclass whose fields are `tokenmill serve`'s replica flags (generated
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tokenmill.config import option
@@ -102,3 +103,16 @@ class DeployOptions:
         if self.replicas:
             return self.replicas
         return max(1, self.min_replicas or 0)
+
+    def check_fits(self, resources: Mapping[str, float]) -> None:
+        """Raise `ValueError` naming the option if the initial replicas do not fit in
+        `resources` (`ray.cluster_resources()` of a local Ray instance, which never grows:
+        Ray Serve would wait for them forever)."""
+        for name, resource in (("replica_num_cpus", "CPU"), ("replica_num_gpus", "GPU")):
+            each, have = getattr(self, name), resources.get(resource, 0.0)
+            if each * self.initial_replicas > have:
+                raise ValueError(
+                    f"{self.initial_replicas} replica(s) of {name} {each:g} need "
+                    f"{each * self.initial_replicas:g} {resource}s, more than the local Ray "
+                    f"instance's {have:g} (ask for fewer, or join a cluster: --ray-address)"
+                )

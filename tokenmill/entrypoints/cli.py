@@ -7,18 +7,20 @@ import dataclasses
 import gc
 import json
 import logging
+import os
 import signal
 import sys
 import threading
 import types
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, get_args, get_origin, get_type_hints
 
 from tokenmill import __version__
 from tokenmill.config import DEMO_MODEL_DIR, EngineArgs
 from tokenmill.deploy.options import DeployOptions
 from tokenmill.entrypoints.server_options import ServerOptions
+from tokenmill.entrypoints.stop_signals import Stopped, stop_on_signals
 from tokenmill.sampling_params import SamplingDefaults, SamplingParams
 
 if TYPE_CHECKING:
@@ -476,6 +478,25 @@ def _spec_bench(args: OfflineBenchArgs, output: str | None) -> int:
 
 
 def _serve(ns: argparse.Namespace) -> int:
+    # Before anything starts: a SIGTERM from here on stops the server cleanly.
+    with stop_on_signals():
+        try:
+            return _serve_model(ns)
+        except (KeyboardInterrupt, Stopped) as exc:  # before (or after) uvicorn took signals
+            _exit_stopped(exc)
+
+
+def _exit_stopped(exc: KeyboardInterrupt | Stopped) -> NoReturn:
+    code, why = (130, "interrupted") if isinstance(exc, KeyboardInterrupt) else (0, str(exc))
+    print(f"tokenmill: {why}", file=sys.stderr, flush=True)
+    # The clean-ups have run. An import the signal cut short on this thread can leave its
+    # module's lock held for good, and the thread loading the tokenizer waiting for it: exiting
+    # normally would join that thread forever.
+    logging.shutdown()
+    os._exit(code)
+
+
+def _serve_model(ns: argparse.Namespace) -> int:
     if ns.model and ns.model_dir and ns.model != ns.model_dir:
         raise ValueError(f"two models given: {ns.model_dir!r} and --model {ns.model!r}")
     ns.model = ns.model or ns.model_dir or str(DEMO_MODEL_DIR)

@@ -50,7 +50,8 @@ class EarlyStart:
     def processes(self) -> dict[str, BaseProcess]:
         """The processes by name, once the workers' start has returned (it waits for the fork
         server); without a worker that could not start (the supervisor starts one then)."""
-        self.starter.join()
+        if self.starter.ident is not None:  # None: never started (`start_early` interrupted)
+            self.starter.join()
         started = (self.engine, *self.forked)
         return {process.name: process for process in started if process.pid is not None}
 
@@ -73,7 +74,7 @@ def start_early(
     """Spawn the engine core for `engine`, start the fork server (`fork_server`) and, in a
     thread, the detokenizer and `num_tokenizers` tokenizer workers (with the server's
     `--chat-template`) from it, with fresh addresses for the server's processes. Returns at
-    once."""
+    once; a signal meanwhile (KeyboardInterrupt, `stop_signals.Stopped`) stops what started."""
     addresses = Addresses.fresh(num_tokenizers)
     server_pid = os.getpid()
     # Spawned, as the supervisor spawns it: CUDA starts in a process that never forked.
@@ -81,11 +82,31 @@ def start_early(
         target=engine_core_main, args=(engine, addresses, log_level, server_pid),
         name=ENGINE_PROCESS_NAME, daemon=True,
     )  # fmt: skip
-    process.start()
-    logger.info("started %s (pid %d) ahead of the server", ENGINE_PROCESS_NAME, process.pid)
-    start_fork_server()
+    forked = _forked_workers(engine, num_tokenizers, chat_template, addresses, log_level)
+    starter = threading.Thread(target=_start_all, args=(forked,), daemon=True)
+    early = EarlyStart(process, tuple(forked), starter, addresses)
+    try:
+        process.start()
+        logger.info("started %s (pid %d) ahead of the server", ENGINE_PROCESS_NAME, process.pid)
+        start_fork_server()
+        starter.start()
+    except BaseException:
+        early.stop()
+        raise
+    return early
+
+
+def _forked_workers(
+    engine: EngineArgs,
+    num_tokenizers: int,
+    chat_template: str | None,
+    addresses: Addresses,
+    log_level: str,
+) -> list[BaseProcess]:
+    """The detokenizer and the tokenizer workers, to start from the fork server."""
     tokenizer_path = engine.tokenizer or engine.model
     forkserver = multiprocessing.get_context("forkserver")
+    server_pid = os.getpid()
     forked = [
         forkserver.Process(
             target=detokenizer_main, args=(tokenizer_path, addresses, log_level, server_pid),
@@ -99,9 +120,7 @@ def start_early(
                 target=tokenizer_main, args=args, name=tokenizer_name(i), daemon=True
             )
         )
-    starter = threading.Thread(target=_start_all, args=(forked,), daemon=True)
-    starter.start()
-    return EarlyStart(process, tuple(forked), starter, addresses)
+    return forked
 
 
 def tokenizer_name(index: int) -> str:
@@ -111,7 +130,11 @@ def tokenizer_name(index: int) -> str:
 
 def _start_all(processes: list[BaseProcess]) -> None:
     for process in processes:
-        process.start()
+        try:
+            process.start()
+        except (OSError, EOFError) as exc:  # EOFError: the fork server died (a signal to all)
+            logger.warning("could not start %s ahead of the server: %r", process.name, exc)
+            continue  # the supervisor starts it, if the server goes on
         logger.info("started %s (pid %d) ahead of the server", process.name, process.pid)
 
 

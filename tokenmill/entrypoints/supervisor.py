@@ -9,6 +9,11 @@
   in flight gets an error and new ones get 503 until the model is loaded again.
 - A worker that dies before the engine is ready (or an engine that dies while reloading) is a
   start-up failure: the server exits (it listens meanwhile, answering 503 on /v1 routes).
+- A dead fork server (the tokenizer and detokenizer workers' parent) leaves its workers running,
+  orphaned, though multiprocessing reports them dead: each is killed (through a pidfd, never a
+  stale pid) and started again from a new fork server, like a dead worker, so that exactly the
+  configured workers run and none is left over. A restart that fails (its fork server died
+  meanwhile) is tried again; only a worker that cannot be restarted at all ends the server.
 - Once the server is shutting down (`stopping`), a worker that dies is not restarted and is no
   error: a group-wide SIGTERM (systemd, `kill -- -PGID`) reaches the workers too. The requests it
   held get a 503 error; the server exits normally.
@@ -23,6 +28,7 @@ import multiprocessing
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
@@ -38,6 +44,7 @@ from tokenmill.entrypoints.early_start import (
 )
 from tokenmill.entrypoints.engine_client import EngineClient
 from tokenmill.entrypoints.fork_server import start_fork_server
+from tokenmill.ipc.pidfd import ProcessRef
 from tokenmill.ipc.sockets import Addresses
 from tokenmill.tokenization.tokenizer_worker import run_tokenizer_worker
 from tokenmill.vision.images import image_setup
@@ -46,6 +53,10 @@ logger = logging.getLogger("tokenmill.server")
 
 CHECK_INTERVAL_S = 0.2
 STOP_TIMEOUT_S = 5.0
+# A restart that fails is tried again (each try starts a new fork server if the last one died),
+# after a pause: multiprocessing starts a new one only once the dead one has exited (waitpid).
+RESTART_ATTEMPTS = 3
+RESTART_PAUSE_S = 0.5
 
 
 class WorkerKind(enum.Enum):
@@ -124,6 +135,8 @@ class Supervisor:
         self.restart_engine = restart_engine
         self.on_fatal = on_fatal
         self.procs: dict[str, BaseProcess] = {}
+        # Each process's pidfd: whether it runs, told apart from what its fork server reports.
+        self._refs: dict[str, ProcessRef] = {}
         self.restarts = 0
         self.failed = False
         self.stopping = False  # the server is shutting down: deaths are expected
@@ -160,7 +173,8 @@ class Supervisor:
         to be ready)."""
         with self._starting:
             if self._started is not None:
-                self.procs.update(self._started())
+                for name, proc in self._started().items():
+                    self._track(name, proc)
             for spec in self.specs:
                 if self.failed or self.stopping:  # stopping already: start no more
                     return
@@ -172,8 +186,15 @@ class Supervisor:
         proc = ctx.Process(target=spec.target, args=spec.args, name=spec.name, daemon=True)
         proc.start()
         logger.info("started %s (pid %d)", spec.name, proc.pid)
-        self.procs[spec.name] = proc
+        self._track(spec.name, proc)
         return proc
+
+    def _track(self, name: str, proc: BaseProcess) -> None:
+        assert proc.pid is not None
+        self.procs[name] = proc
+        ref = ProcessRef.open(proc.pid)
+        if ref is not None:
+            self._refs[name] = ref
 
     async def watch(self) -> None:
         """Forever: restart or report dead workers."""
@@ -189,7 +210,7 @@ class Supervisor:
             if self.failed or proc is None or proc.is_alive():
                 continue
             proc.join()  # reap it
-            what = f"{spec.name} (pid {proc.pid}) died with exit code {proc.exitcode}"
+            what = self._ended(spec.name, proc)
             if self.stopping:
                 self._died_stopping(spec, what)
             elif not self.client.ready.is_set():
@@ -198,6 +219,34 @@ class Supervisor:
                 self._engine_died(spec, what)
             else:
                 self._worker_died(spec, what)
+
+    def _ended(self, name: str, proc: BaseProcess) -> str:
+        """What ended `proc`, reported dead; an orphan of a dead fork server is killed first."""
+        ref = self._refs.pop(name, None)
+        if ref is None or not ref.running():
+            if ref is not None:
+                ref.close()
+            return f"{name} (pid {proc.pid}) died with exit code {proc.exitcode}"
+        killed = ref.kill(STOP_TIMEOUT_S)
+        ref.close()
+        how = "killed it" if killed else f"it did not end within {STOP_TIMEOUT_S:.0f} s of SIGKILL"
+        return f"{name} (pid {proc.pid}) lost its fork server ({how})"
+
+    def _restart(self, spec: WorkerSpec, what: str) -> BaseProcess | None:
+        """Start `spec` again, trying `RESTART_ATTEMPTS` times (a fork server that dies during a
+        start fails it; the next start starts a new one); None, and the server ends, if no try
+        succeeds."""
+        for attempt in range(1, RESTART_ATTEMPTS + 1):
+            try:
+                proc = self._spawn(spec)
+            except (OSError, EOFError) as exc:  # EOFError: the fork server died while forking
+                logger.warning("%s: restart %d failed: %r", spec.name, attempt, exc)
+                time.sleep(RESTART_PAUSE_S)
+                continue
+            self.restarts += 1
+            return proc
+        self.fail(f"{what}; it could not be restarted ({RESTART_ATTEMPTS} tries failed)")
+        return None
 
     def _engine_died(self, spec: WorkerSpec, what: str) -> None:
         if self.client.awaiting_engine:
@@ -208,8 +257,9 @@ class Supervisor:
             self.fail(f"server process died: {what}")
             return
         num_failed = self.client.num_in_flight
-        proc = self._spawn(spec)
-        self.restarts += 1
+        proc = self._restart(spec, what)
+        if proc is None:
+            return
         logger.error(
             "%s; restarted it (--restart-engine), failing %d requests in flight", what, num_failed
         )
@@ -219,8 +269,8 @@ class Supervisor:
         message = f"{what} while this request was in flight; retry"
         tokenizer = spec.index if spec.kind is WorkerKind.TOKENIZER else None
         num_failed = self.client.fail_in_flight(message, status=503, tokenizer=tokenizer)
-        self._spawn(spec)
-        self.restarts += 1
+        if self._restart(spec, what) is None:
+            return
         logger.error("%s; restarted it, failing %d requests it held", what, num_failed)
 
     def _died_stopping(self, spec: WorkerSpec, what: str) -> None:
@@ -255,3 +305,14 @@ class Supervisor:
                 if proc.is_alive():
                     proc.kill()
                     proc.join()
+            self._kill_orphans()
+
+    def _kill_orphans(self) -> None:
+        """Kill the workers a dead fork server left running (multiprocessing reports them ended,
+        so `stop` did not), and close every pidfd."""
+        for name, ref in self._refs.items():
+            if ref.running():
+                logger.info("killing %s: its fork server died", name)
+                ref.kill(STOP_TIMEOUT_S)
+            ref.close()
+        self._refs.clear()

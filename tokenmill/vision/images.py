@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from tokenmill.vision.inputs import ImageInput, image_key, num_image_tokens
 
@@ -28,8 +28,13 @@ if TYPE_CHECKING:  # the tokenizer workers import this module; torch (via config
 # a file path), encoded bytes, or a decoded PIL image.
 ImageSource = str | bytes | Path | Image.Image
 
-# What PIL raises for truncated or corrupt data (past `Image.open`'s own checks).
-_CORRUPT = (OSError, SyntaxError, ValueError, EOFError)
+# The formats read: what image APIs take, and no more of PIL's decoders than that (EPS would run
+# Ghostscript on the client's PostScript; the rarer ones are attack surface nobody needs).
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "AVIF")
+
+# What PIL raises for truncated or corrupt data (past `Image.open`'s own checks; AVIF's decoder
+# raises RuntimeError).
+_CORRUPT = (OSError, SyntaxError, ValueError, EOFError, RuntimeError)
 
 # Content part types that carry an image, and the key holding it (OpenAI's and vLLM's forms).
 _IMAGE_PARTS = {"image_url": "image_url", "image": "image", "image_pil": "image_pil"}
@@ -147,30 +152,38 @@ class ImagePreprocessor:
         if not sources:
             return token_ids, ()
         images = [self.open(source, n) for n, source in enumerate(sources)]
-        rgb = [np.asarray(image) for image in images]
-        out = self.processor(images=images, return_tensors="np")
-        pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
-        grids = [tuple(int(x) for x in g) for g in out["image_grid_thw"]]
+        processed = [self._preprocess(image, n) for n, image in enumerate(images)]
         expanded: list[int] = []
         inputs: list[ImageInput] = []
-        cursor = start = 0
-        for position, grid, decoded in zip(placeholders, grids, rgb, strict=True):
-            patches = pixels[start : start + grid[0] * grid[1] * grid[2]]
-            start += len(patches)
-            n = num_image_tokens(grid, vision.spatial_merge_size)  # type: ignore[arg-type]
+        cursor = 0
+        for position, image, (patches, grid) in zip(placeholders, images, processed, strict=True):
+            n = num_image_tokens(grid, vision.spatial_merge_size)
             expanded += token_ids[cursor:position]
-            key = image_key(decoded, grid)  # type: ignore[arg-type]
-            inputs.append(ImageInput(key, patches, grid, len(expanded), n))  # type: ignore[arg-type]
+            key = image_key(np.asarray(image), grid)
+            inputs.append(ImageInput(key, patches, grid, len(expanded), n))
             expanded += [vision.image_token_id] * n
             cursor = position + 1
         expanded += token_ids[cursor:]
         return expanded, tuple(inputs)
 
+    def _preprocess(self, image: Image.Image, n: int) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """Image `n`'s patches and grid, from the image processor (one image at a time, so that
+        what it refuses, such as Qwen2-VL's aspect ratios over 200, is named by its image)."""
+        try:
+            out = self.processor(images=[image], return_tensors="np")
+        except ValueError as exc:
+            width, height = image.size
+            raise ValueError(f"messages: image {n} ({width}x{height}): {exc}") from None
+        pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
+        t, h, w = (int(x) for x in out["image_grid_thw"][0])
+        return pixels, (t, h, w)
+
     def open(self, source: ImageSource, n: int) -> Image.Image:
-        """Image `n` of a request, decoded, in RGB, within the limits."""
+        """Image `n` of a request, decoded, turned by its EXIF orientation (not a PIL image:
+        that is taken as it is), in RGB, within the limits."""
         what = f"messages: image {n}"
         if isinstance(source, Image.Image):
-            return self._checked(source, what).convert("RGB")
+            return rgb(self._checked(source, what))
         if isinstance(source, str) and source.startswith("data:"):
             data = self._data_url(source, what)
         elif isinstance(source, str) and source.split(":", 1)[0].lower() in ("http", "https"):
@@ -187,9 +200,10 @@ class ImagePreprocessor:
         if len(data) > self.limits.max_image_bytes:
             raise ValueError(self._too_many_bytes(what, len(data)))
         try:
-            image = Image.open(io.BytesIO(data))  # reads the header only
+            image = Image.open(io.BytesIO(data), formats=FORMATS)  # reads the header only
         except UnidentifiedImageError:
-            raise ValueError(f"{what} is not an image this server can read") from None
+            formats = ", ".join(FORMATS)
+            raise ValueError(f"{what} is not an image this server reads ({formats})") from None
         except Image.DecompressionBombError:
             raise ValueError(self._too_many_pixels(what, None)) from None
         except _CORRUPT as exc:  # a header cut short or corrupt (JPEG, WebP, ...)
@@ -197,9 +211,11 @@ class ImagePreprocessor:
         self._checked(image, what)  # the pixel count, before decoding them
         try:
             image.load()
+            # Turned as a viewer shows it (phone cameras store photos sideways and say so).
+            ImageOps.exif_transpose(image, in_place=True)
         except _CORRUPT as exc:  # truncated or corrupt data
             raise ValueError(f"{what} could not be decoded: {exc}") from None
-        return image.convert("RGB")
+        return rgb(image)
 
     def _data_url(self, url: str, what: str) -> bytes:
         header, sep, payload = url.partition(",")
@@ -235,3 +251,21 @@ class ImagePreprocessor:
         limit = self.limits.max_image_pixels
         shown = f" ({size[0]}x{size[1]})" if size else ""
         return f"{what} has more than {limit} pixels{shown} (--max-image-pixels)"
+
+
+def rgb(image: Image.Image) -> Image.Image:
+    """`image` in RGB as transformers' image processors convert it (`convert_to_rgb`): what is
+    transparent composited on white (PIL's `convert("RGB")` drops the alpha channel, showing
+    what the transparent pixels hide, often black); a 16-bit grayscale image (`I;16`, `I;16B`,
+    ...) as its values' top bytes (PIL's clips every value over 255: the image turned white)."""
+    if image.mode.startswith("I;16"):
+        image = Image.fromarray(_top_bytes(np.asarray(image)))
+    if "A" not in image.getbands() and image.info.get("transparency") is None:
+        return image.convert("RGB")
+    white = Image.new("RGBA", image.size, (255, 255, 255, 255))
+    return Image.alpha_composite(white, image.convert("RGBA")).convert("RGB")
+
+
+def _top_bytes(values: np.ndarray) -> np.ndarray:
+    """16-bit values as 8-bit ones."""
+    return (values.astype(np.int64).clip(0, 65535) >> 8).astype(np.uint8)
