@@ -258,3 +258,33 @@ def httpx_tokenize(client: openai.OpenAI, messages: list[dict]) -> str:
     ids = httpx.post(base + "/tokenize", json={"messages": messages}).json()["tokens"]
     detok = httpx.post(base + "/detokenize", json={"tokens": ids}).json()
     return detok["prompt"]
+
+
+@pytest.fixture(scope="module")
+def llama3_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    checkpoint = build_checkpoint(tmp_path_factory.mktemp("llama3") / "model", "llama")
+    use_tools_template(checkpoint)
+    log = tmp_path_factory.mktemp("logs") / "llama3.log"
+    flags = ("--max-model-len", "1024", "--tool-call-parser", "llama3_json")
+    with run_server(checkpoint, log, *flags) as handle:
+        yield openai.OpenAI(base_url=handle.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_llama3_json_parser_forces_and_parses_its_calls(llama3_client, stream: bool) -> None:
+    """`--tool-call-parser llama3_json`: a required call is forced in Llama's JSON and comes back
+    as `tool_calls`, whole or streamed."""
+    tools = [WEATHER, TIME]
+    response = _chat(llama3_client, 0, tools=tools, tool_choice="required", stream=stream)
+    if stream:
+        chunks = [c for c in response if c.choices]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        calls = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+        assert not "".join(c.choices[0].delta.content or "" for c in chunks).strip()
+    else:
+        choice = response.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        calls = choice.message.tool_calls
+    assert calls
+    for call in calls:
+        _check_call(call, tools)

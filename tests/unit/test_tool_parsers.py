@@ -1,4 +1,5 @@
-"""Tool parsers: Hermes markup parsed whole and streamed alike, and its required-call grammar."""
+"""Tool parsers: Hermes markup and Llama 3 JSON calls parsed whole and streamed alike, and their
+required-call grammars."""
 
 from __future__ import annotations
 
@@ -96,3 +97,67 @@ def test_required_grammar_accepts_calls_in_the_markup_and_nothing_else(hermes) -
         assert not xgr.testing._is_grammar_accept_string(grammar, bad)
     single = hermes.constraint(tools, parallel=False)
     assert not xgr.testing._is_grammar_accept_string(build_grammar(single.kind, single.spec), good)
+
+
+LLAMA_TEXT = (
+    '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
+    '{"name": "get_time", "parameters": {"zone": 1}}'
+)
+
+
+@pytest.fixture
+def llama3():
+    return get_tool_parser("llama3_json")
+
+
+@pytest.mark.parametrize(
+    ("text", "calls", "content"),
+    [
+        (LLAMA_TEXT, ["get_weather", "get_time"], None),
+        ("<|python_tag|>" + LLAMA_TEXT[:76].rstrip("; "), ["get_weather"], None),
+        ('  {"name": "f", "arguments": {"x": 1}}  ', ["f"], None),
+        ("The weather is fine.", [], "The weather is fine."),
+        ('{"not": "a call"}', [], '{"not": "a call"}'),
+        ('{"name": "f", "parameters": {}} and then prose', [], None),
+        ('{"name": "f", "parameters": {', [], '{"name": "f", "parameters": {'),
+    ],
+)
+def test_llama3_json_output_is_calls_or_content(llama3, text, calls, content) -> None:
+    parsed = llama3.parse(text)
+    assert [c.name for c in parsed.tool_calls] == calls
+    if content is not None:
+        assert parsed.content == content
+    elif not calls:
+        assert parsed.content == text.strip()
+
+
+@pytest.mark.parametrize("piece", [1, 2, 5, 1000])
+@pytest.mark.parametrize("text", [LLAMA_TEXT, "Plain {text} with braces.", "  {broken"])
+def test_llama3_json_streams_as_it_parses_whole(llama3, text: str, piece: int) -> None:
+    """Content streams at once; an output opening with `{` is held and goes out as its calls
+    (or as content when it is not calls), as the whole parse has it."""
+    stream = llama3.stream()
+    events = []
+    for start in range(0, len(text), piece):
+        got = stream.feed(text[start : start + piece])
+        assert not (text.lstrip().startswith("{") and got)  # held to the end
+        events += got
+    events += stream.finish()
+    whole = llama3.parse(text)
+    assert [e.name for e in events if isinstance(e, ToolCall)] == [c.name for c in whole.tool_calls]
+    assert stream.num_calls == len(whole.tool_calls)
+    content = "".join(e for e in events if isinstance(e, str))
+    assert content.strip() == (whole.content or "")
+
+
+def test_llama3_json_required_grammar_takes_its_calls_only(llama3) -> None:
+    zone = {"type": "object", "properties": {"zone": {"type": "integer"}}, "required": ["zone"]}
+    constraint = llama3.constraint([FunctionTool("get_time", zone)], parallel=True)
+    grammar = build_grammar(constraint.kind, constraint.spec)
+    call = '{{"name": "get_time", "parameters": {{"zone": {}}}}}'
+    good = f"{call.format(3)}; {call.format(4)}"
+    assert xgr.testing._is_grammar_accept_string(grammar, good)
+    assert [c.name for c in llama3.parse(good).tool_calls] == ["get_time", "get_time"]
+    hermes_call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": 1}}\n</tool_call>'
+    for bad in ["Sure!", '{"name": "other", "parameters": {}}', hermes_call]:
+        assert not xgr.testing._is_grammar_accept_string(grammar, bad)

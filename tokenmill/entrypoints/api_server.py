@@ -178,6 +178,7 @@ def request_limits(
         max_stop_chars=options.max_stop_chars,
         min_prompt_chars=int(bounds is not None and not bounds.empty_prompt_has_tokens),
         images=config.vision is not None,
+        tool_parser=options.tool_call_parser,
     )
 
 
@@ -862,7 +863,7 @@ async def _stream(
                 result.append(oai.chat_chunk(response, index, delta, None, top_n))
             out = msgspec.structs.replace(out, text=text)
         if tool_parser is not None:
-            stream = tool_streams.setdefault(index, ToolStream(tool_parser))
+            stream = tool_streams.setdefault(index, tool_parser.stream())
             return result + oai.tool_chunks(response, index, stream, out, top_n)
         if out.text or out.finish_reason is not None or out.logprobs:
             delta = {"content": out.text} if out.text else {}

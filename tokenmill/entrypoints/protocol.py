@@ -44,7 +44,7 @@ from tokenmill.entrypoints.schema_types import (
     text_type,
     token_id_key_type,
 )
-from tokenmill.entrypoints.tool_parsers import ToolParser, get_tool_parser
+from tokenmill.entrypoints.tool_parsers import DEFAULT_TOOL_PARSER, ToolParser, get_tool_parser
 from tokenmill.sampling_params import (
     MAX_BAD_WORD_CHARS,
     MAX_BAD_WORDS,
@@ -66,8 +66,6 @@ from tokenmill.tokenization.chat_options import ChatTemplateOptions
 MAX_SEED = 2**64 - 1  # seeds are unsigned 64-bit (torch.Generator.manual_seed's range)
 MAX_FEEDBACK_COMMENT_CHARS = 10_000
 M = TypeVar("M", bound=BaseModel)
-# The tool-call markup the server parses and enforces (Hermes / Qwen `<tool_call>`).
-TOOL_PARSER = "hermes"
 
 
 class _Strict(StrictModel):
@@ -430,7 +428,8 @@ class ChatCompletionRequest(_ChatTemplateFields, _SamplingRequest):
         """The parser of tool calls in the output (None: the output is plain content)."""
         if not self.tools or self.tool_choice == "none":
             return None
-        return get_tool_parser(TOOL_PARSER)
+        limits = type(self).limits
+        return get_tool_parser(DEFAULT_TOOL_PARSER if limits is None else limits.tool_parser)
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools as chat templates take them (OpenAI's shape)."""
@@ -511,6 +510,7 @@ class RequestLimits:
     min_prompt_chars: int = 0
     # The model reads images: chat messages may hold image parts (else text parts only).
     images: bool = False
+    tool_parser: str = DEFAULT_TOOL_PARSER  # --tool-call-parser
 
 
 @dataclass(frozen=True)

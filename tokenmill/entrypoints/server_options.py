@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from tokenmill.config import option
 from tokenmill.entrypoints.reasoning import REASONING_PARSERS
+from tokenmill.entrypoints.tool_parsers import DEFAULT_TOOL_PARSER, tool_parser_names
 from tokenmill.sampling_params import MAX_N
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
@@ -51,6 +52,13 @@ class ServerOptions:
     )
     chat_template: str | None = option(
         None, "Chat template (a file, or the Jinja text itself) instead of the checkpoint's."
+    )
+    tool_call_parser: str = option(
+        DEFAULT_TOOL_PARSER,
+        "How the model writes tool calls, parsed into `tool_calls` (and forced by a grammar for "
+        "tool_choice required or a named function): hermes (<tool_call> JSON </tool_call>: "
+        "Hermes, Qwen2.5, Qwen3) or llama3_json (the output is the call's JSON: Llama 3.1/3.2).",
+        choices=tuple(tool_parser_names()),
     )
     reasoning_parser: str | None = option(
         None,
@@ -143,6 +151,11 @@ class ServerOptions:
             )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.tool_call_parser not in tool_parser_names():
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(tool_parser_names())}, got "
+                f"{self.tool_call_parser!r}"
+            )
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValueError(
                 f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got "

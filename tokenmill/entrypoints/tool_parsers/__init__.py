@@ -8,6 +8,7 @@ grammar that forces tool calls when `tool_choice` is "required" or names a funct
 from __future__ import annotations
 
 from tokenmill.entrypoints.tool_parsers.base import (
+    DEFAULT_TOOL_PARSER,
     FunctionTool,
     ParsedOutput,
     ToolCall,
@@ -19,6 +20,7 @@ from tokenmill.entrypoints.tool_parsers.base import (
 )
 
 __all__ = [
+    "DEFAULT_TOOL_PARSER",
     "FunctionTool",
     "ParsedOutput",
     "ToolCall",

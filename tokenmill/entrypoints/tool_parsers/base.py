@@ -61,9 +61,13 @@ class ToolParser(ABC):
     def constraint(self, tools: list[FunctionTool], parallel: bool) -> StructuredOutputsParams:
         """A grammar forcing one call (`parallel`: or more) of one of `tools`, in this markup."""
 
+    def stream(self) -> ToolStream:
+        """A parser of one output as it streams."""
+        return ToolStream(self)
+
     def parse(self, text: str) -> ParsedOutput:
         """Split a finished output into content and tool calls."""
-        stream = ToolStream(self)
+        stream = self.stream()
         events = [*stream.feed(text), *stream.finish()]
         content = "".join(e for e in events if isinstance(e, str)).strip()
         calls = [e for e in events if isinstance(e, ToolCall)]
@@ -132,7 +136,11 @@ def partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-_REGISTRY: dict[str, str] = {"hermes": "tokenmill.entrypoints.tool_parsers.hermes"}
+DEFAULT_TOOL_PARSER = "hermes"
+_REGISTRY: dict[str, str] = {
+    "hermes": "tokenmill.entrypoints.tool_parsers.hermes",
+    "llama3_json": "tokenmill.entrypoints.tool_parsers.llama3_json",
+}
 _CLASSES: dict[str, type[ToolParser]] = {}
 
 
@@ -160,6 +168,21 @@ def get_tool_parser(name: str) -> ToolParser:
             f"tool parser must be one of {', '.join(tool_parser_names())}, got {name!r}"
         )
     return _CLASSES[name]()
+
+
+def tool_call_of(value: Any) -> ToolCall | None:
+    """A call written as a JSON object `{"name": ..., "arguments" (or "parameters"): ...}`, or
+    None if `value` is not one (or holds text no response can encode)."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    try:
+        call = ToolCall(value["name"], arguments_text(arguments))
+        # An escaped lone surrogate (`"\ud800"`) parses to text no response can encode.
+        (call.name + call.arguments).encode("utf-8")
+    except (RecursionError, UnicodeEncodeError):
+        return None
+    return call
 
 
 def arguments_text(arguments: Any) -> str:

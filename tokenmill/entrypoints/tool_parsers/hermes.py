@@ -8,8 +8,8 @@ from tokenmill.entrypoints.tool_parsers.base import (
     FunctionTool,
     ToolCall,
     ToolParser,
-    arguments_text,
     register,
+    tool_call_of,
 )
 from tokenmill.sampling_params import StructuredOutputsParams
 
@@ -23,19 +23,9 @@ class HermesToolParser(ToolParser):
 
     def parse_call(self, body: str) -> ToolCall | None:
         try:
-            call = json.loads(body)
+            return tool_call_of(json.loads(body))
         except (json.JSONDecodeError, RecursionError):  # the model's text, however deep
             return None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return None
-        arguments = call.get("arguments", call.get("parameters", {}))
-        try:
-            parsed = ToolCall(call["name"], arguments_text(arguments))
-            # An escaped lone surrogate (`"\ud800"`) parses to text no response can encode.
-            (parsed.name + parsed.arguments).encode("utf-8")
-        except (RecursionError, UnicodeEncodeError):
-            return None
-        return parsed
 
     def constraint(self, tools: list[FunctionTool], parallel: bool) -> StructuredOutputsParams:
         # Exactly the text the chat templates write, with compact JSON arguments: whitespace is
