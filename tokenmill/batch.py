@@ -332,9 +332,9 @@ class SamplingRows:
 
     `token_index[s]`: how many tokens the request generated before this one, unread ones
     included; it numbers the seeded draws and decides `min_tokens`. `suppressed`: position ->
-    token ids banned there (end-of-sequence and stop ids before `min_tokens`). `history`:
-    position -> (prompt, generated) token ids, where a penalty counts them (such steps are
-    blocking, so no generated token is unread).
+    token ids banned there (end-of-sequence and stop ids before `min_tokens`, unless they are
+    all the allowed ids). `history`: position -> (prompt, generated) token ids, where a penalty
+    counts them (such steps are blocking, so no generated token is unread).
     """
 
     params: list[SamplingParams] = field(default_factory=list)
@@ -358,8 +358,12 @@ class SamplingRows:
         self.token_index.extend(range(index, index + num_samples))
         if index < p.min_tokens:
             banned = (*req.eos_token_ids, *p.stop_token_ids)
-            for j in range(min(num_samples, p.min_tokens - index)):
-                self.suppressed[first + j] = banned
+            # Allowed ids that are all stop tokens keep their place (as a grammar's do): a ban
+            # of every one would leave the row no token to draw.
+            allowed = p.allowed_token_ids
+            if allowed is None or any(t not in banned for t in allowed):
+                for j in range(min(num_samples, p.min_tokens - index)):
+                    self.suppressed[first + j] = banned
         # Penalties count the tokens so far (one test, inlined).
         if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1:
             for j in range(num_samples):

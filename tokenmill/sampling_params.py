@@ -183,8 +183,10 @@ class SamplingParams:
     and transformers (repetition, on prompt and generated tokens). `logprobs` k reports each
     generated token's logprob and the top k; `prompt_logprobs` k the same for every prompt
     token after the first, given the tokens before it (a request asking for them prefills its
-    whole prompt: it reads no cached prefix). Every bad value raises `ValueError` naming the
-    field.
+    whole prompt: it reads no cached prefix). `logit_bias` (OpenAI's) is added to the logits
+    before the penalties, as in vLLM; `allowed_token_ids` (vLLM's) masks every other id, and
+    where all of them are stop tokens `min_tokens` does not ban them. Every bad value raises
+    `ValueError` naming the field.
     """
 
     n: int = 1
@@ -264,7 +266,7 @@ class SamplingParams:
             "allowed_token_ids must be a list of integers >= 0",
             allowed,
         )
-        self.allowed_token_ids = list(allowed)
+        self.allowed_token_ids = list(dict.fromkeys(allowed))  # each id once
 
     def _validate(self) -> None:
         _check(

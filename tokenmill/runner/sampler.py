@@ -392,21 +392,23 @@ class Sampler:
 
 
 def _penalized(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Float logits after penalties, logit biases, allowed token ids, min_tokens' bans and
-    grammar masks (what greedy rows take the argmax of); `logits` itself is left as it is
-    (logprobs are reported from it)."""
-    if batch.penalties is not None:
-        logits = batch.penalties.apply(logits)
-    elif batch.adjusted or batch.bitmask is not None:
-        logits = logits.clone()
-    if batch.bias is not None:
-        batch.bias.apply(logits)
+    """Float logits after allowed token ids, min_tokens' bans, logit biases, penalties (vLLM's
+    order: a bias is added before a repetition penalty scales the logit) and grammar masks
+    (what greedy rows take the argmax of); `logits` itself is left as it is (logprobs are
+    reported from it)."""
+    edited = bool(batch.allowed or batch.suppressed) or batch.bias is not None
+    if edited or (batch.bitmask is not None and batch.penalties is None):
+        logits = logits.clone()  # edited in place below
     for row, ids in batch.allowed:
         kept = logits[row, ids]
         logits[row] = float("-inf")
         logits[row, ids] = kept
     for row, ids in batch.suppressed:
         logits[row, ids] = float("-inf")
+    if batch.bias is not None:
+        batch.bias.apply(logits)
+    if batch.penalties is not None:
+        logits = batch.penalties.apply(logits)  # a new tensor
     if batch.bitmask is not None:
         _apply_bitmask(logits, batch)
     return logits
