@@ -178,8 +178,11 @@ class Request:
     finish_time: float | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
-    # `params.prompt_logprobs`: entry i scores prompt token i + 1 given the tokens before it.
+    # `params.prompt_logprobs`: entry i scores prompt token i + 1 given the tokens before it;
+    # emptied when they go out with the first output (`take_prompt_logprobs`: an 8k-token
+    # prompt's 20 alternatives are some 25 MB, held no longer than that).
     prompt_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    prompt_logprobs_taken: bool = False
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_computed_tokens: int = 0
@@ -262,13 +265,29 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the request's prompt logprobs are still to be computed (asked for, and not
+        yet gone out: a request preempted after its first output scores nothing again)."""
+        return self.params.prompt_logprobs is not None and not self.prompt_logprobs_taken
+
     def add_prompt_logprobs(self, first: int, entries: list[dict[int, Logprob]]) -> None:
         """Record the scores of prompt tokens `first`, `first + 1`, ...; those recorded
-        already (a preempted request computes its prompt again) are kept as they are."""
+        already (a preempted request computes its prompt again) are kept as they are, and
+        none once they went out."""
+        if self.prompt_logprobs_taken:
+            return
         skip = len(self.prompt_logprobs) + 1 - first
         if skip < 0:
             raise ValueError(f"prompt logprobs from token {first} leave a gap before it")
         self.prompt_logprobs += entries[skip:]
+
+    def take_prompt_logprobs(self) -> list[dict[int, Logprob] | None]:
+        """The prompt logprobs for the first output, None for the first prompt token; the
+        request keeps none of them."""
+        taken: list[dict[int, Logprob] | None] = [None, *self.prompt_logprobs]
+        self.prompt_logprobs, self.prompt_logprobs_taken = [], True
+        return taken
 
     def append_token(self, token_id: int, logprobs: dict[int, Logprob] | None) -> None:
         """Record a sampled token and finish the request if it hit a stop condition."""
@@ -497,7 +516,7 @@ class StepPlan:
         scoring: list[tuple[int, int]] = []  # rows asking for prompt logprobs, and their offset
         for row, s in enumerate(seqs):
             req, num_new, num_device = s.request, s.num_new_tokens, len(s.device_tokens)
-            if req.params.prompt_logprobs is not None:
+            if req.scores_prompt:
                 scoring.append((row, len(ids)))
             num_drafted = len(s.drafts) + s.num_device_drafts
             if multimodal:

@@ -109,3 +109,24 @@ def test_deterministic_mode_scores_alike_alone_and_in_any_batch(llama_dir: Path)
     mixed = LLM(str(llama_dir), device="cpu", deterministic=True, **CHUNKED)
     outputs = mixed.generate([SHARED, PROMPT, [5, 6]], [PLAIN, SCORED, PLAIN], use_tqdm=False)
     assert outputs[1].prompt_logprobs == reference.prompt_logprobs  # bitwise
+
+
+def test_a_running_request_keeps_no_prompt_logprobs_after_its_first_output(
+    llama_dir: Path,
+) -> None:
+    """The prompt's scores go out with the first output and the request drops them (a long
+    prompt's are megabytes, for as long as it generates); a preemption after that scores no
+    prompt token again, and the request may read its cached prefix."""
+    engine = LLM(str(llama_dir), device="cpu", **CHUNKED).engine
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, prompt_logprobs=K)
+    engine.add_request("scored", PROMPT, params)
+    first = []
+    while not first:
+        first = [out for out in engine.step() if out.new_token_ids]
+    assert first[0].prompt_logprobs is not None and len(first[0].prompt_logprobs) == len(PROMPT)
+    (req,) = engine.scheduler.running
+    assert req.prompt_logprobs == [] and not req.scores_prompt
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert all(out.prompt_logprobs is None for out in outputs)
