@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,8 @@ from transformers import LogitsProcessor, LogitsProcessorList, RepetitionPenalty
 
 from tests.conftest import _hf_model, hf_greedy, hf_logprobs
 from tokenmill import LLM, SamplingParams
+from tokenmill.batch import SamplingRows
+from tokenmill.runner.sampler import Sampler, SamplingBatch
 
 PROMPT = list(range(30, 50))
 
@@ -294,3 +297,24 @@ def test_min_tokens_never_bans_every_allowed_token(llm: LLM, temperature: float)
                             allowed_token_ids=[eos])  # fmt: skip
     (only_eos,) = llm.generate([PROMPT], params, use_tqdm=False)
     assert only_eos.outputs[0].token_ids == [eos, eos]
+
+
+def test_a_batch_of_large_bias_maps_is_built_in_milliseconds() -> None:
+    """256 rows of 4,096-entry `logit_bias` maps (the most a request may send) and 200k
+    allowed ids: a step's sampling settings come from each request's tables, built once (the
+    maps as Python objects took 1.2 s a step); the biases still land on their rows."""
+    vocab, cpu = 1 << 18, torch.device("cpu")
+    bias = SamplingParams(temperature=0, logit_bias={i: i % 100 + 0.5 for i in range(4096)})
+    allowed = SamplingParams(temperature=0, allowed_token_ids=list(range(1000, 201_000)))
+    params = [bias] * 255 + [allowed]
+    rows = SamplingRows(params=params, token_index=[0] * len(params))
+    SamplingBatch.from_rows(rows, vocab, cpu)  # the tables are built on the first step
+    start = time.perf_counter()
+    batch = SamplingBatch.from_rows(rows, vocab, cpu)
+    assert time.perf_counter() - start < 0.25
+    assert batch.bias is not None and len(batch.bias.ids) == 255 * 4096
+    two = SamplingBatch.from_rows(SamplingRows(params=params[-2:], token_index=[0, 0]), vocab, cpu)
+    logits = torch.zeros(2, vocab)
+    logits[1, 0] = 1.0  # not an allowed id
+    tokens = Sampler(cpu, seed=0)(logits, two).to_host().token_ids
+    assert tokens == [99, 1000]  # the largest bias; the first allowed id (all tie)
