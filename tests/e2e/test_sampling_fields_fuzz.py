@@ -6,7 +6,6 @@ healthy, and a greedy request answers as `LLM.generate` does."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from tests.e2e.server import MODEL_NAME, ServerHandle, run_server
+from tests.e2e.server import MODEL_NAME, ServerHandle, server_fixture
 from tokenmill import LLM, SamplingParams
 from tokenmill.tokenization.tokenizer import load_tokenizer
 
@@ -24,11 +23,7 @@ FLAGS = ("--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", "16"
 VOCAB = 512  # the tiny checkpoint's
 
 
-@pytest.fixture(scope="module")
-def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
-    log = tmp_path_factory.mktemp("logs") / "server.log"
-    with run_server(llama_dir, log, *FLAGS) as handle:
-        yield handle
+server = server_fixture(*FLAGS)
 
 
 @pytest.fixture(scope="module")
