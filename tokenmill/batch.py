@@ -180,8 +180,11 @@ class Request:
     finish_time: float | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
-    # `params.prompt_logprobs`: entry i scores prompt token i + 1 given the tokens before it.
+    # `params.prompt_logprobs`: entry i scores prompt token i + 1 given the tokens before it;
+    # emptied when they go out with the first output (`take_prompt_logprobs`: an 8k-token
+    # prompt's 20 alternatives are some 25 MB, held no longer than that).
     prompt_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    prompt_logprobs_taken: bool = False
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_computed_tokens: int = 0
@@ -269,13 +272,29 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the request's prompt logprobs are still to be computed (asked for, and not
+        yet gone out: a request preempted after its first output scores nothing again)."""
+        return self.params.prompt_logprobs is not None and not self.prompt_logprobs_taken
+
     def add_prompt_logprobs(self, first: int, entries: list[dict[int, Logprob]]) -> None:
         """Record the scores of prompt tokens `first`, `first + 1`, ...; those recorded
-        already (a preempted request computes its prompt again) are kept as they are."""
+        already (a preempted request computes its prompt again) are kept as they are, and
+        none once they went out."""
+        if self.prompt_logprobs_taken:
+            return
         skip = len(self.prompt_logprobs) + 1 - first
         if skip < 0:
             raise ValueError(f"prompt logprobs from token {first} leave a gap before it")
         self.prompt_logprobs += entries[skip:]
+
+    def take_prompt_logprobs(self) -> list[dict[int, Logprob] | None]:
+        """The prompt logprobs for the first output, None for the first prompt token; the
+        request keeps none of them."""
+        taken: list[dict[int, Logprob] | None] = [None, *self.prompt_logprobs]
+        self.prompt_logprobs, self.prompt_logprobs_taken = [], True
+        return taken
 
     def append_token(self, token_id: int, logprobs: dict[int, Logprob] | None) -> None:
         """Record a sampled token and finish the request if it hit a stop condition."""
@@ -349,10 +368,11 @@ class SamplingRows:
 
     `token_index[s]`: how many tokens the request generated before this one, unread ones
     included; it numbers the seeded draws and decides `min_tokens`. `suppressed`: position ->
-    token ids banned there (end-of-sequence and stop ids before `min_tokens`; the last token of
-    each bad word whose other tokens were just generated). `history`: position -> (prompt,
-    generated) token ids, where a penalty counts them; `watched`: the positions whose bad words
-    are longer than a token (both make the step blocking, so no generated token is unread).
+    token ids banned there (end-of-sequence and stop ids before `min_tokens`, unless they are
+    all the allowed ids; the last token of each bad word whose other tokens were just
+    generated). `history`: position -> (prompt, generated) token ids, where a penalty counts
+    them; `watched`: the positions whose bad words are longer than a token (both make the step
+    blocking, so no generated token is unread).
     """
 
     params: list[SamplingParams] = field(default_factory=list)
@@ -378,8 +398,12 @@ class SamplingRows:
         self.token_index.extend(range(index, index + num_samples))
         if index < p.min_tokens:
             banned = (*req.eos_token_ids, *p.stop_token_ids)
-            for j in range(min(num_samples, p.min_tokens - index)):
-                self.suppressed[first + j] = banned
+            # Allowed ids that are all stop tokens keep their place (as a grammar's do): a ban
+            # of every one would leave the row no token to draw.
+            allowed = p.allowed_token_ids
+            if allowed is None or any(t not in banned for t in allowed):
+                for j in range(min(num_samples, p.min_tokens - index)):
+                    self.suppressed[first + j] = banned
         # Penalties count the tokens so far (one test, inlined).
         if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1:
             for j in range(num_samples):
@@ -537,7 +561,7 @@ class StepPlan:
         scoring: list[tuple[int, int]] = []  # rows asking for prompt logprobs, and their offset
         for row, s in enumerate(seqs):
             req, num_new, num_device = s.request, s.num_new_tokens, len(s.device_tokens)
-            if req.params.prompt_logprobs is not None:
+            if req.scores_prompt:
                 scoring.append((row, len(ids)))
             num_drafted = len(s.drafts) + s.num_device_drafts
             if multimodal:

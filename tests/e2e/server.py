@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import pytest
 
 MODEL_NAME = "tiny"
 
@@ -126,3 +127,16 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.1) -> bool:
 def socket_folders(root: Path) -> list[Path]:
     """tokenmill's socket folders under `root` (multiprocessing may keep its own `pymp-*`)."""
     return list(root.glob("tokenmill-*"))
+
+
+def server_fixture(*flags: str) -> object:
+    """A module-scoped pytest fixture: a server of the tiny Llama checkpoint (`llama_dir`)
+    started with `flags`, its log in a temporary folder."""
+
+    @pytest.fixture(scope="module")
+    def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
+        log = tmp_path_factory.mktemp("logs") / "server.log"
+        with run_server(llama_dir, log, *flags) as handle:
+            yield handle
+
+    return server

@@ -5,7 +5,6 @@ against transformers' log-softmax of the same tokens."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from operator import itemgetter
 from pathlib import Path
 from typing import Any
@@ -15,20 +14,15 @@ import pytest
 import torch
 
 from tests.conftest import hf_logprobs
-from tests.e2e.server import MODEL_NAME, ServerHandle, run_server
+from tests.e2e.server import MODEL_NAME, ServerHandle, server_fixture
 from tokenmill.tokenization.tokenizer import load_tokenizer
 
 PROMPT_IDS = list(range(40, 72))
 PROMPT_TEXT = "The cat sat on the mat and looked at the door."
 
 
-@pytest.fixture(scope="module")
-def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
-    log = tmp_path_factory.mktemp("logs") / "server.log"
-    # A 16-token budget: prompts are scored chunk by chunk.
-    flags = ("--max-model-len", "256", "--max-num-batched-tokens", "16")
-    with run_server(llama_dir, log, *flags) as handle:
-        yield handle
+# A 16-token budget: prompts are scored chunk by chunk.
+server = server_fixture("--max-model-len", "256", "--max-num-batched-tokens", "16")
 
 
 def _complete(server: ServerHandle, **body: Any) -> dict[str, Any]:

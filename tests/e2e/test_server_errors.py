@@ -41,6 +41,8 @@ COMPLETION_ERRORS = [
     ({"top_p": 0}, "top_p", "top_p: Input should be greater than 0, got 0"),
     ({"max_tokens": 0}, "max_tokens", "max_tokens must be >= 1 unless echo is true, got 0"),
     ({"max_tokens": -1, "echo": True}, "max_tokens", "greater than or equal to 0"),
+    ({"max_tokens": 0, "echo": True, "min_tokens": 2}, "min_tokens",
+     "min_tokens must be 0 when max_tokens is 0 (echo generates nothing), got 2"),
     ({"n": 0}, "n", "n: Input should be greater than or equal to 1"),
     ({"logprobs": 50}, "logprobs", "logprobs: Input should be less than or equal to 20"),
     ({"presence_penalty": 5}, "presence_penalty", "presence_penalty: Input should be less than"),

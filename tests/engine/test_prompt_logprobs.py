@@ -9,9 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.conftest import FAMILIES, assert_prompt_logprobs_match, hf_logprobs
 from tokenmill import LLM, SamplingParams
+from tokenmill.cache.kv_cache import KVCache
+from tokenmill.config import ModelConfig
 from tokenmill.runner.prompt_logprobs import slice_rows
 
 PROMPT = list(range(20, 70))  # 50 tokens: several 16-token chunks
@@ -109,3 +113,78 @@ def test_deterministic_mode_scores_alike_alone_and_in_any_batch(llama_dir: Path)
     mixed = LLM(str(llama_dir), device="cpu", deterministic=True, **CHUNKED)
     outputs = mixed.generate([SHARED, PROMPT, [5, 6]], [PLAIN, SCORED, PLAIN], use_tqdm=False)
     assert outputs[1].prompt_logprobs == reference.prompt_logprobs  # bitwise
+
+
+def test_a_running_request_keeps_no_prompt_logprobs_after_its_first_output(
+    llama_dir: Path,
+) -> None:
+    """The prompt's scores go out with the first output and the request drops them (a long
+    prompt's are megabytes, for as long as it generates); a preemption after that scores no
+    prompt token again, and the request may read its cached prefix."""
+    engine = LLM(str(llama_dir), device="cpu", **CHUNKED).engine
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, prompt_logprobs=K)
+    engine.add_request("scored", PROMPT, params)
+    first = []
+    while not first:
+        first = [out for out in engine.step() if out.new_token_ids]
+    assert first[0].prompt_logprobs is not None and len(first[0].prompt_logprobs) == len(PROMPT)
+    (req,) = engine.scheduler.running
+    assert req.prompt_logprobs == [] and not req.scores_prompt
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert all(out.prompt_logprobs is None for out in outputs)
+
+
+@pytest.fixture(scope="module")
+def tight_and_alone(llama_dir: Path) -> tuple[LLM, LLM]:
+    """An engine that preempts (24 pages of 4 tokens for up to 8 requests of up to 82), with a
+    prefix cache and a host tier under it; and one that runs each request alone, uncached."""
+    host = 64 * KVCache.bytes_per_page(ModelConfig.from_pretrained(llama_dir), 4)
+    tight = LLM(str(llama_dir), device="cpu", page_size=4, num_pages=24, max_model_len=96,
+                max_num_batched_tokens=8, host_kv_cache_bytes=host)  # fmt: skip
+    return tight, LLM(str(llama_dir), device="cpu", enable_prefix_caching=False)
+
+
+_BASE = [(17 * i) % 490 + 5 for i in range(40)]
+_request = st.tuples(
+    st.integers(1, 40),  # how much of the shared prefix
+    st.lists(st.integers(3, 499), max_size=12),  # a tail of its own
+    st.integers(1, 30),  # max_tokens
+    st.none() | st.integers(0, 3),  # prompt_logprobs
+    st.dictionaries(st.integers(0, 511), st.floats(-10, 10), max_size=3),  # logit_bias
+)
+
+
+@settings(
+    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(requests=st.lists(_request, min_size=6, max_size=8))
+def test_prompt_logprobs_and_tokens_hold_through_preemption_and_both_cache_tiers(
+    tight_and_alone: tuple[LLM, LLM], requests
+) -> None:
+    """Requests sharing prefixes, some scoring their prompts, in an engine that preempts them
+    and caches on the device and the host: each gets the tokens and prompt logprobs it gets
+    alone."""
+    tight, alone = tight_and_alone
+    prompts = [[*_BASE[:cut], *tail] for cut, tail, *_ in requests]
+    params = [
+        SamplingParams(
+            temperature=0, max_tokens=m, ignore_eos=True, prompt_logprobs=k, logit_bias=bias or None
+        )
+        for _, _, m, k, bias in requests
+    ]
+    outputs = tight.generate(prompts, params, use_tqdm=False)
+    for prompt, p, out in zip(prompts, params, outputs, strict=True):
+        (expected,) = alone.generate([prompt], p, use_tqdm=False)
+        assert out.outputs[0].token_ids == expected.outputs[0].token_ids
+        if p.prompt_logprobs is None:
+            assert out.prompt_logprobs is None
+            continue
+        assert out.prompt_logprobs is not None and expected.prompt_logprobs is not None
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        for ours, theirs in zip(out.prompt_logprobs[1:], expected.prompt_logprobs[1:], strict=True):
+            assert ours is not None and theirs is not None and ours.keys() == theirs.keys()
+            for token, lp in ours.items():
+                assert lp.rank == theirs[token].rank
+                assert lp.logprob == pytest.approx(theirs[token].logprob, abs=1e-4)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 from tests.conftest import _hf_model, hf_greedy, hf_logprobs
 from tokenmill import LLM, SamplingParams
+from tokenmill.batch import SamplingRows
+from tokenmill.runner.sampler import Sampler, SamplingBatch
 
 PROMPT = list(range(30, 50))
 
@@ -282,3 +285,82 @@ def test_bad_words_are_tokenized_as_vllm_does(llm: LLM) -> None:
     banned = SamplingParams(temperature=0, max_tokens=8, bad_words=[tok.decode([first])])
     out = llm.generate(["hello"], banned, use_tqdm=False)[0].outputs[0].token_ids
     assert first not in out
+
+
+def test_a_bias_is_added_before_the_repetition_penalty_as_in_vllm(
+    llm: LLM, llama_dir: Path
+) -> None:
+    """vLLM adds `logit_bias` before the penalties: a seen token's positive logit l becomes
+    (l + b) / r under a repetition penalty r, not l / r + b. The bias is one where the two
+    orders pick different first tokens."""
+    prompt, r = [5, 6, 7] * 6, 1.8
+    with torch.no_grad():
+        logits = _hf_model(llama_dir)(torch.tensor([prompt])).logits[0, -1].double()
+    seen = torch.zeros_like(logits, dtype=torch.bool)
+    seen[prompt] = True
+
+    def penalize(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+
+    def first(token: int, b: float, bias_first: bool) -> int:
+        bias = torch.zeros_like(logits)
+        bias[token] = b
+        return int((penalize(logits + bias) if bias_first else penalize(logits) + bias).argmax())
+
+    token, b = next(
+        (t, b / 4)
+        for b in range(1, 400)
+        for t in (5, 6, 7)
+        if first(t, b / 4, True) != first(t, b / 4, False)
+    )
+    params = SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True, repetition_penalty=r, logit_bias={token: b}
+    )
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    processors = LogitsProcessorList(
+        [_BiasAndAllowed({token: b}), RepetitionPenaltyLogitsProcessor(r)]
+    )
+    assert out[0] == first(token, b, True)
+    assert out == _hf_generate(llama_dir, prompt, 6, logits_processor=processors)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_never_bans_every_allowed_token(llm: LLM, temperature: float) -> None:
+    """Where every allowed id is a stop token, min_tokens' ban would leave a row no token at
+    all (all -inf: token 0 came out): the allowed ids win, as a grammar does; the request still
+    runs for min_tokens tokens and stops at the first stop token after them."""
+    common = dict(temperature=temperature, seed=3, max_tokens=6, min_tokens=3)
+    stops = SamplingParams(**common, allowed_token_ids=[40, 41], stop_token_ids=[40, 41])
+    partly = SamplingParams(**common, allowed_token_ids=[40, 41, 42], stop_token_ids=[40, 41])
+    out, mixed = (
+        o.outputs[0] for o in llm.generate([PROMPT, PROMPT], [stops, partly], use_tqdm=False)
+    )
+    assert set(out.token_ids) <= {40, 41} and len(out.token_ids) == 3
+    assert out.finish_reason == "stop"
+    assert mixed.token_ids[:3] == [42, 42, 42]  # the ban holds where a token is left
+    eos = llm.config.model.eos_token_ids[0]
+    params = SamplingParams(temperature=temperature, max_tokens=4, min_tokens=2,
+                            allowed_token_ids=[eos])  # fmt: skip
+    (only_eos,) = llm.generate([PROMPT], params, use_tqdm=False)
+    assert only_eos.outputs[0].token_ids == [eos, eos]
+
+
+def test_a_batch_of_large_bias_maps_is_built_in_milliseconds() -> None:
+    """256 rows of 4,096-entry `logit_bias` maps (the most a request may send) and 200k
+    allowed ids: a step's sampling settings come from each request's tables, built once (the
+    maps as Python objects took 1.2 s a step); the biases still land on their rows."""
+    vocab, cpu = 1 << 18, torch.device("cpu")
+    bias = SamplingParams(temperature=0, logit_bias={i: i % 100 + 0.5 for i in range(4096)})
+    allowed = SamplingParams(temperature=0, allowed_token_ids=list(range(1000, 201_000)))
+    params = [bias] * 255 + [allowed]
+    rows = SamplingRows(params=params, token_index=[0] * len(params))
+    SamplingBatch.from_rows(rows, vocab, cpu)  # the tables are built on the first step
+    start = time.perf_counter()
+    batch = SamplingBatch.from_rows(rows, vocab, cpu)
+    assert time.perf_counter() - start < 0.25
+    assert batch.bias is not None and len(batch.bias.ids) == 255 * 4096
+    two = SamplingBatch.from_rows(SamplingRows(params=params[-2:], token_index=[0, 0]), vocab, cpu)
+    logits = torch.zeros(2, vocab)
+    logits[1, 0] = 1.0  # not an allowed id
+    tokens = Sampler(cpu, seed=0)(logits, two).to_host().token_ids
+    assert tokens == [99, 1000]  # the largest bias; the first allowed id (all tie)

@@ -529,7 +529,7 @@ class EngineCore:
             first = len(req.output_token_ids) == num_new
             output = self._output(req, req.output_token_ids[-num_new:], logprobs)
             if first and req.params.prompt_logprobs is not None:
-                output = replace(output, prompt_logprobs=[None, *req.prompt_logprobs])
+                output = replace(output, prompt_logprobs=req.take_prompt_logprobs())
             outputs.append(output)
             if req.is_finished:
                 del self._requests[req.request_id]

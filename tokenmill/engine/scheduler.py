@@ -508,9 +508,10 @@ def _priority(req: Request) -> tuple[int, float]:
 def _prefix_key(req: Request) -> list[int]:
     """The tokens a prefix match may cover: all but the last, which is always computed (its
     logits give the next token); an image's placeholders are keyed by its content. No token for a
-    request asking for prompt logprobs: a cached prefix would skip the positions that score
-    its prompt (as in vLLM, such a request reads no cached prefix; it writes its own)."""
-    if req.params.prompt_logprobs is not None:
+    request still to score its prompt (`Request.scores_prompt`): a cached prefix would skip the
+    positions that score it (as in vLLM, such a request reads no cached prefix; it writes its
+    own)."""
+    if req.scores_prompt:
         return []
     return req.prefix_keys(req.num_tokens - 1)
 

@@ -306,6 +306,11 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError(f"best_of must equal n ({self.n}), got {self.best_of}")
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens must be >= 1 unless echo is true, got 0")
+        if self.echo_only and self.min_tokens > 0:
+            raise ValueError(
+                f"min_tokens must be 0 when max_tokens is 0 (echo generates nothing), "
+                f"got {self.min_tokens}"
+            )
         scored = [k for k in (self.echoed_logprobs, self.prompt_logprobs) if k is not None]
         prompt_logprobs = max(scored) if scored else None
         # Without max_tokens: the model's default, else OpenAI's 16; an explicit null: the

@@ -99,7 +99,7 @@ class SamplingBatch:
             num_logprobs=[p.logprobs for p in params],
             bias=_LogitBias.from_params(params, device),
             allowed=[
-                (i, _to_device(p.allowed_token_ids, device))
+                (i, torch.frombuffer(p.allowed_token_table, dtype=torch.int64).to(device))
                 for i, p in enumerate(params)
                 if p.allowed_token_ids is not None
             ],
@@ -125,14 +125,19 @@ class _LogitBias:
 
     @staticmethod
     def from_params(params: Sequence[SamplingParams], device: torch.device) -> _LogitBias | None:
-        entries = [(i, t, v) for i, p in enumerate(params) for t, v in (p.logit_bias or {}).items()]
-        if not entries:
+        """The biased rows' maps, from each request's tables (`logit_bias_table`): no Python
+        object per entry."""
+        biased = [(i, p.logit_bias_table) for i, p in enumerate(params) if p.logit_bias]
+        if not biased:
             return None
-        rows, ids, values = zip(*entries, strict=True)
+        counts = np.array([len(ids) for _, (ids, _) in biased], dtype=np.int64)
+        rows = np.repeat(np.array([i for i, _ in biased], dtype=np.int64), counts)
+        ids = np.concatenate([np.frombuffer(ids, dtype=np.int64) for _, (ids, _) in biased])
+        values = np.concatenate([np.frombuffer(v, dtype=np.float32) for _, (_, v) in biased])
         return _LogitBias(
-            rows=_to_device(list(rows), device),
-            ids=_to_device(list(ids), device),
-            values=torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True),
+            rows=torch.from_numpy(rows).to(device, non_blocking=True),
+            ids=torch.from_numpy(ids).to(device, non_blocking=True),
+            values=torch.from_numpy(values).to(device, non_blocking=True),
         )
 
     def apply(self, logits: torch.Tensor) -> None:
@@ -392,21 +397,23 @@ class Sampler:
 
 
 def _penalized(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Float logits after penalties, logit biases, allowed token ids, min_tokens' bans and
-    grammar masks (what greedy rows take the argmax of); `logits` itself is left as it is
-    (logprobs are reported from it)."""
-    if batch.penalties is not None:
-        logits = batch.penalties.apply(logits)
-    elif batch.adjusted or batch.bitmask is not None:
-        logits = logits.clone()
-    if batch.bias is not None:
-        batch.bias.apply(logits)
+    """Float logits after allowed token ids, min_tokens' bans, logit biases, penalties (vLLM's
+    order: a bias is added before a repetition penalty scales the logit) and grammar masks
+    (what greedy rows take the argmax of); `logits` itself is left as it is (logprobs are
+    reported from it)."""
+    edited = bool(batch.allowed or batch.suppressed) or batch.bias is not None
+    if edited or (batch.bitmask is not None and batch.penalties is None):
+        logits = logits.clone()  # edited in place below
     for row, ids in batch.allowed:
         kept = logits[row, ids]
         logits[row] = float("-inf")
         logits[row, ids] = kept
     for row, ids in batch.suppressed:
         logits[row, ids] = float("-inf")
+    if batch.bias is not None:
+        batch.bias.apply(logits)
+    if batch.penalties is not None:
+        logits = batch.penalties.apply(logits)  # a new tensor
     if batch.bitmask is not None:
         _apply_bitmask(logits, batch)
     return logits
