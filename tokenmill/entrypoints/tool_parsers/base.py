@@ -170,6 +170,42 @@ def get_tool_parser(name: str) -> ToolParser:
     return _CLASSES[name]()
 
 
+def calls_constraint(
+    tools: list[FunctionTool],
+    begin: Callable[[FunctionTool], str],
+    end: str,
+    separator: str,
+    parallel: bool,
+) -> StructuredOutputsParams:
+    """A structural-tag grammar of one call (`parallel`: one or more, `separator` between) of
+    one of `tools`, each `begin(tool)`, then its arguments as JSON of the tool's schema, then
+    `end`. Whitespace inside the arguments is bounded so that any model ends its call."""
+    tags = [
+        {
+            "type": "tag",
+            "begin": begin(t),
+            "content": {
+                "type": "json_schema",
+                "json_schema": t.parameters,
+                "max_whitespace_cnt": 1,
+            },
+            "end": end,
+        }
+        for t in tools
+    ]
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "tags_with_separator",
+            "tags": tags,
+            "separator": separator,
+            "at_least_one": True,
+            "stop_after_first": not parallel,
+        },
+    }
+    return StructuredOutputsParams(structural_tag=tag)
+
+
 def tool_call_of(value: Any) -> ToolCall | None:
     """A call written as a JSON object `{"name": ..., "arguments" (or "parameters"): ...}`, or
     None if `value` is not one (or holds text no response can encode)."""

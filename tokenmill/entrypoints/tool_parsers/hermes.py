@@ -8,6 +8,7 @@ from tokenmill.entrypoints.tool_parsers.base import (
     FunctionTool,
     ToolCall,
     ToolParser,
+    calls_constraint,
     register,
     tool_call_of,
 )
@@ -28,29 +29,8 @@ class HermesToolParser(ToolParser):
             return None
 
     def constraint(self, tools: list[FunctionTool], parallel: bool) -> StructuredOutputsParams:
-        # Exactly the text the chat templates write, with compact JSON arguments: whitespace is
-        # bounded so that any model ends its call.
-        tags = [
-            {
-                "type": "tag",
-                "begin": f'{self.start_tag}\n{{"name": {json.dumps(t.name)}, "arguments": ',
-                "content": {
-                    "type": "json_schema",
-                    "json_schema": t.parameters,
-                    "max_whitespace_cnt": 1,
-                },
-                "end": f"}}\n{self.end_tag}",
-            }
-            for t in tools
-        ]
-        tag = {
-            "type": "structural_tag",
-            "format": {
-                "type": "tags_with_separator",
-                "tags": tags,
-                "separator": "\n",
-                "at_least_one": True,
-                "stop_after_first": not parallel,
-            },
-        }
-        return StructuredOutputsParams(structural_tag=tag)
+        # Exactly the text the chat templates write, with compact JSON arguments.
+        def begin(tool: FunctionTool) -> str:
+            return f'{self.start_tag}\n{{"name": {json.dumps(tool.name)}, "arguments": '
+
+        return calls_constraint(tools, begin, f"}}\n{self.end_tag}", "\n", parallel)

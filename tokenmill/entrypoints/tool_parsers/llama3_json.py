@@ -13,6 +13,7 @@ from tokenmill.entrypoints.tool_parsers.base import (
     ToolCall,
     ToolParser,
     ToolStream,
+    calls_constraint,
     register,
     tool_call_of,
 )
@@ -64,30 +65,10 @@ class Llama3JsonToolParser(ToolParser):
 
     def constraint(self, tools: list[FunctionTool], parallel: bool) -> StructuredOutputsParams:
         # The JSON Llama's chat template asks for, compact: `{"name": ..., "parameters": ...}`.
-        tags = [
-            {
-                "type": "tag",
-                "begin": f'{{"name": {json.dumps(t.name)}, "parameters": ',
-                "content": {
-                    "type": "json_schema",
-                    "json_schema": t.parameters,
-                    "max_whitespace_cnt": 1,
-                },
-                "end": "}",
-            }
-            for t in tools
-        ]
-        tag = {
-            "type": "structural_tag",
-            "format": {
-                "type": "tags_with_separator",
-                "tags": tags,
-                "separator": "; ",
-                "at_least_one": True,
-                "stop_after_first": not parallel,
-            },
-        }
-        return StructuredOutputsParams(structural_tag=tag)
+        def begin(tool: FunctionTool) -> str:
+            return f'{{"name": {json.dumps(tool.name)}, "parameters": '
+
+        return calls_constraint(tools, begin, "}", "; ", parallel)
 
 
 class _WholeOutputStream(ToolStream):
