@@ -417,14 +417,17 @@ class SamplingRows:
         self, req: Request, first: int, num_samples: int, drafts: Sequence[int]
     ) -> None:
         """Ban at each of the row's positions the last token of every bad word whose other
-        tokens end the output so far (a one-token word: always), as vLLM does."""
+        tokens end the output so far (a one-token word: always), as vLLM does; not where the
+        bans would leave none of the request's allowed ids (they win, as over `min_tokens`)."""
         words = req.params.bad_words_token_ids or []
+        allowed = req.params.allowed_token_ids
         watched = any(len(w) > 1 for w in words)
         for j in range(num_samples):
             output = [*req.output_token_ids, *drafts[:j]]
             banned = tuple(w[-1] for w in words if len(w) == 1 or _ends_with(output, w[:-1]))
-            if banned:
-                self.suppressed[first + j] = (*self.suppressed.get(first + j, ()), *banned)
+            banned = (*self.suppressed.get(first + j, ()), *banned)
+            if banned and (allowed is None or not set(allowed).issubset(banned)):
+                self.suppressed[first + j] = banned
             if watched:
                 self.watched.append(first + j)
 

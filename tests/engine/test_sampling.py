@@ -364,3 +364,13 @@ def test_a_batch_of_large_bias_maps_is_built_in_milliseconds() -> None:
     logits[1, 0] = 1.0  # not an allowed id
     tokens = Sampler(cpu, seed=0)(logits, two).to_host().token_ids
     assert tokens == [99, 1000]  # the largest bias; the first allowed id (all tie)
+
+
+def test_bad_words_never_ban_every_allowed_token(llm: LLM) -> None:
+    """Bad words covering all of a request's allowed ids are not applied (the allowed ids
+    win, as over min_tokens): its tokens stay inside the allowed set."""
+    banned = [[40], [41]]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                            allowed_token_ids=[40, 41], bad_words_token_ids=banned)  # fmt: skip
+    out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert set(out) <= {40, 41}
