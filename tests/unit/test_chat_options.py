@@ -71,3 +71,26 @@ def test_llm_chat_takes_the_options(llama_dir: Path) -> None:
     assert llm.tokenizer.decode(out.prompt_token_ids).endswith("Hello wor")
     with pytest.raises(ValueError, match="continue_final_message cannot be combined"):
         llm.chat(CHAT, params, continue_final_message=True)
+
+
+@pytest.mark.parametrize(
+    ("template", "kwargs"),
+    [
+        ("{{ 10 // depth }}", {"depth": 0}),  # ZeroDivisionError
+        ("{% for i in range(turns) %}.{% endfor %}", {"turns": 10**9}),  # the sandbox's limit
+        ("{{ 1.5 * scale }}", {"scale": 10**400}),  # OverflowError: a JSON integer as a float
+    ],
+)
+def test_template_variables_it_cannot_evaluate_are_a_value_error(
+    tokenizer, template: str, kwargs: dict
+) -> None:
+    """What the template raises on a client's variables is the client's to fix (a 400), of
+    whatever type: not a 500 from the tokenizer worker or /tokenize."""
+    original = tokenizer.chat_template
+    tokenizer.chat_template = template + "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    try:
+        options = ChatTemplateOptions(template_kwargs=kwargs)
+        with pytest.raises(ValueError, match="messages can not be rendered by the chat template"):
+            apply_chat_template(tokenizer, CHAT, options=options)
+    finally:
+        tokenizer.chat_template = original

@@ -158,8 +158,11 @@ def apply_chat_template(
             continue_final_message=options.continue_final_message,
             **(options.template_kwargs or {}),
         )
-    except (TemplateError, TypeError, KeyError, RecursionError, ValueError) as exc:
-        # The template runs on the client's messages: what it trips over is theirs to fix.
+    except (
+        TemplateError, TypeError, LookupError, ArithmeticError, RecursionError, ValueError
+    ) as exc:  # fmt: skip
+        # The template runs on the client's messages and variables: what it trips over is
+        # theirs to fix (a variable of 0 it divides by, a range over the sandbox's limit).
         raise ValueError(f"messages can not be rendered by the chat template: {exc}") from exc
     if not is_valid_text(text):  # a message's unpaired surrogate: the tokenizer's TypeError
         raise ValueError("messages must be valid Unicode text, got an unpaired surrogate")
