@@ -161,3 +161,16 @@ def test_llama3_json_required_grammar_takes_its_calls_only(llama3) -> None:
     hermes_call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": 1}}\n</tool_call>'
     for bad in ["Sure!", '{"name": "other", "parameters": {}}', hermes_call]:
         assert not xgr.testing._is_grammar_accept_string(grammar, bad)
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3_json"])
+def test_a_call_with_an_integer_python_cannot_read_is_content(name: str) -> None:
+    """An integer of more digits than Python converts (4,300) raised ValueError out of the
+    parser: a 500 for the request, or a broken stream."""
+    call = '{"name": "f", "arguments": {"n": ' + "7" * 5000 + "}}"
+    text = f"<tool_call>{call}</tool_call>" if name == "hermes" else call
+    parser = get_tool_parser(name)
+    parsed = parser.parse(text)
+    assert parsed.tool_calls == [] and parsed.content == text
+    stream = parser.stream()
+    assert "".join(stream.feed(text) + stream.finish()) == text

@@ -25,7 +25,9 @@ class HermesToolParser(ToolParser):
     def parse_call(self, body: str) -> ToolCall | None:
         try:
             return tool_call_of(json.loads(body))
-        except (json.JSONDecodeError, RecursionError):  # the model's text, however deep
+        # The model's text, however deep (RecursionError) or long its numbers (ValueError:
+        # over Python's 4,300 digits of an integer; JSONDecodeError is one too).
+        except (ValueError, RecursionError):
             return None
 
     def constraint(self, tools: list[FunctionTool], parallel: bool) -> StructuredOutputsParams:

@@ -42,7 +42,7 @@ class Llama3JsonToolParser(ToolParser):
         while True:
             try:
                 value, at = decoder.raw_decode(body, at)
-            except (json.JSONDecodeError, RecursionError):
+            except (ValueError, RecursionError):  # as hermes's: deep, or an integer too long
                 return None
             call = tool_call_of(value)
             if call is None:
