@@ -18,7 +18,7 @@ from tokenmill.config import EngineArgs
 from tokenmill.entrypoints import api_server
 from tokenmill.entrypoints import openai_responses as oai
 from tokenmill.entrypoints.engine_client import ChoiceOutput
-from tokenmill.entrypoints.protocol import error_param
+from tokenmill.entrypoints.protocol import MessageToolCall, error_param
 from tokenmill.entrypoints.server_options import ServerOptions
 from tokenmill.entrypoints.tool_parsers import get_tool_parser
 from tokenmill.ipc.messages import ClientOutput, PromptTextLogprobs
@@ -174,3 +174,16 @@ def test_dashboard_requests_are_relative_so_it_works_under_a_root_path() -> None
     urls = re.findall(r"""(?:fetch\(|href = )["'`]([^"'`$]+)""", page)
     assert {"metrics", "v1/feedback?max_rating=-1&limit=20", "v1/traces/"} <= set(urls)
     assert not [u for u in urls if u.startswith("/")]
+
+
+@pytest.mark.parametrize(
+    "arguments", ["{not json", '{"n": ' + "7" * 5000 + "}"], ids=["not-json", "long-integer"]
+)
+def test_tool_call_arguments_python_cannot_read_name_the_messages(arguments: str) -> None:
+    """An earlier call's arguments holding an integer of over 4,300 digits: the message was
+    int()'s ('Exceeds the limit ...'), naming no field."""
+    call = MessageToolCall.model_validate(
+        {"id": "a", "function": {"name": "f", "arguments": arguments}}
+    )
+    with pytest.raises(ValueError, match="^messages: tool call arguments must be JSON"):
+        call.template_dict()

@@ -355,7 +355,7 @@ class MessageToolCall(_Strict):
         """The call as chat templates expect it: arguments as an object, not JSON text."""
         try:
             arguments = json.loads(self.function.arguments or "{}")
-        except json.JSONDecodeError:
+        except ValueError:  # not JSON, or an integer of more digits than Python reads (4,300)
             raise ValueError(
                 f"messages: tool call arguments must be JSON, got {self.function.arguments[:200]!r}"
             ) from None
