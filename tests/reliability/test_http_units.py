@@ -187,3 +187,43 @@ def test_tool_call_arguments_python_cannot_read_name_the_messages(arguments: str
     )
     with pytest.raises(ValueError, match="^messages: tool call arguments must be JSON"):
         call.template_dict()
+
+
+def _streamed(outputs: list[ClientOutput], parsers: tuple) -> list[dict]:
+    """The chunks `_stream` makes of one choice's `outputs` (logprobs top 0, no usage)."""
+    response = oai.ResponseState(request_id="chatcmpl-x", model="m", n=1)
+    items = [ChoiceOutput(0, 0, out) for out in outputs]
+
+    async def rest():
+        for item in items[1:]:
+            yield item
+
+    async def collect() -> list[str]:
+        stream = api_server._stream(response, items[0], rest(), True, 0, (False, False), parsers)
+        return [event async for event in stream]
+
+    events = asyncio.run(collect())
+    return [json.loads(e.removeprefix("data: ")) for e in events if e.startswith("data: {")]
+
+
+@pytest.mark.parametrize("tools", [False, True], ids=["no-tools", "llama3_json"])
+def test_streamed_reasoning_carries_its_tokens_logprobs(tools: bool) -> None:
+    """Each step's logprobs go out in the chunk holding its reasoning (as vLLM's), not in an
+    empty chunk after it; a step that crosses `</think>` is one chunk of both."""
+    from tokenmill.entrypoints.reasoning import REASONING_PARSERS
+
+    def step(text: str, token: int, finish: str | None = None) -> ClientOutput:
+        return ClientOutput("r", text, [token], [[(token, text, -0.5, 1)]], finish, 3, 0)
+
+    outputs = [step("So", 1), step(" yes</think>", 2), step("Hi", 3, "stop")]
+    parsers = (get_tool_parser("llama3_json") if tools else None, REASONING_PARSERS["deepseek_r1"])
+    chunks = [c["choices"][0] for c in _streamed(outputs, parsers)]
+    assert chunks[0]["delta"] == {"role": "assistant", "content": ""}
+    tokens = [[t["token"] for t in (c["logprobs"] or {}).get("content") or []] for c in chunks]
+    assert [c["delta"] for c in chunks[1:]] == [
+        {"reasoning_content": "So"},
+        {"reasoning_content": " yes"},
+        {"content": "Hi"},
+    ]
+    assert tokens[1:] == [["So"], [" yes</think>"], ["Hi"]]
+    assert chunks[-1]["finish_reason"] == "stop"

@@ -855,20 +855,25 @@ async def _stream(
         if first:
             role = {"role": "assistant", "content": ""}
             result.append(oai.chat_chunk(response, index, role, None, top_n))
+        thought = ""
         if reasoning is not None:
             split = reasoning_streams.setdefault(index, ReasoningStream(reasoning))
             thought, text = split.feed(out.text, final=out.finish_reason is not None)
-            if thought:
-                delta = {"reasoning_content": thought}
-                result.append(oai.chat_chunk(response, index, delta, None, top_n))
             out = msgspec.structs.replace(out, text=text)
         if tool_parser is not None:
             stream = tool_streams.setdefault(index, tool_parser.stream())
-            return result + oai.tool_chunks(response, index, stream, out, top_n)
-        if out.text or out.finish_reason is not None or out.logprobs:
+            rest = oai.tool_chunks(response, index, stream, out, top_n)
+        elif out.text or out.finish_reason is not None or out.logprobs:
             delta = {"content": out.text} if out.text else {}
-            result.append(oai.chat_chunk(response, index, delta, out, top_n))
-        return result
+            rest = [oai.chat_chunk(response, index, delta, out, top_n)]
+        else:
+            rest = []
+        if thought:  # in the step's (first) chunk, beside its logprobs, as vLLM's
+            if not rest:
+                rest = [oai.chat_chunk(response, index, {}, None, top_n)]
+            choice = rest[0]["choices"][0]
+            choice["delta"] = {"reasoning_content": thought, **choice["delta"]}
+        return result + rest
 
     def events(item: ChoiceOutput) -> list[str]:
         made = chunks(item)
