@@ -23,8 +23,9 @@ VOCAB = 512  # the tiny checkpoint's
 
 server = server_fixture(*FLAGS)
 
+_scalar = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.text(max_size=8)
 _json = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
+    _scalar | st.floats(allow_nan=False, allow_infinity=False),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
                                                                  max_size=3),
     max_leaves=12,
@@ -111,6 +112,14 @@ def test_random_new_fields_get_a_200_of_the_right_shape_or_a_400(
     else:
         body["prompt"] = " ".join(m["content"] for m in msgs)
         path = "/v1/completions"
+    if chat:  # /tokenize renders the chat as the completion does, or refuses it alike
+        keys = {"messages", "add_generation_prompt", "continue_final_message",
+                "chat_template_kwargs"}  # fmt: skip
+        tokenized = httpx.post(server.base_url + "/tokenize", json={
+            "model": MODEL_NAME, **{k: v for k, v in body.items() if k in keys}
+        }, timeout=60)  # fmt: skip
+        event(f"/tokenize {tokenized.status_code}")
+        assert tokenized.status_code in (200, 400), tokenized.text
     status, reply = _post(server, path, body)
     event(f"{path} {status}")
     assert status in (200, 400), reply
