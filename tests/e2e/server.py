@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import signal
 import socket
@@ -12,6 +13,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -140,3 +142,19 @@ def server_fixture(*flags: str) -> object:
             yield handle
 
     return server
+
+
+def post_json_or_stream(server: ServerHandle, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    """POST `body`: the status and the body, JSON, or a stream's chunks (a list) when streamed
+    (which must end with `[DONE]` and hold no error event)."""
+    if not body.get("stream"):
+        response = httpx.post(server.base_url + path, json=body, timeout=60)
+        return response.status_code, response.json()
+    with httpx.stream("POST", server.base_url + path, json=body, timeout=60) as response:
+        if response.status_code != 200:
+            return response.status_code, json.loads(response.read())
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert all("error" not in c for c in chunks), chunks
+    return 200, chunks

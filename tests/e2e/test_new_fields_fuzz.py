@@ -5,14 +5,13 @@ shape or a 400 in OpenAI's shape, and the server stays healthy."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import httpx
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from tests.e2e.server import MODEL_NAME, ServerHandle, server_fixture
+from tests.e2e.server import MODEL_NAME, ServerHandle, post_json_or_stream, server_fixture
 
 FLAGS = (
     "--max-model-len", "128", "--max-num-batched-tokens", "16",
@@ -70,20 +69,6 @@ _messages = st.lists(
 )  # fmt: skip
 
 
-def _post(server: ServerHandle, path: str, body: dict[str, Any]) -> tuple[int, Any]:
-    if not body.get("stream"):
-        response = httpx.post(server.base_url + path, json=body, timeout=60)
-        return response.status_code, response.json()
-    with httpx.stream("POST", server.base_url + path, json=body, timeout=60) as response:
-        if response.status_code != 200:
-            return response.status_code, json.loads(response.read())
-        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
-    assert lines[-1] == "data: [DONE]"
-    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
-    assert all("error" not in c for c in chunks), chunks
-    return 200, chunks
-
-
 def _assert_stream(body: dict[str, Any], chunks: list[dict[str, Any]], n: int) -> None:
     options = body.get("stream_options") or {}
     usage = options.get("include_usage")
@@ -120,7 +105,7 @@ def test_random_new_fields_get_a_200_of_the_right_shape_or_a_400(
         }, timeout=60)  # fmt: skip
         event(f"/tokenize {tokenized.status_code}")
         assert tokenized.status_code in (200, 400), tokenized.text
-    status, reply = _post(server, path, body)
+    status, reply = post_json_or_stream(server, path, body)
     event(f"{path} {status}")
     assert status in (200, 400), reply
     assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200

@@ -5,7 +5,6 @@ healthy, and a greedy request answers as `LLM.generate` does."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from tests.e2e.server import MODEL_NAME, ServerHandle, server_fixture
+from tests.e2e.server import MODEL_NAME, ServerHandle, post_json_or_stream, server_fixture
 from tokenmill import LLM, SamplingParams
 from tokenmill.tokenization.tokenizer import load_tokenizer
 
@@ -58,21 +57,6 @@ _fields = {
 _overrides = st.lists(st.sampled_from(sorted(_fields)), max_size=7, unique=True).flatmap(
     lambda names: st.fixed_dictionaries({name: _fields[name] for name in names})
 )
-
-
-def _post(server: ServerHandle, path: str, body: dict[str, Any]) -> tuple[int, Any]:
-    """The status and the body: JSON, or a stream's chunks (a list) when streamed."""
-    if not body.get("stream"):
-        response = httpx.post(server.base_url + path, json=body, timeout=60)
-        return response.status_code, response.json()
-    with httpx.stream("POST", server.base_url + path, json=body, timeout=60) as response:
-        if response.status_code != 200:
-            return response.status_code, json.loads(response.read())
-        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
-    assert lines[-1] == "data: [DONE]"
-    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
-    assert all("error" not in c for c in chunks), chunks
-    return 200, chunks
 
 
 def _assert_error_shape(body: Any) -> None:
@@ -149,7 +133,7 @@ def test_random_sampling_fields_get_a_200_of_the_right_shape_or_a_400(
     else:
         body["prompt"] = prompt
         path = "/v1/completions"
-    status, reply = _post(server, path, body)
+    status, reply = post_json_or_stream(server, path, body)
     event(f"status {status}")
     assert status in (200, 400), reply
     assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
@@ -200,7 +184,9 @@ def test_greedy_http_answers_as_llm_generate(
     (expected,) = offline.generate([prompt], params, use_tqdm=False)
     body = {**fields, "logit_bias": {str(t): b for t, b in logit_bias.items()} or None}
     body |= {"model": MODEL_NAME, "prompt": prompt, "temperature": 0, "logprobs": 0}
-    status, reply = _post(server, "/v1/completions", {**body, "return_tokens_as_token_ids": True})
+    status, reply = post_json_or_stream(
+        server, "/v1/completions", {**body, "return_tokens_as_token_ids": True}
+    )
     assert status == 200, reply
     (choice,) = reply["choices"]
     tokens = [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
