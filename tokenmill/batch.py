@@ -226,9 +226,9 @@ class Request:
         tokens = self.token_slice(0, end)
         keys = tokens if self.mm is None else self.mm.cache_keys(tokens)
         salt = self.params.cache_salt
-        if salt is None or not keys:
-            return keys
-        return [salted_key(salt, keys[0]), *keys[1:]]
+        if salt is not None and keys:
+            keys[0] = salted_key(salt, keys[0])  # a new list either way: no one else's
+        return keys
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -398,10 +398,8 @@ class SamplingRows:
         self.token_index.extend(range(index, index + num_samples))
         if index < p.min_tokens:
             banned = (*req.eos_token_ids, *p.stop_token_ids)
-            # Allowed ids that are all stop tokens keep their place (as a grammar's do): a ban
-            # of every one would leave the row no token to draw.
-            allowed = p.allowed_token_ids
-            if allowed is None or any(t not in banned for t in allowed):
+            # Allowed ids that are all stop tokens keep their place (as a grammar's do).
+            if _leaves_an_allowed_id(p.allowed_token_ids, banned):
                 for j in range(min(num_samples, p.min_tokens - index)):
                     self.suppressed[first + j] = banned
         # Penalties count the tokens so far (one test, inlined).
@@ -419,17 +417,22 @@ class SamplingRows:
         """Ban at each of the row's positions the last token of every bad word whose other
         tokens end the output so far (a one-token word: always), as vLLM does; not where the
         bans would leave none of the request's allowed ids (they win, as over `min_tokens`)."""
-        words = req.params.bad_words_token_ids or []
-        allowed = req.params.allowed_token_ids
-        watched = any(len(w) > 1 for w in words)
+        p = req.params
+        words = p.bad_words_token_ids or []
         for j in range(num_samples):
             output = [*req.output_token_ids, *drafts[:j]]
             banned = tuple(w[-1] for w in words if len(w) == 1 or _ends_with(output, w[:-1]))
             banned = (*self.suppressed.get(first + j, ()), *banned)
-            if banned and (allowed is None or not set(allowed).issubset(banned)):
+            if banned and _leaves_an_allowed_id(p.allowed_token_ids, banned):
                 self.suppressed[first + j] = banned
-            if watched:
+            if p.watches_output:
                 self.watched.append(first + j)
+
+
+def _leaves_an_allowed_id(allowed: list[int] | None, banned: tuple[int, ...]) -> bool:
+    """Whether banning `banned` leaves a request with allowed ids (`allowed`: each once; None:
+    all) one to draw: a ban of every one would leave the row no token at all."""
+    return allowed is None or len(allowed) > len(banned) or not set(allowed).issubset(banned)
 
 
 def _ends_with(tokens: Sequence[int], suffix: Sequence[int]) -> bool:

@@ -436,6 +436,12 @@ class SamplingParams:
         return array("q", bias.keys()), array("f", bias.values())
 
     @cached_property
+    def watches_output(self) -> bool:
+        """Whether a bad word is longer than a token: whether its bans follow the newest
+        tokens (its steps wait for them; the draft model does not draft for it)."""
+        return any(len(word) > 1 for word in self.bad_words_token_ids or ())
+
+    @cached_property
     def allowed_token_table(self) -> array:
         """`allowed_token_ids` as int64 ids, built once (as `logit_bias_table`)."""
         return array("q", self.allowed_token_ids or ())

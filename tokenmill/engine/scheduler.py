@@ -549,8 +549,7 @@ def _host_only(req: Request) -> bool:
     (penalties), to check against a grammar or to end a bad word of several tokens."""
     p = req.params
     penalised = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1
-    watched = any(len(w) > 1 for w in p.bad_words_token_ids or ())
-    return bool(penalised) or watched or p.structured_outputs is not None
+    return bool(penalised) or p.watches_output or p.structured_outputs is not None
 
 
 def _pinned(req: Request) -> bool:

@@ -128,10 +128,10 @@ def with_bad_words(
     sequences = list(params.bad_words_token_ids or [])
     for word in params.bad_words:
         bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
-        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
         if not bare:  # written as no token (its characters normalized away): none to ban
             continue
         sequences.append(bare)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
         if len(spaced) == len(bare) and spaced[0] != bare[0]:
             sequences.append(spaced)
     return dataclasses.replace(params, bad_words_token_ids=sequences)
