@@ -878,7 +878,8 @@ async def _stream(
     def events(item: ChoiceOutput) -> list[str]:
         made = chunks(item)
         if continuous_usage:
-            made = [{**chunk, "usage": response.usage()} for chunk in made]
+            usage_so_far = response.usage()
+            made = [{**chunk, "usage": usage_so_far} for chunk in made]
         return [_sse(chunk) for chunk in made]
 
     try:

@@ -551,8 +551,7 @@ def _check_chat_size(
     bytes than the limit cannot fit. Checked before the tokenizer worker renders and tokenizes
     it (seconds for megabytes, while the worker's other requests wait)."""
     size = sum(_message_bytes(m) for m in messages)
-    if size > limits.max_prompt_bytes:
-        raise limit_error("messages", _too_many_bytes("the messages' text", size, limits))
+    _within_limit(size, "messages", "the messages' text", limits)
     # The template renders JSON (tool-call arguments, tools' parameters) recursively: a deep
     # document raised RecursionError there (HTTP 500), and in json.loads before it.
     for i, message in enumerate(messages):
@@ -563,18 +562,24 @@ def _check_chat_size(
         _check_template_depth("tools", f"the parameters of tool {i}", tool.function.parameters)
     if tools:
         rendered = [t.model_dump(exclude_none=True) for t in tools]
-        size += _utf8_bytes(json.dumps(rendered, ensure_ascii=False))
-        if size > limits.max_prompt_bytes:
-            raise limit_error(
-                "tools", _too_many_bytes("the messages' text and tools", size, limits)
-            )
+        size += _json_bytes(rendered)
+        _within_limit(size, "tools", "the messages' text and tools", limits)
     if template_kwargs:
         param = "chat_template_kwargs"
         _check_template_depth(param, "chat_template_kwargs", template_kwargs)
-        size += _utf8_bytes(json.dumps(template_kwargs, ensure_ascii=False))
-        if size > limits.max_prompt_bytes:
-            what = "the chat with its template's variables"
-            raise limit_error(param, _too_many_bytes(what, size, limits))
+        size += _json_bytes(template_kwargs)
+        _within_limit(size, param, "the chat with its template's variables", limits)
+
+
+def _within_limit(size: int, param: str, what: str, limits: RequestLimits) -> None:
+    """A limit error naming `param` if `size` bytes (`what`) are more than the server
+    tokenizes."""
+    if size > limits.max_prompt_bytes:
+        raise limit_error(param, _too_many_bytes(what, size, limits))
+
+
+def _json_bytes(document: Any) -> int:
+    return _utf8_bytes(json.dumps(document, ensure_ascii=False))
 
 
 def _check_template_depth(param: str, what: str, document: Any) -> None:

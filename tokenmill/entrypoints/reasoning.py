@@ -50,7 +50,6 @@ class ReasoningStream:
     text completes, holding back what may be the start of a tag."""
 
     def __init__(self, parser: ReasoningParser) -> None:
-        self.parser = parser
         self._buffer = ""
         # None: not known yet whether the output opens with `<think>` (qwen3's first tokens).
         self._inside: bool | None = True if parser.starts_inside else None
