@@ -1,0 +1,137 @@
+"""The one-launch decoder layer (`kernels/decode_layer.py`) against a float64 torch layer.
+
+Off a GPU the stages launch one at a time (Triton's interpreter cannot open a grid barrier);
+on a GPU the whole layer runs in one launch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from tokenmill.kernels.decode_layer import (  # noqa: E402
+    DecodeLayerKernel,
+    DecodeLayerWeights,
+    DecodeStep,
+    LayerDims,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _reference(
+    dims: LayerDims, w: DecodeLayerWeights, x: torch.Tensor, res: torch.Tensor | None,
+    cached_k: torch.Tensor, cached_v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(out, new residual, the new token's rotated k, its v) in float64."""
+    d = dims
+    f = {name: (t.double() if t is not None else None) for name, t in vars(w).items()}
+    h1 = x.double() + (res.double() if res is not None else 0.0)
+    qkv = _rms(h1, f["input_norm"], d.eps) @ f["qkv"].T
+    if f["qkv_bias"] is not None:
+        qkv = qkv + f["qkv_bias"]
+    hq, hkv, hd = d.num_heads, d.num_kv_heads, d.head_dim
+    q = qkv[0, : hq * hd].view(hq, hd)
+    k = qkv[0, hq * hd : (hq + hkv) * hd].view(hkv, hd)
+    v = qkv[0, (hq + hkv) * hd :].view(hkv, hd)
+    if f["q_norm"] is not None:
+        q, k = _rms(q, f["q_norm"], d.eps), _rms(k, f["k_norm"], d.eps)
+    q, k = _rope(q, cos.double(), sin.double()), _rope(k, cos.double(), sin.double())
+    keys = torch.cat((cached_k.double(), k[None]), 0)  # [n + 1, hkv, hd]
+    values = torch.cat((cached_v.double(), v[None]), 0)
+    group = hq // hkv
+    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    scores = torch.einsum("hd,nhd->hn", q, keys) * hd**-0.5
+    attn = torch.einsum("hn,nhd->hd", scores.softmax(-1), values).reshape(1, -1)
+    h2 = attn @ f["o"].T + h1
+    gate_up = _rms(h2, f["post_norm"], d.eps) @ f["gate_up"].T
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = (torch.nn.functional.silu(gate) * up) @ f["down"].T
+    return out, h2, k, v
+
+
+def _weights(
+    dims: LayerDims, dtype: torch.dtype, bias: bool, qk_norm: bool, gen: torch.Generator
+) -> DecodeLayerWeights:
+    d = dims
+    nqkv = (d.num_heads + 2 * d.num_kv_heads) * d.head_dim
+
+    def rand(*shape: int, scale: float = 0.2) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEVICE)
+
+    def norm(n: int) -> torch.Tensor:
+        return (1 + torch.randn(n, generator=gen) * 0.1).to(dtype).to(DEVICE)
+
+    return DecodeLayerWeights(
+        qkv=rand(nqkv, d.hidden), qkv_bias=rand(nqkv) if bias else None,
+        o=rand(d.hidden, d.num_heads * d.head_dim), gate_up=rand(2 * d.intermediate, d.hidden),
+        down=rand(d.hidden, d.intermediate), input_norm=norm(d.hidden), post_norm=norm(d.hidden),
+        q_norm=norm(d.head_dim) if qk_norm else None, k_norm=norm(d.head_dim) if qk_norm else None,
+    )  # fmt: skip
+
+
+CASES = [
+    # (hidden, heads, kv heads, head dim, intermediate, page, context, programs, bias, qk norm)
+    (64, 4, 2, 16, 96, 4, 9, 5, False, True),
+    (64, 4, 4, 16, 80, 1, 1, 3, True, False),
+    (96, 6, 2, 32, 160, 16, 300, 8, False, False),
+    (64, 8, 2, 16, 128, 8, 700, 16, True, True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"h{c[0]}-ctx{c[6]}-p{c[7]}")
+@pytest.mark.parametrize("first_layer", [False, True])
+def test_decode_layer_matches_float64(case: tuple, first_layer: bool) -> None:
+    hidden, hq, hkv, hd, inter, page, ctx, programs, bias, qk_norm = case
+    if DEVICE == "cuda":
+        programs = torch.cuda.get_device_properties(0).multi_processor_count
+    dtype = torch.float32
+    gen = torch.Generator().manual_seed(ctx + programs)
+    dims = LayerDims(hidden, hq, hkv, hd, inter, 1e-6, page)
+    w = _weights(dims, dtype, bias, qk_norm, gen)
+    x = torch.randn(1, hidden, generator=gen).to(DEVICE)
+    res = None if first_layer else torch.randn(1, hidden, generator=gen).to(DEVICE)
+    # the context's earlier positions in shuffled pages, the new token's slot after them
+    n_pages = (ctx + page - 1) // page + 3
+    perm = torch.randperm(n_pages, generator=gen)
+    page_table = perm[None, : (ctx + page - 1) // page].to(torch.int32).to(DEVICE)
+    positions = torch.arange(ctx)
+    slots = perm[positions // page] * page + positions % page
+    k_cache = torch.randn(n_pages * page, hkv, hd, generator=gen).to(DEVICE)
+    v_cache = torch.randn(n_pages * page, hkv, hd, generator=gen).to(DEVICE)
+    cached = slots[:-1].to(DEVICE)
+    rope_pos = torch.arange(ctx + 4, dtype=torch.float32)[:, None]
+    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
+    emb = torch.cat((rope_pos * inv, rope_pos * inv), -1)
+    cos, sin = emb.cos().to(DEVICE), emb.sin().to(DEVICE)
+    step = DecodeStep(
+        positions=torch.tensor([ctx - 1], device=DEVICE),
+        slots=slots[-1:].to(DEVICE),
+        kv_lens=torch.tensor([ctx], dtype=torch.int32, device=DEVICE),
+        page_table=page_table, cos=cos, sin=sin,
+    )  # fmt: skip
+    ref_out, ref_res, ref_k, ref_v = _reference(
+        dims, w, x, res, k_cache[cached], v_cache[cached], cos[ctx - 1], sin[ctx - 1]
+    )
+    kernel = DecodeLayerKernel(dims, dtype, torch.device(DEVICE), programs)
+    out, new_res = kernel.run(w, x, res, step, k_cache, v_cache)
+    torch.testing.assert_close(new_res.double(), ref_res, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(k_cache[slots[-1]].double(), ref_k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v_cache[slots[-1]].double(), ref_v, rtol=1e-5, atol=1e-5)
+    # the same layer again (the barrier words and scratch reused) gives the same bits
+    first = out.clone()
+    again, _ = kernel.run(w, x, res, step, k_cache, v_cache)
+    assert torch.equal(again, first)

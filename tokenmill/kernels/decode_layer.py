@@ -1,0 +1,491 @@
+"""A whole decoder layer of a dense Llama-family model in one launch, for one decoding sequence.
+
+At batch 1 every kernel of a small model's layer is latency-bound: Qwen3-0.6B spent ~25 us a
+layer in seven kernels carrying ~7.4 us of weight bytes (`docs/perf-notes.md`), most of it at
+the kernel boundaries (a grid's tail, the next grid's wait, its first loads). Here one grid of
+`programs` programs (one per SM, all resident at once) runs the layer's five stages, separated
+by grid barriers instead of kernel boundaries, and each program loads the first weight tiles of
+its next stage before it waits at the barrier (weights do not depend on the activations), so
+the weight stream does not stop at a stage's end:
+
+1. QKV: residual add + RMSNorm (each program over the whole row, program 0 storing the new
+   residual) and the fused q/k/v product, `R_QKV` rows a program.
+2. attention: a program per (KV head, split of the cached positions): q/k norm and rotary of
+   the head's query group and its new key, the new key and value stored by split 0, the split's
+   keys attended, the new token folded in by the last split (so no program reads a key another
+   program stores in this stage); the split's normalised output and log-sum-exp to scratch.
+3. O: the splits merged by their log-sum-exp (a head a K slab) into the o product's input.
+4. gate/up: residual add + RMSNorm, `R_GU` (gate, up) row pairs a program, SiLU-and-mul of each
+   pair stored.
+5. down: the down product, the layer's output.
+
+The barrier (`_grid_barrier`) counts arrivals with an atomic and releases the waiters by
+advancing a generation word, resetting the count first, so it needs no reset between launches
+(one pair of words serves every layer and step). Data a program reads after a barrier was
+written by other programs of the same launch: it is loaded past L1 (`.cg`), which is not
+coherent across SMs. Under PDL the kernel loads its first weight tiles before its wait, like
+the GEMV.
+
+Triton's interpreter runs programs one after another, so a barrier there would never open:
+`stage` launches one stage at a time, the same code without the barriers (the CPU tests; the
+GPU runs `stage=None`, all five in one launch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.kernels.attention import _attend_block, _kv_block
+from tokenmill.kernels.launch import cdiv, direct_launch, next_power_of_2
+from tokenmill.kernels.pdl import pdl_options, pdl_wait
+from tokenmill.kernels.rope_store import _rotate
+
+NUM_STAGES = 5
+# A split of the attention stage attends at least this many cached positions (fewer splits
+# for short contexts: each split adds a partial result every O program merges).
+MIN_SPLIT_KEYS = 128
+ATTN_BLOCK_N = 64
+# Elements of a weight tile a program loads at once (two in flight).
+TILE_ELEMENTS = 8192
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _grid_barrier(count_ptr, gen_ptr, programs):
+    """Wait until every one of `programs` programs has arrived; what each stored before is
+    then visible to all (loaded with `.cg`). The last to arrive resets the count and advances
+    the generation the others spin on."""
+    tl.debug_barrier()  # every thread's stores precede the arrival
+    gen = tl.atomic_add(gen_ptr, 0, sem="relaxed", scope="gpu")
+    if tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == programs - 1:
+        tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_add(gen_ptr, 1, sem="release", scope="gpu")
+    else:
+        seen = tl.atomic_add(gen_ptr, 0, sem="acquire", scope="gpu")
+        while seen == gen:
+            seen = tl.atomic_add(gen_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _rows(item, R: tl.constexpr, N, BLOCK_R: tl.constexpr):
+    """Rows `item * R ..` (R of them, below N) of a stage's weight, and their mask."""
+    offs = tl.arange(0, BLOCK_R)
+    rows = item * R + offs
+    return rows, (offs < R) & (rows < N)
+
+
+@triton.jit
+def _pair_rows(item, R: tl.constexpr, N, BLOCK_R: tl.constexpr):
+    """Gate/up rows of pairs `item * R ..` (R of them, below N) of a `[2 N, K]` gate/up
+    weight, interleaved (gate j, up j, ...), and their mask."""
+    offs = tl.arange(0, 2 * BLOCK_R)
+    pair = item * R + offs // 2
+    return pair + (offs % 2) * N, (offs // 2 < R) & (pair < N)
+
+
+@triton.jit
+def _w_tile(w_ptr, rows, row_mask, k, K, BLOCK_K: tl.constexpr):
+    """Columns `k .. k + BLOCK_K` (below K) of `rows` of a row-major `[N, K]` weight."""
+    offs = k + tl.arange(0, BLOCK_K)
+    ptrs = w_ptr + rows[:, None].to(tl.int64) * K + offs[None, :]
+    return tl.load(ptrs, mask=row_mask[:, None] & (offs < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _normed_slab(x_ptr, res_ptr, g_ptr, k, K, HAS_RES: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns `k ..` of `x + residual` (rounded to the activation dtype, as an eager add) and
+    of the norm weight."""
+    offs = k + tl.arange(0, BLOCK_K)
+    mask = offs < K
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    if HAS_RES:
+        r = tl.load(res_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    return x, tl.load(g_ptr + offs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _normed_product(
+    w_ptr, rows, row_mask, w_first, w_second, x_ptr, res_ptr, g_ptr, new_res_ptr, eps, K,
+    HAS_RES: tl.constexpr, STORE_RES: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """`rmsnorm(x + residual) @ W[rows]^T` in float32 (the row's RMS scale applied to the
+    finished sums, as `norm_gemv` does), `w_first` / `w_second` being W's first two tiles
+    (loaded by the caller, before its wait); with STORE_RES the sum `x + residual` is stored
+    to `new_res_ptr` as it is read."""
+    acc = tl.zeros([w_first.shape[0]], dtype=tl.float32)
+    sumsq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    w_cur, w_next = w_first, w_second
+    x_next, g_next = _normed_slab(x_ptr, res_ptr, g_ptr, 0, K, HAS_RES, BLOCK_K)
+    for k in range(0, K, BLOCK_K):
+        w_after = _w_tile(w_ptr, rows, row_mask, k + 2 * BLOCK_K, K, BLOCK_K)
+        x, g = x_next, g_next
+        x_next, g_next = _normed_slab(x_ptr, res_ptr, g_ptr, k + BLOCK_K, K, HAS_RES, BLOCK_K)
+        if STORE_RES:
+            offs = k + tl.arange(0, BLOCK_K)
+            tl.store(new_res_ptr + offs, x, mask=offs < K)
+        xf = x.to(tl.float32)
+        sumsq += xf * xf
+        xg = xf * g.to(tl.float32)
+        acc += tl.sum(w_cur.to(tl.float32) * xg[None, :], axis=1)
+        w_cur, w_next = w_next, w_after
+    return acc * tl.rsqrt(tl.sum(sumsq, axis=0) / K + eps)
+
+
+@triton.jit
+def _plain_product(w_ptr, rows, row_mask, w_first, w_second, x_ptr, K, BLOCK_K: tl.constexpr):
+    """`x @ W[rows]^T` in float32, `w_first` / `w_second` being W's first two tiles."""
+    acc = tl.zeros([w_first.shape[0]], dtype=tl.float32)
+    w_cur, w_next = w_first, w_second
+    offs = tl.arange(0, BLOCK_K)
+    x_next = tl.load(x_ptr + offs, mask=offs < K, other=0.0, cache_modifier=".cg")
+    for k in range(0, K, BLOCK_K):
+        w_after = _w_tile(w_ptr, rows, row_mask, k + 2 * BLOCK_K, K, BLOCK_K)
+        x = x_next
+        offs = k + BLOCK_K + tl.arange(0, BLOCK_K)
+        x_next = tl.load(x_ptr + offs, mask=offs < K, other=0.0, cache_modifier=".cg")
+        acc += tl.sum(w_cur.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        w_cur, w_next = w_next, w_after
+    return acc
+
+
+@triton.jit
+def _merged_head(mid_o_ptr, mid_lse_ptr, head, splits, S_MAX: tl.constexpr, D: tl.constexpr,
+                 BLOCK_S: tl.constexpr):  # fmt: skip
+    """Head `head`'s attention output: its `splits` partial outputs merged by log-sum-exp."""
+    offs_s = tl.arange(0, BLOCK_S)
+    s_mask = offs_s < splits
+    row = head * S_MAX + offs_s
+    lse = tl.load(mid_lse_ptr + row, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
+    parts = tl.load(
+        mid_o_ptr + row[:, None] * D + tl.arange(0, D)[None, :], mask=s_mask[:, None], other=0.0,
+        cache_modifier=".cg",
+    )  # fmt: skip
+    m = tl.max(lse, axis=0)
+    w = tl.math.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    total = tl.sum(w, axis=0)
+    return tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+
+
+@triton.jit
+def _o_product(
+    w_ptr, rows, row_mask, w_first, w_second, mid_o_ptr, mid_lse_ptr, splits, act_dtype,
+    HQ: tl.constexpr, D: tl.constexpr, S_MAX: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """`attention @ W_o[rows]^T` in float32, each K slab one head, merged from its splits
+    (rounded to the activation dtype, as the unfused merge stores it)."""
+    K: tl.constexpr = HQ * D
+    acc = tl.zeros([w_first.shape[0]], dtype=tl.float32)
+    w_cur, w_next = w_first, w_second
+    x_next = _merged_head(mid_o_ptr, mid_lse_ptr, 0, splits, S_MAX, D, BLOCK_S)
+    for h in range(0, HQ):
+        w_after = _w_tile(w_ptr, rows, row_mask, (h + 2) * D, K, D)
+        x = x_next.to(act_dtype).to(tl.float32)
+        x_next = _merged_head(
+            mid_o_ptr, mid_lse_ptr, tl.minimum(h + 1, HQ - 1), splits, S_MAX, D, BLOCK_S
+        )
+        acc += tl.sum(w_cur.to(tl.float32) * x[None, :], axis=1)
+        w_cur, w_next = w_next, w_after
+    return acc
+
+
+@triton.jit
+def _attention_split(
+    item, qkv_ptr, positions_ptr, slots_ptr, kv_lens_ptr, page_table_ptr, cos_ptr, sin_ptr,
+    q_norm_ptr, k_norm_ptr, eps, k_cache_ptr, v_cache_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    S_MAX: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, QK_NORM: tl.constexpr,
+):  # fmt: skip
+    """Item `item` = (KV head, split) of the attention stage (see the module's docstring);
+    splits past those the context needs do nothing."""
+    kvh = item // S_MAX
+    split = item % S_MAX
+    kv_len = tl.load(kv_lens_ptr)
+    n = tl.maximum(kv_len - 1, 0)  # positions cached by earlier steps
+    splits = tl.minimum(S_MAX, tl.maximum(tl.cdiv(n, MIN_SPLIT_KEYS), 1))
+    if split < splits:
+        group: tl.constexpr = HQ // HKV
+        half: tl.constexpr = D // 2
+        offs_d = tl.arange(0, D)
+        rot_d = (offs_d + half) % D
+        offs_g = tl.arange(0, BLOCK_G)
+        g_mask = offs_g < group
+        heads = kvh * group + offs_g
+        pos = tl.load(positions_ptr)
+        slot = tl.load(slots_ptr)
+        cos = tl.load(cos_ptr + pos * D + offs_d)[None, :]
+        sin = tl.load(sin_ptr + pos * D + offs_d)[None, :]
+        q_rows = qkv_ptr + heads[:, None] * D
+        q = tl.load(q_rows + offs_d[None, :], mask=g_mask[:, None], other=0.0,
+                    cache_modifier=".cg")  # fmt: skip
+        q_rot = tl.load(q_rows + rot_d[None, :], mask=g_mask[:, None], other=0.0,
+                        cache_modifier=".cg")  # fmt: skip
+        k_row = qkv_ptr + (HQ + kvh) * D
+        k = tl.load(k_row + offs_d[None, :], cache_modifier=".cg")
+        k_rot = tl.load(k_row + rot_d[None, :], cache_modifier=".cg")
+        v = tl.load(k_row + HKV * D + offs_d[None, :], cache_modifier=".cg")
+        q = _rotate(q, q_rot, offs_d, rot_d, half, D, cos, sin, q_norm_ptr, eps, QK_NORM)
+        k = _rotate(k, k_rot, offs_d, rot_d, half, D, cos, sin, k_norm_ptr, eps, QK_NORM)
+        q = q.to(k_cache_ptr.dtype.element_ty)
+        k = k.to(k_cache_ptr.dtype.element_ty)
+        v = v.to(v_cache_ptr.dtype.element_ty)
+        if (split == 0) & (slot >= 0):
+            at = slot.to(tl.int64) * (HKV * D) + kvh * D + offs_d[None, :]
+            tl.store(k_cache_ptr + at, k)
+            tl.store(v_cache_ptr + at, v)
+        split_len = tl.cdiv(tl.cdiv(n, splits), BLOCK_N) * BLOCK_N
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, n)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, D], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            valid = offs_n < hi
+            kb = _kv_block(k_cache_ptr, page_table_ptr, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
+            vb = _kv_block(v_cache_ptr, page_table_ptr, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
+            m_i, l_i, acc = _attend_block(q, kb, vb, valid[None, :], m_i, l_i, acc, qk_scale)
+        # the new token, as one more key of the last split (its K from registers)
+        fold = (split == splits - 1) & (kv_len > 0)
+        s = tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1) * qk_scale
+        s = tl.where(fold, s, float("-inf"))
+        m_new = tl.maximum(m_i, s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe)
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)
+        lse = tl.where(l_i > 0.0, m_new + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)),
+                       float("-inf"))  # fmt: skip
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        row = heads * S_MAX + split
+        tl.store(mid_o_ptr + row[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
+        tl.store(mid_lse_ptr + row, lse, mask=g_mask)
+
+
+@direct_launch
+@triton.jit
+def _decode_layer_kernel(
+    x_ptr, res_ptr, out_ptr, new_res_ptr, mid_res_ptr, qkv_ptr, mid_o_ptr, mid_lse_ptr, o_ptr,
+    act_ptr, barrier_ptr,
+    w_qkv_ptr, b_qkv_ptr, w_o_ptr, w_gu_ptr, w_down_ptr, ln1_ptr, ln2_ptr, q_norm_ptr,
+    k_norm_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr, kv_lens_ptr, page_table_ptr,
+    k_cache_ptr, v_cache_ptr, eps, qk_scale, programs,
+    H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, FF: tl.constexpr,
+    PAGE: tl.constexpr, S_MAX: tl.constexpr,
+    R_QKV: tl.constexpr, BR_QKV: tl.constexpr, BK_QKV: tl.constexpr,
+    R_O: tl.constexpr, BR_O: tl.constexpr,
+    R_GU: tl.constexpr, BR_GU: tl.constexpr, BK_GU: tl.constexpr,
+    R_DN: tl.constexpr, BR_DN: tl.constexpr, BK_DN: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, HAS_RES: tl.constexpr,
+    QKV_BIAS: tl.constexpr, QK_NORM: tl.constexpr, STAGE: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    ALL: tl.constexpr = STAGE < 0
+    NQKV: tl.constexpr = (HQ + 2 * HKV) * D
+    act_dtype = x_ptr.dtype.element_ty
+    count_ptr = barrier_ptr
+    gen_ptr = barrier_ptr + 1
+
+    # 1. residual add + RMSNorm + q/k/v product
+    rows, row_mask = _rows(pid, R_QKV, NQKV, BR_QKV)
+    if ALL or STAGE == 0:
+        w0 = _w_tile(w_qkv_ptr, rows, row_mask, 0, H, BK_QKV)
+        w1 = _w_tile(w_qkv_ptr, rows, row_mask, BK_QKV, H, BK_QKV)
+        pdl_wait(USE_PDL)
+        res_in = res_ptr if HAS_RES else x_ptr
+        acc = _normed_product(
+            w_qkv_ptr, rows, row_mask, w0, w1, x_ptr, res_in, ln1_ptr, mid_res_ptr, eps, H,
+            HAS_RES, pid == 0, BK_QKV,
+        )  # fmt: skip
+        if QKV_BIAS:
+            acc += tl.load(b_qkv_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+        tl.store(qkv_ptr + rows, acc.to(act_dtype), mask=row_mask)
+    if ALL:
+        _grid_barrier(count_ptr, gen_ptr, programs)
+
+    # 2. attention, a program per (KV head, split)
+    if ALL or STAGE == 1:
+        for item in range(pid, HKV * S_MAX, programs):
+            _attention_split(
+                item, qkv_ptr, positions_ptr, slots_ptr, kv_lens_ptr, page_table_ptr, cos_ptr,
+                sin_ptr, q_norm_ptr, k_norm_ptr, eps, k_cache_ptr, v_cache_ptr, mid_o_ptr,
+                mid_lse_ptr, qk_scale, HQ, HKV, D, PAGE, S_MAX, BLOCK_G, ATTN_BLOCK_N, QK_NORM,
+            )  # fmt: skip
+
+    # 3. the splits merged, o product
+    rows, row_mask = _rows(pid, R_O, H, BR_O)
+    if ALL or STAGE == 2:
+        w0 = _w_tile(w_o_ptr, rows, row_mask, 0, HQ * D, D)
+        w1 = _w_tile(w_o_ptr, rows, row_mask, D, HQ * D, D)
+    if ALL:
+        _grid_barrier(count_ptr, gen_ptr, programs)
+    if ALL or STAGE == 2:
+        n = tl.maximum(tl.load(kv_lens_ptr) - 1, 0)
+        splits = tl.minimum(S_MAX, tl.maximum(tl.cdiv(n, MIN_SPLIT_KEYS), 1))
+        acc = _o_product(
+            w_o_ptr, rows, row_mask, w0, w1, mid_o_ptr, mid_lse_ptr, splits, act_dtype, HQ, D,
+            S_MAX, BLOCK_S,
+        )  # fmt: skip
+        tl.store(o_ptr + rows, acc.to(act_dtype), mask=row_mask)
+
+    # 4. residual add + RMSNorm + gate/up product (gate and up rows interleaved), SiLU-and-mul
+    rows, row_mask = _pair_rows(pid, R_GU, FF, BR_GU)
+    if ALL or STAGE == 3:
+        w0 = _w_tile(w_gu_ptr, rows, row_mask, 0, H, BK_GU)
+        w1 = _w_tile(w_gu_ptr, rows, row_mask, BK_GU, H, BK_GU)
+    if ALL:
+        _grid_barrier(count_ptr, gen_ptr, programs)
+    if ALL or STAGE == 3:
+        acc = _normed_product(
+            w_gu_ptr, rows, row_mask, w0, w1, o_ptr, mid_res_ptr, ln2_ptr, new_res_ptr, eps, H,
+            True, pid == 0, BK_GU,
+        )  # fmt: skip
+        # each rounded to the activation dtype, as the unfused product stores them
+        gate, up = tl.split(tl.reshape(acc.to(act_dtype).to(tl.float32), [BR_GU, 2]))
+        act_rows, act_mask = _rows(pid, R_GU, FF, BR_GU)
+        tl.store(act_ptr + act_rows, (gate * tl.sigmoid(gate) * up).to(act_dtype), mask=act_mask)
+
+    # 5. down product
+    rows, row_mask = _rows(pid, R_DN, H, BR_DN)
+    if ALL or STAGE == 4:
+        w0 = _w_tile(w_down_ptr, rows, row_mask, 0, FF, BK_DN)
+        w1 = _w_tile(w_down_ptr, rows, row_mask, BK_DN, FF, BK_DN)
+    if ALL:
+        _grid_barrier(count_ptr, gen_ptr, programs)
+    if ALL or STAGE == 4:
+        acc = _plain_product(w_down_ptr, rows, row_mask, w0, w1, act_ptr, FF, BK_DN)
+        tl.store(out_ptr + rows, acc.to(act_dtype), mask=row_mask)
+
+
+@dataclass(frozen=True)
+class DecodeLayerWeights:
+    """One decoder layer's tensors, as the model holds them (row-major, contiguous): the fused
+    q/k/v weight `[(Hq + 2 Hkv) D, H]` (and its bias, or None), o `[H, Hq D]`, gate/up `[2 I,
+    H]` (gate rows first), down `[H, I]`, the two RMSNorm weights and the q/k norms (or
+    None)."""
+
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """The one sequence's inputs of a decode step: its position, the slot its K/V goes to (<
+    0: none), its context length (the new token included) and its page-table row, and the
+    rotary tables `[max_positions, D]` (float32)."""
+
+    positions: torch.Tensor
+    slots: torch.Tensor
+    kv_lens: torch.Tensor
+    page_table: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+@dataclass(frozen=True)
+class LayerDims:
+    """A dense decoder layer's sizes."""
+
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    page_size: int
+
+
+def _tile_k(block_rows: int, k: int) -> int:
+    """The K width of a stage's weight tile: about TILE_ELEMENTS elements, at most K."""
+    return max(16, min(next_power_of_2(k), next_power_of_2(max(1, TILE_ELEMENTS // block_rows))))
+
+
+class DecodeLayerKernel:
+    """Runs decoder layers of `dims` for one decoding sequence, a launch each, on `programs`
+    programs (on a GPU its SM count: every program must be resident at once). Holds the
+    layer's scratch and the barrier's two words, so one instance serves one stream."""
+
+    def __init__(
+        self, dims: LayerDims, dtype: torch.dtype, device: torch.device, programs: int,
+        num_warps: int = 8,
+    ) -> None:  # fmt: skip
+        if dims.num_heads % dims.num_kv_heads or dims.head_dim != next_power_of_2(dims.head_dim):
+            raise ValueError("the decode layer kernel needs grouped heads of a power-of-2 size")
+        self.dims, self.programs, self.num_warps = dims, programs, num_warps
+        d = dims
+        self.s_max = max(1, programs // d.num_kv_heads)
+        nqkv = (d.num_heads + 2 * d.num_kv_heads) * d.head_dim
+
+        def empty(n: int, dt: torch.dtype = dtype) -> torch.Tensor:
+            return torch.empty(n, dtype=dt, device=device)
+
+        self.hidden, self.residual, self.mid_res = empty(d.hidden), empty(d.hidden), empty(d.hidden)
+        self.qkv, self.o, self.act = empty(nqkv), empty(d.hidden), empty(d.intermediate)
+        self.mid_o = empty(d.num_heads * self.s_max * d.head_dim, torch.float32)
+        self.mid_lse = empty(d.num_heads * self.s_max, torch.float32)
+        self.barrier = torch.zeros(2, dtype=torch.int32, device=device)
+        r_qkv, r_o = cdiv(nqkv, programs), cdiv(d.hidden, programs)
+        r_gu, r_dn = cdiv(d.intermediate, programs), cdiv(d.hidden, programs)
+        self.tiles = {
+            "R_QKV": r_qkv, "BR_QKV": next_power_of_2(r_qkv),
+            "BK_QKV": _tile_k(next_power_of_2(r_qkv), d.hidden),
+            "R_O": r_o, "BR_O": next_power_of_2(r_o),
+            "R_GU": r_gu, "BR_GU": next_power_of_2(r_gu),
+            "BK_GU": _tile_k(2 * next_power_of_2(r_gu), d.hidden),
+            "R_DN": r_dn, "BR_DN": next_power_of_2(r_dn),
+            "BK_DN": _tile_k(next_power_of_2(r_dn), d.intermediate),
+        }  # fmt: skip
+
+    def run(
+        self,
+        weights: DecodeLayerWeights,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        step: DecodeStep,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        stage: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(mlp output, residual)` of one layer (as `LlamaDecoderLayer` returns them) for the
+        hidden row `x` `[1, H]` and `residual` (None: the first layer, `x` is the residual);
+        K/V caches `[slots, Hkv, D]`. Both outputs are this instance's buffers, which the next
+        layer may take as its inputs. `stage`: run only that stage (0-4; Triton's interpreter,
+        where a barrier cannot open); None: all five in one launch."""
+        d = self.dims
+        group = d.num_heads // d.num_kv_heads
+        # -1: every stage in one launch; off a GPU (no barrier opens there) one launch a stage
+        if stage is not None:
+            stages: tuple[int, ...] = (stage,)
+        else:
+            stages = (-1,) if x.device.type == "cuda" else tuple(range(NUM_STAGES))
+        for s in stages:
+            pdl = pdl_options(x.device, wanted=s < 0)
+            _decode_layer_kernel[(self.programs,)](
+                x, residual if residual is not None else x, self.hidden, self.residual,
+                self.mid_res, self.qkv, self.mid_o, self.mid_lse, self.o, self.act, self.barrier,
+                weights.qkv, weights.qkv_bias if weights.qkv_bias is not None else weights.qkv,
+                weights.o, weights.gate_up, weights.down, weights.input_norm, weights.post_norm,
+                weights.q_norm if weights.q_norm is not None else weights.input_norm,
+                weights.k_norm if weights.k_norm is not None else weights.input_norm,
+                step.cos, step.sin, step.positions, step.slots, step.kv_lens, step.page_table,
+                k_cache, v_cache, d.eps, d.head_dim**-0.5 * _LOG2E, self.programs,
+                H=d.hidden, HQ=d.num_heads, HKV=d.num_kv_heads, D=d.head_dim, FF=d.intermediate,
+                PAGE=d.page_size, S_MAX=self.s_max, **self.tiles,
+                BLOCK_G=max(16, next_power_of_2(group)), BLOCK_S=next_power_of_2(self.s_max),
+                HAS_RES=residual is not None, QKV_BIAS=weights.qkv_bias is not None,
+                QK_NORM=weights.q_norm is not None, STAGE=s, num_warps=self.num_warps, **pdl,
+            )  # fmt: skip
+        return self.hidden.view(1, -1), self.residual.view(1, -1)
