@@ -546,6 +546,8 @@ class RunnerConfig:
     encoder_cache_tokens: int = 16384  # image tokens of vision-encoder outputs kept
     # Batch-invariant kernels: a request's logits do not depend on the rest of its batch.
     deterministic: bool = False
+    # One-sequence decode steps run each decoder layer as one kernel (`layers.fused_decode`).
+    fused_decode_layer: bool = False
 
     def __post_init__(self) -> None:
         if self.encoder_cache_tokens < 0:
@@ -857,6 +859,13 @@ class EngineArgs:
         "whatever else is in its batch, however its prompt was chunked and whether its prefix "
         "was cached; slower (no split-K GEMV, no split-KV decode attention).",
     )
+    fused_decode_layer: bool = option(
+        False,
+        "Decode steps of one sequence run each decoder layer as one kernel (its stages "
+        "separated by grid barriers, each program loading its next weights before it waits) "
+        "instead of seven: dense Llama-family models on one CUDA device with the triton "
+        "attention backend, not in deterministic mode; other models are refused at start-up.",
+    )
     tuning_cache_dir: str | None = option(
         None,
         "Folder where start-up tuning decisions (the GEMV kernel per weight shape) are kept, "
@@ -999,6 +1008,7 @@ class EngineArgs:
             overlap_scheduling=self.overlap_scheduling,
             gpu_memory_utilization=self.gpu_memory_utilization,
             deterministic=self.deterministic,
+            fused_decode_layer=self.fused_decode_layer,
             tuning_cache_dir=default_tuning_cache_dir()
             if self.tuning_cache_dir is None
             else self.tuning_cache_dir,

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from tokenmill.kernels.decode_layer import (  # noqa: E402
+from tokenmill.kernels.decode_layer import (
     DecodeLayerKernel,
     DecodeLayerWeights,
     DecodeStep,

@@ -82,7 +82,8 @@ class FusedStoreBackend(AttentionBackend):
     _inputs: AttentionInputs
     _fresh: torch.Tensor | None = None
 
-    def _cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s K and V caches, `[slots, Hkv, D]` each."""
         cfg = self.model
         return (
             self.kv_cache.k[layer].view(-1, cfg.num_kv_heads, cfg.head_dim),
@@ -98,7 +99,7 @@ class FusedStoreBackend(AttentionBackend):
         qk_norm: QKNorm | None,
     ) -> torch.Tensor:
         cfg = self.model
-        k_cache, v_cache = self._cache(layer)
+        k_cache, v_cache = self.layer_cache(layer)
         norm = None
         if qk_norm is not None:
             norm = (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
@@ -190,6 +191,12 @@ class TritonAttentionBackend(FusedStoreBackend):
             long = [q for q in rest if q > self._short_q_len]
         self._tiles = prefill_tiles(long or lens, cfg.head_dim, cfg.dtype.itemsize)
 
+    def one_sequence_decode(self) -> AttentionInputs | None:
+        """The planned step's inputs if it decodes one sequence, outside deterministic mode
+        (what `layers.fused_decode` runs), else None."""
+        one = self._decode and len(self._inputs.query_lens_cpu) == 1
+        return self._inputs if one and not self.deterministic else None
+
     def _plan_dense(self, inputs: AttentionInputs) -> None:
         """The step's dense rows, and the buffer their K/V are read from (its rows past the
         step's tokens zeroed: a padded row's keys there meet a zero probability)."""
@@ -235,7 +242,7 @@ class TritonAttentionBackend(FusedStoreBackend):
         return self._dense_bound() if self._dense_ok else 0
 
     def attend(self, q: torch.Tensor, layer: int) -> torch.Tensor:
-        k_cache, v_cache = self._cache(layer)
+        k_cache, v_cache = self.layer_cache(layer)
         inputs, ps, window = self._inputs, self.kv_cache.page_size, self.model.sliding_window
         if self.deterministic:
             split = self._decode and inputs.kv_lens.shape[0] <= self._split_seqs

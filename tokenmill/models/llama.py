@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -15,6 +15,9 @@ from tokenmill.layers.linear import InputKind, Linear, MergedLinear, QKVLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.layers.sharding import VocabParallelEmbedding
+
+if TYPE_CHECKING:
+    from tokenmill.layers.fused_decode import FusedDecodeLayers
 
 
 class LlamaAttention(nn.Module):
@@ -158,13 +161,19 @@ class LlamaModel(nn.Module):
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Set by the runner with `fused_decode_layer`: one-sequence decode steps run the
+        # layers as one kernel each.
+        self.fused_decode: FusedDecodeLayers | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, attn)
+        if self.fused_decode is not None and self.fused_decode.serves(input_ids):
+            x, residual = self.fused_decode(x, positions)
+        else:
+            for layer in self.layers:
+                x, residual = layer(positions, x, residual, attn)
         x, _ = self.norm.add_forward(x, residual)
         return x
 

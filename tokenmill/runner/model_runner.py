@@ -52,6 +52,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 2 << 30
+# Programs of a fused decode layer off a GPU (Triton's interpreter runs them one by one).
+FUSED_CPU_PROGRAMS = 8
 
 # Called once a step's forward pass is queued: reads the previous step's tokens and starts
 # filling this step's grammar masks (structured outputs), which its sampling waits for.
@@ -261,6 +263,8 @@ class ModelRunner:
             config.runner.attention_backend, self.model_config, self.kv_cache, max_seqs,
             deterministic,
         )  # fmt: skip
+        if config.runner.fused_decode_layer:
+            self._fuse_decode_layers()
         self.sampler = Sampler(self.device, config.seed)
         # Every host→device copy of a step goes through here: one pinned, non-blocking copy.
         self.staging = HostStaging(self.device)
@@ -352,6 +356,20 @@ class ModelRunner:
                     # The draft model mirrors every eager step: its heads, its kernels.
                     warm_up(drafter.model, drafter.attention, self.page_size, batches, self.device)
                 self.sampler.warm_up(self.model_config.vocab_size, self.model_config.dtype)
+
+    def _fuse_decode_layers(self) -> None:
+        """`fused_decode_layer`: one-sequence decode steps run each decoder layer as one
+        kernel, on one program per SM (off a GPU, in Triton's interpreter, on FUSED_CPU_PROGRAMS);
+        a model or set-up it does not serve is a `ValueError` naming the option."""
+        from tokenmill.layers.fused_decode import FusedDecodeLayers, fused_decode_refusal
+
+        refusal = fused_decode_refusal(self.model, self.attention)
+        if refusal is not None:
+            raise ValueError(f"fused_decode_layer: {refusal}")
+        programs = FUSED_CPU_PROGRAMS
+        if self.device.type == "cuda":
+            programs = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.model.model.fused_decode = FusedDecodeLayers(self.model, self.attention, programs)
 
     @property
     def graphs_pending(self) -> int:

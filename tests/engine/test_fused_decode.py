@@ -1,0 +1,66 @@
+"""`fused_decode_layer`: one-sequence decode steps run each decoder layer as one kernel
+(`layers/fused_decode.py`). On the CPU the kernel's stages launch one at a time in Triton's
+interpreter; greedy output must still equal transformers', and models or set-ups the kernel
+does not serve are refused at start-up."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from tests.conftest import hf_greedy
+from tokenmill import LLM, SamplingParams
+from tokenmill.kernels.decode_layer import DecodeLayerKernel
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def _fused_llm(path, **engine_args) -> LLM:  # type: ignore[no-untyped-def]
+    return LLM(str(path), device=DEVICE, dtype="float32", attention_backend="triton",
+               fused_decode_layer=True, **engine_args)  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_fused_decode_matches_transformers(checkpoints, family: str, monkeypatch) -> None:
+    """Alone (every decode step fused) and in a batch whose rows finish one by one (fused once
+    one row is left), with prefix-cache hits on pages of 4 tokens."""
+    path = checkpoints[family]
+    runs: list[int] = []
+    original = DecodeLayerKernel.run
+
+    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        runs.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecodeLayerKernel, "run", counted)
+    llm = _fused_llm(path, page_size=4)
+    prompt = list(range(3, 14))
+    alone = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    layers = llm.engine.runner.model_config.num_layers
+    assert len(runs) == (GREEDY.max_tokens - 1) * layers  # every decode step, every layer
+    assert alone == hf_greedy(path, prompt, GREEDY.max_tokens)
+    prompts = [prompt, [*prompt[:8], 40, 41], [50, 51, 52]]
+    lengths = [4, 7, 9]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    runs.clear()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    expected = [hf_greedy(path, p, n) for p, n in zip(prompts, lengths, strict=True)]
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert len(runs) == (lengths[2] - lengths[1]) * layers  # the last row's steps alone
+
+
+@pytest.mark.parametrize(
+    ("family", "args", "reason"),
+    [
+        ("qwen3_moe", {}, "not a dense Llama-family"),
+        ("llama", {"attention_backend": "torch"}, "triton attention backend"),
+        ("llama", {"deterministic": True}, "deterministic"),
+    ],
+)
+def test_fused_decode_refused(checkpoints, family: str, args: dict, reason: str) -> None:
+    engine_args = {"device": DEVICE, "dtype": "float32", "attention_backend": "triton", **args}
+    with pytest.raises(ValueError, match=f"fused_decode_layer: .*{reason}"):
+        LLM(str(checkpoints[family]), fused_decode_layer=True, **engine_args)

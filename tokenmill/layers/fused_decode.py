@@ -1,0 +1,86 @@
+"""A dense Llama-family model's decoder layers as one launch each, for steps that decode one
+sequence (`kernels/decode_layer.py`; `--fused-decode-layer`)."""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.attention.backend import AttentionBackend
+from tokenmill.attention.triton_backend import TritonAttentionBackend
+from tokenmill.config import ModelConfig
+from tokenmill.kernels.decode_layer import (
+    DecodeLayerKernel,
+    DecodeLayerWeights,
+    DecodeStep,
+    LayerDims,
+)
+
+
+def fused_decode_refusal(model: torch.nn.Module, backend: AttentionBackend) -> str | None:
+    """Why `model` served by `backend` cannot run fused decode layers, or None if it can."""
+    from tokenmill.models.llama import LlamaForCausalLM, LlamaMLP
+
+    cfg: ModelConfig = model.config
+    reasons = {
+        "the model is not a dense Llama-family text model": type(model) is not LlamaForCausalLM
+        or not all(isinstance(layer.mlp, LlamaMLP) for layer in model.model.layers),
+        "it needs the triton attention backend": not isinstance(backend, TritonAttentionBackend),
+        "it is not batch-invariant (deterministic mode)": backend.deterministic,
+        "the model has a sliding window": cfg.sliding_window is not None,
+        "the model's o projection has a bias": cfg.o_proj_bias,
+        "it runs on one device": model.model.layers[0].self_attn.tp.size > 1,
+    }
+    return next((reason for reason, refused in reasons.items() if refused), None)
+
+
+class FusedDecodeLayers:
+    """Every decoder layer of a `LlamaModel` through `DecodeLayerKernel` (`programs` programs),
+    for a step whose attention backend planned one decoding sequence."""
+
+    def __init__(
+        self, model: torch.nn.Module, backend: TritonAttentionBackend, programs: int
+    ) -> None:
+        cfg: ModelConfig = model.config
+        self.backend = backend
+        self.layers = [_layer_weights(layer) for layer in model.model.layers]
+        self.rotary = model.model.rotary
+        weight = self.layers[0].qkv
+        dims = LayerDims(
+            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            cfg.intermediate_size, cfg.rms_norm_eps, backend.kv_cache.page_size,
+        )  # fmt: skip
+        self.kernel = DecodeLayerKernel(dims, weight.dtype, weight.device, programs)
+
+    def serves(self, input_ids: torch.Tensor) -> bool:
+        """Whether the step decodes one sequence (else the layers run as modules)."""
+        return input_ids.shape[0] == 1 and self.backend.one_sequence_decode() is not None
+
+    def __call__(
+        self, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(x, residual)` after every layer, as the modules would return them, for the
+        embedded token `x` `[1, H]` at `positions` `[1]` of a step `serves` took."""
+        inputs = self.backend.one_sequence_decode()
+        assert inputs is not None
+        step = DecodeStep(
+            positions=positions, slots=inputs.slot_mapping, kv_lens=inputs.kv_lens,
+            page_table=inputs.page_table, cos=self.rotary.cos, sin=self.rotary.sin,
+        )  # fmt: skip
+        residual = None
+        for index, weights in enumerate(self.layers):
+            k_cache, v_cache = self.backend.layer_cache(index)
+            x, residual = self.kernel.run(weights, x, residual, step, k_cache, v_cache)
+        assert residual is not None
+        return x, residual
+
+
+def _layer_weights(layer: torch.nn.Module) -> DecodeLayerWeights:
+    attn = layer.self_attn
+    q_norm = attn.q_norm.weight if attn.qk_norm else None
+    k_norm = attn.k_norm.weight if attn.qk_norm else None
+    return DecodeLayerWeights(
+        qkv=attn.qkv_proj.weight, qkv_bias=attn.qkv_proj.bias, o=attn.o_proj.weight,
+        gate_up=layer.mlp.gate_up_proj.weight, down=layer.mlp.down_proj.weight,
+        input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
+        q_norm=q_norm, k_norm=k_norm,
+    )  # fmt: skip
