@@ -1,7 +1,7 @@
 """Where a decode step's time goes on the GPU: graph replay vs. host work, and the top kernels.
 
 python benchmarks/profile_decode.py --config shared/models/qwen3-0.6b [--batch 1 8 64] [--no-pdl]
-    [--deterministic] [--kv-cache-bytes N]
+    [--deterministic] [--fused-decode-layer] [--kv-cache-bytes N]
 """
 
 from __future__ import annotations
@@ -38,13 +38,17 @@ def main() -> None:
     parser.add_argument(
         "--deterministic", action="store_true", help="the engine in deterministic mode"
     )
+    parser.add_argument(
+        "--fused-decode-layer", action="store_true",
+        help="one kernel a decoder layer for batch-1 steps (fused_decode_layer)",
+    )  # fmt: skip
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # GEMV choices
     set_pdl_enabled(not args.no_pdl)
     llm = LLM(
         args.config, load_format="dummy", dtype="bfloat16", max_num_seqs=max(args.batch),
         kv_cache_memory_bytes=args.kv_cache_bytes, enable_prefix_caching=False, max_model_len=4096,
-        deterministic=args.deterministic,
+        deterministic=args.deterministic, fused_decode_layer=args.fused_decode_layer,
     )  # fmt: skip
     runner, engine = llm.engine.runner, llm.engine
     graphs = runner.graphs

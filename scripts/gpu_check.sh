@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call (see ../shared/device/README.md).
 # Usage on the device:
-#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|moeprofile|structured|b4|b4adaptive|spechost|verifyfusion|tp|conformance|hostkv|startup|vl|det|detsweep|prefillattn|launch|all]
+#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|moeprofile|structured|b4|b4adaptive|spechost|verifyfusion|tp|conformance|hostkv|startup|vl|det|detsweep|prefillattn|launch|fused|all]
 # (gputests = the GPU engine tests and the GEMV, decode and rotary kernel tests + profile + B1;
 #  moe = the mixture-of-experts GPU and kernel tests (moetests), B1/B2 qwen3-30b-a3b with the
 #  transformers peer (moebench);
@@ -36,6 +36,9 @@
 #  vl = Qwen3-VL (issue 26): the multimodal GPU tests, then benchmarks/vl_images.py on
 #  Qwen3-VL-30B-A3B shapes (benchmarks/models/qwen3-vl-30b-a3b, dummy weights): TTFT per
 #  1024x768 image, images/s for 64 requests, the vision encoder's share, transformers peer;
+#  fused = fused_decode_layer (one kernel a decoder layer at batch 1): its kernel, CPU-path and
+#  GPU engine tests, then per model (AB_MODELS) profile_decode.py at batch 1 off and on and B1
+#  (no peer) off and on, same call;
 #  det = deterministic mode (issue 30): its GPU tests, then B1 and B2 of qwen3-0.6b and
 #  llama-3.1-8b (engine args of b1/b2, no transformers peer) without and with
 #  `--engine-arg deterministic=true`, same run;
@@ -136,6 +139,21 @@ if [[ "$what" == b2 || "$what" == all ]]; then
   b2=(--engine-arg max_num_seqs=256 --engine-arg max_num_batched_tokens=8192 --engine-arg max_model_len=4096)
   bench qwen3-0.6b b2 "${kv2[@]}" "${b2[@]}"
   bench llama-3.1-8b b2 "${kv2[@]}" "${b2[@]}"
+fi
+if [[ "$what" == fused ]]; then  # fused_decode_layer: its GPU tests, then batch 1 off and on
+  python3 -m pytest -q -p no:cacheprovider tests/kernels/test_decode_layer.py \
+    tests/engine/test_fused_decode.py tests/gpu/test_engine_gpu.py -k "decode_layer or fused" \
+    2>&1 | tee "$out/pytest-fused.log" | tail -15
+  echo "fused tests: $(tail -1 "$out/pytest-fused.log")" >> "$table"
+  for m in ${AB_MODELS:-qwen3-0.6b llama-3.1-8b}; do
+    for flag in "" --fused-decode-layer; do
+      python3 benchmarks/profile_decode.py --config "$models/$m" --batch 1 $flag 2>&1 \
+        | tee "$out/profile-$m$flag.log" | grep -E "^bs=" | sed "s/^/$m$flag /" >> "$table"
+    done
+    bench "$m" b1 --no-peer "${kv[@]}" --engine-arg max_num_seqs=8
+    TAG=fused bench "$m" b1 --no-peer "${kv[@]}" --engine-arg max_num_seqs=8 \
+      --engine-arg fused_decode_layer=true
+  done
 fi
 if [[ "$what" == ab-b1 || "$what" == ab-b2 ]]; then
   # A/B of source trees in one call: `python -m` from inside each tree imports that tree's

@@ -44,6 +44,19 @@ def test_float32_greedy_equals_transformers_on_gpu(checkpoints, family: str, set
     assert sum(o.num_cached_tokens for o in again) > 0
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("eager", [False, True])
+def test_fused_decode_layer_equals_transformers(checkpoints, family: str, eager: bool) -> None:
+    """`fused_decode_layer`: prompts sent one at a time decode through one kernel a layer (in
+    the batch-1 CUDA graph, or launched eagerly), all its programs resident at once."""
+    path = checkpoints[family]
+    llm = LLM(str(path), device="cuda", dtype="float32", fused_decode_layer=True,
+              enforce_eager=eager)  # fmt: skip
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = [llm.generate([p], greedy, use_tqdm=False)[0] for p in PROMPTS]
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy_on(path, PROMPTS, MAX_TOKENS)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_one_sequence_prefill_graphs_equal_transformers(checkpoints, family: str) -> None:
     """Prompts sent one at a time prefill through the prefill graphs (7, 57, 3, 34 and 42
@@ -156,13 +169,15 @@ def test_cuda_graph_batch_sizes_match_eager(checkpoints) -> None:
     assert [o.outputs[0].token_ids for o in graphs] == [o.outputs[0].token_ids for o in eager]
 
 
-@pytest.mark.parametrize("dense", [False, True])
+@pytest.mark.parametrize("mode", ["plain", "dense", "fused"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_bfloat16_tracks_float32_transformers(
-    tmp_path_factory, family: str, dense: bool, monkeypatch: pytest.MonkeyPatch
+    tmp_path_factory, family: str, mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`dense`: whole prompts of at least 16 tokens through cuDNN's dense attention
-    (`attention.dense_rows`; by default only those of 2,048 or more)."""
+    (`attention.dense_rows`; by default only those of 2,048 or more); `fused`: the prompts one
+    at a time, each decode step one kernel a layer (`fused_decode_layer`)."""
+    dense = mode == "dense"
     from tokenmill.attention import triton_backend
     from tokenmill.testing.checkpoints import build_checkpoint
 
@@ -180,10 +195,13 @@ def test_bfloat16_tracks_float32_transformers(
         tmp_path_factory.mktemp("bf16") / family, family, hidden_size=256, intermediate_size=512,
         num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
     )  # fmt: skip
-    llm = LLM(str(path), device="cuda", dtype="bfloat16")
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", fused_decode_layer=mode == "fused")
     attended.clear()  # (the start-up warm-up's)
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=0)
-    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    if mode == "fused":
+        outputs = [llm.generate([p], params, use_tqdm=False)[0] for p in PROMPTS]
+    else:
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert {row.n for row in attended} == ({57, 34, 42} if dense else set())
     # bfloat16 rounding (~0.4% per operation) can flip near-ties of the float32 reference, so
     # positions whose reference top-2 margin exceeds 0.1 nats must agree; the rest about as often
