@@ -24,6 +24,7 @@ from tokenmill.kernels.attention import (
     _prefill_kernel,
     _verify_split_kernel,
 )
+from tokenmill.kernels.decode_layer import _decode_layer_kernel
 from tokenmill.kernels.fused_moe import _down_gemv_kernel, _gate_up_gemv_kernel
 from tokenmill.kernels.gemv import _gemv_kernel
 from tokenmill.kernels.graph_inputs import _decode_inputs_kernel
@@ -35,7 +36,7 @@ from tokenmill.kernels.rope_store import _rope_store_kernel
 FP32_PTRS = {"mid_o_ptr", "mid_lse_ptr", "mid_ml_ptr", "part_ptr", "ss_ptr", "cos_ptr",
              "sin_ptr", "part_val_ptr", "logits_ptr"}  # fmt: skip
 INT_PTRS = {"cu_q_ptr", "kv_lens_ptr", "page_table_ptr", "positions_ptr", "slots_ptr",
-            "ticket_ptr", "part_idx_ptr"}  # fmt: skip
+            "ticket_ptr", "part_idx_ptr", "barrier_ptr"}  # fmt: skip
 INT64_PTRS = {"tokens_ptr", "host_ptr"}
 INT64_KERNELS = {"decode_inputs"}  # every pointer of these is int64
 # Index pointers (INT_PTRS) of these are int64: the kernel takes int32 or int64 ones.
@@ -50,6 +51,7 @@ UNALIGNED = FLOAT_SCALARS | {
     "dense_min_len",
     "stride_pt",
     "tokens",
+    "programs",
 }
 # Constexprs of each kernel (USE_PDL is set for all), as the decode path of a
 # qwen3-like layer uses them.
@@ -94,6 +96,10 @@ KERNELS = {
         TOP_K=8, EXPERTS=128, SLOTS=8, NORM=True, BLOCK_N=2, BLOCK_K=256)),
     "moe_down_gemv": (_down_gemv_kernel, dict(
         TOP_K=8, RENORMALIZE=True, EXPERTS=128, SLOTS=8, BLOCK_N=8, BLOCK_K=128)),
+    "decode_layer": (_decode_layer_kernel, dict(  # Qwen3-0.6B's layer on 132 programs
+        H=1024, HQ=16, HKV=8, D=128, FF=3072, PAGE=16, S_MAX=16, R_QKV=32, BR_QKV=32,
+        BK_QKV=256, R_O=8, BR_O=8, R_GU=24, BR_GU=32, BK_GU=128, R_DN=8, BR_DN=8, BK_DN=1024,
+        BLOCK_G=16, BLOCK_S=16, HAS_RES=True, QKV_BIAS=False, QK_NORM=True, STAGE=-1)),
 }  # fmt: skip
 MEMORY_OP = re.compile(r"^\s*(?:@%\w+\s+)?((?:ld|st|atom|red)\.global\S*|cp\.async\.bulk\S*)")
 

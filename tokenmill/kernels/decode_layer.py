@@ -47,8 +47,8 @@ from tokenmill.kernels.rope_store import _rotate
 NUM_STAGES = 5
 # A split of the attention stage attends at least this many cached positions (fewer splits
 # for short contexts: each split adds a partial result every O program merges).
-MIN_SPLIT_KEYS = 128
-ATTN_BLOCK_N = 64
+MIN_SPLIT_KEYS = tl.constexpr(128)
+ATTN_BLOCK_N = tl.constexpr(64)
 # Elements of a weight tile a program loads at once (two in flight).
 TILE_ELEMENTS = 8192
 _LOG2E = 1.4426950408889634
