@@ -84,11 +84,13 @@ def _weights(
 
 
 CASES = [
-    # (hidden, heads, kv heads, head dim, intermediate, page, context, programs, bias, qk norm)
-    (64, 4, 2, 16, 96, 4, 9, 5, False, True),
-    (64, 4, 4, 16, 80, 1, 1, 3, True, False),
-    (96, 6, 2, 32, 160, 16, 300, 8, False, False),
-    (64, 8, 2, 16, 128, 8, 700, 16, True, True),
+    # (hidden, heads, kv heads, head dim, intermediate, page, context, programs, bias, qk norm,
+    #  split keys)
+    (64, 4, 2, 16, 96, 4, 9, 5, False, True, 128),
+    (64, 4, 4, 16, 80, 1, 1, 4, True, False, 128),
+    (96, 6, 2, 32, 160, 16, 300, 8, False, False, 64),
+    (64, 8, 2, 16, 128, 8, 700, 16, True, True, 128),  # splits of two key blocks
+    (64, 8, 2, 16, 128, 8, 1200, 6, False, True, 64),  # three splits of many blocks
 ]
 
 
@@ -103,7 +105,7 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 def test_decode_layer_matches_float64(case: tuple, first_layer: bool, dtype: torch.dtype) -> None:
     """On a GPU also: the one launch (grid barriers) gives the bits of the stages launched one
     at a time (kernel boundaries), on one program per SM."""
-    hidden, hq, hkv, hd, inter, page, ctx, programs, bias, qk_norm = case
+    hidden, hq, hkv, hd, inter, page, ctx, programs, bias, qk_norm, split_keys = case
     if DEVICE == "cuda":
         programs = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator().manual_seed(ctx + programs)
@@ -112,7 +114,7 @@ def test_decode_layer_matches_float64(case: tuple, first_layer: bool, dtype: tor
     x = torch.randn(1, hidden, generator=gen).to(dtype).to(DEVICE)
     res = None if first_layer else torch.randn(1, hidden, generator=gen).to(dtype).to(DEVICE)
     # the context's earlier positions in shuffled pages, the new token's slot after them
-    n_pages = (ctx + page - 1) // page + 3
+    n_pages = (ctx + page - 1) // page + 3  # (pages no position uses: garbage never read)
     perm = torch.randperm(n_pages, generator=gen)
     page_table = perm[None, : (ctx + page - 1) // page].to(torch.int32).to(DEVICE)
     positions = torch.arange(ctx)
@@ -133,7 +135,7 @@ def test_decode_layer_matches_float64(case: tuple, first_layer: bool, dtype: tor
     ref_out, ref_res, ref_k, ref_v = _reference(
         dims, w, x, res, k_cache[cached], v_cache[cached], cos[ctx - 1], sin[ctx - 1]
     )
-    kernel = DecodeLayerKernel(dims, dtype, torch.device(DEVICE), programs)
+    kernel = DecodeLayerKernel(dims, dtype, torch.device(DEVICE), programs, split_keys=split_keys)
     cache = (k_cache.clone(), v_cache.clone())
     out, new_res = kernel.run(w, x, res, step, k_cache, v_cache)
     tol = TOL[dtype]

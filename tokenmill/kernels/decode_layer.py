@@ -45,10 +45,12 @@ from tokenmill.kernels.pdl import pdl_options, pdl_wait
 from tokenmill.kernels.rope_store import _rotate
 
 NUM_STAGES = 5
-# A split of the attention stage attends at least this many cached positions (fewer splits
-# for short contexts: each split adds a partial result every O program merges).
-MIN_SPLIT_KEYS = tl.constexpr(128)
-ATTN_BLOCK_N = tl.constexpr(64)
+# A split of the attention stage attends at least this many cached positions by default
+# (fewer splits for short contexts: each split adds a partial result every O program merges).
+SPLIT_KEYS = 128
+# Keys of an attention block.
+ATTN_BLOCK_N = 64
+MAX_POLLS = tl.constexpr(1 << 24)
 # Elements of a weight tile a program loads at once (two in flight).
 TILE_ELEMENTS = 8192
 _LOG2E = 1.4426950408889634
@@ -58,7 +60,8 @@ _LOG2E = 1.4426950408889634
 def _grid_barrier(count_ptr, gen_ptr, programs):
     """Wait until every one of `programs` programs has arrived; what each stored before is
     then visible to all (loaded with `.cg`). The last to arrive resets the count and advances
-    the generation the others spin on."""
+    the generation the others spin on. A wait of MAX_POLLS polls (seconds: a program that
+    never arrives, as when not all of them are resident) traps, which fails the launch."""
     tl.debug_barrier()  # every thread's stores precede the arrival
     gen = tl.atomic_add(gen_ptr, 0, sem="relaxed", scope="gpu")
     if tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == programs - 1:
@@ -66,8 +69,12 @@ def _grid_barrier(count_ptr, gen_ptr, programs):
         tl.atomic_add(gen_ptr, 1, sem="release", scope="gpu")
     else:
         seen = tl.atomic_add(gen_ptr, 0, sem="acquire", scope="gpu")
-        while seen == gen:
+        polls = 0
+        while (seen == gen) & (polls < MAX_POLLS):
             seen = tl.atomic_add(gen_ptr, 0, sem="acquire", scope="gpu")
+            polls += 1
+        if seen == gen:
+            tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
     tl.debug_barrier()
 
 
@@ -195,19 +202,33 @@ def _o_product(
 
 
 @triton.jit
+def _split_bounds(kv_lens_ptr, split, S_MAX: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+                  BLOCK_N: tl.constexpr):  # fmt: skip
+    """(context length, splits, first and past-last cached position of split `split`): the
+    positions cached by earlier steps cut into splits of at least SPLIT_KEYS (at most S_MAX
+    splits), each a whole number of key blocks."""
+    kv_len = tl.load(kv_lens_ptr)
+    n = tl.maximum(kv_len - 1, 0)
+    splits = tl.minimum(S_MAX, tl.maximum(tl.cdiv(n, SPLIT_KEYS), 1))
+    split_len = tl.cdiv(tl.cdiv(n, splits), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    return kv_len, splits, lo, tl.minimum(lo + split_len, n)
+
+
+@triton.jit
 def _attention_split(
-    item, qkv_ptr, positions_ptr, slots_ptr, kv_lens_ptr, page_table_ptr, cos_ptr, sin_ptr,
-    q_norm_ptr, k_norm_ptr, eps, k_cache_ptr, v_cache_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
-    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    S_MAX: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, QK_NORM: tl.constexpr,
+    item, kb, vb, qkv_ptr, positions_ptr, slots_ptr, kv_lens_ptr, page_table_ptr, cos_ptr,
+    sin_ptr, q_norm_ptr, k_norm_ptr, eps, k_cache_ptr, v_cache_ptr, mid_o_ptr, mid_lse_ptr,
+    qk_scale, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    S_MAX: tl.constexpr, SPLIT_KEYS: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr, QK_NORM: tl.constexpr,
 ):  # fmt: skip
-    """Item `item` = (KV head, split) of the attention stage (see the module's docstring);
+    """Item `item` = (KV head, split) of the attention stage (see the module's docstring),
+    `kb` / `vb` being its first key block (`_first_kv_block`, loaded before the barrier);
     splits past those the context needs do nothing."""
     kvh = item // S_MAX
     split = item % S_MAX
-    kv_len = tl.load(kv_lens_ptr)
-    n = tl.maximum(kv_len - 1, 0)  # positions cached by earlier steps
-    splits = tl.minimum(S_MAX, tl.maximum(tl.cdiv(n, MIN_SPLIT_KEYS), 1))
+    kv_len, splits, lo, hi = _split_bounds(kv_lens_ptr, split, S_MAX, SPLIT_KEYS, BLOCK_N)
     if split < splits:
         group: tl.constexpr = HQ // HKV
         half: tl.constexpr = D // 2
@@ -238,18 +259,17 @@ def _attention_split(
             at = slot.to(tl.int64) * (HKV * D) + kvh * D + offs_d[None, :]
             tl.store(k_cache_ptr + at, k)
             tl.store(v_cache_ptr + at, v)
-        split_len = tl.cdiv(tl.cdiv(n, splits), BLOCK_N) * BLOCK_N
-        lo = split * split_len
-        hi = tl.minimum(lo + split_len, n)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, D], tl.float32)
         for start in range(lo, hi, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
+            valid = start + tl.arange(0, BLOCK_N) < hi
+            m_i, l_i, acc = _attend_block(q, kb, vb, valid[None, :], m_i, l_i, acc, qk_scale)
+            # the next block, loaded while this one's scores are summed
+            offs_n = start + BLOCK_N + tl.arange(0, BLOCK_N)
             valid = offs_n < hi
             kb = _kv_block(k_cache_ptr, page_table_ptr, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
             vb = _kv_block(v_cache_ptr, page_table_ptr, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
-            m_i, l_i, acc = _attend_block(q, kb, vb, valid[None, :], m_i, l_i, acc, qk_scale)
         # the new token, as one more key of the last split (its K from registers)
         fold = (split == splits - 1) & (kv_len > 0)
         s = tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1) * qk_scale
@@ -268,6 +288,24 @@ def _attention_split(
         tl.store(mid_lse_ptr + row, lse, mask=g_mask)
 
 
+@triton.jit
+def _first_kv_block(
+    item, kv_lens_ptr, page_table_ptr, k_cache_ptr, v_cache_ptr, HKV: tl.constexpr,
+    D: tl.constexpr, PAGE: tl.constexpr, S_MAX: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The first key and value block of attention item `item`: positions cached by earlier
+    steps, read before the barrier that ends the q/k/v stage."""
+    kvh = item // S_MAX
+    _, _, lo, hi = _split_bounds(kv_lens_ptr, item % S_MAX, S_MAX, SPLIT_KEYS, BLOCK_N)
+    offs_n = lo + tl.arange(0, BLOCK_N)
+    valid = (offs_n < hi) & (kvh < HKV)
+    offs_d = tl.arange(0, D)
+    kb = _kv_block(k_cache_ptr, page_table_ptr, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
+    vb = _kv_block(v_cache_ptr, page_table_ptr, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
+    return kb, vb
+
+
 @direct_launch
 @triton.jit
 def _decode_layer_kernel(
@@ -277,7 +315,7 @@ def _decode_layer_kernel(
     k_norm_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr, kv_lens_ptr, page_table_ptr,
     k_cache_ptr, v_cache_ptr, eps, qk_scale, programs,
     H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, FF: tl.constexpr,
-    PAGE: tl.constexpr, S_MAX: tl.constexpr,
+    PAGE: tl.constexpr, S_MAX: tl.constexpr, SPLIT_KEYS: tl.constexpr, BLOCK_N: tl.constexpr,
     R_QKV: tl.constexpr, BR_QKV: tl.constexpr, BK_QKV: tl.constexpr,
     R_O: tl.constexpr, BR_O: tl.constexpr,
     R_GU: tl.constexpr, BR_GU: tl.constexpr, BK_GU: tl.constexpr,
@@ -306,16 +344,21 @@ def _decode_layer_kernel(
         if QKV_BIAS:
             acc += tl.load(b_qkv_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
         tl.store(qkv_ptr + rows, acc.to(act_dtype), mask=row_mask)
+    # 2. attention, a program per (KV head, split) (programs >= HKV * S_MAX)
+    if ALL or STAGE == 1:
+        kb, vb = _first_kv_block(
+            pid, kv_lens_ptr, page_table_ptr, k_cache_ptr, v_cache_ptr, HKV, D, PAGE, S_MAX,
+            SPLIT_KEYS, BLOCK_N,
+        )  # fmt: skip
     if ALL:
         _grid_barrier(count_ptr, gen_ptr, programs)
-
-    # 2. attention, a program per (KV head, split)
-    if ALL or STAGE == 1:
-        for item in range(pid, HKV * S_MAX, programs):
+    if ALL or STAGE == 1:  # noqa: SIM102 (a constexpr test, then a runtime one)
+        if pid < HKV * S_MAX:
             _attention_split(
-                item, qkv_ptr, positions_ptr, slots_ptr, kv_lens_ptr, page_table_ptr, cos_ptr,
-                sin_ptr, q_norm_ptr, k_norm_ptr, eps, k_cache_ptr, v_cache_ptr, mid_o_ptr,
-                mid_lse_ptr, qk_scale, HQ, HKV, D, PAGE, S_MAX, BLOCK_G, ATTN_BLOCK_N, QK_NORM,
+                pid, kb, vb, qkv_ptr, positions_ptr, slots_ptr, kv_lens_ptr, page_table_ptr,
+                cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, eps, k_cache_ptr, v_cache_ptr,
+                mid_o_ptr, mid_lse_ptr, qk_scale, HQ, HKV, D, PAGE, S_MAX, SPLIT_KEYS, BLOCK_G,
+                BLOCK_N, QK_NORM,
             )  # fmt: skip
 
     # 3. the splits merged, o product
@@ -326,8 +369,7 @@ def _decode_layer_kernel(
     if ALL:
         _grid_barrier(count_ptr, gen_ptr, programs)
     if ALL or STAGE == 2:
-        n = tl.maximum(tl.load(kv_lens_ptr) - 1, 0)
-        splits = tl.minimum(S_MAX, tl.maximum(tl.cdiv(n, MIN_SPLIT_KEYS), 1))
+        _, splits, _, _ = _split_bounds(kv_lens_ptr, 0, S_MAX, SPLIT_KEYS, BLOCK_N)
         acc = _o_product(
             w_o_ptr, rows, row_mask, w0, w1, mid_o_ptr, mid_lse_ptr, splits, act_dtype, HQ, D,
             S_MAX, BLOCK_S,
@@ -415,18 +457,23 @@ def _tile_k(block_rows: int, k: int) -> int:
 
 class DecodeLayerKernel:
     """Runs decoder layers of `dims` for one decoding sequence, a launch each, on `programs`
-    programs (on a GPU its SM count: every program must be resident at once). Holds the
-    layer's scratch and the barrier's two words, so one instance serves one stream."""
+    programs (on a GPU its SM count: every program must be resident at once; at least one a
+    KV head). Holds the layer's scratch and the barrier's two words, so one instance serves
+    one stream. `split_keys`: the fewest cached positions an attention split takes."""
 
     def __init__(
         self, dims: LayerDims, dtype: torch.dtype, device: torch.device, programs: int,
-        num_warps: int = 8,
+        num_warps: int = 8, split_keys: int = SPLIT_KEYS,
     ) -> None:  # fmt: skip
-        if dims.num_heads % dims.num_kv_heads or dims.head_dim != next_power_of_2(dims.head_dim):
-            raise ValueError("the decode layer kernel needs grouped heads of a power-of-2 size")
-        self.dims, self.programs, self.num_warps = dims, programs, num_warps
         d = dims
-        self.s_max = max(1, programs // d.num_kv_heads)
+        if d.num_heads % d.num_kv_heads or d.head_dim != next_power_of_2(d.head_dim):
+            raise ValueError("the decode layer kernel needs grouped heads of a power-of-2 size")
+        if programs < d.num_kv_heads:
+            raise ValueError(f"{programs} programs cannot attend {d.num_kv_heads} KV heads")
+        self.dims, self.programs, self.num_warps = dims, programs, num_warps
+        self.split_keys = split_keys
+        # (KV head, split) attention items: at most one a program
+        self.s_max = programs // d.num_kv_heads
         nqkv = (d.num_heads + 2 * d.num_kv_heads) * d.head_dim
 
         def empty(n: int, dt: torch.dtype = dtype) -> torch.Tensor:
@@ -483,7 +530,8 @@ class DecodeLayerKernel:
                 step.cos, step.sin, step.positions, step.slots, step.kv_lens, step.page_table,
                 k_cache, v_cache, d.eps, d.head_dim**-0.5 * _LOG2E, self.programs,
                 H=d.hidden, HQ=d.num_heads, HKV=d.num_kv_heads, D=d.head_dim, FF=d.intermediate,
-                PAGE=d.page_size, S_MAX=self.s_max, **self.tiles,
+                PAGE=d.page_size, S_MAX=self.s_max, SPLIT_KEYS=self.split_keys,
+                BLOCK_N=ATTN_BLOCK_N, **self.tiles,
                 BLOCK_G=max(16, next_power_of_2(group)), BLOCK_S=next_power_of_2(self.s_max),
                 HAS_RES=residual is not None, QKV_BIAS=weights.qkv_bias is not None,
                 QK_NORM=weights.q_norm is not None, STAGE=s, num_warps=self.num_warps, **pdl,
