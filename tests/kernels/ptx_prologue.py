@@ -24,7 +24,7 @@ from tokenmill.kernels.attention import (
     _prefill_kernel,
     _verify_split_kernel,
 )
-from tokenmill.kernels.decode_layer import _decode_layer_kernel
+from tokenmill.kernels.decode_layer import _decode_layers_kernel
 from tokenmill.kernels.fused_moe import _down_gemv_kernel, _gate_up_gemv_kernel
 from tokenmill.kernels.gemv import _gemv_kernel
 from tokenmill.kernels.graph_inputs import _decode_inputs_kernel
@@ -37,7 +37,7 @@ FP32_PTRS = {"mid_o_ptr", "mid_lse_ptr", "mid_ml_ptr", "part_ptr", "ss_ptr", "co
              "sin_ptr", "part_val_ptr", "logits_ptr"}  # fmt: skip
 INT_PTRS = {"cu_q_ptr", "kv_lens_ptr", "page_table_ptr", "positions_ptr", "slots_ptr",
             "ticket_ptr", "part_idx_ptr", "barrier_ptr"}  # fmt: skip
-INT64_PTRS = {"tokens_ptr", "host_ptr"}
+INT64_PTRS = {"tokens_ptr", "host_ptr", "table_ptr"}
 INT64_KERNELS = {"decode_inputs"}  # every pointer of these is int64
 # Index pointers (INT_PTRS) of these are int64: the kernel takes int32 or int64 ones.
 INT64_INDEX_KERNELS = {"invariant_int64_index"}
@@ -52,6 +52,7 @@ UNALIGNED = FLOAT_SCALARS | {
     "stride_pt",
     "tokens",
     "programs",
+    "layers",
 }
 # Constexprs of each kernel (USE_PDL is set for all), as the decode path of a
 # qwen3-like layer uses them.
@@ -96,7 +97,7 @@ KERNELS = {
         TOP_K=8, EXPERTS=128, SLOTS=8, NORM=True, BLOCK_N=2, BLOCK_K=256)),
     "moe_down_gemv": (_down_gemv_kernel, dict(
         TOP_K=8, RENORMALIZE=True, EXPERTS=128, SLOTS=8, BLOCK_N=8, BLOCK_K=128)),
-    "decode_layer": (_decode_layer_kernel, dict(  # Qwen3-0.6B's layer on 132 programs
+    "decode_layer": (_decode_layers_kernel, dict(  # Qwen3-0.6B's layer on 132 programs
         H=1024, HQ=16, HKV=8, D=128, FF=3072, PAGE=16, S_MAX=16, SPLIT_KEYS=128, BLOCK_N=64,
         R_QKV=32, BR_QKV=32, BK_QKV=256, R_O=8, BR_O=8, R_GU=24, BR_GU=32, BK_GU=128, R_DN=8,
         BR_DN=8, BK_DN=1024, BLOCK_G=16, BLOCK_S=16, HAS_RES=True, QKV_BIAS=False,

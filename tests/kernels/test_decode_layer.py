@@ -12,11 +12,11 @@ import torch
 pytest.importorskip("triton")
 
 from tokenmill.kernels.decode_layer import (
-    NUM_STAGES,
     DecodeLayerKernel,
     DecodeLayerWeights,
     DecodeStep,
     LayerDims,
+    set_layers_per_launch,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -64,8 +64,9 @@ def _reference(
 
 
 def _weights(
-    dims: LayerDims, dtype: torch.dtype, bias: bool, qk_norm: bool, gen: torch.Generator
-) -> DecodeLayerWeights:
+    dims: LayerDims, dtype: torch.dtype, bias: bool, qk_norm: bool, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, gen: torch.Generator,
+) -> DecodeLayerWeights:  # fmt: skip
     d = dims
     nqkv = (d.num_heads + 2 * d.num_kv_heads) * d.head_dim
 
@@ -80,6 +81,7 @@ def _weights(
         o=rand(d.hidden, d.num_heads * d.head_dim), gate_up=rand(2 * d.intermediate, d.hidden),
         down=rand(d.hidden, d.intermediate), input_norm=norm(d.hidden), post_norm=norm(d.hidden),
         q_norm=norm(d.head_dim) if qk_norm else None, k_norm=norm(d.head_dim) if qk_norm else None,
+        k_cache=k_cache, v_cache=v_cache,
     )  # fmt: skip
 
 
@@ -99,56 +101,69 @@ DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32
 TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 
 
+def _paged_cache(
+    ctx: int, page: int, hkv: int, hd: int, dtype: torch.dtype, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(page table row, each position's slot, K/V cache of random values): the context in
+    shuffled pages, and pages no position uses (garbage never read)."""
+    n_pages = (ctx + page - 1) // page + 3
+    perm = torch.randperm(n_pages, generator=gen)
+    page_table = perm[None, : (ctx + page - 1) // page].to(torch.int32).to(DEVICE)
+    positions = torch.arange(ctx)
+    slots = perm[positions // page] * page + positions % page
+    kv = torch.randn(2, n_pages * page, hkv, hd, generator=gen).to(dtype).to(DEVICE)
+    return page_table, slots.to(DEVICE), kv
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"h{c[0]}-ctx{c[6]}-p{c[7]}")
-@pytest.mark.parametrize("first_layer", [False, True])
+@pytest.mark.parametrize("num_layers", [1, 3])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_decode_layer_matches_float64(case: tuple, first_layer: bool, dtype: torch.dtype) -> None:
-    """On a GPU also: the one launch (grid barriers) gives the bits of the stages launched one
-    at a time (kernel boundaries), on one program per SM."""
+def test_decode_layers_match_float64(case: tuple, num_layers: int, dtype: torch.dtype) -> None:
+    """A chain of layers (the first without a residual). On a GPU also: the one launch (grid
+    barriers) gives the bits of a launch a layer and of a launch a stage (kernel boundaries),
+    on one program per SM."""
     hidden, hq, hkv, hd, inter, page, ctx, programs, bias, qk_norm, split_keys = case
     if DEVICE == "cuda":
         programs = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator().manual_seed(ctx + programs)
     dims = LayerDims(hidden, hq, hkv, hd, inter, 1e-6, page)
-    w = _weights(dims, dtype, bias, qk_norm, gen)
+    page_table, slots, kv = _paged_cache(ctx, page, hkv, hd, dtype, gen)
+    layers = [_weights(dims, dtype, bias, qk_norm, kv[0].clone(), kv[1].clone(), gen)
+              for _ in range(num_layers)]  # fmt: skip
     x = torch.randn(1, hidden, generator=gen).to(dtype).to(DEVICE)
-    res = None if first_layer else torch.randn(1, hidden, generator=gen).to(dtype).to(DEVICE)
-    # the context's earlier positions in shuffled pages, the new token's slot after them
-    n_pages = (ctx + page - 1) // page + 3  # (pages no position uses: garbage never read)
-    perm = torch.randperm(n_pages, generator=gen)
-    page_table = perm[None, : (ctx + page - 1) // page].to(torch.int32).to(DEVICE)
-    positions = torch.arange(ctx)
-    slots = perm[positions // page] * page + positions % page
-    k_cache = torch.randn(n_pages * page, hkv, hd, generator=gen).to(dtype).to(DEVICE)
-    v_cache = torch.randn(n_pages * page, hkv, hd, generator=gen).to(dtype).to(DEVICE)
-    cached = slots[:-1].to(DEVICE)
     rope_pos = torch.arange(ctx + 4, dtype=torch.float32)[:, None]
     inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
     emb = torch.cat((rope_pos * inv, rope_pos * inv), -1)
     cos, sin = emb.cos().to(DEVICE), emb.sin().to(DEVICE)
     step = DecodeStep(
-        positions=torch.tensor([ctx - 1], device=DEVICE),
-        slots=slots[-1:].to(DEVICE),
-        kv_lens=torch.tensor([ctx], dtype=torch.int32, device=DEVICE),
-        page_table=page_table, cos=cos, sin=sin,
+        positions=torch.tensor([ctx - 1], device=DEVICE), slots=slots[-1:],
+        kv_lens=torch.tensor([ctx], dtype=torch.int32, device=DEVICE), page_table=page_table,
+        cos=cos, sin=sin,
     )  # fmt: skip
-    ref_out, ref_res, ref_k, ref_v = _reference(
-        dims, w, x, res, k_cache[cached], v_cache[cached], cos[ctx - 1], sin[ctx - 1]
-    )
-    kernel = DecodeLayerKernel(dims, dtype, torch.device(DEVICE), programs, split_keys=split_keys)
-    cache = (k_cache.clone(), v_cache.clone())
-    out, new_res = kernel.run(w, x, res, step, k_cache, v_cache)
+    ref_x, ref_res, ref_kv = x, None, []
+    for w in layers:
+        cached_k, cached_v = w.k_cache[slots[:-1]], w.v_cache[slots[:-1]]
+        ref_x, ref_res, k, v = _reference(
+            dims, w, ref_x, ref_res, cached_k, cached_v, cos[ctx - 1], sin[ctx - 1]
+        )
+        ref_kv.append((k, v))
+    kernel = DecodeLayerKernel(dims, layers, programs, split_keys=split_keys)
+    out, new_res = kernel.run(x, step)
     tol = TOL[dtype]
     torch.testing.assert_close(new_res.double(), ref_res, rtol=tol, atol=tol)
-    torch.testing.assert_close(out.double(), ref_out, rtol=tol, atol=tol)
-    torch.testing.assert_close(k_cache[slots[-1]].double(), ref_k, rtol=tol, atol=tol)
-    torch.testing.assert_close(v_cache[slots[-1]].double(), ref_v, rtol=tol, atol=tol)
-    # the same layer again (the barrier words and scratch reused) gives the same bits
+    torch.testing.assert_close(out.double(), ref_x, rtol=tol, atol=tol)
+    for w, (k, v) in zip(layers, ref_kv, strict=True):
+        torch.testing.assert_close(w.k_cache[slots[-1]].double(), k, rtol=tol, atol=tol)
+        torch.testing.assert_close(w.v_cache[slots[-1]].double(), v, rtol=tol, atol=tol)
+    # again (the barrier words and scratch reused): the same bits
     first, first_res = out.clone(), new_res.clone()
-    again, _ = kernel.run(w, x, res, step, k_cache, v_cache)
-    assert torch.equal(again, first)
+    assert torch.equal(kernel.run(x, step)[0], first)
     if DEVICE == "cuda":
-        for stage in range(NUM_STAGES):
-            staged, staged_res = kernel.run(w, x, res, step, *cache, stage=stage)
-        assert torch.equal(staged, first) and torch.equal(staged_res, first_res)
-        assert torch.equal(cache[0], k_cache) and torch.equal(cache[1], v_cache)
+        set_layers_per_launch(1)
+        try:
+            by_layer = [t.clone() for t in kernel.run(x, step)]
+        finally:
+            set_layers_per_launch(None)
+        by_stage = kernel.run(x, step, staged=True)
+        for outputs in (by_layer, by_stage):
+            assert torch.equal(outputs[0], first) and torch.equal(outputs[1], first_res)

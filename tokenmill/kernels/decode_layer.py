@@ -1,34 +1,35 @@
-"""A whole decoder layer of a dense Llama-family model in one launch, for one decoding sequence.
+"""A dense Llama-family model's decoder layers in one launch, for one decoding sequence.
 
 At batch 1 every kernel of a small model's layer is latency-bound: Qwen3-0.6B spent ~25 us a
 layer in seven kernels carrying ~7.4 us of weight bytes (`docs/perf-notes.md`), most of it at
 the kernel boundaries (a grid's tail, the next grid's wait, its first loads). Here one grid of
-`programs` programs (one per SM, all resident at once) runs the layer's five stages, separated
-by grid barriers instead of kernel boundaries, and each program loads the first weight tiles of
-its next stage before it waits at the barrier (weights do not depend on the activations), so
-the weight stream does not stop at a stage's end:
+`programs` programs (one per SM, all resident at once) runs every layer's five stages,
+separated by grid barriers instead of kernel boundaries, and each program loads the first two
+weight tiles of its next stage before it waits at the barrier (weights do not depend on the
+activations), so the weight stream does not stop at a stage's end:
 
-1. QKV: residual add + RMSNorm (each program over the whole row, program 0 storing the new
+1. q/k/v: residual add + RMSNorm (each program over the whole row, program 0 storing the new
    residual) and the fused q/k/v product, `R_QKV` rows a program.
 2. attention: a program per (KV head, split of the cached positions): q/k norm and rotary of
    the head's query group and its new key, the new key and value stored by split 0, the split's
-   keys attended, the new token folded in by the last split (so no program reads a key another
-   program stores in this stage); the split's normalised output and log-sum-exp to scratch.
-3. O: the splits merged by their log-sum-exp (a head a K slab) into the o product's input.
+   keys attended (its first block loaded before the barrier: K/V of earlier steps), the new
+   token folded in by the last split (so no program reads a key another program stores in this
+   stage); the split's normalised output and log-sum-exp to scratch.
+3. o: the splits merged by their log-sum-exp (a head a K slab) into the o product's input.
 4. gate/up: residual add + RMSNorm, `R_GU` (gate, up) row pairs a program, SiLU-and-mul of each
    pair stored.
-5. down: the down product, the layer's output.
+5. down: the down product, the layer's output, which the next layer's stage 1 takes.
 
-The barrier (`_grid_barrier`) counts arrivals with an atomic and releases the waiters by
-advancing a generation word, resetting the count first, so it needs no reset between launches
-(one pair of words serves every layer and step). Data a program reads after a barrier was
-written by other programs of the same launch: it is loaded past L1 (`.cg`), which is not
-coherent across SMs. Under PDL the kernel loads its first weight tiles before its wait, like
-the GEMV.
+Each layer's tensors come from a pointer table (`_COLUMNS`, one row a layer). The barrier
+(`_grid_barrier`) counts arrivals with an atomic and releases the waiters by advancing a
+generation word, resetting the count first, so it needs no reset between launches (one pair of
+words serves every barrier and step). Data a program reads after a barrier was written by other
+programs of the same launch: it is loaded past L1 (`.cg`), which is not coherent across SMs.
+Under PDL the kernel waits for the previous kernel before it reads anything: once a step.
 
 Triton's interpreter runs programs one after another, so a barrier there would never open:
-`stage` launches one stage at a time, the same code without the barriers (the CPU tests; the
-GPU runs `stage=None`, all five in one launch).
+off a GPU each stage of each layer is a launch of its own (`STAGE`), the same code without the
+barriers (the CPU tests; the GPU tests compare the one launch with those, bit for bit).
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ SPLIT_KEYS = 128
 # Keys of an attention block.
 ATTN_BLOCK_N = 64
 MAX_POLLS = tl.constexpr(1 << 24)
+# A layer's row of the pointer table: q/k/v weight, its bias, o, gate/up, down, the input and
+# post-attention norms, the q and k norms, the K and V caches (absent ones: the q/k/v weight).
+_COLUMNS = ("qkv", "qkv_bias", "o", "gate_up", "down", "input_norm", "post_norm", "q_norm",
+            "k_norm", "k_cache", "v_cache")  # fmt: skip
+NUM_COLUMNS = tl.constexpr(len(_COLUMNS))
 # Elements of a weight tile a program loads at once (two in flight).
 TILE_ELEMENTS = 8192
 _LOG2E = 1.4426950408889634
@@ -306,14 +312,73 @@ def _first_kv_block(
     return kb, vb
 
 
+@triton.jit
+def _ptr(table_ptr, layer, column, like):
+    """Layer `layer`'s pointer `column` (`_COLUMNS`) of the pointer table, typed as `like`."""
+    ptr = tl.load(table_ptr + layer * NUM_COLUMNS + column).to(like.dtype, bitcast=True)
+    return tl.multiple_of(ptr, 16)  # (tensors start 16-byte aligned: vector loads)
+
+
+@triton.jit
+def _qkv_tiles(table_ptr, layer, pid, like, H: tl.constexpr, NQKV: tl.constexpr,
+               R: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """The q/k/v stage's first two weight tiles of layer `layer` for program `pid`."""
+    w = _ptr(table_ptr, layer, 0, like)
+    rows, mask = _rows(pid, R, NQKV, BR)
+    return _w_tile(w, rows, mask, 0, H, BK), _w_tile(w, rows, mask, BK, H, BK)
+
+
+@triton.jit
+def _qkv_stage(
+    w0, w1, table_ptr, layer, pid, x_ptr, res_ptr, mid_res_ptr, qkv_ptr, eps,
+    H: tl.constexpr, NQKV: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+    HAS_RES: tl.constexpr, QKV_BIAS: tl.constexpr,
+):  # fmt: skip
+    """Stage 1: `x + residual` (program 0 stores it), RMSNorm, the q/k/v product's rows."""
+    rows, mask = _rows(pid, R, NQKV, BR)
+    acc = _normed_product(
+        _ptr(table_ptr, layer, 0, x_ptr), rows, mask, w0, w1, x_ptr, res_ptr,
+        _ptr(table_ptr, layer, 5, x_ptr), mid_res_ptr, eps, H, HAS_RES, pid == 0, BK,
+    )  # fmt: skip
+    if QKV_BIAS:
+        bias = _ptr(table_ptr, layer, 1, x_ptr)
+        acc += tl.load(bias + rows, mask=mask, other=0.0).to(tl.float32)
+    tl.store(qkv_ptr + rows, acc.to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _o_tiles(table_ptr, layer, pid, like, H: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr,
+             R: tl.constexpr, BR: tl.constexpr):  # fmt: skip
+    """The o stage's first two weight tiles (a head each)."""
+    w = _ptr(table_ptr, layer, 2, like)
+    rows, mask = _rows(pid, R, H, BR)
+    return _w_tile(w, rows, mask, 0, HQ * D, D), _w_tile(w, rows, mask, D, HQ * D, D)
+
+
+@triton.jit
+def _gate_up_tiles(table_ptr, layer, pid, like, H: tl.constexpr, FF: tl.constexpr,
+                   R: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """The gate/up stage's first two weight tiles (gate and up rows interleaved)."""
+    w = _ptr(table_ptr, layer, 3, like)
+    rows, mask = _pair_rows(pid, R, FF, BR)
+    return _w_tile(w, rows, mask, 0, H, BK), _w_tile(w, rows, mask, BK, H, BK)
+
+
+@triton.jit
+def _down_tiles(table_ptr, layer, pid, like, H: tl.constexpr, FF: tl.constexpr,
+                R: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """The down stage's first two weight tiles."""
+    w = _ptr(table_ptr, layer, 4, like)
+    rows, mask = _rows(pid, R, H, BR)
+    return _w_tile(w, rows, mask, 0, FF, BK), _w_tile(w, rows, mask, BK, FF, BK)
+
+
 @direct_launch
 @triton.jit
-def _decode_layer_kernel(
+def _decode_layers_kernel(
     x_ptr, res_ptr, out_ptr, new_res_ptr, mid_res_ptr, qkv_ptr, mid_o_ptr, mid_lse_ptr, o_ptr,
-    act_ptr, barrier_ptr,
-    w_qkv_ptr, b_qkv_ptr, w_o_ptr, w_gu_ptr, w_down_ptr, ln1_ptr, ln2_ptr, q_norm_ptr,
-    k_norm_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr, kv_lens_ptr, page_table_ptr,
-    k_cache_ptr, v_cache_ptr, eps, qk_scale, programs,
+    act_ptr, barrier_ptr, table_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr, kv_lens_ptr,
+    page_table_ptr, eps, qk_scale, programs, layers,
     H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, FF: tl.constexpr,
     PAGE: tl.constexpr, S_MAX: tl.constexpr, SPLIT_KEYS: tl.constexpr, BLOCK_N: tl.constexpr,
     R_QKV: tl.constexpr, BR_QKV: tl.constexpr, BK_QKV: tl.constexpr,
@@ -323,6 +388,9 @@ def _decode_layer_kernel(
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, HAS_RES: tl.constexpr,
     QKV_BIAS: tl.constexpr, QK_NORM: tl.constexpr, STAGE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    # `layers` decoder layers from the table's first row: the first takes (x, residual, or x
+    # alone without HAS_RES), each later one the previous one's (out, new residual). With
+    # STAGE >= 0 (one layer) only that stage runs.
     pid = tl.program_id(0)
     ALL: tl.constexpr = STAGE < 0
     NQKV: tl.constexpr = (HQ + 2 * HKV) * D
@@ -330,87 +398,93 @@ def _decode_layer_kernel(
     count_ptr = barrier_ptr
     gen_ptr = barrier_ptr + 1
 
-    # 1. residual add + RMSNorm + q/k/v product
-    rows, row_mask = _rows(pid, R_QKV, NQKV, BR_QKV)
-    if ALL or STAGE == 0:
-        w0 = _w_tile(w_qkv_ptr, rows, row_mask, 0, H, BK_QKV)
-        w1 = _w_tile(w_qkv_ptr, rows, row_mask, BK_QKV, H, BK_QKV)
-        pdl_wait(USE_PDL)
-        res_in = res_ptr if HAS_RES else x_ptr
-        acc = _normed_product(
-            w_qkv_ptr, rows, row_mask, w0, w1, x_ptr, res_in, ln1_ptr, mid_res_ptr, eps, H,
-            HAS_RES, pid == 0, BK_QKV,
-        )  # fmt: skip
-        if QKV_BIAS:
-            acc += tl.load(b_qkv_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-        tl.store(qkv_ptr + rows, acc.to(act_dtype), mask=row_mask)
-    # 2. attention, a program per (KV head, split) (programs >= HKV * S_MAX)
-    if ALL or STAGE == 1:
-        kb, vb = _first_kv_block(
-            pid, kv_lens_ptr, page_table_ptr, k_cache_ptr, v_cache_ptr, HKV, D, PAGE, S_MAX,
-            SPLIT_KEYS, BLOCK_N,
-        )  # fmt: skip
-    if ALL:
-        _grid_barrier(count_ptr, gen_ptr, programs)
-    if ALL or STAGE == 1:  # noqa: SIM102 (a constexpr test, then a runtime one)
-        if pid < HKV * S_MAX:
-            _attention_split(
-                pid, kb, vb, qkv_ptr, positions_ptr, slots_ptr, kv_lens_ptr, page_table_ptr,
-                cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, eps, k_cache_ptr, v_cache_ptr,
-                mid_o_ptr, mid_lse_ptr, qk_scale, HQ, HKV, D, PAGE, S_MAX, SPLIT_KEYS, BLOCK_G,
-                BLOCK_N, QK_NORM,
+    # Under PDL nothing is read before the wait: a launch of all the layers waits once a step.
+    pdl_wait(USE_PDL)
+    for layer in range(0, layers):
+        # 1. residual add + RMSNorm + q/k/v product: the first layer's on (x, residual), the
+        # others' on the previous layer's output and residual
+        if ALL or STAGE == 0:
+            qkv0, qkv1 = _qkv_tiles(table_ptr, layer, pid, x_ptr, H, NQKV, R_QKV, BR_QKV, BK_QKV)
+            if layer == 0:
+                _qkv_stage(
+                    qkv0, qkv1, table_ptr, layer, pid, x_ptr, res_ptr if HAS_RES else x_ptr,
+                    mid_res_ptr, qkv_ptr, eps, H, NQKV, R_QKV, BR_QKV, BK_QKV, HAS_RES, QKV_BIAS,
+                )  # fmt: skip
+            else:
+                _grid_barrier(count_ptr, gen_ptr, programs)
+                _qkv_stage(
+                    qkv0, qkv1, table_ptr, layer, pid, out_ptr, new_res_ptr, mid_res_ptr,
+                    qkv_ptr, eps, H, NQKV, R_QKV, BR_QKV, BK_QKV, True, QKV_BIAS,
+                )  # fmt: skip
+        k_cache_ptr = _ptr(table_ptr, layer, 9, x_ptr)
+        v_cache_ptr = _ptr(table_ptr, layer, 10, x_ptr)
+        # 2. attention, a program per (KV head, split) (programs >= HKV * S_MAX)
+        if ALL or STAGE == 1:
+            kb, vb = _first_kv_block(
+                pid, kv_lens_ptr, page_table_ptr, k_cache_ptr, v_cache_ptr, HKV, D, PAGE,
+                S_MAX, SPLIT_KEYS, BLOCK_N,
             )  # fmt: skip
+        if ALL:
+            _grid_barrier(count_ptr, gen_ptr, programs)
+        if ALL or STAGE == 1:  # noqa: SIM102 (a constexpr test, then a runtime one)
+            if pid < HKV * S_MAX:
+                _attention_split(
+                    pid, kb, vb, qkv_ptr, positions_ptr, slots_ptr, kv_lens_ptr,
+                    page_table_ptr, cos_ptr, sin_ptr, _ptr(table_ptr, layer, 7, x_ptr),
+                    _ptr(table_ptr, layer, 8, x_ptr), eps, k_cache_ptr, v_cache_ptr, mid_o_ptr,
+                    mid_lse_ptr, qk_scale, HQ, HKV, D, PAGE, S_MAX, SPLIT_KEYS, BLOCK_G,
+                    BLOCK_N, QK_NORM,
+                )  # fmt: skip
 
-    # 3. the splits merged, o product
-    rows, row_mask = _rows(pid, R_O, H, BR_O)
-    if ALL or STAGE == 2:
-        w0 = _w_tile(w_o_ptr, rows, row_mask, 0, HQ * D, D)
-        w1 = _w_tile(w_o_ptr, rows, row_mask, D, HQ * D, D)
-    if ALL:
-        _grid_barrier(count_ptr, gen_ptr, programs)
-    if ALL or STAGE == 2:
-        _, splits, _, _ = _split_bounds(kv_lens_ptr, 0, S_MAX, SPLIT_KEYS, BLOCK_N)
-        acc = _o_product(
-            w_o_ptr, rows, row_mask, w0, w1, mid_o_ptr, mid_lse_ptr, splits, act_dtype, HQ, D,
-            S_MAX, BLOCK_S,
-        )  # fmt: skip
-        tl.store(o_ptr + rows, acc.to(act_dtype), mask=row_mask)
+        # 3. the splits merged, o product
+        if ALL or STAGE == 2:
+            o0, o1 = _o_tiles(table_ptr, layer, pid, x_ptr, H, HQ, D, R_O, BR_O)
+        if ALL:
+            _grid_barrier(count_ptr, gen_ptr, programs)
+        if ALL or STAGE == 2:
+            _, splits, _, _ = _split_bounds(kv_lens_ptr, 0, S_MAX, SPLIT_KEYS, BLOCK_N)
+            rows, mask = _rows(pid, R_O, H, BR_O)
+            acc = _o_product(
+                _ptr(table_ptr, layer, 2, x_ptr), rows, mask, o0, o1, mid_o_ptr, mid_lse_ptr,
+                splits, act_dtype, HQ, D, S_MAX, BLOCK_S,
+            )  # fmt: skip
+            tl.store(o_ptr + rows, acc.to(act_dtype), mask=mask)
 
-    # 4. residual add + RMSNorm + gate/up product (gate and up rows interleaved), SiLU-and-mul
-    rows, row_mask = _pair_rows(pid, R_GU, FF, BR_GU)
-    if ALL or STAGE == 3:
-        w0 = _w_tile(w_gu_ptr, rows, row_mask, 0, H, BK_GU)
-        w1 = _w_tile(w_gu_ptr, rows, row_mask, BK_GU, H, BK_GU)
-    if ALL:
-        _grid_barrier(count_ptr, gen_ptr, programs)
-    if ALL or STAGE == 3:
-        acc = _normed_product(
-            w_gu_ptr, rows, row_mask, w0, w1, o_ptr, mid_res_ptr, ln2_ptr, new_res_ptr, eps, H,
-            True, pid == 0, BK_GU,
-        )  # fmt: skip
-        # each rounded to the activation dtype, as the unfused product stores them
-        gate, up = tl.split(tl.reshape(acc.to(act_dtype).to(tl.float32), [BR_GU, 2]))
-        act_rows, act_mask = _rows(pid, R_GU, FF, BR_GU)
-        tl.store(act_ptr + act_rows, (gate * tl.sigmoid(gate) * up).to(act_dtype), mask=act_mask)
+        # 4. residual add + RMSNorm + gate/up product (rows interleaved), SiLU-and-mul
+        if ALL or STAGE == 3:
+            gu0, gu1 = _gate_up_tiles(table_ptr, layer, pid, x_ptr, H, FF, R_GU, BR_GU, BK_GU)
+        if ALL:
+            _grid_barrier(count_ptr, gen_ptr, programs)
+        if ALL or STAGE == 3:
+            rows, mask = _pair_rows(pid, R_GU, FF, BR_GU)
+            acc = _normed_product(
+                _ptr(table_ptr, layer, 3, x_ptr), rows, mask, gu0, gu1, o_ptr, mid_res_ptr,
+                _ptr(table_ptr, layer, 6, x_ptr), new_res_ptr, eps, H, True, pid == 0, BK_GU,
+            )  # fmt: skip
+            # each rounded to the activation dtype, as the unfused product stores them
+            gate, up = tl.split(tl.reshape(acc.to(act_dtype).to(tl.float32), [BR_GU, 2]))
+            rows, mask = _rows(pid, R_GU, FF, BR_GU)
+            tl.store(act_ptr + rows, (gate * tl.sigmoid(gate) * up).to(act_dtype), mask=mask)
 
-    # 5. down product
-    rows, row_mask = _rows(pid, R_DN, H, BR_DN)
-    if ALL or STAGE == 4:
-        w0 = _w_tile(w_down_ptr, rows, row_mask, 0, FF, BK_DN)
-        w1 = _w_tile(w_down_ptr, rows, row_mask, BK_DN, FF, BK_DN)
-    if ALL:
-        _grid_barrier(count_ptr, gen_ptr, programs)
-    if ALL or STAGE == 4:
-        acc = _plain_product(w_down_ptr, rows, row_mask, w0, w1, act_ptr, FF, BK_DN)
-        tl.store(out_ptr + rows, acc.to(act_dtype), mask=row_mask)
+        # 5. down product
+        if ALL or STAGE == 4:
+            dn0, dn1 = _down_tiles(table_ptr, layer, pid, x_ptr, H, FF, R_DN, BR_DN, BK_DN)
+        if ALL:
+            _grid_barrier(count_ptr, gen_ptr, programs)
+        if ALL or STAGE == 4:
+            rows, mask = _rows(pid, R_DN, H, BR_DN)
+            acc = _plain_product(
+                _ptr(table_ptr, layer, 4, x_ptr), rows, mask, dn0, dn1, act_ptr, FF, BK_DN
+            )
+            tl.store(out_ptr + rows, acc.to(act_dtype), mask=mask)
 
 
 @dataclass(frozen=True)
 class DecodeLayerWeights:
-    """One decoder layer's tensors, as the model holds them (row-major, contiguous): the fused
-    q/k/v weight `[(Hq + 2 Hkv) D, H]` (and its bias, or None), o `[H, Hq D]`, gate/up `[2 I,
-    H]` (gate rows first), down `[H, I]`, the two RMSNorm weights and the q/k norms (or
-    None)."""
+    """One decoder layer's tensors, as the model holds them (row-major, contiguous, all of one
+    dtype): the fused q/k/v weight `[(Hq + 2 Hkv) D, H]` (and its bias, or None), o `[H, Hq
+    D]`, gate/up `[2 I, H]` (gate rows first), down `[H, I]`, the two RMSNorm weights, the q/k
+    norms (or None) and the layer's K and V caches `[slots, Hkv, D]`."""
 
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
@@ -421,6 +495,8 @@ class DecodeLayerWeights:
     post_norm: torch.Tensor
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -455,14 +531,25 @@ def _tile_k(block_rows: int, k: int) -> int:
     return max(16, min(next_power_of_2(k), next_power_of_2(max(1, TILE_ELEMENTS // block_rows))))
 
 
+_layers_per_launch: int | None = None
+
+
+def set_layers_per_launch(layers: int | None) -> None:
+    """Launch the fused layers `layers` at a time from now on (None: all of a model's in one
+    launch, the default; for A/B measurements of the launch boundaries)."""
+    global _layers_per_launch
+    _layers_per_launch = layers
+
+
 class DecodeLayerKernel:
-    """Runs decoder layers of `dims` for one decoding sequence, a launch each, on `programs`
-    programs (on a GPU its SM count: every program must be resident at once; at least one a
-    KV head). Holds the layer's scratch and the barrier's two words, so one instance serves
+    """Runs the decoder layers `layers` (of sizes `dims`) for one decoding sequence on
+    `programs` programs: on a GPU every layer in one launch (its SM count of programs, all
+    resident at once; at least one a KV head), off it one launch a stage and layer. Holds the
+    scratch, the layers' pointer table and the barrier's two words, so one instance serves
     one stream. `split_keys`: the fewest cached positions an attention split takes."""
 
     def __init__(
-        self, dims: LayerDims, dtype: torch.dtype, device: torch.device, programs: int,
+        self, dims: LayerDims, layers: list[DecodeLayerWeights], programs: int,
         num_warps: int = 8, split_keys: int = SPLIT_KEYS,
     ) -> None:  # fmt: skip
         d = dims
@@ -470,6 +557,15 @@ class DecodeLayerKernel:
             raise ValueError("the decode layer kernel needs grouped heads of a power-of-2 size")
         if programs < d.num_kv_heads:
             raise ValueError(f"{programs} programs cannot attend {d.num_kv_heads} KV heads")
+        first = layers[0].qkv
+        dtype, device = first.dtype, first.device
+        self.table = torch.tensor(
+            [[_address(getattr(w, c), first, dtype) for c in _COLUMNS] for w in layers],
+            dtype=torch.int64, device=device,
+        )  # fmt: skip
+        self.num_layers = len(layers)
+        self.qkv_bias = layers[0].qkv_bias is not None
+        self.qk_norm = layers[0].q_norm is not None
         self.dims, self.programs, self.num_warps = dims, programs, num_warps
         self.split_keys = split_keys
         # (KV head, split) attention items: at most one a program
@@ -497,43 +593,50 @@ class DecodeLayerKernel:
         }  # fmt: skip
 
     def run(
-        self,
-        weights: DecodeLayerWeights,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        step: DecodeStep,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        stage: int | None = None,
+        self, x: torch.Tensor, step: DecodeStep, staged: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(mlp output, residual)` of one layer (as `LlamaDecoderLayer` returns them) for the
-        hidden row `x` `[1, H]` and `residual` (None: the first layer, `x` is the residual);
-        K/V caches `[slots, Hkv, D]`. Both outputs are this instance's buffers, which the next
-        layer may take as its inputs. `stage`: run only that stage (0-4; Triton's interpreter,
-        where a barrier cannot open); None: all five in one launch."""
+        """`(output, residual)` after every layer (as `LlamaDecoderLayer`s return them) for
+        the embedded token `x` `[1, H]`, the first layer's residual being `x` itself; both are
+        this instance's buffers. `staged` (always off a GPU, where a barrier cannot open):
+        each stage of each layer a launch of its own."""
+        residual: torch.Tensor | None = None
+        if staged or x.device.type != "cuda":
+            for layer in range(self.num_layers):
+                for stage in range(NUM_STAGES):
+                    self._launch(x, residual, step, layer, 1, stage)
+                x, residual = self.hidden, self.residual
+        else:
+            per_launch = _layers_per_launch or self.num_layers
+            for layer in range(0, self.num_layers, per_launch):
+                self._launch(x, residual, step, layer, min(per_launch, self.num_layers - layer), -1)
+                x, residual = self.hidden, self.residual
+        return self.hidden.view(1, -1), self.residual.view(1, -1)
+
+    def _launch(
+        self, x: torch.Tensor, residual: torch.Tensor | None, step: DecodeStep, layer: int,
+        count: int, stage: int,
+    ) -> None:  # fmt: skip
+        """Layers `layer .. layer + count` (one launch), or one stage of one layer."""
         d = self.dims
         group = d.num_heads // d.num_kv_heads
-        # -1: every stage in one launch; off a GPU (no barrier opens there) one launch a stage
-        if stage is not None:
-            stages: tuple[int, ...] = (stage,)
-        else:
-            stages = (-1,) if x.device.type == "cuda" else tuple(range(NUM_STAGES))
-        for s in stages:
-            pdl = pdl_options(x.device, wanted=s < 0)
-            _decode_layer_kernel[(self.programs,)](
-                x, residual if residual is not None else x, self.hidden, self.residual,
-                self.mid_res, self.qkv, self.mid_o, self.mid_lse, self.o, self.act, self.barrier,
-                weights.qkv, weights.qkv_bias if weights.qkv_bias is not None else weights.qkv,
-                weights.o, weights.gate_up, weights.down, weights.input_norm, weights.post_norm,
-                weights.q_norm if weights.q_norm is not None else weights.input_norm,
-                weights.k_norm if weights.k_norm is not None else weights.input_norm,
-                step.cos, step.sin, step.positions, step.slots, step.kv_lens, step.page_table,
-                k_cache, v_cache, d.eps, d.head_dim**-0.5 * _LOG2E, self.programs,
-                H=d.hidden, HQ=d.num_heads, HKV=d.num_kv_heads, D=d.head_dim, FF=d.intermediate,
-                PAGE=d.page_size, S_MAX=self.s_max, SPLIT_KEYS=self.split_keys,
-                BLOCK_N=ATTN_BLOCK_N, **self.tiles,
-                BLOCK_G=max(16, next_power_of_2(group)), BLOCK_S=next_power_of_2(self.s_max),
-                HAS_RES=residual is not None, QKV_BIAS=weights.qkv_bias is not None,
-                QK_NORM=weights.q_norm is not None, STAGE=s, num_warps=self.num_warps, **pdl,
-            )  # fmt: skip
-        return self.hidden.view(1, -1), self.residual.view(1, -1)
+        _decode_layers_kernel[(self.programs,)](
+            x, residual if residual is not None else x, self.hidden, self.residual, self.mid_res,
+            self.qkv, self.mid_o, self.mid_lse, self.o, self.act, self.barrier, self.table[layer],
+            step.cos, step.sin, step.positions, step.slots, step.kv_lens, step.page_table,
+            d.eps, d.head_dim**-0.5 * _LOG2E, self.programs, count,
+            H=d.hidden, HQ=d.num_heads, HKV=d.num_kv_heads, D=d.head_dim, FF=d.intermediate,
+            PAGE=d.page_size, S_MAX=self.s_max, SPLIT_KEYS=self.split_keys, BLOCK_N=ATTN_BLOCK_N,
+            **self.tiles, BLOCK_G=max(16, next_power_of_2(group)),
+            BLOCK_S=next_power_of_2(self.s_max), HAS_RES=residual is not None,
+            QKV_BIAS=self.qkv_bias, QK_NORM=self.qk_norm, STAGE=stage, num_warps=self.num_warps,
+            **pdl_options(x.device, wanted=stage < 0),
+        )  # fmt: skip
+
+
+def _address(t: torch.Tensor | None, fallback: torch.Tensor, dtype: torch.dtype) -> int:
+    """A pointer-table entry: `t`'s address (`fallback`'s where absent); `t` must be
+    contiguous and of `dtype`, as the kernel reads every entry."""
+    t = fallback if t is None else t
+    if t.dtype != dtype or not t.is_contiguous():
+        raise ValueError(f"the decode layer kernel needs contiguous {dtype} tensors, got {t.dtype}")
+    return t.data_ptr()

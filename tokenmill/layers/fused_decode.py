@@ -42,14 +42,16 @@ class FusedDecodeLayers:
     ) -> None:
         cfg: ModelConfig = model.config
         self.backend = backend
-        self.layers = [_layer_weights(layer) for layer in model.model.layers]
         self.rotary = model.model.rotary
-        weight = self.layers[0].qkv
+        layers = [
+            _layer_weights(layer, *backend.layer_cache(index))
+            for index, layer in enumerate(model.model.layers)
+        ]
         dims = LayerDims(
             cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
             cfg.intermediate_size, cfg.rms_norm_eps, backend.kv_cache.page_size,
         )  # fmt: skip
-        self.kernel = DecodeLayerKernel(dims, weight.dtype, weight.device, programs)
+        self.kernel = DecodeLayerKernel(dims, layers, programs)
 
     def serves(self, input_ids: torch.Tensor) -> bool:
         """Whether the step decodes one sequence (else the layers run as modules)."""
@@ -66,15 +68,12 @@ class FusedDecodeLayers:
             positions=positions, slots=inputs.slot_mapping, kv_lens=inputs.kv_lens,
             page_table=inputs.page_table, cos=self.rotary.cos, sin=self.rotary.sin,
         )  # fmt: skip
-        residual = None
-        for index, weights in enumerate(self.layers):
-            k_cache, v_cache = self.backend.layer_cache(index)
-            x, residual = self.kernel.run(weights, x, residual, step, k_cache, v_cache)
-        assert residual is not None
-        return x, residual
+        return self.kernel.run(x, step)
 
 
-def _layer_weights(layer: torch.nn.Module) -> DecodeLayerWeights:
+def _layer_weights(
+    layer: torch.nn.Module, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> DecodeLayerWeights:
     attn = layer.self_attn
     q_norm = attn.q_norm.weight if attn.qk_norm else None
     k_norm = attn.k_norm.weight if attn.qk_norm else None
@@ -82,5 +81,5 @@ def _layer_weights(layer: torch.nn.Module) -> DecodeLayerWeights:
         qkv=attn.qkv_proj.weight, qkv_bias=attn.qkv_proj.bias, o=attn.o_proj.weight,
         gate_up=layer.mlp.gate_up_proj.weight, down=layer.mlp.down_proj.weight,
         input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
-        q_norm=q_norm, k_norm=k_norm,
+        q_norm=q_norm, k_norm=k_norm, k_cache=k_cache, v_cache=v_cache,
     )  # fmt: skip
