@@ -1,7 +1,7 @@
 """Where a decode step's time goes on the GPU: graph replay vs. host work, and the top kernels.
 
 python benchmarks/profile_decode.py --config shared/models/qwen3-0.6b [--batch 1 8 64] [--no-pdl]
-    [--deterministic] [--fused-decode-layer] [--kv-cache-bytes N]
+    [--deterministic] [--fused-decode-layer [--layers-per-launch N]] [--kv-cache-bytes N]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.engine_core import EngineCore
+from tokenmill.kernels.decode_layer import set_layers_per_launch
 from tokenmill.kernels.pdl import set_pdl_enabled
 from tokenmill.observability.cuda_timing import median_cuda_seconds
 
@@ -40,11 +41,16 @@ def main() -> None:
     )
     parser.add_argument(
         "--fused-decode-layer", action="store_true",
-        help="one kernel a decoder layer for batch-1 steps (fused_decode_layer)",
+        help="batch-1 steps run the decoder layers in one kernel (fused_decode_layer)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--layers-per-launch", type=int, default=None,
+        help="with --fused-decode-layer: launch the fused layers this many at a time",
     )  # fmt: skip
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # GEMV choices
     set_pdl_enabled(not args.no_pdl)
+    set_layers_per_launch(args.layers_per_launch)
     llm = LLM(
         args.config, load_format="dummy", dtype="bfloat16", max_num_seqs=max(args.batch),
         kv_cache_memory_bytes=args.kv_cache_bytes, enable_prefix_caching=False, max_model_len=4096,
