@@ -125,7 +125,7 @@ def _normed_slab(x_ptr, res_ptr, g_ptr, k, K, HAS_RES: tl.constexpr, BLOCK_K: tl
 @triton.jit
 def _normed_product(
     w_ptr, rows, row_mask, w_first, w_second, x_ptr, res_ptr, g_ptr, new_res_ptr, eps, K,
-    HAS_RES: tl.constexpr, STORE_RES: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_RES: tl.constexpr, STORE_RES, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """`rmsnorm(x + residual) @ W[rows]^T` in float32 (the row's RMS scale applied to the
     finished sums, as `norm_gemv` does), `w_first` / `w_second` being W's first two tiles
