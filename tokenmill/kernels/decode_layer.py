@@ -110,16 +110,17 @@ def _w_tile(w_ptr, rows, row_mask, k, K, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _normed_slab(x_ptr, res_ptr, g_ptr, k, K, HAS_RES: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Columns `k ..` of `x + residual` (rounded to the activation dtype, as an eager add) and
-    of the norm weight."""
+def _slab(ptr, k, K, BLOCK_K: tl.constexpr, CG: tl.constexpr):
+    """Elements `k .. k + BLOCK_K` (below K) of a vector (past L1 with CG: another program's)."""
     offs = k + tl.arange(0, BLOCK_K)
-    mask = offs < K
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-    if HAS_RES:
-        r = tl.load(res_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-    return x, tl.load(g_ptr + offs, mask=mask, other=0.0)
+    if CG:
+        return tl.load(ptr + offs, mask=offs < K, other=0.0, cache_modifier=".cg")
+    return tl.load(ptr + offs, mask=offs < K, other=0.0)
+
+
+# The products below load W two tiles ahead and their input two slabs ahead, and use a
+# loaded value only in the iteration that consumes it: a use right after its load would wait
+# for it there (each iteration is shorter than a load's latency).
 
 
 @triton.jit
@@ -128,25 +129,39 @@ def _normed_product(
     HAS_RES: tl.constexpr, STORE_RES, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """`rmsnorm(x + residual) @ W[rows]^T` in float32 (the row's RMS scale applied to the
-    finished sums, as `norm_gemv` does), `w_first` / `w_second` being W's first two tiles
-    (loaded by the caller, before its wait); with STORE_RES the sum `x + residual` is stored
-    to `new_res_ptr` as it is read."""
+    finished sums, as `norm_gemv` does; the sum rounded to the activation dtype, as an eager
+    add), `w_first` / `w_second` being W's first two tiles (loaded by the caller, before its
+    wait); with STORE_RES the sum is stored to `new_res_ptr` as it is made."""
     acc = tl.zeros([w_first.shape[0]], dtype=tl.float32)
     sumsq = tl.zeros([BLOCK_K], dtype=tl.float32)
     w_cur, w_next = w_first, w_second
-    x_next, g_next = _normed_slab(x_ptr, res_ptr, g_ptr, 0, K, HAS_RES, BLOCK_K)
+    x_cur, x_next = _slab(x_ptr, 0, K, BLOCK_K, True), _slab(x_ptr, BLOCK_K, K, BLOCK_K, True)
+    r_cur, r_next = x_cur, x_next
+    if HAS_RES:
+        r_cur = _slab(res_ptr, 0, K, BLOCK_K, True)
+        r_next = _slab(res_ptr, BLOCK_K, K, BLOCK_K, True)
+    g_cur, g_next = _slab(g_ptr, 0, K, BLOCK_K, False), _slab(g_ptr, BLOCK_K, K, BLOCK_K, False)
     for k in range(0, K, BLOCK_K):
         w_after = _w_tile(w_ptr, rows, row_mask, k + 2 * BLOCK_K, K, BLOCK_K)
-        x, g = x_next, g_next
-        x_next, g_next = _normed_slab(x_ptr, res_ptr, g_ptr, k + BLOCK_K, K, HAS_RES, BLOCK_K)
+        x_after = _slab(x_ptr, k + 2 * BLOCK_K, K, BLOCK_K, True)
+        r_after = x_after
+        if HAS_RES:
+            r_after = _slab(res_ptr, k + 2 * BLOCK_K, K, BLOCK_K, True)
+        g_after = _slab(g_ptr, k + 2 * BLOCK_K, K, BLOCK_K, False)
+        x = x_cur
+        if HAS_RES:
+            x = (x.to(tl.float32) + r_cur.to(tl.float32)).to(x_ptr.dtype.element_ty)
         if STORE_RES:
             offs = k + tl.arange(0, BLOCK_K)
             tl.store(new_res_ptr + offs, x, mask=offs < K)
         xf = x.to(tl.float32)
         sumsq += xf * xf
-        xg = xf * g.to(tl.float32)
+        xg = xf * g_cur.to(tl.float32)
         acc += tl.sum(w_cur.to(tl.float32) * xg[None, :], axis=1)
         w_cur, w_next = w_next, w_after
+        x_cur, x_next = x_next, x_after
+        r_cur, r_next = r_next, r_after
+        g_cur, g_next = g_next, g_after
     return acc * tl.rsqrt(tl.sum(sumsq, axis=0) / K + eps)
 
 
@@ -155,22 +170,21 @@ def _plain_product(w_ptr, rows, row_mask, w_first, w_second, x_ptr, K, BLOCK_K: 
     """`x @ W[rows]^T` in float32, `w_first` / `w_second` being W's first two tiles."""
     acc = tl.zeros([w_first.shape[0]], dtype=tl.float32)
     w_cur, w_next = w_first, w_second
-    offs = tl.arange(0, BLOCK_K)
-    x_next = tl.load(x_ptr + offs, mask=offs < K, other=0.0, cache_modifier=".cg")
+    x_cur, x_next = _slab(x_ptr, 0, K, BLOCK_K, True), _slab(x_ptr, BLOCK_K, K, BLOCK_K, True)
     for k in range(0, K, BLOCK_K):
         w_after = _w_tile(w_ptr, rows, row_mask, k + 2 * BLOCK_K, K, BLOCK_K)
-        x = x_next
-        offs = k + BLOCK_K + tl.arange(0, BLOCK_K)
-        x_next = tl.load(x_ptr + offs, mask=offs < K, other=0.0, cache_modifier=".cg")
-        acc += tl.sum(w_cur.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        x_after = _slab(x_ptr, k + 2 * BLOCK_K, K, BLOCK_K, True)
+        acc += tl.sum(w_cur.to(tl.float32) * x_cur.to(tl.float32)[None, :], axis=1)
         w_cur, w_next = w_next, w_after
+        x_cur, x_next = x_next, x_after
     return acc
 
 
 @triton.jit
-def _merged_head(mid_o_ptr, mid_lse_ptr, head, splits, S_MAX: tl.constexpr, D: tl.constexpr,
-                 BLOCK_S: tl.constexpr):  # fmt: skip
-    """Head `head`'s attention output: its `splits` partial outputs merged by log-sum-exp."""
+def _head_parts(mid_o_ptr, mid_lse_ptr, head, splits, S_MAX: tl.constexpr, D: tl.constexpr,
+                BLOCK_S: tl.constexpr):  # fmt: skip
+    """Head `head`'s `splits` partial outputs and their log-sum-exps (-inf past them: with
+    `splits` 0, as for a prefetch past the last head, nothing is loaded)."""
     offs_s = tl.arange(0, BLOCK_S)
     s_mask = offs_s < splits
     row = head * S_MAX + offs_s
@@ -179,6 +193,12 @@ def _merged_head(mid_o_ptr, mid_lse_ptr, head, splits, S_MAX: tl.constexpr, D: t
         mid_o_ptr + row[:, None] * D + tl.arange(0, D)[None, :], mask=s_mask[:, None], other=0.0,
         cache_modifier=".cg",
     )  # fmt: skip
+    return lse, parts
+
+
+@triton.jit
+def _merge(lse, parts):
+    """A head's output from its splits' outputs `parts` and log-sum-exps `lse`."""
     m = tl.max(lse, axis=0)
     w = tl.math.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
     total = tl.sum(w, axis=0)
@@ -195,15 +215,21 @@ def _o_product(
     K: tl.constexpr = HQ * D
     acc = tl.zeros([w_first.shape[0]], dtype=tl.float32)
     w_cur, w_next = w_first, w_second
-    x_next = _merged_head(mid_o_ptr, mid_lse_ptr, 0, splits, S_MAX, D, BLOCK_S)
+    lse_cur, parts_cur = _head_parts(mid_o_ptr, mid_lse_ptr, 0, splits, S_MAX, D, BLOCK_S)
+    lse_next, parts_next = _head_parts(
+        mid_o_ptr, mid_lse_ptr, 1, splits if HQ > 1 else 0, S_MAX, D, BLOCK_S
+    )
     for h in range(0, HQ):
         w_after = _w_tile(w_ptr, rows, row_mask, (h + 2) * D, K, D)
-        x = x_next.to(act_dtype).to(tl.float32)
-        x_next = _merged_head(
-            mid_o_ptr, mid_lse_ptr, tl.minimum(h + 1, HQ - 1), splits, S_MAX, D, BLOCK_S
+        # (heads past the last: no split, nothing loaded)
+        lse_after, parts_after = _head_parts(
+            mid_o_ptr, mid_lse_ptr, h + 2, tl.where(h + 2 < HQ, splits, 0), S_MAX, D, BLOCK_S
         )
+        x = _merge(lse_cur, parts_cur).to(act_dtype).to(tl.float32)
         acc += tl.sum(w_cur.to(tl.float32) * x[None, :], axis=1)
         w_cur, w_next = w_next, w_after
+        lse_cur, lse_next = lse_next, lse_after
+        parts_cur, parts_next = parts_next, parts_after
     return acc
 
 
@@ -239,6 +265,15 @@ def _attention_split(
         group: tl.constexpr = HQ // HKV
         half: tl.constexpr = D // 2
         offs_d = tl.arange(0, D)
+        # the second key block goes out before the q/k/v loads (the first came before the
+        # barrier), each later one as the block two before it is summed
+        offs_n = lo + BLOCK_N + tl.arange(0, BLOCK_N)
+        kb_next = _kv_block(
+            k_cache_ptr, page_table_ptr, offs_n, offs_n < hi, kvh, offs_d, PAGE, HKV, D
+        )
+        vb_next = _kv_block(
+            v_cache_ptr, page_table_ptr, offs_n, offs_n < hi, kvh, offs_d, PAGE, HKV, D
+        )
         rot_d = (offs_d + half) % D
         offs_g = tl.arange(0, BLOCK_G)
         g_mask = offs_g < group
@@ -271,11 +306,16 @@ def _attention_split(
         for start in range(lo, hi, BLOCK_N):
             valid = start + tl.arange(0, BLOCK_N) < hi
             m_i, l_i, acc = _attend_block(q, kb, vb, valid[None, :], m_i, l_i, acc, qk_scale)
-            # the next block, loaded while this one's scores are summed
-            offs_n = start + BLOCK_N + tl.arange(0, BLOCK_N)
+            offs_n = start + 2 * BLOCK_N + tl.arange(0, BLOCK_N)
             valid = offs_n < hi
-            kb = _kv_block(k_cache_ptr, page_table_ptr, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
-            vb = _kv_block(v_cache_ptr, page_table_ptr, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
+            kb = kb_next
+            vb = vb_next
+            kb_next = _kv_block(
+                k_cache_ptr, page_table_ptr, offs_n, valid, kvh, offs_d, PAGE, HKV, D
+            )
+            vb_next = _kv_block(
+                v_cache_ptr, page_table_ptr, offs_n, valid, kvh, offs_d, PAGE, HKV, D
+            )
         # the new token, as one more key of the last split (its K from registers)
         fold = (split == splits - 1) & (kv_len > 0)
         s = tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1) * qk_scale
