@@ -546,7 +546,7 @@ class RunnerConfig:
     encoder_cache_tokens: int = 16384  # image tokens of vision-encoder outputs kept
     # Batch-invariant kernels: a request's logits do not depend on the rest of its batch.
     deterministic: bool = False
-    # One-sequence decode steps run each decoder layer as one kernel (`layers.fused_decode`).
+    # One-sequence decode steps run every decoder layer in one kernel (`layers.fused_decode`).
     fused_decode_layer: bool = False
 
     def __post_init__(self) -> None:
@@ -861,10 +861,11 @@ class EngineArgs:
     )
     fused_decode_layer: bool = option(
         False,
-        "Decode steps of one sequence run each decoder layer as one kernel (its stages "
-        "separated by grid barriers, each program loading its next weights before it waits) "
-        "instead of seven: dense Llama-family models on one CUDA device with the triton "
-        "attention backend, not in deterministic mode; other models are refused at start-up.",
+        "Decode steps of one sequence run all the decoder layers in one kernel (five stages a "
+        "layer, separated by grid barriers, each program loading its next weights before it "
+        "waits) instead of seven kernels a layer: dense Llama-family models on one CUDA "
+        "device with the triton attention backend, not in deterministic mode; other models "
+        "are refused at start-up.",
     )
     tuning_cache_dir: str | None = option(
         None,

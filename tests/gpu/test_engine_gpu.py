@@ -47,14 +47,16 @@ def test_float32_greedy_equals_transformers_on_gpu(checkpoints, family: str, set
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("eager", [False, True])
 def test_fused_decode_layer_equals_transformers(checkpoints, family: str, eager: bool) -> None:
-    """`fused_decode_layer`: prompts sent one at a time decode through one kernel a layer (in
-    the batch-1 CUDA graph, or launched eagerly), all its programs resident at once."""
+    """`fused_decode_layer`: prompts sent one at a time decode through one kernel for all the
+    layers (in the batch-1 CUDA graph, or launched eagerly), all its programs resident."""
     path = checkpoints[family]
     llm = LLM(str(path), device="cuda", dtype="float32", fused_decode_layer=True,
               enforce_eager=eager)  # fmt: skip
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = [llm.generate([p], greedy, use_tqdm=False)[0] for p in PROMPTS]
-    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy_on(path, PROMPTS, MAX_TOKENS)
+    # the last one decodes from 240 to 263 positions: two attention splits, then three
+    prompts = [*PROMPTS, [(7 * i) % 200 + 3 for i in range(240)]]
+    outputs = [llm.generate([p], greedy, use_tqdm=False)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy_on(path, prompts, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -176,7 +178,7 @@ def test_bfloat16_tracks_float32_transformers(
 ) -> None:
     """`dense`: whole prompts of at least 16 tokens through cuDNN's dense attention
     (`attention.dense_rows`; by default only those of 2,048 or more); `fused`: the prompts one
-    at a time, each decode step one kernel a layer (`fused_decode_layer`)."""
+    at a time, each decode step's layers in one kernel (`fused_decode_layer`)."""
     dense = mode == "dense"
     from tokenmill.attention import triton_backend
     from tokenmill.testing.checkpoints import build_checkpoint

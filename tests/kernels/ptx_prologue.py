@@ -99,9 +99,9 @@ KERNELS = {
         TOP_K=8, RENORMALIZE=True, EXPERTS=128, SLOTS=8, BLOCK_N=8, BLOCK_K=128)),
     "decode_layer": (_decode_layers_kernel, dict(  # Qwen3-0.6B's layer on 132 programs
         H=1024, HQ=16, HKV=8, D=128, FF=3072, PAGE=16, S_MAX=16, SPLIT_KEYS=128, BLOCK_N=64,
-        R_QKV=32, BR_QKV=32, BK_QKV=256, R_O=8, BR_O=8, R_GU=24, BR_GU=32, BK_GU=128, R_DN=8,
-        BR_DN=8, BK_DN=1024, BLOCK_G=16, BLOCK_S=16, HAS_RES=True, QKV_BIAS=False,
-        QK_NORM=True, STAGE=-1)),
+        R_QKV=32, BR_QKV=32, BK_QKV=256, R_O=8, BR_O=8, BK_O=1024, R_GU=24, BR_GU=32,
+        BK_GU=128, R_DN=8, BR_DN=8, BK_DN=1024, BLOCK_G=16, BLOCK_S=16, HAS_RES=True,
+        QKV_BIAS=False, QK_NORM=True, STAGE=-1, OPAQUE=True)),
 }  # fmt: skip
 MEMORY_OP = re.compile(r"^\s*(?:@%\w+\s+)?((?:ld|st|atom|red)\.global\S*|cp\.async\.bulk\S*)")
 

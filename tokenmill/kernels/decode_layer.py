@@ -34,16 +34,18 @@ barriers (the CPU tests; the GPU tests compare the one launch with those, bit fo
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.attention import _attend_block, _kv_block
+from tokenmill.kernels.attention import _LOG2E, _attend_block, _kv_block
 from tokenmill.kernels.launch import cdiv, direct_launch, next_power_of_2
 from tokenmill.kernels.pdl import pdl_options, pdl_wait
 from tokenmill.kernels.rope_store import _rotate
+from tokenmill.kernels.tickets import last_to_arrive, reset_ticket
 
 NUM_STAGES = 5
 # A split of the attention stage attends at least this many cached positions by default
@@ -52,6 +54,11 @@ SPLIT_KEYS = 128
 # Keys of an attention block.
 ATTN_BLOCK_N = 64
 MAX_POLLS = tl.constexpr(1 << 24)
+# The barrier buffer (int32): the arrival count, the generation word and a ticket a KV head,
+# each on a 128-byte line of its own.
+GENERATION = tl.constexpr(32)
+TICKETS = tl.constexpr(64)
+TICKET_STRIDE = tl.constexpr(32)
 # A layer's row of the pointer table: q/k/v weight, its bias, o, gate/up, down, the input and
 # post-attention norms, the q and k norms, the K and V caches (absent ones: the q/k/v weight).
 _COLUMNS = ("qkv", "qkv_bias", "o", "gate_up", "down", "input_norm", "post_norm", "q_norm",
@@ -59,7 +66,6 @@ _COLUMNS = ("qkv", "qkv_bias", "o", "gate_up", "down", "input_norm", "post_norm"
 NUM_COLUMNS = tl.constexpr(len(_COLUMNS))
 # Elements of a weight tile a program loads at once (two in flight).
 TILE_ELEMENTS = 8192
-_LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -82,6 +88,19 @@ def _grid_barrier(count_ptr, gen_ptr, programs):
         if seen == gen:
             tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
     tl.debug_barrier()
+
+
+@triton.jit
+def _program_id(OPAQUE: tl.constexpr):
+    """The program's index; with OPAQUE (compiled for a GPU) read so that the compiler cannot
+    reuse it across the layer loop: each stage then recomputes its row offsets and masks
+    instead of holding every stage's in registers through the loop (252 -> ~226 registers
+    for Qwen3-0.6B's layers, no spills)."""
+    if OPAQUE:
+        return tl.inline_asm_elementwise(
+            "mov.u32 $0, %ctaid.x;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+        )
+    return tl.program_id(0)
 
 
 @triton.jit
@@ -181,56 +200,28 @@ def _plain_product(w_ptr, rows, row_mask, w_first, w_second, x_ptr, K, BLOCK_K: 
 
 
 @triton.jit
-def _head_parts(mid_o_ptr, mid_lse_ptr, head, splits, S_MAX: tl.constexpr, D: tl.constexpr,
-                BLOCK_S: tl.constexpr):  # fmt: skip
-    """Head `head`'s `splits` partial outputs and their log-sum-exps (-inf past them: with
-    `splits` 0, as for a prefetch past the last head, nothing is loaded)."""
-    offs_s = tl.arange(0, BLOCK_S)
-    s_mask = offs_s < splits
-    row = head * S_MAX + offs_s
-    lse = tl.load(mid_lse_ptr + row, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
-    parts = tl.load(
-        mid_o_ptr + row[:, None] * D + tl.arange(0, D)[None, :], mask=s_mask[:, None], other=0.0,
-        cache_modifier=".cg",
-    )  # fmt: skip
-    return lse, parts
-
-
-@triton.jit
-def _merge(lse, parts):
-    """A head's output from its splits' outputs `parts` and log-sum-exps `lse`."""
-    m = tl.max(lse, axis=0)
-    w = tl.math.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
-    total = tl.sum(w, axis=0)
-    return tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
-
-
-@triton.jit
-def _o_product(
-    w_ptr, rows, row_mask, w_first, w_second, mid_o_ptr, mid_lse_ptr, splits, act_dtype,
-    HQ: tl.constexpr, D: tl.constexpr, S_MAX: tl.constexpr, BLOCK_S: tl.constexpr,
+def _merge_group(
+    kvh, splits, mid_o_ptr, mid_lse_ptr, attn_ptr, HQ: tl.constexpr, HKV: tl.constexpr,
+    D: tl.constexpr, S_MAX: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
-    """`attention @ W_o[rows]^T` in float32, each K slab one head, merged from its splits
-    (rounded to the activation dtype, as the unfused merge stores it)."""
-    K: tl.constexpr = HQ * D
-    acc = tl.zeros([w_first.shape[0]], dtype=tl.float32)
-    w_cur, w_next = w_first, w_second
-    lse_cur, parts_cur = _head_parts(mid_o_ptr, mid_lse_ptr, 0, splits, S_MAX, D, BLOCK_S)
-    lse_next, parts_next = _head_parts(
-        mid_o_ptr, mid_lse_ptr, 1, splits if HQ > 1 else 0, S_MAX, D, BLOCK_S
-    )
-    for h in range(0, HQ):
-        w_after = _w_tile(w_ptr, rows, row_mask, (h + 2) * D, K, D)
-        # (heads past the last: no split, nothing loaded)
-        lse_after, parts_after = _head_parts(
-            mid_o_ptr, mid_lse_ptr, h + 2, tl.where(h + 2 < HQ, splits, 0), S_MAX, D, BLOCK_S
-        )
-        x = _merge(lse_cur, parts_cur).to(act_dtype).to(tl.float32)
-        acc += tl.sum(w_cur.to(tl.float32) * x[None, :], axis=1)
-        w_cur, w_next = w_next, w_after
-        lse_cur, lse_next = lse_next, lse_after
-        parts_cur, parts_next = parts_next, parts_after
-    return acc
+    """KV head `kvh`'s query heads: their `splits` partial outputs merged by log-sum-exp,
+    stored in the activation dtype (as the unfused merge stores them)."""
+    group: tl.constexpr = HQ // HKV
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, D)
+    for g in tl.static_range(group):
+        row = (kvh * group + g) * S_MAX + offs_s
+        s_mask = offs_s < splits
+        lse = tl.load(mid_lse_ptr + row, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
+        parts = tl.load(
+            mid_o_ptr + row[:, None] * D + offs_d[None, :], mask=s_mask[:, None], other=0.0,
+            cache_modifier=".cg",
+        )  # fmt: skip
+        m = tl.max(lse, axis=0)
+        w = tl.math.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+        total = tl.sum(w, axis=0)
+        out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+        tl.store(attn_ptr + (kvh * group + g) * D + offs_d, out.to(attn_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -251,13 +242,15 @@ def _split_bounds(kv_lens_ptr, split, S_MAX: tl.constexpr, SPLIT_KEYS: tl.conste
 def _attention_split(
     item, kb, vb, qkv_ptr, positions_ptr, slots_ptr, kv_lens_ptr, page_table_ptr, cos_ptr,
     sin_ptr, q_norm_ptr, k_norm_ptr, eps, k_cache_ptr, v_cache_ptr, mid_o_ptr, mid_lse_ptr,
-    qk_scale, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    S_MAX: tl.constexpr, SPLIT_KEYS: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr, QK_NORM: tl.constexpr,
+    attn_ptr, ticket_ptr, qk_scale, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+    PAGE: tl.constexpr, S_MAX: tl.constexpr, SPLIT_KEYS: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, QK_NORM: tl.constexpr,
 ):  # fmt: skip
     """Item `item` = (KV head, split) of the attention stage (see the module's docstring),
     `kb` / `vb` being its first key block (`_first_kv_block`, loaded before the barrier);
-    splits past those the context needs do nothing."""
+    splits past those the context needs do nothing. The query heads' output goes to
+    `attn_ptr`: from the only split, or merged by the last split of the KV head to finish
+    (an arrival ticket a KV head, `ticket_ptr`)."""
     kvh = item // S_MAX
     split = item % S_MAX
     kv_len, splits, lo, hi = _split_bounds(kv_lens_ptr, split, S_MAX, SPLIT_KEYS, BLOCK_N)
@@ -329,9 +322,17 @@ def _attention_split(
         lse = tl.where(l_i > 0.0, m_new + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)),
                        float("-inf"))  # fmt: skip
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        row = heads * S_MAX + split
-        tl.store(mid_o_ptr + row[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
-        tl.store(mid_lse_ptr + row, lse, mask=g_mask)
+        if splits == 1:  # the output itself (what merging one split would store, bitwise)
+            at = attn_ptr + heads[:, None] * D + offs_d[None, :]
+            tl.store(at, out.to(attn_ptr.dtype.element_ty), mask=g_mask[:, None])
+        else:  # the last split of the KV head to finish merges its query heads' splits
+            row = heads * S_MAX + split
+            tl.store(mid_o_ptr + row[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
+            tl.store(mid_lse_ptr + row, lse, mask=g_mask)
+            if last_to_arrive(ticket_ptr, kvh * TICKET_STRIDE, splits):
+                _merge_group(kvh, splits, mid_o_ptr, mid_lse_ptr, attn_ptr, HQ, HKV, D, S_MAX,
+                             BLOCK_S)  # fmt: skip
+                reset_ticket(ticket_ptr, kvh * TICKET_STRIDE)
 
 
 @triton.jit
@@ -387,12 +388,12 @@ def _qkv_stage(
 
 
 @triton.jit
-def _o_tiles(table_ptr, layer, pid, like, H: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr,
-             R: tl.constexpr, BR: tl.constexpr):  # fmt: skip
-    """The o stage's first two weight tiles (a head each)."""
+def _o_tiles(table_ptr, layer, pid, like, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr,
+             BR: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """The o stage's first two weight tiles."""
     w = _ptr(table_ptr, layer, 2, like)
     rows, mask = _rows(pid, R, H, BR)
-    return _w_tile(w, rows, mask, 0, HQ * D, D), _w_tile(w, rows, mask, D, HQ * D, D)
+    return _w_tile(w, rows, mask, 0, K, BK), _w_tile(w, rows, mask, BK, K, BK)
 
 
 @triton.jit
@@ -413,20 +414,23 @@ def _down_tiles(table_ptr, layer, pid, like, H: tl.constexpr, FF: tl.constexpr,
     return _w_tile(w, rows, mask, 0, FF, BK), _w_tile(w, rows, mask, BK, FF, BK)
 
 
+# `programs` and `layers` are plain arguments: Triton would compile a kernel of its own for a
+# value of 1 or a multiple of 16 (a launch a layer would not run the whole model's code).
 @direct_launch
-@triton.jit
+@triton.jit(do_not_specialize=["programs", "layers"])
 def _decode_layers_kernel(
-    x_ptr, res_ptr, out_ptr, new_res_ptr, mid_res_ptr, qkv_ptr, mid_o_ptr, mid_lse_ptr, o_ptr,
-    act_ptr, barrier_ptr, table_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr, kv_lens_ptr,
-    page_table_ptr, eps, qk_scale, programs, layers,
+    x_ptr, res_ptr, out_ptr, new_res_ptr, mid_res_ptr, qkv_ptr, mid_o_ptr, mid_lse_ptr,
+    attn_ptr, o_ptr, act_ptr, barrier_ptr, table_ptr, cos_ptr, sin_ptr, positions_ptr,
+    slots_ptr, kv_lens_ptr, page_table_ptr, eps, qk_scale, programs, layers,
     H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, FF: tl.constexpr,
     PAGE: tl.constexpr, S_MAX: tl.constexpr, SPLIT_KEYS: tl.constexpr, BLOCK_N: tl.constexpr,
     R_QKV: tl.constexpr, BR_QKV: tl.constexpr, BK_QKV: tl.constexpr,
-    R_O: tl.constexpr, BR_O: tl.constexpr,
+    R_O: tl.constexpr, BR_O: tl.constexpr, BK_O: tl.constexpr,
     R_GU: tl.constexpr, BR_GU: tl.constexpr, BK_GU: tl.constexpr,
     R_DN: tl.constexpr, BR_DN: tl.constexpr, BK_DN: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, HAS_RES: tl.constexpr,
-    QKV_BIAS: tl.constexpr, QK_NORM: tl.constexpr, STAGE: tl.constexpr, USE_PDL: tl.constexpr,
+    QKV_BIAS: tl.constexpr, QK_NORM: tl.constexpr, STAGE: tl.constexpr, OPAQUE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # `layers` decoder layers from the table's first row: the first takes (x, residual, or x
     # alone without HAS_RES), each later one the previous one's (out, new residual). With
@@ -436,11 +440,12 @@ def _decode_layers_kernel(
     NQKV: tl.constexpr = (HQ + 2 * HKV) * D
     act_dtype = x_ptr.dtype.element_ty
     count_ptr = barrier_ptr
-    gen_ptr = barrier_ptr + 1
+    gen_ptr = barrier_ptr + GENERATION
 
     # Under PDL nothing is read before the wait: a launch of all the layers waits once a step.
     pdl_wait(USE_PDL)
     for layer in range(0, layers):
+        pid = _program_id(OPAQUE)
         # 1. residual add + RMSNorm + q/k/v product: the first layer's on (x, residual), the
         # others' on the previous layer's output and residual
         if ALL or STAGE == 0:
@@ -458,6 +463,7 @@ def _decode_layers_kernel(
                 )  # fmt: skip
         k_cache_ptr = _ptr(table_ptr, layer, 9, x_ptr)
         v_cache_ptr = _ptr(table_ptr, layer, 10, x_ptr)
+        pid = _program_id(OPAQUE)
         # 2. attention, a program per (KV head, split) (programs >= HKV * S_MAX)
         if ALL or STAGE == 1:
             kb, vb = _first_kv_block(
@@ -472,24 +478,24 @@ def _decode_layers_kernel(
                     pid, kb, vb, qkv_ptr, positions_ptr, slots_ptr, kv_lens_ptr,
                     page_table_ptr, cos_ptr, sin_ptr, _ptr(table_ptr, layer, 7, x_ptr),
                     _ptr(table_ptr, layer, 8, x_ptr), eps, k_cache_ptr, v_cache_ptr, mid_o_ptr,
-                    mid_lse_ptr, qk_scale, HQ, HKV, D, PAGE, S_MAX, SPLIT_KEYS, BLOCK_G,
-                    BLOCK_N, QK_NORM,
+                    mid_lse_ptr, attn_ptr, barrier_ptr + TICKETS, qk_scale, HQ, HKV, D, PAGE,
+                    S_MAX, SPLIT_KEYS, BLOCK_G, BLOCK_S, BLOCK_N, QK_NORM,
                 )  # fmt: skip
 
-        # 3. the splits merged, o product
+        pid = _program_id(OPAQUE)
+        # 3. o product
         if ALL or STAGE == 2:
-            o0, o1 = _o_tiles(table_ptr, layer, pid, x_ptr, H, HQ, D, R_O, BR_O)
+            o0, o1 = _o_tiles(table_ptr, layer, pid, x_ptr, H, HQ * D, R_O, BR_O, BK_O)
         if ALL:
             _grid_barrier(count_ptr, gen_ptr, programs)
         if ALL or STAGE == 2:
-            _, splits, _, _ = _split_bounds(kv_lens_ptr, 0, S_MAX, SPLIT_KEYS, BLOCK_N)
             rows, mask = _rows(pid, R_O, H, BR_O)
-            acc = _o_product(
-                _ptr(table_ptr, layer, 2, x_ptr), rows, mask, o0, o1, mid_o_ptr, mid_lse_ptr,
-                splits, act_dtype, HQ, D, S_MAX, BLOCK_S,
-            )  # fmt: skip
+            acc = _plain_product(
+                _ptr(table_ptr, layer, 2, x_ptr), rows, mask, o0, o1, attn_ptr, HQ * D, BK_O
+            )
             tl.store(o_ptr + rows, acc.to(act_dtype), mask=mask)
 
+        pid = _program_id(OPAQUE)
         # 4. residual add + RMSNorm + gate/up product (rows interleaved), SiLU-and-mul
         if ALL or STAGE == 3:
             gu0, gu1 = _gate_up_tiles(table_ptr, layer, pid, x_ptr, H, FF, R_GU, BR_GU, BK_GU)
@@ -506,6 +512,7 @@ def _decode_layers_kernel(
             rows, mask = _rows(pid, R_GU, FF, BR_GU)
             tl.store(act_ptr + rows, (gate * tl.sigmoid(gate) * up).to(act_dtype), mask=mask)
 
+        pid = _program_id(OPAQUE)
         # 5. down product
         if ALL or STAGE == 4:
             dn0, dn1 = _down_tiles(table_ptr, layer, pid, x_ptr, H, FF, R_DN, BR_DN, BK_DN)
@@ -603,6 +610,7 @@ class DecodeLayerKernel:
             [[_address(getattr(w, c), first, dtype) for c in _COLUMNS] for w in layers],
             dtype=torch.int64, device=device,
         )  # fmt: skip
+        self._layers = layers  # (the table holds their addresses, not references)
         self.num_layers = len(layers)
         self.qkv_bias = layers[0].qkv_bias is not None
         self.qk_norm = layers[0].q_norm is not None
@@ -617,19 +625,20 @@ class DecodeLayerKernel:
 
         self.hidden, self.residual, self.mid_res = empty(d.hidden), empty(d.hidden), empty(d.hidden)
         self.qkv, self.o, self.act = empty(nqkv), empty(d.hidden), empty(d.intermediate)
+        self.attn = empty(d.num_heads * d.head_dim)
         self.mid_o = empty(d.num_heads * self.s_max * d.head_dim, torch.float32)
         self.mid_lse = empty(d.num_heads * self.s_max, torch.float32)
-        self.barrier = torch.zeros(2, dtype=torch.int32, device=device)
-        r_qkv, r_o = cdiv(nqkv, programs), cdiv(d.hidden, programs)
-        r_gu, r_dn = cdiv(d.intermediate, programs), cdiv(d.hidden, programs)
+        self.barrier = torch.zeros(
+            TICKETS + d.num_kv_heads * TICKET_STRIDE, dtype=torch.int32, device=device
+        )
+        r_qkv, r_h = cdiv(nqkv, programs), cdiv(d.hidden, programs)
+        r_gu = cdiv(d.intermediate, programs)
+        br_qkv, br_h, br_gu = next_power_of_2(r_qkv), next_power_of_2(r_h), next_power_of_2(r_gu)
         self.tiles = {
-            "R_QKV": r_qkv, "BR_QKV": next_power_of_2(r_qkv),
-            "BK_QKV": _tile_k(next_power_of_2(r_qkv), d.hidden),
-            "R_O": r_o, "BR_O": next_power_of_2(r_o),
-            "R_GU": r_gu, "BR_GU": next_power_of_2(r_gu),
-            "BK_GU": _tile_k(2 * next_power_of_2(r_gu), d.hidden),
-            "R_DN": r_dn, "BR_DN": next_power_of_2(r_dn),
-            "BK_DN": _tile_k(next_power_of_2(r_dn), d.intermediate),
+            "R_QKV": r_qkv, "BR_QKV": br_qkv, "BK_QKV": _tile_k(br_qkv, d.hidden),
+            "R_O": r_h, "BR_O": br_h, "BK_O": _tile_k(br_h, d.num_heads * d.head_dim),
+            "R_GU": r_gu, "BR_GU": br_gu, "BK_GU": _tile_k(2 * br_gu, d.hidden),
+            "R_DN": r_h, "BR_DN": br_h, "BK_DN": _tile_k(br_h, d.intermediate),
         }  # fmt: skip
 
     def run(
@@ -661,22 +670,31 @@ class DecodeLayerKernel:
         group = d.num_heads // d.num_kv_heads
         _decode_layers_kernel[(self.programs,)](
             x, residual if residual is not None else x, self.hidden, self.residual, self.mid_res,
-            self.qkv, self.mid_o, self.mid_lse, self.o, self.act, self.barrier, self.table[layer],
+            self.qkv, self.mid_o, self.mid_lse, self.attn, self.o, self.act, self.barrier,
+            self.table[layer],
             step.cos, step.sin, step.positions, step.slots, step.kv_lens, step.page_table,
             d.eps, d.head_dim**-0.5 * _LOG2E, self.programs, count,
             H=d.hidden, HQ=d.num_heads, HKV=d.num_kv_heads, D=d.head_dim, FF=d.intermediate,
             PAGE=d.page_size, S_MAX=self.s_max, SPLIT_KEYS=self.split_keys, BLOCK_N=ATTN_BLOCK_N,
             **self.tiles, BLOCK_G=max(16, next_power_of_2(group)),
             BLOCK_S=next_power_of_2(self.s_max), HAS_RES=residual is not None,
-            QKV_BIAS=self.qkv_bias, QK_NORM=self.qk_norm, STAGE=stage, num_warps=self.num_warps,
+            QKV_BIAS=self.qkv_bias, QK_NORM=self.qk_norm, STAGE=stage,
+            OPAQUE=not _interpreted(), num_warps=self.num_warps,
             **pdl_options(x.device, wanted=stage < 0),
         )  # fmt: skip
 
 
+def _interpreted() -> bool:
+    """Whether Triton's interpreter runs the kernels (no inline assembly there)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def _address(t: torch.Tensor | None, fallback: torch.Tensor, dtype: torch.dtype) -> int:
-    """A pointer-table entry: `t`'s address (`fallback`'s where absent); `t` must be
-    contiguous and of `dtype`, as the kernel reads every entry."""
+    """A pointer-table entry: `t`'s address (`fallback`'s where absent). The kernel reads
+    every entry as `dtype`, contiguous and 16-byte aligned (vector loads)."""
     t = fallback if t is None else t
-    if t.dtype != dtype or not t.is_contiguous():
-        raise ValueError(f"the decode layer kernel needs contiguous {dtype} tensors, got {t.dtype}")
+    if t.dtype != dtype:
+        raise ValueError(f"the decode layer kernel needs every tensor in {dtype}, got {t.dtype}")
+    if not t.is_contiguous() or t.data_ptr() % 16:
+        raise ValueError("the decode layer kernel needs contiguous tensors on 16-byte addresses")
     return t.data_ptr()

@@ -1,4 +1,4 @@
-"""A dense Llama-family model's decoder layers as one launch each, for steps that decode one
+"""A dense Llama-family model's decoder layers in one launch, for steps that decode one
 sequence (`kernels/decode_layer.py`; `--fused-decode-layer`)."""
 
 from __future__ import annotations

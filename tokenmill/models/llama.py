@@ -162,7 +162,7 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # Set by the runner with `fused_decode_layer`: one-sequence decode steps run the
-        # layers as one kernel each.
+        # layers in one kernel.
         self.fused_decode: FusedDecodeLayers | None = None
 
     def forward(

@@ -358,18 +358,22 @@ class ModelRunner:
                 self.sampler.warm_up(self.model_config.vocab_size, self.model_config.dtype)
 
     def _fuse_decode_layers(self) -> None:
-        """`fused_decode_layer`: one-sequence decode steps run each decoder layer as one
-        kernel, on one program per SM (off a GPU, in Triton's interpreter, on FUSED_CPU_PROGRAMS);
-        a model or set-up it does not serve is a `ValueError` naming the option."""
+        """`fused_decode_layer`: one-sequence decode steps run every decoder layer in one
+        kernel, on one program per SM (off a GPU, in Triton's interpreter, on
+        FUSED_CPU_PROGRAMS); a model or set-up it does not serve is a `ValueError` naming the
+        option."""
+        from tokenmill.kernels.attention import sm_count
         from tokenmill.layers.fused_decode import FusedDecodeLayers, fused_decode_refusal
 
         refusal = fused_decode_refusal(self.model, self.attention)
         if refusal is not None:
             raise ValueError(f"fused_decode_layer: {refusal}")
-        programs = FUSED_CPU_PROGRAMS
-        if self.device.type == "cuda":
-            programs = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.model.model.fused_decode = FusedDecodeLayers(self.model, self.attention, programs)
+        programs = sm_count(self.device) if self.device.type == "cuda" else FUSED_CPU_PROGRAMS
+        try:
+            fused = FusedDecodeLayers(self.model, self.attention, programs)
+        except ValueError as exc:  # shapes or tensors the kernel does not take
+            raise ValueError(f"fused_decode_layer: {exc}") from exc
+        self.model.model.fused_decode = fused
 
     @property
     def graphs_pending(self) -> int:
