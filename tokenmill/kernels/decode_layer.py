@@ -15,7 +15,9 @@ activations), so the weight stream does not stop at a stage's end:
    keys attended (its first block loaded before the barrier: K/V of earlier steps), the new
    token folded in by the last split (so no program reads a key another program stores in this
    stage); the split's normalised output and log-sum-exp to scratch.
-3. o: the splits merged by their log-sum-exp (a head a K slab) into the o product's input.
+   The last split of each KV head to finish (an arrival ticket a KV head) merges its query
+   heads' splits by their log-sum-exp into the o product's input.
+3. o: the o product.
 4. gate/up: residual add + RMSNorm, `R_GU` (gate, up) row pairs a program, SiLU-and-mul of each
    pair stored.
 5. down: the down product, the layer's output, which the next layer's stage 1 takes.
