@@ -38,7 +38,8 @@
 #  1024x768 image, images/s for 64 requests, the vision encoder's share, transformers peer;
 #  fused = fused_decode_layer (the decoder layers in one kernel at batch 1): its kernel,
 #  CPU-path and GPU engine tests, then per model (AB_MODELS) profile_decode.py at batch 1 off,
-#  on, and on with a launch a layer, and B1 (no peer) off and on, same call;
+#  on, on without the L2 prefetch and on with a launch a layer, and B1 (no peer) off and on,
+#  same call;
 #  det = deterministic mode (issue 30): its GPU tests, then B1 and B2 of qwen3-0.6b and
 #  llama-3.1-8b (engine args of b1/b2, no transformers peer) without and with
 #  `--engine-arg deterministic=true`, same run;
@@ -146,7 +147,8 @@ if [[ "$what" == fused ]]; then  # fused_decode_layer: its GPU tests, then batch
     2>&1 | tee "$out/pytest-fused.log" | tail -15
   echo "fused tests: $(tail -1 "$out/pytest-fused.log")" >> "$table"
   for m in ${AB_MODELS:-qwen3-0.6b llama-3.1-8b}; do
-    for flags in "" "--fused-decode-layer" "--fused-decode-layer --layers-per-launch 1"; do
+    for flags in "" "--fused-decode-layer" "--fused-decode-layer --l2-prefetch off" \
+        "--fused-decode-layer --layers-per-launch 1"; do
       tag=$(echo "$flags" | tr -d ' -')
       python3 benchmarks/profile_decode.py --config "$models/$m" --batch 1 $flags 2>&1 \
         | tee "$out/profile-$m-$tag.log" | grep -E "^bs=" | sed "s/^/$m $flags: /" >> "$table"

@@ -167,3 +167,29 @@ def test_decode_layers_match_float64(case: tuple, num_layers: int, dtype: torch.
         by_stage = kernel.run(x, step, staged=True)
         for outputs in (by_layer, by_stage):
             assert torch.equal(outputs[0], first) and torch.equal(outputs[1], first_res)
+
+
+def test_l2_prefetch_rule(monkeypatch) -> None:
+    """The stage after next is pulled into L2 where the largest stage fits a third of it
+    (Qwen3-0.6B's gate/up, 12.6 MB, on a 50 MB L2), not Llama-3.1-8B's (235 MB), nor rows that
+    are not whole 16-byte units, nor before compute capability 9.0."""
+    from types import SimpleNamespace
+
+    from tokenmill.kernels import decode_layer
+
+    capability = [(9, 0)]
+    monkeypatch.setattr(decode_layer, "_interpreted", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability[0])
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: SimpleNamespace(L2_cache_size=50 << 20)
+    )
+    gpu = torch.device("cuda", 0)
+    qwen = LayerDims(1024, 16, 8, 128, 3072, 1e-6, 16)
+    llama = LayerDims(4096, 32, 8, 128, 14336, 1e-5, 16)
+    odd = LayerDims(1028, 16, 8, 128, 3072, 1e-6, 16)
+    assert decode_layer.l2_prefetch_fits(qwen, 2, gpu)
+    assert not decode_layer.l2_prefetch_fits(llama, 2, gpu)
+    assert not decode_layer.l2_prefetch_fits(odd, 2, gpu)
+    assert not decode_layer.l2_prefetch_fits(qwen, 2, torch.device("cpu"))
+    capability[0] = (8, 0)
+    assert not decode_layer.l2_prefetch_fits(qwen, 2, gpu)

@@ -22,6 +22,11 @@ activations), so the weight stream does not stop at a stage's end:
    pair stored.
 5. down: the down product, the layer's output, which the next layer's stage 1 takes.
 
+With L2 (a model whose largest stage fits a third of the L2 cache), as each program loads its
+next stage's first tiles it also asks for the stage after next's rows to be pulled into L2
+(one bulk prefetch a weight), so the weights stream from HBM while the programs meet at the
+barriers, and the stages read them from L2.
+
 Each layer's tensors come from a pointer table (`_COLUMNS`, one row a layer). The barrier
 (`_grid_barrier`) counts arrivals with an atomic and releases the waiters by advancing a
 generation word, resetting the count first, so it needs no reset between launches (one pair of
@@ -103,6 +108,23 @@ def _program_id(OPAQUE: tl.constexpr):
             "mov.u32 $0, %ctaid.x;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
         )
     return tl.program_id(0)
+
+
+@triton.jit
+def _prefetch_rows(w_ptr, first, R: tl.constexpr, N, K: tl.constexpr, ON: tl.constexpr):
+    """With ON, pull rows `first .. first + R` (those below N) of a row-major `[N, K]` weight
+    into L2: one bulk prefetch (sm_90), from the program's first thread, which does not wait
+    for it. Rows are contiguous, so a program's share of a stage is one range of bytes."""
+    if ON:
+        count = tl.minimum(R, tl.maximum(N - first, 0))
+        nbytes = count * (K * w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+        start = (w_ptr + first.to(tl.int64) * K).to(tl.uint64, bitcast=True)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+            "setp.ne.and.u32 p, $2, 0, p; "
+            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [start, nbytes.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -432,7 +454,7 @@ def _decode_layers_kernel(
     R_DN: tl.constexpr, BR_DN: tl.constexpr, BK_DN: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, HAS_RES: tl.constexpr,
     QKV_BIAS: tl.constexpr, QK_NORM: tl.constexpr, STAGE: tl.constexpr, OPAQUE: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    L2: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # `layers` decoder layers from the table's first row: the first takes (x, residual, or x
     # alone without HAS_RES), each later one the previous one's (out, new residual). With
@@ -452,6 +474,7 @@ def _decode_layers_kernel(
         # others' on the previous layer's output and residual
         if ALL or STAGE == 0:
             qkv0, qkv1 = _qkv_tiles(table_ptr, layer, pid, x_ptr, H, NQKV, R_QKV, BR_QKV, BK_QKV)
+            _prefetch_rows(_ptr(table_ptr, layer, 2, x_ptr), pid * R_O, R_O, H, HQ * D, L2)
             if layer == 0:
                 _qkv_stage(
                     qkv0, qkv1, table_ptr, layer, pid, x_ptr, res_ptr if HAS_RES else x_ptr,
@@ -472,6 +495,9 @@ def _decode_layers_kernel(
                 pid, kv_lens_ptr, page_table_ptr, k_cache_ptr, v_cache_ptr, HKV, D, PAGE,
                 S_MAX, SPLIT_KEYS, BLOCK_N,
             )  # fmt: skip
+            w_gu = _ptr(table_ptr, layer, 3, x_ptr)
+            _prefetch_rows(w_gu, pid * R_GU, R_GU, FF, H, L2)
+            _prefetch_rows(w_gu + FF * H, pid * R_GU, R_GU, FF, H, L2)
         if ALL:
             _grid_barrier(count_ptr, gen_ptr, programs)
         if ALL or STAGE == 1:  # noqa: SIM102 (a constexpr test, then a runtime one)
@@ -488,6 +514,7 @@ def _decode_layers_kernel(
         # 3. o product
         if ALL or STAGE == 2:
             o0, o1 = _o_tiles(table_ptr, layer, pid, x_ptr, H, HQ * D, R_O, BR_O, BK_O)
+            _prefetch_rows(_ptr(table_ptr, layer, 4, x_ptr), pid * R_DN, R_DN, H, FF, L2)
         if ALL:
             _grid_barrier(count_ptr, gen_ptr, programs)
         if ALL or STAGE == 2:
@@ -501,6 +528,9 @@ def _decode_layers_kernel(
         # 4. residual add + RMSNorm + gate/up product (rows interleaved), SiLU-and-mul
         if ALL or STAGE == 3:
             gu0, gu1 = _gate_up_tiles(table_ptr, layer, pid, x_ptr, H, FF, R_GU, BR_GU, BK_GU)
+            if layer + 1 < layers:
+                w_qkv = _ptr(table_ptr, layer + 1, 0, x_ptr)
+                _prefetch_rows(w_qkv, pid * R_QKV, R_QKV, NQKV, H, L2)
         if ALL:
             _grid_barrier(count_ptr, gen_ptr, programs)
         if ALL or STAGE == 3:
@@ -581,6 +611,7 @@ def _tile_k(block_rows: int, k: int) -> int:
 
 
 _layers_per_launch: int | None = None
+_l2_prefetch: bool | None = None
 
 
 def set_layers_per_launch(layers: int | None) -> None:
@@ -588,6 +619,31 @@ def set_layers_per_launch(layers: int | None) -> None:
     launch, the default; for A/B measurements of the launch boundaries)."""
     global _layers_per_launch
     _layers_per_launch = layers
+
+
+def set_l2_prefetch(enabled: bool | None) -> None:
+    """Turn the L2 prefetch of the stage after next on or off for kernels made from now on
+    (None: `l2_prefetch_fits`' rule; for A/B measurements)."""
+    global _l2_prefetch
+    _l2_prefetch = enabled
+
+
+def l2_prefetch_fits(dims: LayerDims, itemsize: int, device: torch.device) -> bool:
+    """Whether the fused layers pull the stage after next into L2 on `device`: a GPU with
+    bulk prefetches (compute capability 9.0+), rows of whole 16-byte units, and the largest
+    stage's weights within a third of its L2 (else they would evict each other before use:
+    Llama-3.1-8B's gate/up is 235 MB)."""
+    if device.type != "cuda" or _interpreted() or torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    d = dims
+    widths = (d.hidden, d.num_heads * d.head_dim, d.intermediate)
+    if any(k * itemsize % 16 for k in widths):
+        return False
+    nqkv = (d.num_heads + 2 * d.num_kv_heads) * d.head_dim
+    largest = max(
+        nqkv * d.hidden, d.hidden * d.num_heads * d.head_dim, 2 * d.intermediate * d.hidden
+    )
+    return largest * itemsize * 3 <= torch.cuda.get_device_properties(device).L2_cache_size
 
 
 class DecodeLayerKernel:
@@ -613,6 +669,9 @@ class DecodeLayerKernel:
             dtype=torch.int64, device=device,
         )  # fmt: skip
         self._layers = layers  # (the table holds their addresses, not references)
+        self.l2_prefetch = _l2_prefetch
+        if self.l2_prefetch is None:
+            self.l2_prefetch = l2_prefetch_fits(dims, first.element_size(), device)
         self.num_layers = len(layers)
         self.qkv_bias = layers[0].qkv_bias is not None
         self.qk_norm = layers[0].q_norm is not None
@@ -681,7 +740,8 @@ class DecodeLayerKernel:
             **self.tiles, BLOCK_G=max(16, next_power_of_2(group)),
             BLOCK_S=next_power_of_2(self.s_max), HAS_RES=residual is not None,
             QKV_BIAS=self.qkv_bias, QK_NORM=self.qk_norm, STAGE=stage,
-            OPAQUE=not _interpreted(), num_warps=self.num_warps,
+            OPAQUE=not _interpreted(), L2=self.l2_prefetch and stage < 0,
+            num_warps=self.num_warps,
             **pdl_options(x.device, wanted=stage < 0),
         )  # fmt: skip
 
