@@ -48,7 +48,13 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.attention import _LOG2E, _attend_block, _kv_block
+from tokenmill.kernels.attention import (
+    _LOG2E,
+    _attend_block,
+    _fold_key,
+    _kv_block,
+    _split_result,
+)
 from tokenmill.kernels.launch import cdiv, direct_launch, next_power_of_2
 from tokenmill.kernels.pdl import pdl_options, pdl_wait
 from tokenmill.kernels.rope_store import _rotate
@@ -335,17 +341,8 @@ def _attention_split(
             )
         # the new token, as one more key of the last split (its K from registers)
         fold = (split == splits - 1) & (kv_len > 0)
-        s = tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1) * qk_scale
-        s = tl.where(fold, s, float("-inf"))
-        m_new = tl.maximum(m_i, s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe)
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + p
-        acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)
-        lse = tl.where(l_i > 0.0, m_new + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)),
-                       float("-inf"))  # fmt: skip
-        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        m_i, l_i, acc = _fold_key(q, k, v, fold, m_i, l_i, acc, qk_scale)
+        lse, out = _split_result(m_i, l_i, acc)
         if splits == 1:  # the output itself (what merging one split would store, bitwise)
             at = attn_ptr + heads[:, None] * D + offs_d[None, :]
             tl.store(at, out.to(attn_ptr.dtype.element_ty), mask=g_mask[:, None])
@@ -385,12 +382,9 @@ def _ptr(table_ptr, layer, column, like):
 
 
 @triton.jit
-def _qkv_tiles(table_ptr, layer, pid, like, H: tl.constexpr, NQKV: tl.constexpr,
-               R: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):  # fmt: skip
-    """The q/k/v stage's first two weight tiles of layer `layer` for program `pid`."""
-    w = _ptr(table_ptr, layer, 0, like)
-    rows, mask = _rows(pid, R, NQKV, BR)
-    return _w_tile(w, rows, mask, 0, H, BK), _w_tile(w, rows, mask, BK, H, BK)
+def _first_tiles(w_ptr, rows, mask, K: tl.constexpr, BK: tl.constexpr):
+    """A stage's first two weight tiles of `rows` (loaded before its barrier)."""
+    return _w_tile(w_ptr, rows, mask, 0, K, BK), _w_tile(w_ptr, rows, mask, BK, K, BK)
 
 
 @triton.jit
@@ -409,33 +403,6 @@ def _qkv_stage(
         bias = _ptr(table_ptr, layer, 1, x_ptr)
         acc += tl.load(bias + rows, mask=mask, other=0.0).to(tl.float32)
     tl.store(qkv_ptr + rows, acc.to(x_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _o_tiles(table_ptr, layer, pid, like, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr,
-             BR: tl.constexpr, BK: tl.constexpr):  # fmt: skip
-    """The o stage's first two weight tiles."""
-    w = _ptr(table_ptr, layer, 2, like)
-    rows, mask = _rows(pid, R, H, BR)
-    return _w_tile(w, rows, mask, 0, K, BK), _w_tile(w, rows, mask, BK, K, BK)
-
-
-@triton.jit
-def _gate_up_tiles(table_ptr, layer, pid, like, H: tl.constexpr, FF: tl.constexpr,
-                   R: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):  # fmt: skip
-    """The gate/up stage's first two weight tiles (gate and up rows interleaved)."""
-    w = _ptr(table_ptr, layer, 3, like)
-    rows, mask = _pair_rows(pid, R, FF, BR)
-    return _w_tile(w, rows, mask, 0, H, BK), _w_tile(w, rows, mask, BK, H, BK)
-
-
-@triton.jit
-def _down_tiles(table_ptr, layer, pid, like, H: tl.constexpr, FF: tl.constexpr,
-                R: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):  # fmt: skip
-    """The down stage's first two weight tiles."""
-    w = _ptr(table_ptr, layer, 4, like)
-    rows, mask = _rows(pid, R, H, BR)
-    return _w_tile(w, rows, mask, 0, FF, BK), _w_tile(w, rows, mask, BK, FF, BK)
 
 
 # `programs` and `layers` are plain arguments: Triton would compile a kernel of its own for a
@@ -473,7 +440,8 @@ def _decode_layers_kernel(
         # 1. residual add + RMSNorm + q/k/v product: the first layer's on (x, residual), the
         # others' on the previous layer's output and residual
         if ALL or STAGE == 0:
-            qkv0, qkv1 = _qkv_tiles(table_ptr, layer, pid, x_ptr, H, NQKV, R_QKV, BR_QKV, BK_QKV)
+            rows, mask = _rows(pid, R_QKV, NQKV, BR_QKV)
+            qkv0, qkv1 = _first_tiles(_ptr(table_ptr, layer, 0, x_ptr), rows, mask, H, BK_QKV)
             _prefetch_rows(_ptr(table_ptr, layer, 2, x_ptr), pid * R_O, R_O, H, HQ * D, L2)
             if layer == 0:
                 _qkv_stage(
@@ -513,7 +481,8 @@ def _decode_layers_kernel(
         pid = _program_id(OPAQUE)
         # 3. o product
         if ALL or STAGE == 2:
-            o0, o1 = _o_tiles(table_ptr, layer, pid, x_ptr, H, HQ * D, R_O, BR_O, BK_O)
+            rows, mask = _rows(pid, R_O, H, BR_O)
+            o0, o1 = _first_tiles(_ptr(table_ptr, layer, 2, x_ptr), rows, mask, HQ * D, BK_O)
             _prefetch_rows(_ptr(table_ptr, layer, 4, x_ptr), pid * R_DN, R_DN, H, FF, L2)
         if ALL:
             _grid_barrier(count_ptr, gen_ptr, programs)
@@ -527,7 +496,8 @@ def _decode_layers_kernel(
         pid = _program_id(OPAQUE)
         # 4. residual add + RMSNorm + gate/up product (rows interleaved), SiLU-and-mul
         if ALL or STAGE == 3:
-            gu0, gu1 = _gate_up_tiles(table_ptr, layer, pid, x_ptr, H, FF, R_GU, BR_GU, BK_GU)
+            rows, mask = _pair_rows(pid, R_GU, FF, BR_GU)
+            gu0, gu1 = _first_tiles(_ptr(table_ptr, layer, 3, x_ptr), rows, mask, H, BK_GU)
             if layer + 1 < layers:
                 w_qkv = _ptr(table_ptr, layer + 1, 0, x_ptr)
                 _prefetch_rows(w_qkv, pid * R_QKV, R_QKV, NQKV, H, L2)
@@ -547,7 +517,8 @@ def _decode_layers_kernel(
         pid = _program_id(OPAQUE)
         # 5. down product
         if ALL or STAGE == 4:
-            dn0, dn1 = _down_tiles(table_ptr, layer, pid, x_ptr, H, FF, R_DN, BR_DN, BK_DN)
+            rows, mask = _rows(pid, R_DN, H, BR_DN)
+            dn0, dn1 = _first_tiles(_ptr(table_ptr, layer, 4, x_ptr), rows, mask, FF, BK_DN)
         if ALL:
             _grid_barrier(count_ptr, gen_ptr, programs)
         if ALL or STAGE == 4:
