@@ -546,7 +546,7 @@ class RunnerConfig:
     encoder_cache_tokens: int = 16384  # image tokens of vision-encoder outputs kept
     # Batch-invariant kernels: a request's logits do not depend on the rest of its batch.
     deterministic: bool = False
-    # One-sequence decode steps run every decoder layer in one kernel (`layers.fused_decode`).
+    # One-sequence decode steps run every decoder layer in one kernel (`models.fused_decode`).
     fused_decode_layer: bool = False
 
     def __post_init__(self) -> None:

@@ -1,5 +1,5 @@
 """`fused_decode_layer`: one-sequence decode steps run every decoder layer in one kernel
-(`layers/fused_decode.py`). On the CPU the kernel's stages launch one at a time in Triton's
+(`models/fused_decode.py`). On the CPU the kernel's stages launch one at a time in Triton's
 interpreter; greedy output must still equal transformers', and models or set-ups the kernel
 does not serve are refused at start-up."""
 

@@ -193,7 +193,7 @@ class TritonAttentionBackend(FusedStoreBackend):
 
     def one_sequence_decode(self) -> AttentionInputs | None:
         """The planned step's inputs if it decodes one sequence, outside deterministic mode
-        (what `layers.fused_decode` runs), else None."""
+        (what `models.fused_decode` runs), else None."""
         one = self._decode and len(self._inputs.query_lens_cpu) == 1
         return self._inputs if one and not self.deterministic else None
 

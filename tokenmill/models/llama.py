@@ -17,7 +17,7 @@ from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.layers.sharding import VocabParallelEmbedding
 
 if TYPE_CHECKING:
-    from tokenmill.layers.fused_decode import FusedDecodeLayers
+    from tokenmill.models.fused_decode import FusedDecodeLayers
 
 
 class LlamaAttention(nn.Module):

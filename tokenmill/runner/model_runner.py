@@ -363,7 +363,7 @@ class ModelRunner:
         FUSED_CPU_PROGRAMS); a model or set-up it does not serve is a `ValueError` naming the
         option."""
         from tokenmill.kernels.attention import sm_count
-        from tokenmill.layers.fused_decode import FusedDecodeLayers, fused_decode_refusal
+        from tokenmill.models.fused_decode import FusedDecodeLayers, fused_decode_refusal
 
         refusal = fused_decode_refusal(self.model, self.attention)
         if refusal is not None:
