@@ -37,7 +37,7 @@ FP32_PTRS = {"mid_o_ptr", "mid_lse_ptr", "mid_ml_ptr", "part_ptr", "ss_ptr", "co
              "sin_ptr", "part_val_ptr", "logits_ptr"}  # fmt: skip
 INT_PTRS = {"cu_q_ptr", "kv_lens_ptr", "page_table_ptr", "positions_ptr", "slots_ptr",
             "ticket_ptr", "part_idx_ptr", "barrier_ptr"}  # fmt: skip
-INT64_PTRS = {"tokens_ptr", "host_ptr", "table_ptr"}
+INT64_PTRS = {"tokens_ptr", "host_ptr", "table_ptr", "timing_ptr"}
 INT64_KERNELS = {"decode_inputs"}  # every pointer of these is int64
 # Index pointers (INT_PTRS) of these are int64: the kernel takes int32 or int64 ones.
 INT64_INDEX_KERNELS = {"invariant_int64_index"}
@@ -101,7 +101,7 @@ KERNELS = {
         H=1024, HQ=16, HKV=8, D=128, FF=3072, PAGE=16, S_MAX=16, SPLIT_KEYS=128, BLOCK_N=64,
         R_QKV=32, BR_QKV=32, BK_QKV=256, R_O=8, BR_O=8, BK_O=1024, R_GU=24, BR_GU=32,
         BK_GU=128, R_DN=8, BR_DN=8, BK_DN=1024, BLOCK_G=16, BLOCK_S=16, HAS_RES=True,
-        QKV_BIAS=False, QK_NORM=True, STAGE=-1, OPAQUE=True, L2=True)),
+        QKV_BIAS=False, QK_NORM=True, STAGE=-1, OPAQUE=True, L2=True, TIMING=False)),
 }  # fmt: skip
 MEMORY_OP = re.compile(r"^\s*(?:@%\w+\s+)?((?:ld|st|atom|red)\.global\S*|cp\.async\.bulk\S*)")
 

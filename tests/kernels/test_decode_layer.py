@@ -171,8 +171,8 @@ def test_decode_layers_match_float64(case: tuple, num_layers: int, dtype: torch.
 
 def test_l2_prefetch_rule(monkeypatch) -> None:
     """The stage after next is pulled into L2 where the largest stage fits a third of it
-    (Qwen3-0.6B's gate/up, 12.6 MB, on a 50 MB L2), not Llama-3.1-8B's (235 MB), nor rows that
-    are not whole 16-byte units, nor before compute capability 9.0."""
+    (Qwen3-0.6B's gate/up, 12.6 MB, on a 50 MB L2), not Llama-3.1-8B's (235 MB) unless forced,
+    never for rows that are not whole 16-byte units nor before compute capability 9.0."""
     from types import SimpleNamespace
 
     from tokenmill.kernels import decode_layer
@@ -189,7 +189,36 @@ def test_l2_prefetch_rule(monkeypatch) -> None:
     odd = LayerDims(1028, 16, 8, 128, 3072, 1e-6, 16)
     assert decode_layer.l2_prefetch_fits(qwen, 2, gpu)
     assert not decode_layer.l2_prefetch_fits(llama, 2, gpu)
-    assert not decode_layer.l2_prefetch_fits(odd, 2, gpu)
+    assert decode_layer.l2_prefetch_fits(llama, 2, gpu, sized=False)  # (set_l2_prefetch(True))
+    assert not decode_layer.l2_prefetch_fits(odd, 2, gpu, sized=False)
     assert not decode_layer.l2_prefetch_fits(qwen, 2, torch.device("cpu"))
     capability[0] = (8, 0)
-    assert not decode_layer.l2_prefetch_fits(qwen, 2, gpu)
+    assert not decode_layer.l2_prefetch_fits(qwen, 2, gpu, sized=False)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the GPU tests compare the launch paths at full size")
+@pytest.mark.parametrize("ctx", [9, 300])
+def test_one_launch_on_one_program_matches_the_stages(ctx: int) -> None:
+    """In Triton's interpreter a grid barrier opens only for a grid of one program: on one,
+    the one-launch path (the layer loop, each layer on the previous one's output and
+    residual, the barrier's count and generation) gives the bits of a launch a stage."""
+    from tokenmill.kernels.decode_layer import GENERATION
+
+    gen = torch.Generator().manual_seed(ctx)
+    dims = LayerDims(64, 2, 1, 16, 96, 1e-6, 4)
+    page_table, slots, kv = _paged_cache(ctx, 4, 1, 16, torch.float32, gen)
+    layers = [_weights(dims, torch.float32, True, True, kv[0].clone(), kv[1].clone(), gen)
+              for _ in range(3)]  # fmt: skip
+    x = torch.randn(1, 64, generator=gen)
+    rope = torch.randn(ctx + 4, 16, generator=gen)
+    step = DecodeStep(
+        positions=torch.tensor([ctx - 1]), slots=slots[-1:],
+        kv_lens=torch.tensor([ctx], dtype=torch.int32), page_table=page_table,
+        cos=rope.cos(), sin=rope.sin(),
+    )  # fmt: skip
+    kernel = DecodeLayerKernel(dims, layers, programs=1)
+    staged = [t.clone() for t in kernel.run(x, step, staged=True)]
+    one = kernel.run(x, step, staged=False)
+    assert torch.equal(one[0], staged[0]) and torch.equal(one[1], staged[1])
+    # five barriers a layer, none before the first layer's first stage: 14; count back at 0
+    assert kernel.barrier[0] == 0 and kernel.barrier[GENERATION.value] == 14

@@ -66,6 +66,8 @@ NUM_STAGES = 5
 SPLIT_KEYS = 128
 # Keys of an attention block.
 ATTN_BLOCK_N = 64
+# Most splits of a KV head's positions (128 x 128 float32 partials to merge spilled registers).
+MAX_SPLITS = 32
 MAX_POLLS = tl.constexpr(1 << 24)
 # The barrier buffer (int32): the arrival count, the generation word and a ticket a KV head,
 # each on a 128-byte line of its own.
@@ -77,6 +79,8 @@ TICKET_STRIDE = tl.constexpr(32)
 _COLUMNS = ("qkv", "qkv_bias", "o", "gate_up", "down", "input_norm", "post_norm", "q_norm",
             "k_norm", "k_cache", "v_cache")  # fmt: skip
 NUM_COLUMNS = tl.constexpr(len(_COLUMNS))
+# Timer stamps a layer with TIMING: the start and end of each of its stages.
+STAMPS = tl.constexpr(2 * NUM_STAGES)
 # Elements of a weight tile a program loads at once (two in flight).
 TILE_ELEMENTS = 8192
 
@@ -107,8 +111,8 @@ def _grid_barrier(count_ptr, gen_ptr, programs):
 def _program_id(OPAQUE: tl.constexpr):
     """The program's index; with OPAQUE (compiled for a GPU) read so that the compiler cannot
     reuse it across the layer loop: each stage then recomputes its row offsets and masks
-    instead of holding every stage's in registers through the loop (252 -> ~226 registers
-    for Qwen3-0.6B's layers, no spills)."""
+    instead of holding every stage's in registers through the loop (255 registers with
+    spills -> 245 without, for Qwen3-0.6B's shapes)."""
     if OPAQUE:
         return tl.inline_asm_elementwise(
             "mov.u32 $0, %ctaid.x;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
@@ -131,6 +135,17 @@ def _prefetch_rows(w_ptr, first, R: tl.constexpr, N, K: tl.constexpr, ON: tl.con
             "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
             "=r,l,r", [start, nbytes.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
         )  # fmt: skip
+
+
+@triton.jit
+def _stamp(timing_ptr, pid, layer, layers, index, TIMING: tl.constexpr):
+    """With TIMING, the GPU's global timer (ns) into `timing[pid, layer, index]` (`STAMPS` a
+    layer: each stage's start, after its barrier, and end, before the next one's)."""
+    if TIMING:
+        now = tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+        )
+        tl.store(timing_ptr + (pid * layers + layer) * STAMPS + index, now)
 
 
 @triton.jit
@@ -412,7 +427,7 @@ def _qkv_stage(
 def _decode_layers_kernel(
     x_ptr, res_ptr, out_ptr, new_res_ptr, mid_res_ptr, qkv_ptr, mid_o_ptr, mid_lse_ptr,
     attn_ptr, o_ptr, act_ptr, barrier_ptr, table_ptr, cos_ptr, sin_ptr, positions_ptr,
-    slots_ptr, kv_lens_ptr, page_table_ptr, eps, qk_scale, programs, layers,
+    slots_ptr, kv_lens_ptr, page_table_ptr, timing_ptr, eps, qk_scale, programs, layers,
     H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, FF: tl.constexpr,
     PAGE: tl.constexpr, S_MAX: tl.constexpr, SPLIT_KEYS: tl.constexpr, BLOCK_N: tl.constexpr,
     R_QKV: tl.constexpr, BR_QKV: tl.constexpr, BK_QKV: tl.constexpr,
@@ -421,12 +436,11 @@ def _decode_layers_kernel(
     R_DN: tl.constexpr, BR_DN: tl.constexpr, BK_DN: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, HAS_RES: tl.constexpr,
     QKV_BIAS: tl.constexpr, QK_NORM: tl.constexpr, STAGE: tl.constexpr, OPAQUE: tl.constexpr,
-    L2: tl.constexpr, USE_PDL: tl.constexpr,
+    L2: tl.constexpr, TIMING: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # `layers` decoder layers from the table's first row: the first takes (x, residual, or x
     # alone without HAS_RES), each later one the previous one's (out, new residual). With
     # STAGE >= 0 (one layer) only that stage runs.
-    pid = tl.program_id(0)
     ALL: tl.constexpr = STAGE < 0
     NQKV: tl.constexpr = (HQ + 2 * HKV) * D
     act_dtype = x_ptr.dtype.element_ty
@@ -444,16 +458,19 @@ def _decode_layers_kernel(
             qkv0, qkv1 = _first_tiles(_ptr(table_ptr, layer, 0, x_ptr), rows, mask, H, BK_QKV)
             _prefetch_rows(_ptr(table_ptr, layer, 2, x_ptr), pid * R_O, R_O, H, HQ * D, L2)
             if layer == 0:
+                _stamp(timing_ptr, pid, layer, layers, 0, TIMING)
                 _qkv_stage(
                     qkv0, qkv1, table_ptr, layer, pid, x_ptr, res_ptr if HAS_RES else x_ptr,
                     mid_res_ptr, qkv_ptr, eps, H, NQKV, R_QKV, BR_QKV, BK_QKV, HAS_RES, QKV_BIAS,
                 )  # fmt: skip
             else:
                 _grid_barrier(count_ptr, gen_ptr, programs)
+                _stamp(timing_ptr, pid, layer, layers, 0, TIMING)
                 _qkv_stage(
                     qkv0, qkv1, table_ptr, layer, pid, out_ptr, new_res_ptr, mid_res_ptr,
                     qkv_ptr, eps, H, NQKV, R_QKV, BR_QKV, BK_QKV, True, QKV_BIAS,
                 )  # fmt: skip
+            _stamp(timing_ptr, pid, layer, layers, 1, TIMING)
         k_cache_ptr = _ptr(table_ptr, layer, 9, x_ptr)
         v_cache_ptr = _ptr(table_ptr, layer, 10, x_ptr)
         pid = _program_id(OPAQUE)
@@ -468,6 +485,7 @@ def _decode_layers_kernel(
             _prefetch_rows(w_gu + FF * H, pid * R_GU, R_GU, FF, H, L2)
         if ALL:
             _grid_barrier(count_ptr, gen_ptr, programs)
+        _stamp(timing_ptr, pid, layer, layers, 2, TIMING)
         if ALL or STAGE == 1:  # noqa: SIM102 (a constexpr test, then a runtime one)
             if pid < HKV * S_MAX:
                 _attention_split(
@@ -477,6 +495,7 @@ def _decode_layers_kernel(
                     mid_lse_ptr, attn_ptr, barrier_ptr + TICKETS, qk_scale, HQ, HKV, D, PAGE,
                     S_MAX, SPLIT_KEYS, BLOCK_G, BLOCK_S, BLOCK_N, QK_NORM,
                 )  # fmt: skip
+        _stamp(timing_ptr, pid, layer, layers, 3, TIMING)
 
         pid = _program_id(OPAQUE)
         # 3. o product
@@ -486,12 +505,14 @@ def _decode_layers_kernel(
             _prefetch_rows(_ptr(table_ptr, layer, 4, x_ptr), pid * R_DN, R_DN, H, FF, L2)
         if ALL:
             _grid_barrier(count_ptr, gen_ptr, programs)
+        _stamp(timing_ptr, pid, layer, layers, 4, TIMING)
         if ALL or STAGE == 2:
             rows, mask = _rows(pid, R_O, H, BR_O)
             acc = _plain_product(
                 _ptr(table_ptr, layer, 2, x_ptr), rows, mask, o0, o1, attn_ptr, HQ * D, BK_O
             )
             tl.store(o_ptr + rows, acc.to(act_dtype), mask=mask)
+        _stamp(timing_ptr, pid, layer, layers, 5, TIMING)
 
         pid = _program_id(OPAQUE)
         # 4. residual add + RMSNorm + gate/up product (rows interleaved), SiLU-and-mul
@@ -503,6 +524,7 @@ def _decode_layers_kernel(
                 _prefetch_rows(w_qkv, pid * R_QKV, R_QKV, NQKV, H, L2)
         if ALL:
             _grid_barrier(count_ptr, gen_ptr, programs)
+        _stamp(timing_ptr, pid, layer, layers, 6, TIMING)
         if ALL or STAGE == 3:
             rows, mask = _pair_rows(pid, R_GU, FF, BR_GU)
             acc = _normed_product(
@@ -513,6 +535,7 @@ def _decode_layers_kernel(
             gate, up = tl.split(tl.reshape(acc.to(act_dtype).to(tl.float32), [BR_GU, 2]))
             rows, mask = _rows(pid, R_GU, FF, BR_GU)
             tl.store(act_ptr + rows, (gate * tl.sigmoid(gate) * up).to(act_dtype), mask=mask)
+        _stamp(timing_ptr, pid, layer, layers, 7, TIMING)
 
         pid = _program_id(OPAQUE)
         # 5. down product
@@ -521,12 +544,14 @@ def _decode_layers_kernel(
             dn0, dn1 = _first_tiles(_ptr(table_ptr, layer, 4, x_ptr), rows, mask, FF, BK_DN)
         if ALL:
             _grid_barrier(count_ptr, gen_ptr, programs)
+        _stamp(timing_ptr, pid, layer, layers, 8, TIMING)
         if ALL or STAGE == 4:
             rows, mask = _rows(pid, R_DN, H, BR_DN)
             acc = _plain_product(
                 _ptr(table_ptr, layer, 4, x_ptr), rows, mask, dn0, dn1, act_ptr, FF, BK_DN
             )
             tl.store(out_ptr + rows, acc.to(act_dtype), mask=mask)
+        _stamp(timing_ptr, pid, layer, layers, 9, TIMING)
 
 
 @dataclass(frozen=True)
@@ -593,27 +618,30 @@ def set_layers_per_launch(layers: int | None) -> None:
 
 
 def set_l2_prefetch(enabled: bool | None) -> None:
-    """Turn the L2 prefetch of the stage after next on or off for kernels made from now on
-    (None: `l2_prefetch_fits`' rule; for A/B measurements)."""
+    """Turn the L2 prefetch of the stage after next on (where the GPU and shapes allow it,
+    whatever their size) or off for kernels made from now on (None: `l2_prefetch_fits`'
+    rule; for A/B measurements)."""
     global _l2_prefetch
     _l2_prefetch = enabled
 
 
-def l2_prefetch_fits(dims: LayerDims, itemsize: int, device: torch.device) -> bool:
+def l2_prefetch_fits(
+    dims: LayerDims, itemsize: int, device: torch.device, sized: bool = True
+) -> bool:
     """Whether the fused layers pull the stage after next into L2 on `device`: a GPU with
-    bulk prefetches (compute capability 9.0+), rows of whole 16-byte units, and the largest
-    stage's weights within a third of its L2 (else they would evict each other before use:
-    Llama-3.1-8B's gate/up is 235 MB)."""
+    bulk prefetches (compute capability 9.0+), rows of whole 16-byte units, and (`sized`) the
+    largest stage's weights within a third of its L2 (else they would evict each other before
+    use: Llama-3.1-8B's gate/up is 235 MB)."""
     if device.type != "cuda" or _interpreted() or torch.cuda.get_device_capability(device)[0] < 9:
         return False
     d = dims
     widths = (d.hidden, d.num_heads * d.head_dim, d.intermediate)
     if any(k * itemsize % 16 for k in widths):
         return False
+    if not sized:
+        return True
     nqkv = (d.num_heads + 2 * d.num_kv_heads) * d.head_dim
-    largest = max(
-        nqkv * d.hidden, d.hidden * d.num_heads * d.head_dim, 2 * d.intermediate * d.hidden
-    )
+    largest = max(nqkv, d.num_heads * d.head_dim, 2 * d.intermediate) * d.hidden
     return largest * itemsize * 3 <= torch.cuda.get_device_properties(device).L2_cache_size
 
 
@@ -640,16 +668,17 @@ class DecodeLayerKernel:
             dtype=torch.int64, device=device,
         )  # fmt: skip
         self._layers = layers  # (the table holds their addresses, not references)
-        self.l2_prefetch = _l2_prefetch
-        if self.l2_prefetch is None:
-            self.l2_prefetch = l2_prefetch_fits(dims, first.element_size(), device)
+        self.l2_prefetch = _l2_prefetch is not False and l2_prefetch_fits(
+            dims, first.element_size(), device, sized=_l2_prefetch is None
+        )
         self.num_layers = len(layers)
         self.qkv_bias = layers[0].qkv_bias is not None
         self.qk_norm = layers[0].q_norm is not None
         self.dims, self.programs, self.num_warps = dims, programs, num_warps
         self.split_keys = split_keys
-        # (KV head, split) attention items: at most one a program
-        self.s_max = programs // d.num_kv_heads
+        # (KV head, split) attention items: at most one a program, at most MAX_SPLITS a head
+        # (the merge holds a head's splits in registers)
+        self.s_max = min(MAX_SPLITS, programs // d.num_kv_heads)
         nqkv = (d.num_heads + 2 * d.num_kv_heads) * d.head_dim
 
         def empty(n: int, dt: torch.dtype = dtype) -> torch.Tensor:
@@ -674,28 +703,37 @@ class DecodeLayerKernel:
         }  # fmt: skip
 
     def run(
-        self, x: torch.Tensor, step: DecodeStep, staged: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, step: DecodeStep, staged: bool | None = None,
+        timing: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """`(output, residual)` after every layer (as `LlamaDecoderLayer`s return them) for
         the embedded token `x` `[1, H]`, the first layer's residual being `x` itself; both are
-        this instance's buffers. `staged` (always off a GPU, where a barrier cannot open):
-        each stage of each layer a launch of its own."""
+        this instance's buffers. `staged` (default: off a GPU, where a barrier of more than
+        one program cannot open): each stage of each layer a launch of its own. `timing`
+        (int64 `[programs, layers, STAMPS]`, one launch of every layer on a GPU): each
+        program's global-timer stamps (ns) at the start and end of each stage
+        (`benchmarks/fused_decode_timeline.py`)."""
         residual: torch.Tensor | None = None
-        if staged or x.device.type != "cuda":
+        if staged is None:
+            staged = x.device.type != "cuda"
+        if staged:
             for layer in range(self.num_layers):
                 for stage in range(NUM_STAGES):
-                    self._launch(x, residual, step, layer, 1, stage)
+                    self._launch(x, residual, step, layer, 1, stage, None)
                 x, residual = self.hidden, self.residual
         else:
             per_launch = _layers_per_launch or self.num_layers
+            if timing is not None and per_launch != self.num_layers:
+                raise ValueError("timing stamps need every layer in one launch")
             for layer in range(0, self.num_layers, per_launch):
-                self._launch(x, residual, step, layer, min(per_launch, self.num_layers - layer), -1)
+                count = min(per_launch, self.num_layers - layer)
+                self._launch(x, residual, step, layer, count, -1, timing)
                 x, residual = self.hidden, self.residual
         return self.hidden.view(1, -1), self.residual.view(1, -1)
 
     def _launch(
         self, x: torch.Tensor, residual: torch.Tensor | None, step: DecodeStep, layer: int,
-        count: int, stage: int,
+        count: int, stage: int, timing: torch.Tensor | None,
     ) -> None:  # fmt: skip
         """Layers `layer .. layer + count` (one launch), or one stage of one layer."""
         d = self.dims
@@ -705,13 +743,15 @@ class DecodeLayerKernel:
             self.qkv, self.mid_o, self.mid_lse, self.attn, self.o, self.act, self.barrier,
             self.table[layer],
             step.cos, step.sin, step.positions, step.slots, step.kv_lens, step.page_table,
-            d.eps, d.head_dim**-0.5 * _LOG2E, self.programs, count,
+            timing if timing is not None else self.table, d.eps, d.head_dim**-0.5 * _LOG2E,
+            self.programs, count,
             H=d.hidden, HQ=d.num_heads, HKV=d.num_kv_heads, D=d.head_dim, FF=d.intermediate,
             PAGE=d.page_size, S_MAX=self.s_max, SPLIT_KEYS=self.split_keys, BLOCK_N=ATTN_BLOCK_N,
             **self.tiles, BLOCK_G=max(16, next_power_of_2(group)),
             BLOCK_S=next_power_of_2(self.s_max), HAS_RES=residual is not None,
             QKV_BIAS=self.qkv_bias, QK_NORM=self.qk_norm, STAGE=stage,
             OPAQUE=not _interpreted(), L2=self.l2_prefetch and stage < 0,
+            TIMING=timing is not None,
             num_warps=self.num_warps,
             **pdl_options(x.device, wanted=stage < 0),
         )  # fmt: skip
