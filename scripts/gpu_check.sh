@@ -38,8 +38,9 @@
 #  1024x768 image, images/s for 64 requests, the vision encoder's share, transformers peer;
 #  fused = fused_decode_layer (the decoder layers in one kernel at batch 1): its kernel,
 #  CPU-path and GPU engine tests, then per model (AB_MODELS) profile_decode.py at batch 1 off,
-#  on, on without the L2 prefetch and on with a launch a layer, and B1 (no peer) off and on,
-#  same call;
+#  on, on without the L2 prefetch and on with a launch a layer, benchmarks/fused_decode_timeline.py
+#  (the layers against the copy bandwidth, one grid barrier alone, each stage's work and wait
+#  from timer stamps) and B1 (no peer) off and on, same call;
 #  det = deterministic mode (issue 30): its GPU tests, then B1 and B2 of qwen3-0.6b and
 #  llama-3.1-8b (engine args of b1/b2, no transformers peer) without and with
 #  `--engine-arg deterministic=true`, same run;
@@ -153,6 +154,8 @@ if [[ "$what" == fused ]]; then  # fused_decode_layer: its GPU tests, then batch
       python3 benchmarks/profile_decode.py --config "$models/$m" --batch 1 $flags 2>&1 \
         | tee "$out/profile-$m-$tag.log" | grep -E "^bs=" | sed "s/^/$m $flags: /" >> "$table"
     done
+    python3 benchmarks/fused_decode_timeline.py --config "$models/$m" 2>&1 \
+      | tee "$out/timeline-$m.log" | tail -12 >> "$table"
     bench "$m" b1 --no-peer "${kv[@]}" --engine-arg max_num_seqs=8
     TAG=fused bench "$m" b1 --no-peer "${kv[@]}" --engine-arg max_num_seqs=8 \
       --engine-arg fused_decode_layer=true
