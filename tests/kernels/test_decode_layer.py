@@ -36,26 +36,31 @@ def _reference(
     dims: LayerDims, w: DecodeLayerWeights, x: torch.Tensor, res: torch.Tensor | None,
     cached_k: torch.Tensor, cached_v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(out, new residual, the new token's rotated k, its v) in float64."""
+    """(out, new residual, the step's rotated keys, its values) in float64 for the M query
+    tokens `x` `[M, H]` after the cached positions, each attending causally (`cos` / `sin`:
+    the tokens' rotary rows `[M, D]`)."""
     d = dims
     f = {name: (t.double() if t is not None else None) for name, t in vars(w).items()}
     h1 = x.double() + (res.double() if res is not None else 0.0)
     qkv = _rms(h1, f["input_norm"], d.eps) @ f["qkv"].T
     if f["qkv_bias"] is not None:
         qkv = qkv + f["qkv_bias"]
-    hq, hkv, hd = d.num_heads, d.num_kv_heads, d.head_dim
-    q = qkv[0, : hq * hd].view(hq, hd)
-    k = qkv[0, hq * hd : (hq + hkv) * hd].view(hkv, hd)
-    v = qkv[0, (hq + hkv) * hd :].view(hkv, hd)
+    m, hq, hkv, hd = x.shape[0], d.num_heads, d.num_kv_heads, d.head_dim
+    q = qkv[:, : hq * hd].view(m, hq, hd)
+    k = qkv[:, hq * hd : (hq + hkv) * hd].view(m, hkv, hd)
+    v = qkv[:, (hq + hkv) * hd :].view(m, hkv, hd)
     if f["q_norm"] is not None:
         q, k = _rms(q, f["q_norm"], d.eps), _rms(k, f["k_norm"], d.eps)
-    q, k = _rope(q, cos.double(), sin.double()), _rope(k, cos.double(), sin.double())
-    keys = torch.cat((cached_k.double(), k[None]), 0)  # [n + 1, hkv, hd]
-    values = torch.cat((cached_v.double(), v[None]), 0)
-    group = hq // hkv
+    rows = (cos.double()[:, None, :], sin.double()[:, None, :])
+    q, k = _rope(q, *rows), _rope(k, *rows)
+    keys = torch.cat((cached_k.double(), k), 0)  # [n + M, hkv, hd]
+    values = torch.cat((cached_v.double(), v), 0)
+    group, n = hq // hkv, cached_k.shape[0]
     keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
-    scores = torch.einsum("hd,nhd->hn", q, keys) * hd**-0.5
-    attn = torch.einsum("hn,nhd->hd", scores.softmax(-1), values).reshape(1, -1)
+    scores = torch.einsum("thd,nhd->thn", q, keys) * hd**-0.5
+    seen = torch.arange(n + m)[None, :] <= n + torch.arange(m)[:, None]  # causal
+    scores = scores.masked_fill(~seen[:, None, :], float("-inf"))
+    attn = torch.einsum("thn,nhd->thd", scores.softmax(-1), values).reshape(m, -1)
     h2 = attn @ f["o"].T + h1
     gate_up = _rms(h2, f["post_norm"], d.eps) @ f["gate_up"].T
     gate, up = gate_up.chunk(2, dim=-1)
@@ -116,36 +121,42 @@ def _paged_cache(
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"h{c[0]}-ctx{c[6]}-p{c[7]}")
-@pytest.mark.parametrize("num_layers", [1, 3])
+@pytest.mark.parametrize(("num_layers", "tokens"), [(1, 1), (3, 1), (2, 4)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_decode_layers_match_float64(case: tuple, num_layers: int, dtype: torch.dtype) -> None:
-    """A chain of layers (the first without a residual). On a GPU also: the one launch (grid
-    barriers) gives the bits of a launch a layer and of a launch a stage (kernel boundaries),
-    on one program per SM."""
+def test_decode_layers_match_float64(
+    case: tuple, num_layers: int, tokens: int, dtype: torch.dtype
+) -> None:
+    """A chain of layers (the first without a residual) for one decoding token, or a verify
+    step's 4 tokens (each attending causally). On a GPU also: the one launch (grid barriers)
+    gives the bits of a launch a layer and of a launch a stage (kernel boundaries), on one
+    program per SM."""
     hidden, hq, hkv, hd, inter, page, ctx, programs, bias, qk_norm, split_keys = case
     if DEVICE == "cuda":
         programs = torch.cuda.get_device_properties(0).multi_processor_count
+    ctx = max(ctx, tokens)
     gen = torch.Generator().manual_seed(ctx + programs)
     dims = LayerDims(hidden, hq, hkv, hd, inter, 1e-6, page)
     page_table, slots, kv = _paged_cache(ctx, page, hkv, hd, dtype, gen)
     layers = [_weights(dims, dtype, bias, qk_norm, kv[0].clone(), kv[1].clone(), gen)
               for _ in range(num_layers)]  # fmt: skip
-    x = torch.randn(1, hidden, generator=gen).to(dtype).to(DEVICE)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype).to(DEVICE)
     rope_pos = torch.arange(ctx + 4, dtype=torch.float32)[:, None]
     inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
     emb = torch.cat((rope_pos * inv, rope_pos * inv), -1)
     cos, sin = emb.cos().to(DEVICE), emb.sin().to(DEVICE)
+    positions = torch.arange(ctx - tokens, ctx, device=DEVICE)
     step = DecodeStep(
-        positions=torch.tensor([ctx - 1], device=DEVICE), slots=slots[-1:],
+        positions=positions, slots=slots[-tokens:],
         kv_lens=torch.tensor([ctx], dtype=torch.int32, device=DEVICE), page_table=page_table,
         cos=cos, sin=sin,
     )  # fmt: skip
     ref_x, ref_res, ref_kv = x, None, []
     for w in layers:
-        cached_k, cached_v = w.k_cache[slots[:-1]], w.v_cache[slots[:-1]]
+        cached = slots[:-tokens]
         ref_x, ref_res, k, v = _reference(
-            dims, w, ref_x, ref_res, cached_k, cached_v, cos[ctx - 1], sin[ctx - 1]
-        )
+            dims, w, ref_x, ref_res, w.k_cache[cached], w.v_cache[cached], cos[positions],
+            sin[positions],
+        )  # fmt: skip
         ref_kv.append((k, v))
     kernel = DecodeLayerKernel(dims, layers, programs, split_keys=split_keys)
     out, new_res = kernel.run(x, step)
@@ -153,8 +164,8 @@ def test_decode_layers_match_float64(case: tuple, num_layers: int, dtype: torch.
     torch.testing.assert_close(new_res.double(), ref_res, rtol=tol, atol=tol)
     torch.testing.assert_close(out.double(), ref_x, rtol=tol, atol=tol)
     for w, (k, v) in zip(layers, ref_kv, strict=True):
-        torch.testing.assert_close(w.k_cache[slots[-1]].double(), k, rtol=tol, atol=tol)
-        torch.testing.assert_close(w.v_cache[slots[-1]].double(), v, rtol=tol, atol=tol)
+        torch.testing.assert_close(w.k_cache[slots[-tokens:]].double(), k, rtol=tol, atol=tol)
+        torch.testing.assert_close(w.v_cache[slots[-tokens:]].double(), v, rtol=tol, atol=tol)
     # again (the barrier words and scratch reused): the same bits
     first, first_res = out.clone(), new_res.clone()
     assert torch.equal(kernel.run(x, step)[0], first)
@@ -197,8 +208,8 @@ def test_l2_prefetch_rule(monkeypatch) -> None:
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the GPU tests compare the launch paths at full size")
-@pytest.mark.parametrize("ctx", [9, 300])
-def test_one_launch_on_one_program_matches_the_stages(ctx: int) -> None:
+@pytest.mark.parametrize(("ctx", "tokens"), [(9, 1), (300, 1), (300, 3)])
+def test_one_launch_on_one_program_matches_the_stages(ctx: int, tokens: int) -> None:
     """In Triton's interpreter a grid barrier opens only for a grid of one program: on one,
     the one-launch path (the layer loop, each layer on the previous one's output and
     residual, the barrier's count and generation) gives the bits of a launch a stage."""
@@ -209,10 +220,10 @@ def test_one_launch_on_one_program_matches_the_stages(ctx: int) -> None:
     page_table, slots, kv = _paged_cache(ctx, 4, 1, 16, torch.float32, gen)
     layers = [_weights(dims, torch.float32, True, True, kv[0].clone(), kv[1].clone(), gen)
               for _ in range(3)]  # fmt: skip
-    x = torch.randn(1, 64, generator=gen)
+    x = torch.randn(tokens, 64, generator=gen)
     rope = torch.randn(ctx + 4, 16, generator=gen)
     step = DecodeStep(
-        positions=torch.tensor([ctx - 1]), slots=slots[-1:],
+        positions=torch.arange(ctx - tokens, ctx), slots=slots[-tokens:],
         kv_lens=torch.tensor([ctx], dtype=torch.int32), page_table=page_table,
         cos=rope.cos(), sin=rope.sin(),
     )  # fmt: skip

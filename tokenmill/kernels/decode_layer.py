@@ -68,6 +68,10 @@ SPLIT_KEYS = 128
 ATTN_BLOCK_N = 64
 # Most splits of a KV head's positions (128 x 128 float32 partials to merge spilled registers).
 MAX_SPLITS = 32
+# Most query tokens of a step (a speculative verify step of up to 7 drafts), and the rows a
+# tensor-core tile pads them to (one token runs on the CUDA cores).
+MAX_TOKENS = 8
+DOT_ROWS = 16
 MAX_POLLS = tl.constexpr(1 << 24)
 # The barrier buffer (int32): the arrival count, the generation word and a ticket a KV head,
 # each on a 128-byte line of its own.
@@ -174,71 +178,127 @@ def _w_tile(w_ptr, rows, row_mask, k, K, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _slab(ptr, k, K, BLOCK_K: tl.constexpr, CG: tl.constexpr):
-    """Elements `k .. k + BLOCK_K` (below K) of a vector (past L1 with CG: another program's)."""
+def _slab(ptr, k, K, M, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, CG: tl.constexpr):
+    """Columns `k .. k + BLOCK_K` (below K) of the M rows of a row-major `[M, K]` activation
+    (past L1 with CG: another program's): a vector for BLOCK_M 1, else `[BLOCK_M, BLOCK_K]`
+    (rows past M zero)."""
     offs = k + tl.arange(0, BLOCK_K)
+    if BLOCK_M == 1:
+        ptrs = ptr + offs
+        mask = offs < K
+    else:
+        offs_m = tl.arange(0, BLOCK_M)
+        ptrs = ptr + offs_m[:, None] * K + offs[None, :]
+        mask = (offs_m < M)[:, None] & (offs < K)[None, :]
     if CG:
-        return tl.load(ptr + offs, mask=offs < K, other=0.0, cache_modifier=".cg")
-    return tl.load(ptr + offs, mask=offs < K, other=0.0)
+        x = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
+def _accumulate(acc, w, x, BLOCK_M: tl.constexpr):
+    """`acc += x @ w^T` for a weight tile `w` `[BR, BK]`: one row on the CUDA cores, several
+    through the tensor cores (`x` rounded to W's dtype first; float32 without TF32)."""
+    if BLOCK_M == 1:
+        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    elif w.dtype == tl.float32:
+        acc += tl.dot(x.to(w.dtype), tl.trans(w), input_precision="ieee")
+    else:
+        acc += tl.dot(x.to(w.dtype), tl.trans(w))
+    return acc
+
+
+@triton.jit
+def _store_rows(ptr, acc, rows, mask, N, M, BLOCK_M: tl.constexpr):
+    """Store `acc` (`[BR]`, or `[BLOCK_M, BR]` for M rows) to columns `rows` of a row-major
+    `[M, N]` output, in its dtype."""
+    if BLOCK_M == 1:
+        tl.store(ptr + rows, acc.to(ptr.dtype.element_ty), mask=mask)
+    else:
+        offs_m = tl.arange(0, BLOCK_M)
+        ptrs = ptr + offs_m[:, None] * N + rows[None, :]
+        tl.store(ptrs, acc.to(ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & mask[None, :])
 
 
 # The products below load W two tiles ahead and their input two slabs ahead, and use a
 # loaded value only in the iteration that consumes it: a use right after its load would wait
-# for it there (each iteration is shorter than a load's latency).
+# for it there (each iteration is shorter than a load's latency). They take M rows: one
+# (`BLOCK_M` 1, a vector) or several (`BLOCK_M` 16, tiles of the tensor cores).
 
 
 @triton.jit
 def _normed_product(
-    w_ptr, rows, row_mask, w_first, w_second, x_ptr, res_ptr, g_ptr, new_res_ptr, eps, K,
-    HAS_RES: tl.constexpr, STORE_RES, BLOCK_K: tl.constexpr,
+    w_ptr, rows, row_mask, w_first, w_second, x_ptr, res_ptr, g_ptr, new_res_ptr, eps, K, M,
+    HAS_RES: tl.constexpr, STORE_RES, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """`rmsnorm(x + residual) @ W[rows]^T` in float32 (the row's RMS scale applied to the
+    """`rmsnorm(x + residual) @ W[rows]^T` in float32 (each row's RMS scale applied to the
     finished sums, as `norm_gemv` does; the sum rounded to the activation dtype, as an eager
     add), `w_first` / `w_second` being W's first two tiles (loaded by the caller, before its
     wait); with STORE_RES the sum is stored to `new_res_ptr` as it is made."""
-    acc = tl.zeros([w_first.shape[0]], dtype=tl.float32)
-    sumsq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    if BLOCK_M == 1:
+        acc = tl.zeros([w_first.shape[0]], dtype=tl.float32)
+        sumsq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, w_first.shape[0]], dtype=tl.float32)
+        sumsq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     w_cur, w_next = w_first, w_second
-    x_cur, x_next = _slab(x_ptr, 0, K, BLOCK_K, True), _slab(x_ptr, BLOCK_K, K, BLOCK_K, True)
+    x_cur = _slab(x_ptr, 0, K, M, BLOCK_M, BLOCK_K, True)
+    x_next = _slab(x_ptr, BLOCK_K, K, M, BLOCK_M, BLOCK_K, True)
     r_cur, r_next = x_cur, x_next
     if HAS_RES:
-        r_cur = _slab(res_ptr, 0, K, BLOCK_K, True)
-        r_next = _slab(res_ptr, BLOCK_K, K, BLOCK_K, True)
-    g_cur, g_next = _slab(g_ptr, 0, K, BLOCK_K, False), _slab(g_ptr, BLOCK_K, K, BLOCK_K, False)
+        r_cur = _slab(res_ptr, 0, K, M, BLOCK_M, BLOCK_K, True)
+        r_next = _slab(res_ptr, BLOCK_K, K, M, BLOCK_M, BLOCK_K, True)
+    g_cur = _slab(g_ptr, 0, K, 1, 1, BLOCK_K, False)
+    g_next = _slab(g_ptr, BLOCK_K, K, 1, 1, BLOCK_K, False)
     for k in range(0, K, BLOCK_K):
         w_after = _w_tile(w_ptr, rows, row_mask, k + 2 * BLOCK_K, K, BLOCK_K)
-        x_after = _slab(x_ptr, k + 2 * BLOCK_K, K, BLOCK_K, True)
+        x_after = _slab(x_ptr, k + 2 * BLOCK_K, K, M, BLOCK_M, BLOCK_K, True)
         r_after = x_after
         if HAS_RES:
-            r_after = _slab(res_ptr, k + 2 * BLOCK_K, K, BLOCK_K, True)
-        g_after = _slab(g_ptr, k + 2 * BLOCK_K, K, BLOCK_K, False)
+            r_after = _slab(res_ptr, k + 2 * BLOCK_K, K, M, BLOCK_M, BLOCK_K, True)
+        g_after = _slab(g_ptr, k + 2 * BLOCK_K, K, 1, 1, BLOCK_K, False)
         x = x_cur
         if HAS_RES:
             x = (x.to(tl.float32) + r_cur.to(tl.float32)).to(x_ptr.dtype.element_ty)
         if STORE_RES:
-            offs = k + tl.arange(0, BLOCK_K)
-            tl.store(new_res_ptr + offs, x, mask=offs < K)
+            _store_rows(new_res_ptr, x, k + tl.arange(0, BLOCK_K), k + tl.arange(0, BLOCK_K) < K,
+                        K, M, BLOCK_M)  # fmt: skip
         xf = x.to(tl.float32)
         sumsq += xf * xf
-        xg = xf * g_cur.to(tl.float32)
-        acc += tl.sum(w_cur.to(tl.float32) * xg[None, :], axis=1)
+        g = g_cur.to(tl.float32)
+        if BLOCK_M > 1:
+            g = g[None, :]
+        acc = _accumulate(acc, w_cur, xf * g, BLOCK_M)
         w_cur, w_next = w_next, w_after
         x_cur, x_next = x_next, x_after
         r_cur, r_next = r_next, r_after
         g_cur, g_next = g_next, g_after
-    return acc * tl.rsqrt(tl.sum(sumsq, axis=0) / K + eps)
+    if BLOCK_M == 1:
+        acc = acc * tl.rsqrt(tl.sum(sumsq, axis=0) / K + eps)
+    else:
+        acc = acc * tl.rsqrt(tl.sum(sumsq, axis=1) / K + eps)[:, None]
+    return acc
 
 
 @triton.jit
-def _plain_product(w_ptr, rows, row_mask, w_first, w_second, x_ptr, K, BLOCK_K: tl.constexpr):
+def _plain_product(
+    w_ptr, rows, row_mask, w_first, w_second, x_ptr, K, M, BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
     """`x @ W[rows]^T` in float32, `w_first` / `w_second` being W's first two tiles."""
-    acc = tl.zeros([w_first.shape[0]], dtype=tl.float32)
+    if BLOCK_M == 1:
+        acc = tl.zeros([w_first.shape[0]], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, w_first.shape[0]], dtype=tl.float32)
     w_cur, w_next = w_first, w_second
-    x_cur, x_next = _slab(x_ptr, 0, K, BLOCK_K, True), _slab(x_ptr, BLOCK_K, K, BLOCK_K, True)
+    x_cur = _slab(x_ptr, 0, K, M, BLOCK_M, BLOCK_K, True)
+    x_next = _slab(x_ptr, BLOCK_K, K, M, BLOCK_M, BLOCK_K, True)
     for k in range(0, K, BLOCK_K):
         w_after = _w_tile(w_ptr, rows, row_mask, k + 2 * BLOCK_K, K, BLOCK_K)
-        x_after = _slab(x_ptr, k + 2 * BLOCK_K, K, BLOCK_K, True)
-        acc += tl.sum(w_cur.to(tl.float32) * x_cur.to(tl.float32)[None, :], axis=1)
+        x_after = _slab(x_ptr, k + 2 * BLOCK_K, K, M, BLOCK_M, BLOCK_K, True)
+        acc = _accumulate(acc, w_cur, x_cur, BLOCK_M)
         w_cur, w_next = w_next, w_after
         x_cur, x_next = x_next, x_after
     return acc
@@ -246,37 +306,41 @@ def _plain_product(w_ptr, rows, row_mask, w_first, w_second, x_ptr, K, BLOCK_K: 
 
 @triton.jit
 def _merge_group(
-    kvh, splits, mid_o_ptr, mid_lse_ptr, attn_ptr, HQ: tl.constexpr, HKV: tl.constexpr,
+    kvh, splits, M, mid_o_ptr, mid_lse_ptr, attn_ptr, HQ: tl.constexpr, HKV: tl.constexpr,
     D: tl.constexpr, S_MAX: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
-    """KV head `kvh`'s query heads: their `splits` partial outputs merged by log-sum-exp,
-    stored in the activation dtype (as the unfused merge stores them)."""
+    """KV head `kvh`'s query heads, for each of the M query tokens: their `splits` partial
+    outputs merged by log-sum-exp, stored in the activation dtype (as the unfused merge
+    stores them)."""
     group: tl.constexpr = HQ // HKV
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, D)
-    for g in tl.static_range(group):
-        row = (kvh * group + g) * S_MAX + offs_s
-        s_mask = offs_s < splits
-        lse = tl.load(mid_lse_ptr + row, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
-        parts = tl.load(
-            mid_o_ptr + row[:, None] * D + offs_d[None, :], mask=s_mask[:, None], other=0.0,
-            cache_modifier=".cg",
-        )  # fmt: skip
-        m = tl.max(lse, axis=0)
-        w = tl.math.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
-        total = tl.sum(w, axis=0)
-        out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
-        tl.store(attn_ptr + (kvh * group + g) * D + offs_d, out.to(attn_ptr.dtype.element_ty))
+    s_mask = offs_s < splits
+    for t in range(0, M):
+        for g in tl.static_range(group):
+            head_row = t * HQ + kvh * group + g  # (token, head)
+            row = head_row * S_MAX + offs_s
+            lse = tl.load(mid_lse_ptr + row, mask=s_mask, other=float("-inf"),
+                          cache_modifier=".cg")  # fmt: skip
+            parts = tl.load(
+                mid_o_ptr + row[:, None] * D + offs_d[None, :], mask=s_mask[:, None],
+                other=0.0, cache_modifier=".cg",
+            )  # fmt: skip
+            m = tl.max(lse, axis=0)
+            w = tl.math.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+            total = tl.sum(w, axis=0)
+            out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+            tl.store(attn_ptr + head_row * D + offs_d, out.to(attn_ptr.dtype.element_ty))
 
 
 @triton.jit
-def _split_bounds(kv_lens_ptr, split, S_MAX: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+def _split_bounds(kv_lens_ptr, split, M, S_MAX: tl.constexpr, SPLIT_KEYS: tl.constexpr,
                   BLOCK_N: tl.constexpr):  # fmt: skip
     """(context length, splits, first and past-last cached position of split `split`): the
-    positions cached by earlier steps cut into splits of at least SPLIT_KEYS (at most S_MAX
-    splits), each a whole number of key blocks."""
+    positions cached by earlier steps (all but the step's M query tokens) cut into splits of
+    at least SPLIT_KEYS (at most S_MAX splits), each a whole number of key blocks."""
     kv_len = tl.load(kv_lens_ptr)
-    n = tl.maximum(kv_len - 1, 0)
+    n = tl.maximum(kv_len - M, 0)
     splits = tl.minimum(S_MAX, tl.maximum(tl.cdiv(n, SPLIT_KEYS), 1))
     split_len = tl.cdiv(tl.cdiv(n, splits), BLOCK_N) * BLOCK_N
     lo = split * split_len
@@ -284,24 +348,47 @@ def _split_bounds(kv_lens_ptr, split, S_MAX: tl.constexpr, SPLIT_KEYS: tl.conste
 
 
 @triton.jit
+def _step_rows(
+    ptr, tokens, M, positions_ptr, cos_ptr, sin_ptr, norm_ptr, eps, HEAD, NQKV: tl.constexpr,
+    D: tl.constexpr, QK_NORM: tl.constexpr,
+):  # fmt: skip
+    """Rows of the q/k/v buffer `[M, NQKV]`: token `tokens[r]`'s head `HEAD[r]` (rows past M
+    zero), normed (QK_NORM) and rotated at the token's position, in float32."""
+    half: tl.constexpr = D // 2
+    offs_d = tl.arange(0, D)
+    rot_d = (offs_d + half) % D
+    mask = (tokens < M)[:, None]
+    pos = tl.load(positions_ptr + tokens, mask=tokens < M, other=0)
+    cos = tl.load(cos_ptr + pos[:, None] * D + offs_d[None, :])
+    sin = tl.load(sin_ptr + pos[:, None] * D + offs_d[None, :])
+    rows = ptr + tokens[:, None] * NQKV + HEAD[:, None] * D
+    x = tl.load(rows + offs_d[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+    x_rot = tl.load(rows + rot_d[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+    return _rotate(x, x_rot, offs_d, rot_d, half, D, cos, sin, norm_ptr, eps, QK_NORM)
+
+
+@triton.jit
 def _attention_split(
     item, kb, vb, qkv_ptr, positions_ptr, slots_ptr, kv_lens_ptr, page_table_ptr, cos_ptr,
     sin_ptr, q_norm_ptr, k_norm_ptr, eps, k_cache_ptr, v_cache_ptr, mid_o_ptr, mid_lse_ptr,
-    attn_ptr, ticket_ptr, qk_scale, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-    PAGE: tl.constexpr, S_MAX: tl.constexpr, SPLIT_KEYS: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, QK_NORM: tl.constexpr,
+    attn_ptr, ticket_ptr, qk_scale, M, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+    PAGE: tl.constexpr, S_MAX: tl.constexpr, SPLIT_KEYS: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+    QK_NORM: tl.constexpr,
 ):  # fmt: skip
     """Item `item` = (KV head, split) of the attention stage (see the module's docstring),
     `kb` / `vb` being its first key block (`_first_kv_block`, loaded before the barrier);
-    splits past those the context needs do nothing. The query heads' output goes to
-    `attn_ptr`: from the only split, or merged by the last split of the KV head to finish
-    (an arrival ticket a KV head, `ticket_ptr`)."""
+    splits past those the context needs do nothing. Its rows are (query token, head of the
+    KV head's group) pairs, token major (BLOCK_R of them); the M query tokens' own keys
+    (BLOCK_T rows) are held in registers and folded in, causally, by the last split. The
+    rows' output goes to `attn_ptr` `[M, Hq D]`: from the only split, or merged by the last
+    split of the KV head to finish (an arrival ticket a KV head, `ticket_ptr`)."""
     kvh = item // S_MAX
     split = item % S_MAX
-    kv_len, splits, lo, hi = _split_bounds(kv_lens_ptr, split, S_MAX, SPLIT_KEYS, BLOCK_N)
+    kv_len, splits, lo, hi = _split_bounds(kv_lens_ptr, split, M, S_MAX, SPLIT_KEYS, BLOCK_N)
     if split < splits:
         group: tl.constexpr = HQ // HKV
-        half: tl.constexpr = D // 2
+        NQKV: tl.constexpr = (HQ + 2 * HKV) * D
         offs_d = tl.arange(0, D)
         # the second key block goes out before the q/k/v loads (the first came before the
         # barrier), each later one as the block two before it is summed
@@ -312,35 +399,30 @@ def _attention_split(
         vb_next = _kv_block(
             v_cache_ptr, page_table_ptr, offs_n, offs_n < hi, kvh, offs_d, PAGE, HKV, D
         )
-        rot_d = (offs_d + half) % D
-        offs_g = tl.arange(0, BLOCK_G)
-        g_mask = offs_g < group
-        heads = kvh * group + offs_g
-        pos = tl.load(positions_ptr)
-        slot = tl.load(slots_ptr)
-        cos = tl.load(cos_ptr + pos * D + offs_d)[None, :]
-        sin = tl.load(sin_ptr + pos * D + offs_d)[None, :]
-        q_rows = qkv_ptr + heads[:, None] * D
-        q = tl.load(q_rows + offs_d[None, :], mask=g_mask[:, None], other=0.0,
-                    cache_modifier=".cg")  # fmt: skip
-        q_rot = tl.load(q_rows + rot_d[None, :], mask=g_mask[:, None], other=0.0,
-                        cache_modifier=".cg")  # fmt: skip
-        k_row = qkv_ptr + (HQ + kvh) * D
-        k = tl.load(k_row + offs_d[None, :], cache_modifier=".cg")
-        k_rot = tl.load(k_row + rot_d[None, :], cache_modifier=".cg")
-        v = tl.load(k_row + HKV * D + offs_d[None, :], cache_modifier=".cg")
-        q = _rotate(q, q_rot, offs_d, rot_d, half, D, cos, sin, q_norm_ptr, eps, QK_NORM)
-        k = _rotate(k, k_rot, offs_d, rot_d, half, D, cos, sin, k_norm_ptr, eps, QK_NORM)
+        r = tl.arange(0, BLOCK_R)
+        t_r = r // group  # each row's query token
+        heads = kvh * group + r % group
+        r_mask = t_r < M
+        t_k = tl.arange(0, BLOCK_T)  # the step's tokens, as keys
+        k_mask = t_k < M
+        q = _step_rows(qkv_ptr, t_r, M, positions_ptr, cos_ptr, sin_ptr, q_norm_ptr, eps, heads,
+                       NQKV, D, QK_NORM)  # fmt: skip
+        kv_head = tl.full([BLOCK_T], HQ, tl.int32) + kvh
+        k = _step_rows(qkv_ptr, t_k, M, positions_ptr, cos_ptr, sin_ptr, k_norm_ptr, eps,
+                       kv_head, NQKV, D, QK_NORM)  # fmt: skip
+        v_rows = qkv_ptr + t_k[:, None] * NQKV + (HQ + HKV + kvh) * D + offs_d[None, :]
+        v = tl.load(v_rows, mask=k_mask[:, None], other=0.0, cache_modifier=".cg")
         q = q.to(k_cache_ptr.dtype.element_ty)
         k = k.to(k_cache_ptr.dtype.element_ty)
         v = v.to(v_cache_ptr.dtype.element_ty)
-        if (split == 0) & (slot >= 0):
-            at = slot.to(tl.int64) * (HKV * D) + kvh * D + offs_d[None, :]
-            tl.store(k_cache_ptr + at, k)
-            tl.store(v_cache_ptr + at, v)
-        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, D], tl.float32)
+        if split == 0:
+            slot = tl.load(slots_ptr + t_k, mask=k_mask, other=-1)
+            at = slot[:, None].to(tl.int64) * (HKV * D) + kvh * D + offs_d[None, :]
+            tl.store(k_cache_ptr + at, k, mask=(slot >= 0)[:, None])
+            tl.store(v_cache_ptr + at, v, mask=(slot >= 0)[:, None])
+        m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, D], tl.float32)
         for start in range(lo, hi, BLOCK_N):
             valid = start + tl.arange(0, BLOCK_N) < hi
             m_i, l_i, acc = _attend_block(q, kb, vb, valid[None, :], m_i, l_i, acc, qk_scale)
@@ -354,33 +436,39 @@ def _attention_split(
             vb_next = _kv_block(
                 v_cache_ptr, page_table_ptr, offs_n, valid, kvh, offs_d, PAGE, HKV, D
             )
-        # the new token, as one more key of the last split (its K from registers)
+        # the step's tokens, as keys of the last split (from registers), each seen by the
+        # rows of its own and later tokens
         fold = (split == splits - 1) & (kv_len > 0)
-        m_i, l_i, acc = _fold_key(q, k, v, fold, m_i, l_i, acc, qk_scale)
+        if BLOCK_T == 1:
+            m_i, l_i, acc = _fold_key(q, k, v, fold, m_i, l_i, acc, qk_scale)
+        else:
+            keep = fold & (t_k[None, :] <= t_r[:, None]) & k_mask[None, :]
+            m_i, l_i, acc = _attend_block(q, k, v, keep, m_i, l_i, acc, qk_scale)
         lse, out = _split_result(m_i, l_i, acc)
+        head_rows = t_r * HQ + heads  # (token, head)
         if splits == 1:  # the output itself (what merging one split would store, bitwise)
-            at = attn_ptr + heads[:, None] * D + offs_d[None, :]
-            tl.store(at, out.to(attn_ptr.dtype.element_ty), mask=g_mask[:, None])
+            at = attn_ptr + head_rows[:, None] * D + offs_d[None, :]
+            tl.store(at, out.to(attn_ptr.dtype.element_ty), mask=r_mask[:, None])
         else:  # the last split of the KV head to finish merges its query heads' splits
-            row = heads * S_MAX + split
-            tl.store(mid_o_ptr + row[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
-            tl.store(mid_lse_ptr + row, lse, mask=g_mask)
+            row = head_rows * S_MAX + split
+            tl.store(mid_o_ptr + row[:, None] * D + offs_d[None, :], out, mask=r_mask[:, None])
+            tl.store(mid_lse_ptr + row, lse, mask=r_mask)
             if last_to_arrive(ticket_ptr, kvh * TICKET_STRIDE, splits):
-                _merge_group(kvh, splits, mid_o_ptr, mid_lse_ptr, attn_ptr, HQ, HKV, D, S_MAX,
-                             BLOCK_S)  # fmt: skip
+                _merge_group(kvh, splits, M, mid_o_ptr, mid_lse_ptr, attn_ptr, HQ, HKV, D,
+                             S_MAX, BLOCK_S)  # fmt: skip
                 reset_ticket(ticket_ptr, kvh * TICKET_STRIDE)
 
 
 @triton.jit
 def _first_kv_block(
-    item, kv_lens_ptr, page_table_ptr, k_cache_ptr, v_cache_ptr, HKV: tl.constexpr,
+    item, kv_lens_ptr, page_table_ptr, k_cache_ptr, v_cache_ptr, M, HKV: tl.constexpr,
     D: tl.constexpr, PAGE: tl.constexpr, S_MAX: tl.constexpr, SPLIT_KEYS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """The first key and value block of attention item `item`: positions cached by earlier
     steps, read before the barrier that ends the q/k/v stage."""
     kvh = item // S_MAX
-    _, _, lo, hi = _split_bounds(kv_lens_ptr, item % S_MAX, S_MAX, SPLIT_KEYS, BLOCK_N)
+    _, _, lo, hi = _split_bounds(kv_lens_ptr, item % S_MAX, M, S_MAX, SPLIT_KEYS, BLOCK_N)
     offs_n = lo + tl.arange(0, BLOCK_N)
     valid = (offs_n < hi) & (kvh < HKV)
     offs_d = tl.arange(0, D)
@@ -404,37 +492,43 @@ def _first_tiles(w_ptr, rows, mask, K: tl.constexpr, BK: tl.constexpr):
 
 @triton.jit
 def _qkv_stage(
-    w0, w1, table_ptr, layer, pid, x_ptr, res_ptr, mid_res_ptr, qkv_ptr, eps,
+    w0, w1, table_ptr, layer, pid, x_ptr, res_ptr, mid_res_ptr, qkv_ptr, eps, M,
     H: tl.constexpr, NQKV: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
-    HAS_RES: tl.constexpr, QKV_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, HAS_RES: tl.constexpr, QKV_BIAS: tl.constexpr,
 ):  # fmt: skip
     """Stage 1: `x + residual` (program 0 stores it), RMSNorm, the q/k/v product's rows."""
     rows, mask = _rows(pid, R, NQKV, BR)
     acc = _normed_product(
         _ptr(table_ptr, layer, 0, x_ptr), rows, mask, w0, w1, x_ptr, res_ptr,
-        _ptr(table_ptr, layer, 5, x_ptr), mid_res_ptr, eps, H, HAS_RES, pid == 0, BK,
+        _ptr(table_ptr, layer, 5, x_ptr), mid_res_ptr, eps, H, M, HAS_RES, pid == 0, BLOCK_M,
+        BK,
     )  # fmt: skip
     if QKV_BIAS:
-        bias = _ptr(table_ptr, layer, 1, x_ptr)
-        acc += tl.load(bias + rows, mask=mask, other=0.0).to(tl.float32)
-    tl.store(qkv_ptr + rows, acc.to(x_ptr.dtype.element_ty), mask=mask)
+        bias = tl.load(_ptr(table_ptr, layer, 1, x_ptr) + rows, mask=mask, other=0.0)
+        if BLOCK_M == 1:
+            acc += bias.to(tl.float32)
+        else:
+            acc += bias.to(tl.float32)[None, :]
+    _store_rows(qkv_ptr, acc, rows, mask, NQKV, M, BLOCK_M)
 
 
-# `programs` and `layers` are plain arguments: Triton would compile a kernel of its own for a
-# value of 1 or a multiple of 16 (a launch a layer would not run the whole model's code).
+# `programs`, `layers` and `M` (the step's query tokens) are plain arguments: Triton would
+# compile a kernel of its own for a value of 1 or a multiple of 16 (a launch a layer would not
+# run the whole model's code).
 @direct_launch
-@triton.jit(do_not_specialize=["programs", "layers"])
+@triton.jit(do_not_specialize=["programs", "layers", "M"])
 def _decode_layers_kernel(
     x_ptr, res_ptr, out_ptr, new_res_ptr, mid_res_ptr, qkv_ptr, mid_o_ptr, mid_lse_ptr,
     attn_ptr, o_ptr, act_ptr, barrier_ptr, table_ptr, cos_ptr, sin_ptr, positions_ptr,
-    slots_ptr, kv_lens_ptr, page_table_ptr, timing_ptr, eps, qk_scale, programs, layers,
+    slots_ptr, kv_lens_ptr, page_table_ptr, timing_ptr, eps, qk_scale, programs, layers, M,
     H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, FF: tl.constexpr,
     PAGE: tl.constexpr, S_MAX: tl.constexpr, SPLIT_KEYS: tl.constexpr, BLOCK_N: tl.constexpr,
     R_QKV: tl.constexpr, BR_QKV: tl.constexpr, BK_QKV: tl.constexpr,
     R_O: tl.constexpr, BR_O: tl.constexpr, BK_O: tl.constexpr,
     R_GU: tl.constexpr, BR_GU: tl.constexpr, BK_GU: tl.constexpr,
     R_DN: tl.constexpr, BR_DN: tl.constexpr, BK_DN: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, HAS_RES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
+    HAS_RES: tl.constexpr,
     QKV_BIAS: tl.constexpr, QK_NORM: tl.constexpr, STAGE: tl.constexpr, OPAQUE: tl.constexpr,
     L2: tl.constexpr, TIMING: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
@@ -461,14 +555,15 @@ def _decode_layers_kernel(
                 _stamp(timing_ptr, pid, layer, layers, 0, TIMING)
                 _qkv_stage(
                     qkv0, qkv1, table_ptr, layer, pid, x_ptr, res_ptr if HAS_RES else x_ptr,
-                    mid_res_ptr, qkv_ptr, eps, H, NQKV, R_QKV, BR_QKV, BK_QKV, HAS_RES, QKV_BIAS,
+                    mid_res_ptr, qkv_ptr, eps, M, H, NQKV, R_QKV, BR_QKV, BK_QKV, BLOCK_M,
+                    HAS_RES, QKV_BIAS,
                 )  # fmt: skip
             else:
                 _grid_barrier(count_ptr, gen_ptr, programs)
                 _stamp(timing_ptr, pid, layer, layers, 0, TIMING)
                 _qkv_stage(
                     qkv0, qkv1, table_ptr, layer, pid, out_ptr, new_res_ptr, mid_res_ptr,
-                    qkv_ptr, eps, H, NQKV, R_QKV, BR_QKV, BK_QKV, True, QKV_BIAS,
+                    qkv_ptr, eps, M, H, NQKV, R_QKV, BR_QKV, BK_QKV, BLOCK_M, True, QKV_BIAS,
                 )  # fmt: skip
             _stamp(timing_ptr, pid, layer, layers, 1, TIMING)
         k_cache_ptr = _ptr(table_ptr, layer, 9, x_ptr)
@@ -477,7 +572,7 @@ def _decode_layers_kernel(
         # 2. attention, a program per (KV head, split) (programs >= HKV * S_MAX)
         if ALL or STAGE == 1:
             kb, vb = _first_kv_block(
-                pid, kv_lens_ptr, page_table_ptr, k_cache_ptr, v_cache_ptr, HKV, D, PAGE,
+                pid, kv_lens_ptr, page_table_ptr, k_cache_ptr, v_cache_ptr, M, HKV, D, PAGE,
                 S_MAX, SPLIT_KEYS, BLOCK_N,
             )  # fmt: skip
             w_gu = _ptr(table_ptr, layer, 3, x_ptr)
@@ -492,8 +587,8 @@ def _decode_layers_kernel(
                     pid, kb, vb, qkv_ptr, positions_ptr, slots_ptr, kv_lens_ptr,
                     page_table_ptr, cos_ptr, sin_ptr, _ptr(table_ptr, layer, 7, x_ptr),
                     _ptr(table_ptr, layer, 8, x_ptr), eps, k_cache_ptr, v_cache_ptr, mid_o_ptr,
-                    mid_lse_ptr, attn_ptr, barrier_ptr + TICKETS, qk_scale, HQ, HKV, D, PAGE,
-                    S_MAX, SPLIT_KEYS, BLOCK_G, BLOCK_S, BLOCK_N, QK_NORM,
+                    mid_lse_ptr, attn_ptr, barrier_ptr + TICKETS, qk_scale, M, HQ, HKV, D,
+                    PAGE, S_MAX, SPLIT_KEYS, BLOCK_R, BLOCK_T, BLOCK_S, BLOCK_N, QK_NORM,
                 )  # fmt: skip
         _stamp(timing_ptr, pid, layer, layers, 3, TIMING)
 
@@ -509,9 +604,10 @@ def _decode_layers_kernel(
         if ALL or STAGE == 2:
             rows, mask = _rows(pid, R_O, H, BR_O)
             acc = _plain_product(
-                _ptr(table_ptr, layer, 2, x_ptr), rows, mask, o0, o1, attn_ptr, HQ * D, BK_O
-            )
-            tl.store(o_ptr + rows, acc.to(act_dtype), mask=mask)
+                _ptr(table_ptr, layer, 2, x_ptr), rows, mask, o0, o1, attn_ptr, HQ * D, M,
+                BLOCK_M, BK_O,
+            )  # fmt: skip
+            _store_rows(o_ptr, acc, rows, mask, H, M, BLOCK_M)
         _stamp(timing_ptr, pid, layer, layers, 5, TIMING)
 
         pid = _program_id(OPAQUE)
@@ -529,12 +625,17 @@ def _decode_layers_kernel(
             rows, mask = _pair_rows(pid, R_GU, FF, BR_GU)
             acc = _normed_product(
                 _ptr(table_ptr, layer, 3, x_ptr), rows, mask, gu0, gu1, o_ptr, mid_res_ptr,
-                _ptr(table_ptr, layer, 6, x_ptr), new_res_ptr, eps, H, True, pid == 0, BK_GU,
+                _ptr(table_ptr, layer, 6, x_ptr), new_res_ptr, eps, H, M, True, pid == 0,
+                BLOCK_M, BK_GU,
             )  # fmt: skip
             # each rounded to the activation dtype, as the unfused product stores them
-            gate, up = tl.split(tl.reshape(acc.to(act_dtype).to(tl.float32), [BR_GU, 2]))
+            acc = acc.to(act_dtype).to(tl.float32)
+            if BLOCK_M == 1:
+                gate, up = tl.split(tl.reshape(acc, [BR_GU, 2]))
+            else:
+                gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BR_GU, 2]))
             rows, mask = _rows(pid, R_GU, FF, BR_GU)
-            tl.store(act_ptr + rows, (gate * tl.sigmoid(gate) * up).to(act_dtype), mask=mask)
+            _store_rows(act_ptr, gate * tl.sigmoid(gate) * up, rows, mask, FF, M, BLOCK_M)
         _stamp(timing_ptr, pid, layer, layers, 7, TIMING)
 
         pid = _program_id(OPAQUE)
@@ -548,9 +649,10 @@ def _decode_layers_kernel(
         if ALL or STAGE == 4:
             rows, mask = _rows(pid, R_DN, H, BR_DN)
             acc = _plain_product(
-                _ptr(table_ptr, layer, 4, x_ptr), rows, mask, dn0, dn1, act_ptr, FF, BK_DN
-            )
-            tl.store(out_ptr + rows, acc.to(act_dtype), mask=mask)
+                _ptr(table_ptr, layer, 4, x_ptr), rows, mask, dn0, dn1, act_ptr, FF, M, BLOCK_M,
+                BK_DN,
+            )  # fmt: skip
+            _store_rows(out_ptr, acc, rows, mask, H, M, BLOCK_M)
         _stamp(timing_ptr, pid, layer, layers, 9, TIMING)
 
 
@@ -646,11 +748,12 @@ def l2_prefetch_fits(
 
 
 class DecodeLayerKernel:
-    """Runs the decoder layers `layers` (of sizes `dims`) for one decoding sequence on
-    `programs` programs: on a GPU every layer in one launch (its SM count of programs, all
-    resident at once; at least one a KV head), off it one launch a stage and layer. Holds the
-    scratch, the layers' pointer table and the barrier's two words, so one instance serves
-    one stream. `split_keys`: the fewest cached positions an attention split takes."""
+    """Runs the decoder layers `layers` (of sizes `dims`) for the query tokens of one
+    sequence (1, a decode step, up to MAX_TOKENS, a speculative verify step) on `programs`
+    programs: on a GPU every layer in one launch (its SM count of programs, all resident at
+    once; at least one a KV head), off it one launch a stage and layer. Holds the scratch, the
+    layers' pointer table and the barrier's words, so one instance serves one stream.
+    `split_keys`: the fewest cached positions an attention split takes."""
 
     def __init__(
         self, dims: LayerDims, layers: list[DecodeLayerWeights], programs: int,
@@ -682,7 +785,7 @@ class DecodeLayerKernel:
         nqkv = (d.num_heads + 2 * d.num_kv_heads) * d.head_dim
 
         def empty(n: int, dt: torch.dtype = dtype) -> torch.Tensor:
-            return torch.empty(n, dtype=dt, device=device)
+            return torch.empty(MAX_TOKENS * n, dtype=dt, device=device)
 
         self.hidden, self.residual, self.mid_res = empty(d.hidden), empty(d.hidden), empty(d.hidden)
         self.qkv, self.o, self.act = empty(nqkv), empty(d.hidden), empty(d.intermediate)
@@ -692,34 +795,29 @@ class DecodeLayerKernel:
         self.barrier = torch.zeros(
             TICKETS + d.num_kv_heads * TICKET_STRIDE, dtype=torch.int32, device=device
         )
-        r_qkv, r_h = cdiv(nqkv, programs), cdiv(d.hidden, programs)
-        r_gu = cdiv(d.intermediate, programs)
-        br_qkv, br_h, br_gu = next_power_of_2(r_qkv), next_power_of_2(r_h), next_power_of_2(r_gu)
-        self.tiles = {
-            "R_QKV": r_qkv, "BR_QKV": br_qkv, "BK_QKV": _tile_k(br_qkv, d.hidden),
-            "R_O": r_h, "BR_O": br_h, "BK_O": _tile_k(br_h, d.num_heads * d.head_dim),
-            "R_GU": r_gu, "BR_GU": br_gu, "BK_GU": _tile_k(2 * br_gu, d.hidden),
-            "R_DN": r_h, "BR_DN": br_h, "BK_DN": _tile_k(br_h, d.intermediate),
-        }  # fmt: skip
+        self.tiles = {rows: _tiles(d, programs, rows) for rows in (1, DOT_ROWS)}
 
     def run(
         self, x: torch.Tensor, step: DecodeStep, staged: bool | None = None,
         timing: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """`(output, residual)` after every layer (as `LlamaDecoderLayer`s return them) for
-        the embedded token `x` `[1, H]`, the first layer's residual being `x` itself; both are
-        this instance's buffers. `staged` (default: off a GPU, where a barrier of more than
-        one program cannot open): each stage of each layer a launch of its own. `timing`
-        (int64 `[programs, layers, STAMPS]`, one launch of every layer on a GPU): each
-        program's global-timer stamps (ns) at the start and end of each stage
-        (`benchmarks/fused_decode_timeline.py`)."""
+        """`(output, residual)` `[M, H]` after every layer (as `LlamaDecoderLayer`s return
+        them) for the embedded query tokens `x` `[M, H]` (M <= MAX_TOKENS), the first layer's
+        residual being `x` itself; both are views of this instance's buffers. `staged`
+        (default: off a GPU, where a barrier of more than one program cannot open): each stage
+        of each layer a launch of its own. `timing` (int64 `[programs, layers, STAMPS]`, one
+        launch of every layer on a GPU): each program's global-timer stamps (ns) at the start
+        and end of each stage (`benchmarks/fused_decode_timeline.py`)."""
+        m = x.shape[0]
+        if not 1 <= m <= MAX_TOKENS:
+            raise ValueError(f"the decode layer kernel takes 1 to {MAX_TOKENS} tokens, got {m}")
         residual: torch.Tensor | None = None
         if staged is None:
             staged = x.device.type != "cuda"
         if staged:
             for layer in range(self.num_layers):
                 for stage in range(NUM_STAGES):
-                    self._launch(x, residual, step, layer, 1, stage, None)
+                    self._launch(x, residual, m, step, layer, 1, stage, None)
                 x, residual = self.hidden, self.residual
         else:
             per_launch = _layers_per_launch or self.num_layers
@@ -727,34 +825,61 @@ class DecodeLayerKernel:
                 raise ValueError("timing stamps need every layer in one launch")
             for layer in range(0, self.num_layers, per_launch):
                 count = min(per_launch, self.num_layers - layer)
-                self._launch(x, residual, step, layer, count, -1, timing)
+                self._launch(x, residual, m, step, layer, count, -1, timing)
                 x, residual = self.hidden, self.residual
-        return self.hidden.view(1, -1), self.residual.view(1, -1)
+        h = self.dims.hidden
+        return self.hidden[: m * h].view(m, h), self.residual[: m * h].view(m, h)
 
     def _launch(
-        self, x: torch.Tensor, residual: torch.Tensor | None, step: DecodeStep, layer: int,
-        count: int, stage: int, timing: torch.Tensor | None,
+        self, x: torch.Tensor, residual: torch.Tensor | None, m: int, step: DecodeStep,
+        layer: int, count: int, stage: int, timing: torch.Tensor | None,
     ) -> None:  # fmt: skip
-        """Layers `layer .. layer + count` (one launch), or one stage of one layer."""
+        """Layers `layer .. layer + count` (one launch), or one stage of one layer, for the
+        `m` rows of `x`."""
         d = self.dims
+        block_m = 1 if m == 1 else DOT_ROWS
         group = d.num_heads // d.num_kv_heads
+        tokens = 1 if m == 1 else MAX_TOKENS
         _decode_layers_kernel[(self.programs,)](
             x, residual if residual is not None else x, self.hidden, self.residual, self.mid_res,
             self.qkv, self.mid_o, self.mid_lse, self.attn, self.o, self.act, self.barrier,
             self.table[layer],
             step.cos, step.sin, step.positions, step.slots, step.kv_lens, step.page_table,
             timing if timing is not None else self.table, d.eps, d.head_dim**-0.5 * _LOG2E,
-            self.programs, count,
+            self.programs, count, m,
             H=d.hidden, HQ=d.num_heads, HKV=d.num_kv_heads, D=d.head_dim, FF=d.intermediate,
             PAGE=d.page_size, S_MAX=self.s_max, SPLIT_KEYS=self.split_keys, BLOCK_N=ATTN_BLOCK_N,
-            **self.tiles, BLOCK_G=max(16, next_power_of_2(group)),
-            BLOCK_S=next_power_of_2(self.s_max), HAS_RES=residual is not None,
-            QKV_BIAS=self.qkv_bias, QK_NORM=self.qk_norm, STAGE=stage,
-            OPAQUE=not _interpreted(), L2=self.l2_prefetch and stage < 0,
-            TIMING=timing is not None,
-            num_warps=self.num_warps,
+            **self.tiles[block_m], BLOCK_M=block_m,
+            BLOCK_R=max(16, next_power_of_2(tokens * group)),
+            BLOCK_T=1 if m == 1 else max(16, MAX_TOKENS), BLOCK_S=next_power_of_2(self.s_max),
+            HAS_RES=residual is not None, QKV_BIAS=self.qkv_bias, QK_NORM=self.qk_norm,
+            STAGE=stage, OPAQUE=not _interpreted(), L2=self.l2_prefetch and stage < 0,
+            TIMING=timing is not None, num_warps=self.num_warps,
             **pdl_options(x.device, wanted=stage < 0),
         )  # fmt: skip
+
+
+def _tiles(d: LayerDims, programs: int, block_m: int) -> dict[str, int]:
+    """Each weight stage's rows a program (R), their block (BR: at least 16 for the tensor
+    cores' tiles when `block_m` rows go through them) and its K width (BK)."""
+    nqkv = (d.num_heads + 2 * d.num_kv_heads) * d.head_dim
+    r_qkv, r_h, r_gu = (
+        cdiv(nqkv, programs),
+        cdiv(d.hidden, programs),
+        cdiv(d.intermediate, programs),
+    )
+    least = 1 if block_m == 1 else DOT_ROWS
+
+    def block(rows: int, pairs: bool = False) -> int:
+        return max(next_power_of_2(rows), least // 2 if pairs else least)
+
+    br_qkv, br_h, br_gu = block(r_qkv), block(r_h), block(r_gu, pairs=True)
+    return {
+        "R_QKV": r_qkv, "BR_QKV": br_qkv, "BK_QKV": _tile_k(br_qkv, d.hidden),
+        "R_O": r_h, "BR_O": br_h, "BK_O": _tile_k(br_h, d.num_heads * d.head_dim),
+        "R_GU": r_gu, "BR_GU": br_gu, "BK_GU": _tile_k(2 * br_gu, d.hidden),
+        "R_DN": r_h, "BR_DN": br_h, "BK_DN": _tile_k(br_h, d.intermediate),
+    }  # fmt: skip
 
 
 def _interpreted() -> bool:
