@@ -5,6 +5,8 @@ does not serve are refused at start-up."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -49,6 +51,38 @@ def test_fused_decode_matches_transformers(checkpoints, family: str, monkeypatch
     expected = [hf_greedy(path, p, n) for p, n in zip(prompts, lengths, strict=True)]
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert len(runs) == lengths[2] - lengths[1]  # the last row's steps alone
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_fused_verify_steps_match_transformers(checkpoints, method: str, monkeypatch) -> None:
+    """Speculative decoding of one sequence: its verify steps (1 + k query tokens, each
+    attending causally) and prompts of at most 8 tokens run through the fused layers too;
+    greedy output is still transformers'."""
+    path = checkpoints["llama"]
+    rows: list[int] = []
+    original = DecodeLayerKernel.run
+
+    def counted(self, x, *args, **kwargs):  # type: ignore[no-untyped-def]
+        rows.append(x.shape[0])
+        return original(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(DecodeLayerKernel, "run", counted)
+    spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False}
+    if method == "ngram":
+        spec |= {"prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    else:
+        spec["model"] = str(path)  # the target as its own draft: drafts accepted
+    llm = _fused_llm(path, speculative_config=json.dumps(spec))
+    prompts = [[11, 12, 13, 14, 11, 12, 13], [5, 6, 7, 8, 9, 10, 11, 12, 13, 5, 6, 7, 8]]
+    for prompt in prompts:
+        tokens = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        assert tokens == hf_greedy(path, prompt, GREEDY.max_tokens)
+    assert len(prompts[0]) in rows  # the first prompt's prefill
+    drafted = llm.engine.scheduler.spec_stats.num_drafts
+    assert drafted or method == "ngram"  # (the tiny model's text may never repeat itself)
+    verify_rows = [r for r in rows[1:] if r > 1]  # (after the first prompt's prefill)
+    assert bool(verify_rows) == bool(drafted)
+    assert 4 in verify_rows or method == "ngram"  # 3 drafts (prompt lookup may find fewer)
 
 
 @pytest.mark.parametrize(

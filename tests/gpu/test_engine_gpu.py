@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -45,13 +46,17 @@ def test_float32_greedy_equals_transformers_on_gpu(checkpoints, family: str, set
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("eager", [False, True])
-def test_fused_decode_layer_equals_transformers(checkpoints, family: str, eager: bool) -> None:
+@pytest.mark.parametrize("mode", ["graphs", "eager", "speculative"])
+def test_fused_decode_layer_equals_transformers(checkpoints, family: str, mode: str) -> None:
     """`fused_decode_layer`: prompts sent one at a time decode through one kernel for all the
-    layers (in the batch-1 CUDA graph, or launched eagerly), all its programs resident."""
+    layers (in the batch-1 CUDA graph, or launched eagerly), all its programs resident; with
+    speculation (the target as its own draft, 3 drafts) its verify steps (4 query tokens, in
+    the verify graphs) too."""
     path = checkpoints[family]
+    spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
     llm = LLM(str(path), device="cuda", dtype="float32", fused_decode_layer=True,
-              enforce_eager=eager)  # fmt: skip
+              enforce_eager=mode == "eager",
+              speculative_config=json.dumps(spec) if mode == "speculative" else None)  # fmt: skip
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     # the last one decodes from 240 to 263 positions: two attention splits, then three
     prompts = [*PROMPTS, [(7 * i) % 200 + 3 for i in range(240)]]

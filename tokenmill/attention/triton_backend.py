@@ -191,10 +191,12 @@ class TritonAttentionBackend(FusedStoreBackend):
             long = [q for q in rest if q > self._short_q_len]
         self._tiles = prefill_tiles(long or lens, cfg.head_dim, cfg.dtype.itemsize)
 
-    def one_sequence_decode(self) -> AttentionInputs | None:
-        """The planned step's inputs if it decodes one sequence, outside deterministic mode
-        (what `models.fused_decode` runs), else None."""
-        one = self._decode and len(self._inputs.query_lens_cpu) == 1
+    def one_sequence_step(self, max_tokens: int) -> AttentionInputs | None:
+        """The planned step's inputs if it computes 1 to `max_tokens` query tokens of one
+        sequence (a decode step, a speculative verify step, a short chunk), outside
+        deterministic mode (what `models.fused_decode` runs), else None."""
+        lens = self._inputs.query_lens_cpu
+        one = len(lens) == 1 and 1 <= lens[0] <= max_tokens
         return self._inputs if one and not self.deterministic else None
 
     def _plan_dense(self, inputs: AttentionInputs) -> None:

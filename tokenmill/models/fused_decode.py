@@ -1,5 +1,5 @@
-"""A dense Llama-family model's decoder layers in one launch, for steps that decode one
-sequence (`kernels/decode_layer.py`; `--fused-decode-layer`)."""
+"""A dense Llama-family model's decoder layers in one launch, for steps of a few query tokens of
+one sequence (decode, speculative verify; `kernels/decode_layer.py`; `--fused-decode-layer`)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from tokenmill.attention.backend import AttentionBackend
 from tokenmill.attention.triton_backend import TritonAttentionBackend
 from tokenmill.config import ModelConfig
 from tokenmill.kernels.decode_layer import (
+    MAX_TOKENS,
     DecodeLayerKernel,
     DecodeLayerWeights,
     DecodeStep,
@@ -54,15 +55,17 @@ class FusedDecodeLayers:
         self.kernel = DecodeLayerKernel(dims, layers, programs)
 
     def serves(self, input_ids: torch.Tensor) -> bool:
-        """Whether the step decodes one sequence (else the layers run as modules)."""
-        return input_ids.shape[0] == 1 and self.backend.one_sequence_decode() is not None
+        """Whether the step computes 1 to MAX_TOKENS query tokens of one sequence (a decode
+        step, a speculative verify step, a short chunk; else the layers run as modules)."""
+        inputs = self.backend.one_sequence_step(MAX_TOKENS)
+        return inputs is not None and input_ids.shape[0] == inputs.query_lens_cpu[0]
 
     def __call__(
         self, x: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`(x, residual)` after every layer, as the modules would return them, for the
-        embedded token `x` `[1, H]` at `positions` `[1]` of a step `serves` took."""
-        inputs = self.backend.one_sequence_decode()
+        embedded query tokens `x` `[M, H]` at `positions` `[M]` of a step `serves` took."""
+        inputs = self.backend.one_sequence_step(MAX_TOKENS)
         assert inputs is not None
         step = DecodeStep(
             positions=positions, slots=inputs.slot_mapping, kv_lens=inputs.kv_lens,
