@@ -97,12 +97,14 @@ KERNELS = {
         TOP_K=8, EXPERTS=128, SLOTS=8, NORM=True, BLOCK_N=2, BLOCK_K=256)),
     "moe_down_gemv": (_down_gemv_kernel, dict(
         TOP_K=8, RENORMALIZE=True, EXPERTS=128, SLOTS=8, BLOCK_N=8, BLOCK_K=128)),
-    "decode_layer": (_decode_layers_kernel, dict(  # Qwen3-0.6B's layer on 132 programs
+    **{name: (_decode_layers_kernel, dict(  # Qwen3-0.6B's layers on 132 programs
         H=1024, HQ=16, HKV=8, D=128, FF=3072, PAGE=16, S_MAX=16, SPLIT_KEYS=128, BLOCK_N=64,
-        R_QKV=32, BR_QKV=32, BK_QKV=256, R_O=8, BR_O=8, BK_O=1024, R_GU=24, BR_GU=32,
-        BK_GU=128, R_DN=8, BR_DN=8, BK_DN=1024, BLOCK_M=1, BLOCK_R=16, BLOCK_T=1, BLOCK_S=16,
-        HAS_RES=True, QKV_BIAS=False, QK_NORM=True, STAGE=-1, OPAQUE=True, L2=True,
-        TIMING=False)),
+        R_QKV=32, BR_QKV=32, BK_QKV=256, R_O=8, BR_O=8 if rows == 1 else 16,
+        BK_O=1024 if rows == 1 else 512, R_GU=24, BR_GU=32, BK_GU=128, R_DN=8,
+        BR_DN=8 if rows == 1 else 16, BK_DN=1024 if rows == 1 else 512, BLOCK_M=rows,
+        BLOCK_R=16, BLOCK_T=1 if rows == 1 else 16, BLOCK_S=16, HAS_RES=True, QKV_BIAS=False,
+        QK_NORM=True, STAGE=-1, OPAQUE=True, L2=True, TIMING=False))
+        for name, rows in (("decode_layer", 1), ("decode_layer_verify", 16))},
 }  # fmt: skip
 MEMORY_OP = re.compile(r"^\s*(?:@%\w+\s+)?((?:ld|st|atom|red)\.global\S*|cp\.async\.bulk\S*)")
 
