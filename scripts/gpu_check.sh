@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call (see ../shared/device/README.md).
 # Usage on the device:
-#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|moeprofile|structured|b4|b4adaptive|spechost|verifyfusion|tp|conformance|hostkv|startup|vl|det|detsweep|prefillattn|launch|fused|all]
+#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|moeprofile|structured|b4|b4adaptive|spechost|verifyfusion|tp|conformance|hostkv|startup|vl|det|detsweep|prefillattn|launch|fused|fusedb4|all]
 # (gputests = the GPU engine tests and the GEMV, decode and rotary kernel tests + profile + B1;
 #  moe = the mixture-of-experts GPU and kernel tests (moetests), B1/B2 qwen3-30b-a3b with the
 #  transformers peer (moebench);
@@ -40,7 +40,8 @@
 #  CPU-path and GPU engine tests, then per model (AB_MODELS) profile_decode.py at batch 1 off,
 #  on, on without the L2 prefetch and on with a launch a layer, benchmarks/fused_decode_timeline.py
 #  (the layers against the copy bandwidth, one grid barrier alone, each stage's work and wait
-#  from timer stamps) and B1 (no peer) off and on, same call;
+#  from timer stamps) and B1 (no peer) off and on, same call; fusedb4 = B4 at batch 1 (oracle
+#  a = 0.8) off and on: the verify steps through the fused layers too;
 #  det = deterministic mode (issue 30): its GPU tests, then B1 and B2 of qwen3-0.6b and
 #  llama-3.1-8b (engine args of b1/b2, no transformers peer) without and with
 #  `--engine-arg deterministic=true`, same run;
@@ -227,6 +228,14 @@ if [[ "$what" == structured || "$what" == all ]]; then
       2>&1 | tee "$out/structured-$m.log" | tail -1 >> "$table"
     python3 benchmarks/structured_outputs.py --config "$models/$m" --host-only \
       --tokenizer tokenmill/assets/demo-llama-16m 2>&1 | tail -1 | sed 's/^/demo tokenizer: /' >> "$table"
+  done
+fi
+if [[ "$what" == fusedb4 ]]; then  # B4 at batch 1, off and with the fused layers (verify too)
+  for m in ${AB_MODELS:-qwen3-0.6b llama-3.1-8b}; do
+    bench "$m" b4 "${kv[@]}" --engine-arg max_num_seqs=8 --batch-sizes 1 --acceptance-rates 0.8 \
+      --repeats 3
+    TAG=fused bench "$m" b4 "${kv[@]}" --engine-arg max_num_seqs=8 --batch-sizes 1 \
+      --acceptance-rates 0.8 --repeats 3 --engine-arg fused_decode_layer=true
   done
 fi
 if [[ "$what" == b4 || "$what" == all ]]; then  # speculative decoding vs plain, same run
