@@ -546,7 +546,7 @@ class RunnerConfig:
     encoder_cache_tokens: int = 16384  # image tokens of vision-encoder outputs kept
     # Batch-invariant kernels: a request's logits do not depend on the rest of its batch.
     deterministic: bool = False
-    # One-sequence decode steps run every decoder layer in one kernel (`models.fused_decode`).
+    # Steps of 1-8 query tokens of one sequence run the decoder layers in one kernel.
     fused_decode_layer: bool = False
 
     def __post_init__(self) -> None:
@@ -861,11 +861,12 @@ class EngineArgs:
     )
     fused_decode_layer: bool = option(
         False,
-        "Decode steps of one sequence run all the decoder layers in one kernel (five stages a "
-        "layer, separated by grid barriers, each program loading its next weights before it "
-        "waits) instead of seven kernels a layer: dense Llama-family models on one CUDA "
-        "device with the triton attention backend, not in deterministic mode; other models "
-        "are refused at start-up.",
+        "Steps of 1 to 8 query tokens of one sequence (decoding one request, its speculative "
+        "verify steps) run all the decoder layers in one kernel (five stages a layer, "
+        "separated by grid barriers, each program loading its next weights before it waits) "
+        "instead of seven kernels a layer: dense Llama-family models on one CUDA device with "
+        "the triton attention backend, not in deterministic mode; other models are refused "
+        "at start-up. Not yet measured on a GPU.",
     )
     tuning_cache_dir: str | None = option(
         None,

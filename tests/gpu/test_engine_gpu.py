@@ -284,17 +284,19 @@ def _triton_kernels() -> list:  # type: ignore[type-arg]
     return found
 
 
-def test_serving_after_start_up_compiles_no_kernel(checkpoints) -> None:
+@pytest.mark.parametrize("fused", [False, True])
+def test_serving_after_start_up_compiles_no_kernel(checkpoints, fused: bool) -> None:
     """The runner's start-up warm-up compiles what a serving run's steps launch: mixed steps
     (prompt chunks beside decode rows, whose short rows are a launch of their own; short
     prompts beside decode rows, through the verify kernel) of varied lengths, page-table widths
-    and input offsets compile no Triton kernel (of `tokenmill.kernels`)."""
+    and input offsets compile no Triton kernel (of `tokenmill.kernels`); with the fused decode
+    layers, nor do the last request's decode steps and a short prompt alone after it."""
     kernels = _triton_kernels()
     assert kernels
     for k in kernels:  # earlier tests' compiles must not stand in for the warm-up's
         k.reset()
     llm = LLM(str(checkpoints["qwen3"]), device="cuda", dtype="bfloat16",
-              max_num_batched_tokens=96, max_num_seqs=16)  # fmt: skip
+              max_num_batched_tokens=96, max_num_seqs=16, fused_decode_layer=fused)  # fmt: skip
     before = _compiled(kernels)
     rng = random.Random(0)
     # The last 8 are short (2-8 tokens), admitted as earlier ones finish: steps whose longest
@@ -306,6 +308,7 @@ def test_serving_after_start_up_compiles_no_kernel(checkpoints) -> None:
         for _ in prompts
     ]
     llm.generate(prompts, params, use_tqdm=False)
+    llm.generate([[5, 6, 7]], params[0], use_tqdm=False)  # a 3-token prompt alone
     assert _compiled(kernels) == before
 
 

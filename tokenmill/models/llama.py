@@ -161,8 +161,8 @@ class LlamaModel(nn.Module):
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # Set by the runner with `fused_decode_layer`: one-sequence decode steps run the
-        # layers in one kernel.
+        # Set by the runner with `fused_decode_layer`: steps of a few query tokens of one
+        # sequence (decode, speculative verify) run the layers in one kernel.
         self.fused_decode: FusedDecodeLayers | None = None
 
     def forward(

@@ -351,17 +351,19 @@ class ModelRunner:
                     config.scheduler.max_num_batched_tokens, config.max_model_len,
                     self.attention.whole_prompt_min_tokens(),
                 )  # fmt: skip
-                warm_up(self.model, self.attention, self.page_size, batches, self.device)
+                # one sequence of one and of two tokens: the fused layers' two kernels
+                fused = [[1], [2]] if config.runner.fused_decode_layer else []
+                warm_up(self.model, self.attention, self.page_size, batches + fused, self.device)
                 if self.spec is not None and (drafter := self.spec.drafter) is not None:
                     # The draft model mirrors every eager step: its heads, its kernels.
                     warm_up(drafter.model, drafter.attention, self.page_size, batches, self.device)
                 self.sampler.warm_up(self.model_config.vocab_size, self.model_config.dtype)
 
     def _fuse_decode_layers(self) -> None:
-        """`fused_decode_layer`: one-sequence decode steps run every decoder layer in one
-        kernel, on one program per SM (off a GPU, in Triton's interpreter, on
-        FUSED_CPU_PROGRAMS); a model or set-up it does not serve is a `ValueError` naming the
-        option."""
+        """`fused_decode_layer`: steps of 1 to 8 query tokens of one sequence (decode,
+        speculative verify) run every decoder layer in one kernel, on one program per SM (off
+        a GPU, in Triton's interpreter, on FUSED_CPU_PROGRAMS); a model or set-up it does not
+        serve is a `ValueError` naming the option."""
         from tokenmill.kernels.attention import sm_count
         from tokenmill.models.fused_decode import FusedDecodeLayers, fused_decode_refusal
 
