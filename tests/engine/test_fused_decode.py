@@ -53,6 +53,28 @@ def test_fused_decode_matches_transformers(checkpoints, family: str, monkeypatch
     assert len(runs) == lengths[2] - lengths[1]  # the last row's steps alone
 
 
+def test_fused_moe_layers_match_transformers(tmp_path, monkeypatch) -> None:
+    """A Qwen3-MoE whose every layer is sparse (8 experts, top 2, renormalised): its decode
+    steps through the fused layers (router, the token's experts, their down rows) give
+    transformers' greedy tokens."""
+    from tokenmill.testing.checkpoints import build_checkpoint
+
+    path = build_checkpoint(tmp_path / "moe", "qwen3_moe", mlp_only_layers=[])
+    runs: list[int] = []
+    original = DecodeLayerKernel.run
+
+    def counted(self, x, *args, **kwargs):  # type: ignore[no-untyped-def]
+        runs.append(x.shape[0])
+        return original(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(DecodeLayerKernel, "run", counted)
+    llm = _fused_llm(path)
+    for prompt in ([3, 4, 5, 6, 7, 8, 9, 10, 11], [40, 41, 42]):
+        tokens = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        assert tokens == hf_greedy(path, prompt, GREEDY.max_tokens)
+    assert runs == [1] * 2 * (GREEDY.max_tokens - 1)  # decode steps only (prefills: modules)
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_fused_verify_steps_match_transformers(checkpoints, method: str, monkeypatch) -> None:
     """Speculative decoding of one sequence: its verify steps (1 + k query tokens, each
@@ -88,7 +110,8 @@ def test_fused_verify_steps_match_transformers(checkpoints, method: str, monkeyp
 @pytest.mark.parametrize(
     ("family", "args", "reason"),
     [
-        ("qwen3_moe", {}, "not a dense Llama-family"),
+        ("qwen3_moe", {}, "every layer is sparse"),  # (its layer 1 is dense)
+        ("qwen2_moe", {}, "every layer is sparse"),  # (a shared expert)
         ("llama", {"attention_backend": "torch"}, "triton attention backend"),
         ("llama", {"deterministic": True}, "deterministic"),
     ],

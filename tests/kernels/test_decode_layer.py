@@ -62,9 +62,19 @@ def _reference(
     scores = scores.masked_fill(~seen[:, None, :], float("-inf"))
     attn = torch.einsum("thn,nhd->thd", scores.softmax(-1), values).reshape(m, -1)
     h2 = attn @ f["o"].T + h1
-    gate_up = _rms(h2, f["post_norm"], d.eps) @ f["gate_up"].T
-    gate, up = gate_up.chunk(2, dim=-1)
-    out = (torch.nn.functional.silu(gate) * up) @ f["down"].T
+    normed = _rms(h2, f["post_norm"], d.eps)
+    if f["router"] is None:
+        gate, up = (normed @ f["gate_up"].T).chunk(2, dim=-1)
+        return (torch.nn.functional.silu(gate) * up) @ f["down"].T, h2, k, v
+    probs = (normed @ f["router"].T).softmax(-1)
+    weights, ids = probs.topk(d.top_k, dim=-1)
+    if d.renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    out = torch.zeros_like(h2)
+    for t in range(m):
+        for weight, e in zip(weights[t], ids[t].tolist(), strict=True):
+            gate, up = (normed[t] @ f["gate_up"][e].T).chunk(2, dim=-1)
+            out[t] += weight * ((torch.nn.functional.silu(gate) * up) @ f["down"][e].T)
     return out, h2, k, v
 
 
@@ -81,12 +91,15 @@ def _weights(
     def norm(n: int) -> torch.Tensor:
         return (1 + torch.randn(n, generator=gen) * 0.1).to(dtype).to(DEVICE)
 
+    experts = (d.experts,) if d.experts else ()
     return DecodeLayerWeights(
         qkv=rand(nqkv, d.hidden), qkv_bias=rand(nqkv) if bias else None,
-        o=rand(d.hidden, d.num_heads * d.head_dim), gate_up=rand(2 * d.intermediate, d.hidden),
-        down=rand(d.hidden, d.intermediate), input_norm=norm(d.hidden), post_norm=norm(d.hidden),
-        q_norm=norm(d.head_dim) if qk_norm else None, k_norm=norm(d.head_dim) if qk_norm else None,
-        k_cache=k_cache, v_cache=v_cache,
+        o=rand(d.hidden, d.num_heads * d.head_dim),
+        gate_up=rand(*experts, 2 * d.intermediate, d.hidden),
+        down=rand(*experts, d.hidden, d.intermediate), input_norm=norm(d.hidden),
+        post_norm=norm(d.hidden), q_norm=norm(d.head_dim) if qk_norm else None,
+        k_norm=norm(d.head_dim) if qk_norm else None, k_cache=k_cache, v_cache=v_cache,
+        router=rand(d.experts, d.hidden, scale=0.5) if d.experts else None,
     )  # fmt: skip
 
 
@@ -233,3 +246,45 @@ def test_one_launch_on_one_program_matches_the_stages(ctx: int, tokens: int) -> 
     assert torch.equal(one[0], staged[0]) and torch.equal(one[1], staged[1])
     # five barriers a layer, none before the first layer's first stage: 14; count back at 0
     assert kernel.barrier[0] == 0 and kernel.barrier[GENERATION.value] == 14
+
+
+@pytest.mark.parametrize(("experts", "top_k", "renormalize"), [(8, 2, True), (8, 2, False),
+                                                               (16, 4, True)])  # fmt: skip
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_moe_layers_match_float64(
+    experts: int, top_k: int, renormalize: bool, dtype: torch.dtype
+) -> None:
+    """Mixture-of-experts layers (Qwen3-MoE's: softmax router, top k, optionally renormalised)
+    for one decoding token: a router stage, then each program routes the token itself and
+    computes its share of the chosen experts' gate/up rows, then their down rows, summed."""
+    programs = torch.cuda.get_device_properties(0).multi_processor_count if DEVICE == "cuda" else 6
+    ctx, page = 140, 8
+    gen = torch.Generator().manual_seed(experts + top_k)
+    dims = LayerDims(64, 4, 2, 16, 48, 1e-6, page, experts, top_k, renormalize)
+    page_table, slots, kv = _paged_cache(ctx, page, 2, 16, dtype, gen)
+    layers = [_weights(dims, dtype, False, True, kv[0].clone(), kv[1].clone(), gen)
+              for _ in range(2)]  # fmt: skip
+    x = torch.randn(1, 64, generator=gen).to(dtype).to(DEVICE)
+    rope = torch.randn(ctx + 4, 16, generator=gen)
+    cos, sin = rope.cos().to(DEVICE), rope.sin().to(DEVICE)
+    positions = torch.tensor([ctx - 1], device=DEVICE)
+    step = DecodeStep(
+        positions=positions, slots=slots[-1:],
+        kv_lens=torch.tensor([ctx], dtype=torch.int32, device=DEVICE), page_table=page_table,
+        cos=cos, sin=sin,
+    )  # fmt: skip
+    ref_x, ref_res = x, None
+    for w in layers:
+        ref_x, ref_res, _, _ = _reference(
+            dims, w, ref_x, ref_res, w.k_cache[slots[:-1]], w.v_cache[slots[:-1]],
+            cos[positions], sin[positions],
+        )  # fmt: skip
+    kernel = DecodeLayerKernel(dims, layers, programs)
+    out, new_res = kernel.run(x, step)
+    tol = TOL[dtype]
+    torch.testing.assert_close(new_res.double(), ref_res, rtol=tol, atol=tol)
+    torch.testing.assert_close(out.double(), ref_x, rtol=tol, atol=tol)
+    if DEVICE == "cuda":
+        first, first_res = out.clone(), new_res.clone()
+        staged = kernel.run(x, step, staged=True)
+        assert torch.equal(staged[0], first) and torch.equal(staged[1], first_res)

@@ -79,12 +79,15 @@ GENERATION = tl.constexpr(32)
 TICKETS = tl.constexpr(64)
 TICKET_STRIDE = tl.constexpr(32)
 # A layer's row of the pointer table: q/k/v weight, its bias, o, gate/up, down, the input and
-# post-attention norms, the q and k norms, the K and V caches (absent ones: the q/k/v weight).
+# post-attention norms, the q and k norms, the K and V caches, a mixture of experts' router
+# (absent ones: the q/k/v weight).
 _COLUMNS = ("qkv", "qkv_bias", "o", "gate_up", "down", "input_norm", "post_norm", "q_norm",
-            "k_norm", "k_cache", "v_cache")  # fmt: skip
+            "k_norm", "k_cache", "v_cache", "router")  # fmt: skip
 NUM_COLUMNS = tl.constexpr(len(_COLUMNS))
-# Timer stamps a layer with TIMING: the start and end of each of its stages.
-STAMPS = tl.constexpr(2 * NUM_STAGES)
+# Timer stamps a layer with TIMING: the start and end of each of its stages (a mixture of
+# experts' layer has one more: MOE_STAGES).
+MOE_STAGES = 6
+STAMPS = tl.constexpr(2 * MOE_STAGES)
 # Elements of a weight tile a program loads at once (two in flight).
 TILE_ELEMENTS = 8192
 
@@ -478,6 +481,83 @@ def _first_kv_block(
 
 
 @triton.jit
+def _route(logits_ptr, E: tl.constexpr, TOPK: tl.constexpr, RENORM: tl.constexpr,
+           BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """The token's experts (`[BLOCK_K]` ids, the first TOPK valid) and their weights: the
+    softmax of the router's logits (float32), its TOPK largest in order (ties to the lower
+    id), renormalised to sum 1 with RENORM (`norm_topk_prob`)."""
+    offs = tl.arange(0, BLOCK_E)
+    logits = tl.load(logits_ptr + offs, mask=offs < E, other=float("-inf"), cache_modifier=".cg")
+    p = tl.exp(logits - tl.max(logits, axis=0))
+    p = p / tl.sum(p, axis=0)
+    slots = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int32)
+    weights = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        best = tl.argmax(p, axis=0)
+        ids = tl.where(slots == j, best, ids)
+        weights = tl.where(slots == j, tl.max(p, axis=0), weights)
+        p = tl.where(offs == best, -1.0, p)
+    if RENORM:
+        weights = weights / tl.sum(weights, axis=0)
+    return ids, weights
+
+
+@triton.jit
+def _pick(values, slots, j):
+    """`values[j]` for each index of `j` (a gather from a small vector indexed by `slots`)."""
+    return tl.sum(tl.where(slots[None, :] == j[:, None], values[None, :], 0), axis=1)
+
+
+@triton.jit
+def _expert_pair_rows(item, ids, slots, R: tl.constexpr, FF: tl.constexpr,
+                      TOPK: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+    """Rows of the stacked experts' gate/up weight `[E * 2 FF, H]` for pairs `item * R ..`
+    (R of them) of the chosen experts' `TOPK * FF` (gate, up) pairs, interleaved (gate j,
+    up j, ...); their mask, and each pair's index (its slot's activation)."""
+    offs = tl.arange(0, 2 * BLOCK_R)
+    pair = item * R + offs // 2
+    expert = _pick(ids, slots, pair // FF)
+    rows = expert * (2 * FF) + (offs % 2) * FF + pair % FF
+    return rows, (offs // 2 < R) & (pair < TOPK * FF)
+
+
+@triton.jit
+def _expert_down_tile(w_ptr, ids, slots, rows, row_mask, k, H: tl.constexpr, FF: tl.constexpr,
+                      TOPK: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """Columns `k .. k + BLOCK_K` of the down product's `[H, TOPK * FF]` input side: slot
+    `k // FF`'s expert's rows of the stacked `[E, H, FF]` down weight (BLOCK_K divides FF)."""
+    slot = k // FF
+    expert = tl.sum(tl.where(slots == slot, ids, 0), axis=0)
+    offs = k % FF + tl.arange(0, BLOCK_K)
+    base = w_ptr + (expert.to(tl.int64) * H + rows[:, None].to(tl.int64)) * FF
+    mask = row_mask[:, None] & (slot < TOPK)
+    return tl.load(base + offs[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _expert_down_product(w_ptr, ids, slots, rows, row_mask, act_ptr, H: tl.constexpr,
+                         FF: tl.constexpr, TOPK: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """`act @ down^T` over the chosen experts: the weighted activations `[TOPK * FF]` against
+    each slot's expert's down rows (two tiles ahead, as the other products)."""
+    K: tl.constexpr = TOPK * FF
+    acc = tl.zeros([rows.shape[0]], dtype=tl.float32)
+    w_cur = _expert_down_tile(w_ptr, ids, slots, rows, row_mask, 0, H, FF, TOPK, BLOCK_K)
+    w_next = _expert_down_tile(w_ptr, ids, slots, rows, row_mask, BLOCK_K, H, FF, TOPK, BLOCK_K)
+    x_cur = _slab(act_ptr, 0, K, 1, 1, BLOCK_K, True)
+    x_next = _slab(act_ptr, BLOCK_K, K, 1, 1, BLOCK_K, True)
+    for k in range(0, K, BLOCK_K):
+        w_after = _expert_down_tile(
+            w_ptr, ids, slots, rows, row_mask, k + 2 * BLOCK_K, H, FF, TOPK, BLOCK_K
+        )
+        x_after = _slab(act_ptr, k + 2 * BLOCK_K, K, 1, 1, BLOCK_K, True)
+        acc = _accumulate(acc, w_cur, x_cur, 1)
+        w_cur, w_next = w_next, w_after
+        x_cur, x_next = x_next, x_after
+    return acc
+
+
+@triton.jit
 def _ptr(table_ptr, layer, column, like):
     """Layer `layer`'s pointer `column` (`_COLUMNS`) of the pointer table, typed as `like`."""
     ptr = tl.load(table_ptr + layer * NUM_COLUMNS + column).to(like.dtype, bitcast=True)
@@ -519,7 +599,7 @@ def _qkv_stage(
 @triton.jit(do_not_specialize=["programs", "layers", "M"])
 def _decode_layers_kernel(
     x_ptr, res_ptr, out_ptr, new_res_ptr, mid_res_ptr, qkv_ptr, mid_o_ptr, mid_lse_ptr,
-    attn_ptr, o_ptr, act_ptr, barrier_ptr, table_ptr, cos_ptr, sin_ptr, positions_ptr,
+    attn_ptr, o_ptr, act_ptr, router_ptr, barrier_ptr, table_ptr, cos_ptr, sin_ptr, positions_ptr,
     slots_ptr, kv_lens_ptr, page_table_ptr, timing_ptr, eps, qk_scale, programs, layers, M,
     H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, FF: tl.constexpr,
     PAGE: tl.constexpr, S_MAX: tl.constexpr, SPLIT_KEYS: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -527,10 +607,12 @@ def _decode_layers_kernel(
     R_O: tl.constexpr, BR_O: tl.constexpr, BK_O: tl.constexpr,
     R_GU: tl.constexpr, BR_GU: tl.constexpr, BK_GU: tl.constexpr,
     R_DN: tl.constexpr, BR_DN: tl.constexpr, BK_DN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_RES: tl.constexpr,
-    QKV_BIAS: tl.constexpr, QK_NORM: tl.constexpr, STAGE: tl.constexpr, OPAQUE: tl.constexpr,
-    L2: tl.constexpr, TIMING: tl.constexpr, USE_PDL: tl.constexpr,
+    MOE: tl.constexpr, E: tl.constexpr, TOPK: tl.constexpr, RENORM: tl.constexpr,
+    R_RT: tl.constexpr, BR_RT: tl.constexpr, BK_RT: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_S: tl.constexpr, HAS_RES: tl.constexpr, QKV_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
+    STAGE: tl.constexpr, OPAQUE: tl.constexpr, L2: tl.constexpr, TIMING: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # `layers` decoder layers from the table's first row: the first takes (x, residual, or x
     # alone without HAS_RES), each later one the previous one's (out, new residual). With
@@ -610,50 +692,108 @@ def _decode_layers_kernel(
             _store_rows(o_ptr, acc, rows, mask, H, M, BLOCK_M)
         _stamp(timing_ptr, pid, layer, layers, 5, TIMING)
 
-        pid = _program_id(OPAQUE)
-        # 4. residual add + RMSNorm + gate/up product (rows interleaved), SiLU-and-mul
-        if ALL or STAGE == 3:
-            rows, mask = _pair_rows(pid, R_GU, FF, BR_GU)
-            gu0, gu1 = _first_tiles(_ptr(table_ptr, layer, 3, x_ptr), rows, mask, H, BK_GU)
-            if layer + 1 < layers:
-                w_qkv = _ptr(table_ptr, layer + 1, 0, x_ptr)
-                _prefetch_rows(w_qkv, pid * R_QKV, R_QKV, NQKV, H, L2)
-        if ALL:
-            _grid_barrier(count_ptr, gen_ptr, programs)
-        _stamp(timing_ptr, pid, layer, layers, 6, TIMING)
-        if ALL or STAGE == 3:
-            rows, mask = _pair_rows(pid, R_GU, FF, BR_GU)
-            acc = _normed_product(
-                _ptr(table_ptr, layer, 3, x_ptr), rows, mask, gu0, gu1, o_ptr, mid_res_ptr,
-                _ptr(table_ptr, layer, 6, x_ptr), new_res_ptr, eps, H, M, True, pid == 0,
-                BLOCK_M, BK_GU,
-            )  # fmt: skip
-            # each rounded to the activation dtype, as the unfused product stores them
-            acc = acc.to(act_dtype).to(tl.float32)
-            if BLOCK_M == 1:
-                gate, up = tl.split(tl.reshape(acc, [BR_GU, 2]))
-            else:
-                gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BR_GU, 2]))
-            rows, mask = _rows(pid, R_GU, FF, BR_GU)
-            _store_rows(act_ptr, gate * tl.sigmoid(gate) * up, rows, mask, FF, M, BLOCK_M)
-        _stamp(timing_ptr, pid, layer, layers, 7, TIMING)
+        if not MOE:
+            pid = _program_id(OPAQUE)
+            # 4. residual add + RMSNorm + gate/up product (rows interleaved), SiLU-and-mul
+            if ALL or STAGE == 3:
+                rows, mask = _pair_rows(pid, R_GU, FF, BR_GU)
+                gu0, gu1 = _first_tiles(_ptr(table_ptr, layer, 3, x_ptr), rows, mask, H, BK_GU)
+                if layer + 1 < layers:
+                    w_qkv = _ptr(table_ptr, layer + 1, 0, x_ptr)
+                    _prefetch_rows(w_qkv, pid * R_QKV, R_QKV, NQKV, H, L2)
+            if ALL:
+                _grid_barrier(count_ptr, gen_ptr, programs)
+            _stamp(timing_ptr, pid, layer, layers, 6, TIMING)
+            if ALL or STAGE == 3:
+                rows, mask = _pair_rows(pid, R_GU, FF, BR_GU)
+                acc = _normed_product(
+                    _ptr(table_ptr, layer, 3, x_ptr), rows, mask, gu0, gu1, o_ptr, mid_res_ptr,
+                    _ptr(table_ptr, layer, 6, x_ptr), new_res_ptr, eps, H, M, True, pid == 0,
+                    BLOCK_M, BK_GU,
+                )  # fmt: skip
+                # each rounded to the activation dtype, as the unfused product stores them
+                acc = acc.to(act_dtype).to(tl.float32)
+                if BLOCK_M == 1:
+                    gate, up = tl.split(tl.reshape(acc, [BR_GU, 2]))
+                else:
+                    gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BR_GU, 2]))
+                rows, mask = _rows(pid, R_GU, FF, BR_GU)
+                _store_rows(act_ptr, gate * tl.sigmoid(gate) * up, rows, mask, FF, M, BLOCK_M)
+            _stamp(timing_ptr, pid, layer, layers, 7, TIMING)
 
-        pid = _program_id(OPAQUE)
-        # 5. down product
-        if ALL or STAGE == 4:
-            rows, mask = _rows(pid, R_DN, H, BR_DN)
-            dn0, dn1 = _first_tiles(_ptr(table_ptr, layer, 4, x_ptr), rows, mask, FF, BK_DN)
-        if ALL:
-            _grid_barrier(count_ptr, gen_ptr, programs)
-        _stamp(timing_ptr, pid, layer, layers, 8, TIMING)
-        if ALL or STAGE == 4:
-            rows, mask = _rows(pid, R_DN, H, BR_DN)
-            acc = _plain_product(
-                _ptr(table_ptr, layer, 4, x_ptr), rows, mask, dn0, dn1, act_ptr, FF, M, BLOCK_M,
-                BK_DN,
-            )  # fmt: skip
-            _store_rows(out_ptr, acc, rows, mask, H, M, BLOCK_M)
-        _stamp(timing_ptr, pid, layer, layers, 9, TIMING)
+            pid = _program_id(OPAQUE)
+            # 5. down product
+            if ALL or STAGE == 4:
+                rows, mask = _rows(pid, R_DN, H, BR_DN)
+                dn0, dn1 = _first_tiles(_ptr(table_ptr, layer, 4, x_ptr), rows, mask, FF, BK_DN)
+            if ALL:
+                _grid_barrier(count_ptr, gen_ptr, programs)
+            _stamp(timing_ptr, pid, layer, layers, 8, TIMING)
+            if ALL or STAGE == 4:
+                rows, mask = _rows(pid, R_DN, H, BR_DN)
+                acc = _plain_product(
+                    _ptr(table_ptr, layer, 4, x_ptr), rows, mask, dn0, dn1, act_ptr, FF, M, BLOCK_M,
+                    BK_DN,
+                )  # fmt: skip
+                _store_rows(out_ptr, acc, rows, mask, H, M, BLOCK_M)
+            _stamp(timing_ptr, pid, layer, layers, 9, TIMING)
+        else:
+            pid = _program_id(OPAQUE)
+            # 4. residual add + RMSNorm + router (a mixture of experts' feed-forward)
+            if ALL or STAGE == 3:
+                rows, mask = _rows(pid, R_RT, E, BR_RT)
+                rt0, rt1 = _first_tiles(_ptr(table_ptr, layer, 11, x_ptr), rows, mask, H, BK_RT)
+            if ALL:
+                _grid_barrier(count_ptr, gen_ptr, programs)
+            _stamp(timing_ptr, pid, layer, layers, 6, TIMING)
+            if ALL or STAGE == 3:
+                rows, mask = _rows(pid, R_RT, E, BR_RT)
+                acc = _normed_product(
+                    _ptr(table_ptr, layer, 11, x_ptr), rows, mask, rt0, rt1, o_ptr, mid_res_ptr,
+                    _ptr(table_ptr, layer, 6, x_ptr), new_res_ptr, eps, H, M, True, pid == 0, 1,
+                    BK_RT,
+                )  # fmt: skip
+                # rounded to the activation dtype, as the router's output
+                tl.store(router_ptr + rows, acc.to(act_dtype).to(tl.float32), mask=mask)
+            _stamp(timing_ptr, pid, layer, layers, 7, TIMING)
+
+            pid = _program_id(OPAQUE)
+            # 5. routing (every program), the chosen experts' gate/up rows, SiLU-and-mul
+            # scaled by the expert's weight
+            if ALL:
+                _grid_barrier(count_ptr, gen_ptr, programs)
+            _stamp(timing_ptr, pid, layer, layers, 8, TIMING)
+            if ALL or STAGE == 4:
+                ids, weights = _route(router_ptr, E, TOPK, RENORM, BLOCK_E, BLOCK_K)
+                slots = tl.arange(0, BLOCK_K)
+                w_gu = _ptr(table_ptr, layer, 3, x_ptr)
+                rows, mask = _expert_pair_rows(pid, ids, slots, R_GU, FF, TOPK, BR_GU)
+                gu0, gu1 = _first_tiles(w_gu, rows, mask, H, BK_GU)
+                acc = _normed_product(
+                    w_gu, rows, mask, gu0, gu1, new_res_ptr, new_res_ptr,
+                    _ptr(table_ptr, layer, 6, x_ptr), new_res_ptr, eps, H, M, False, False, 1,
+                    BK_GU,
+                )  # fmt: skip
+                gate, up = tl.split(tl.reshape(acc.to(act_dtype).to(tl.float32), [BR_GU, 2]))
+                pairs, mask = _rows(pid, R_GU, TOPK * FF, BR_GU)
+                act = gate * tl.sigmoid(gate) * up * _pick(weights, slots, pairs // FF)
+                tl.store(act_ptr + pairs, act.to(act_dtype), mask=mask)
+            _stamp(timing_ptr, pid, layer, layers, 9, TIMING)
+
+            pid = _program_id(OPAQUE)
+            # 6. the chosen experts' down rows, summed
+            if ALL:
+                _grid_barrier(count_ptr, gen_ptr, programs)
+            _stamp(timing_ptr, pid, layer, layers, 10, TIMING)
+            if ALL or STAGE == 5:
+                ids, weights = _route(router_ptr, E, TOPK, RENORM, BLOCK_E, BLOCK_K)
+                rows, mask = _rows(pid, R_DN, H, BR_DN)
+                acc = _expert_down_product(
+                    _ptr(table_ptr, layer, 4, x_ptr), ids, tl.arange(0, BLOCK_K), rows, mask,
+                    act_ptr, H, FF, TOPK, BK_DN,
+                )  # fmt: skip
+                tl.store(out_ptr + rows, acc.to(act_dtype), mask=mask)
+            _stamp(timing_ptr, pid, layer, layers, 11, TIMING)
 
 
 @dataclass(frozen=True)
@@ -661,7 +801,9 @@ class DecodeLayerWeights:
     """One decoder layer's tensors, as the model holds them (row-major, contiguous, all of one
     dtype): the fused q/k/v weight `[(Hq + 2 Hkv) D, H]` (and its bias, or None), o `[H, Hq
     D]`, gate/up `[2 I, H]` (gate rows first), down `[H, I]`, the two RMSNorm weights, the q/k
-    norms (or None) and the layer's K and V caches `[slots, Hkv, D]`."""
+    norms (or None) and the layer's K and V caches `[slots, Hkv, D]`. A mixture of experts'
+    layer has its router `[E, H]` and its experts stacked: gate/up `[E, 2 I, H]`, down `[E,
+    H, I]`."""
 
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
@@ -674,6 +816,7 @@ class DecodeLayerWeights:
     k_norm: torch.Tensor | None
     k_cache: torch.Tensor
     v_cache: torch.Tensor
+    router: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -692,7 +835,9 @@ class DecodeStep:
 
 @dataclass(frozen=True)
 class LayerDims:
-    """A dense decoder layer's sizes."""
+    """A decoder layer's sizes; with `experts`, a mixture of experts' feed-forward (every
+    layer's): `top_k` experts a token, each of `intermediate` rows, their weights renormalised
+    to sum 1 with `renormalize` (`norm_topk_prob`)."""
 
     hidden: int
     num_heads: int
@@ -701,6 +846,9 @@ class LayerDims:
     intermediate: int
     eps: float
     page_size: int
+    experts: int = 0
+    top_k: int = 0
+    renormalize: bool = False
 
 
 def _tile_k(block_rows: int, k: int) -> int:
@@ -788,7 +936,9 @@ class DecodeLayerKernel:
             return torch.empty(MAX_TOKENS * n, dtype=dt, device=device)
 
         self.hidden, self.residual, self.mid_res = empty(d.hidden), empty(d.hidden), empty(d.hidden)
-        self.qkv, self.o, self.act = empty(nqkv), empty(d.hidden), empty(d.intermediate)
+        self.qkv, self.o = empty(nqkv), empty(d.hidden)
+        self.act = empty(d.intermediate * max(1, d.top_k))
+        self.router = torch.empty(max(1, d.experts), dtype=torch.float32, device=device)
         self.attn = empty(d.num_heads * d.head_dim)
         self.mid_o = empty(d.num_heads * self.s_max * d.head_dim, torch.float32)
         self.mid_lse = empty(d.num_heads * self.s_max, torch.float32)
@@ -816,7 +966,7 @@ class DecodeLayerKernel:
             staged = x.device.type != "cuda"
         if staged:
             for layer in range(self.num_layers):
-                for stage in range(NUM_STAGES):
+                for stage in range(MOE_STAGES if self.dims.experts else NUM_STAGES):
                     self._launch(x, residual, m, step, layer, 1, stage, None)
                 x, residual = self.hidden, self.residual
         else:
@@ -842,14 +992,17 @@ class DecodeLayerKernel:
         tokens = 1 if m == 1 else MAX_TOKENS
         _decode_layers_kernel[(self.programs,)](
             x, residual if residual is not None else x, self.hidden, self.residual, self.mid_res,
-            self.qkv, self.mid_o, self.mid_lse, self.attn, self.o, self.act, self.barrier,
+            self.qkv, self.mid_o, self.mid_lse, self.attn, self.o, self.act, self.router,
+            self.barrier,
             self.table[layer],
             step.cos, step.sin, step.positions, step.slots, step.kv_lens, step.page_table,
             timing if timing is not None else self.table, d.eps, d.head_dim**-0.5 * _LOG2E,
             self.programs, count, m,
             H=d.hidden, HQ=d.num_heads, HKV=d.num_kv_heads, D=d.head_dim, FF=d.intermediate,
             PAGE=d.page_size, S_MAX=self.s_max, SPLIT_KEYS=self.split_keys, BLOCK_N=ATTN_BLOCK_N,
-            **self.tiles[block_m], BLOCK_M=block_m,
+            **self.tiles[block_m], MOE=d.experts > 0, E=max(1, d.experts), TOPK=max(1, d.top_k),
+            RENORM=d.renormalize, BLOCK_E=next_power_of_2(max(1, d.experts)),
+            BLOCK_K=next_power_of_2(max(1, d.top_k)), BLOCK_M=block_m,
             BLOCK_R=max(16, next_power_of_2(tokens * group)),
             BLOCK_T=1 if m == 1 else max(16, MAX_TOKENS), BLOCK_S=next_power_of_2(self.s_max),
             HAS_RES=residual is not None, QKV_BIAS=self.qkv_bias, QK_NORM=self.qk_norm,
@@ -861,24 +1014,29 @@ class DecodeLayerKernel:
 
 def _tiles(d: LayerDims, programs: int, block_m: int) -> dict[str, int]:
     """Each weight stage's rows a program (R), their block (BR: at least 16 for the tensor
-    cores' tiles when `block_m` rows go through them) and its K width (BK)."""
+    cores' tiles when `block_m` rows go through them) and its K width (BK). A mixture of
+    experts' gate/up rows are pairs of the chosen experts' `top_k * I`, its router's rows
+    experts (RT), and its down tiles lie within one expert (BK divides I)."""
     nqkv = (d.num_heads + 2 * d.num_kv_heads) * d.head_dim
-    r_qkv, r_h, r_gu = (
-        cdiv(nqkv, programs),
-        cdiv(d.hidden, programs),
-        cdiv(d.intermediate, programs),
-    )
+    r_qkv, r_h = cdiv(nqkv, programs), cdiv(d.hidden, programs)
+    r_gu = cdiv(d.intermediate * max(1, d.top_k), programs)
+    r_rt = cdiv(max(1, d.experts), programs)
     least = 1 if block_m == 1 else DOT_ROWS
 
     def block(rows: int, pairs: bool = False) -> int:
         return max(next_power_of_2(rows), least // 2 if pairs else least)
 
-    br_qkv, br_h, br_gu = block(r_qkv), block(r_h), block(r_gu, pairs=True)
+    br_qkv, br_h, br_gu, br_rt = block(r_qkv), block(r_h), block(r_gu, pairs=True), block(r_rt)
+    bk_dn = _tile_k(br_h, d.intermediate)
+    if d.experts:
+        while d.intermediate % bk_dn:
+            bk_dn //= 2
     return {
         "R_QKV": r_qkv, "BR_QKV": br_qkv, "BK_QKV": _tile_k(br_qkv, d.hidden),
         "R_O": r_h, "BR_O": br_h, "BK_O": _tile_k(br_h, d.num_heads * d.head_dim),
         "R_GU": r_gu, "BR_GU": br_gu, "BK_GU": _tile_k(2 * br_gu, d.hidden),
-        "R_DN": r_h, "BR_DN": br_h, "BK_DN": _tile_k(br_h, d.intermediate),
+        "R_DN": r_h, "BR_DN": br_h, "BK_DN": bk_dn,
+        "R_RT": r_rt, "BR_RT": br_rt, "BK_RT": _tile_k(br_rt, d.hidden),
     }  # fmt: skip
 
 

@@ -1,5 +1,6 @@
-"""A dense Llama-family model's decoder layers in one launch, for steps of a few query tokens of
-one sequence (decode, speculative verify; `kernels/decode_layer.py`; `--fused-decode-layer`)."""
+"""A Llama-family model's decoder layers (dense, or Qwen3-MoE's experts) in one launch, for steps
+of a few query tokens of one sequence (decode, speculative verify; `kernels/decode_layer.py`;
+`--fused-decode-layer`)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,10 @@ from tokenmill.kernels.decode_layer import (
 
 def fused_decode_refusal(model: torch.nn.Module, backend: AttentionBackend) -> str | None:
     """Why `model` served by `backend` cannot run fused decode layers, or None if it can."""
-    from tokenmill.models.llama import LlamaForCausalLM, LlamaMLP
-
     cfg: ModelConfig = model.config
     reasons = {
-        "the model is not a dense Llama-family text model": type(model) is not LlamaForCausalLM
-        or not all(isinstance(layer.mlp, LlamaMLP) for layer in model.model.layers),
+        "the model is neither a dense Llama-family text model nor a Qwen3-MoE whose every "
+        "layer is sparse": _feed_forward(model) is None,
         "it needs the triton attention backend": not isinstance(backend, TritonAttentionBackend),
         "it is not batch-invariant (deterministic mode)": backend.deterministic,
         "the model has a sliding window": cfg.sliding_window is not None,
@@ -34,9 +33,23 @@ def fused_decode_refusal(model: torch.nn.Module, backend: AttentionBackend) -> s
     return next((reason for reason, refused in reasons.items() if refused), None)
 
 
+def _feed_forward(model: torch.nn.Module) -> str | None:
+    """ "dense" (every layer a SwiGLU MLP), "experts" (every layer a mixture of experts
+    without a shared expert) or None (another model or mix)."""
+    from tokenmill.models.llama import LlamaForCausalLM, LlamaMLP
+    from tokenmill.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
+
+    mlps = [layer.mlp for layer in model.model.layers]
+    if type(model) is LlamaForCausalLM and all(isinstance(m, LlamaMLP) for m in mlps):
+        return "dense"
+    sparse = all(isinstance(m, SparseMoeBlock) and m.shared_expert is None for m in mlps)
+    return "experts" if type(model) is Qwen3MoeForCausalLM and sparse else None
+
+
 class FusedDecodeLayers:
     """Every decoder layer of a `LlamaModel` through `DecodeLayerKernel` (`programs` programs),
-    for a step whose attention backend planned one decoding sequence."""
+    for a step whose attention backend planned a few query tokens of one sequence (one, for
+    a mixture of experts)."""
 
     def __init__(
         self, model: torch.nn.Module, backend: TritonAttentionBackend, programs: int
@@ -44,20 +57,25 @@ class FusedDecodeLayers:
         cfg: ModelConfig = model.config
         self.backend = backend
         self.rotary = model.model.rotary
+        self.experts = _feed_forward(model) == "experts"
         layers = [
-            _layer_weights(layer, *backend.layer_cache(index))
+            _layer_weights(layer, *backend.layer_cache(index), self.experts)
             for index, layer in enumerate(model.model.layers)
         ]
+        moe = cfg.moe if self.experts else None
         dims = LayerDims(
             cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            cfg.intermediate_size, cfg.rms_norm_eps, backend.kv_cache.page_size,
+            moe.intermediate_size if moe else cfg.intermediate_size, cfg.rms_norm_eps,
+            backend.kv_cache.page_size, moe.num_experts if moe else 0, moe.top_k if moe else 0,
+            moe.norm_topk_prob if moe else False,
         )  # fmt: skip
         self.kernel = DecodeLayerKernel(dims, layers, programs)
 
     def serves(self, input_ids: torch.Tensor) -> bool:
         """Whether the step computes 1 to MAX_TOKENS query tokens of one sequence (a decode
-        step, a speculative verify step, a short chunk; else the layers run as modules)."""
-        inputs = self.backend.one_sequence_step(MAX_TOKENS)
+        step, a speculative verify step, a short chunk; one for a mixture of experts; else
+        the layers run as modules)."""
+        inputs = self.backend.one_sequence_step(1 if self.experts else MAX_TOKENS)
         return inputs is not None and input_ids.shape[0] == inputs.query_lens_cpu[0]
 
     def __call__(
@@ -75,14 +93,19 @@ class FusedDecodeLayers:
 
 
 def _layer_weights(
-    layer: torch.nn.Module, k_cache: torch.Tensor, v_cache: torch.Tensor
+    layer: torch.nn.Module, k_cache: torch.Tensor, v_cache: torch.Tensor, experts: bool
 ) -> DecodeLayerWeights:
-    attn = layer.self_attn
+    attn, mlp = layer.self_attn, layer.mlp
     q_norm = attn.q_norm.weight if attn.qk_norm else None
     k_norm = attn.k_norm.weight if attn.qk_norm else None
+    if experts:
+        gate_up, down = mlp.experts.gate_up_proj, mlp.experts.down_proj
+        router = mlp.gate.weight
+    else:
+        gate_up, down, router = mlp.gate_up_proj.weight, mlp.down_proj.weight, None
     return DecodeLayerWeights(
         qkv=attn.qkv_proj.weight, qkv_bias=attn.qkv_proj.bias, o=attn.o_proj.weight,
-        gate_up=layer.mlp.gate_up_proj.weight, down=layer.mlp.down_proj.weight,
-        input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
-        q_norm=q_norm, k_norm=k_norm, k_cache=k_cache, v_cache=v_cache,
+        gate_up=gate_up, down=down, input_norm=layer.input_layernorm.weight,
+        post_norm=layer.post_attention_layernorm.weight, q_norm=q_norm, k_norm=k_norm,
+        k_cache=k_cache, v_cache=v_cache, router=router,
     )  # fmt: skip
