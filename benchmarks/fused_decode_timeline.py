@@ -33,6 +33,7 @@ from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.observability.cuda_timing import median_graph_seconds
 
 STAGE_NAMES = ("q/k/v", "attention", "o", "gate/up", "down")
+MOE_STAGE_NAMES = ("q/k/v", "attention", "o", "router", "experts' gate/up", "experts' down")
 PAGE = 16
 
 
@@ -42,10 +43,23 @@ def _barriers_kernel(barrier_ptr, programs, rounds):
         _grid_barrier(barrier_ptr, barrier_ptr + GENERATION, programs)
 
 
+def _dims(cfg: ModelConfig) -> LayerDims:
+    """The kernel's layer sizes for `cfg` (a mixture of experts: its experts' sizes)."""
+    moe = cfg.moe
+    return LayerDims(
+        cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+        moe.intermediate_size if moe else cfg.intermediate_size, cfg.rms_norm_eps, PAGE,
+        moe.num_experts if moe else 0, moe.top_k if moe else 0,
+        moe.norm_topk_prob if moe else False,
+    )  # fmt: skip
+
+
 def _layer(cfg: ModelConfig, pages: int, device: torch.device) -> DecodeLayerWeights:
     """One layer of random bf16 weights of `cfg`'s shapes, with a K/V cache of `pages`."""
-    h, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-    nqkv, ff = (hq + 2 * hkv) * d, cfg.intermediate_size
+    d = _dims(cfg)
+    h, hd, hq, hkv = d.hidden, d.head_dim, d.num_heads, d.num_kv_heads
+    nqkv, ff = (hq + 2 * hkv) * hd, d.intermediate
+    experts = (d.experts,) if d.experts else ()
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=device, dtype=torch.bfloat16) * 0.02
@@ -53,13 +67,21 @@ def _layer(cfg: ModelConfig, pages: int, device: torch.device) -> DecodeLayerWei
     def ones(n: int) -> torch.Tensor:
         return torch.ones(n, device=device, dtype=torch.bfloat16)
 
-    qk_norm = ones(d) if cfg.qk_norm else None
+    qk_norm = ones(hd) if cfg.qk_norm else None
     return DecodeLayerWeights(
-        qkv=rand(nqkv, h), qkv_bias=rand(nqkv) if cfg.attention_bias else None, o=rand(h, hq * d),
-        gate_up=rand(2 * ff, h), down=rand(h, ff), input_norm=ones(h), post_norm=ones(h),
-        q_norm=qk_norm, k_norm=qk_norm, k_cache=rand(pages * PAGE, hkv, d),
-        v_cache=rand(pages * PAGE, hkv, d),
+        qkv=rand(nqkv, h), qkv_bias=rand(nqkv) if cfg.attention_bias else None, o=rand(h, hq * hd),
+        gate_up=rand(*experts, 2 * ff, h), down=rand(*experts, h, ff), input_norm=ones(h),
+        post_norm=ones(h), q_norm=qk_norm, k_norm=qk_norm, k_cache=rand(pages * PAGE, hkv, hd),
+        v_cache=rand(pages * PAGE, hkv, hd), router=rand(d.experts, h) if d.experts else None,
     )  # fmt: skip
+
+
+def _active_bytes(w: DecodeLayerWeights, d: LayerDims) -> int:
+    """Weight bytes a token's step reads in a layer (a mixture of experts: its top k)."""
+    mlp = w.gate_up.nbytes + w.down.nbytes
+    if d.experts:
+        mlp = mlp * d.top_k // d.experts + w.router.nbytes
+    return w.qkv.nbytes + w.o.nbytes + mlp
 
 
 def _copy_bandwidth(device: torch.device) -> float:
@@ -85,13 +107,15 @@ def _timeline(kernel: DecodeLayerKernel, x: torch.Tensor, step: DecodeStep) -> N
                          device=x.device)  # fmt: skip
     kernel.run(x, step, timing=timing)
     torch.cuda.synchronize()
-    t = (timing - timing.min()).double() / 1e3  # us from the first stamp
+    names = MOE_STAGE_NAMES if kernel.dims.experts else STAGE_NAMES
+    stamps = timing[:, :, : 2 * len(names)]
+    t = (stamps - stamps.min()).double() / 1e3  # us from the first stamp
     ends = t[:, :, 1::2]
     starts = t[:, :, 0::2]
     prev_end = torch.cat((ends[:, :, -1:].roll(1, dims=1), ends[:, :, :-1]), dim=2)
     print(f"timeline ({kernel.programs} programs x {kernel.num_layers} layers, us):")
     print("  stage        work mean   work max   wait mean   wait max")
-    for s, name in enumerate(STAGE_NAMES):
+    for s, name in enumerate(names):
         work = ends[:, :, s] - starts[:, :, s]
         wait = (
             (starts[:, :, s] - prev_end[:, :, s])[:, 1:]
@@ -130,7 +154,7 @@ def main() -> None:
     )  # fmt: skip
     x = torch.randn(1, cfg.hidden_size, device=device, dtype=torch.bfloat16)
     copy = _copy_bandwidth(device)
-    print(f"{args.config}: {cfg.num_layers} layers, {weight_bytes / 1e6:.1f} MB of weights, "
+    print(f"{args.config}: {cfg.num_layers} layers, {weight_bytes / 1e6:.1f} MB of weights read, "
           f"context {args.context}; copy bandwidth {copy / 1e12:.2f} TB/s; {programs} programs; "
           f"one grid barrier {_barrier_us(programs, device):.2f} us")  # fmt: skip
     rows = (("one launch", None, None), ("one launch, no L2 prefetch", None, False),
