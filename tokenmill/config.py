@@ -1088,6 +1088,7 @@ class EngineArgs:
             # An all-reduce's summation order depends on the message size (NCCL's algorithm
             # and protocol choice, gloo's chunking), so on the batch.
             "deterministic": self.deterministic,
+            "fused_decode_layer": self.fused_decode_layer,  # (no all-reduce between its stages)
         }
         for name, used in unsupported.items():
             if used:

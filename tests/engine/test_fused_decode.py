@@ -27,8 +27,8 @@ def _fused_llm(path, **engine_args) -> LLM:  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_fused_decode_matches_transformers(checkpoints, family: str, monkeypatch) -> None:
-    """Alone (every decode step fused) and in a batch whose rows finish one by one (fused once
-    one row is left), with prefix-cache hits on pages of 4 tokens."""
+    """Alone (every decode step fused) and, for llama, in a batch whose rows finish one by one
+    (fused once one row is left), with prefix-cache hits on pages of 4 tokens."""
     path = checkpoints[family]
     runs: list[int] = []
     original = DecodeLayerKernel.run
@@ -43,6 +43,8 @@ def test_fused_decode_matches_transformers(checkpoints, family: str, monkeypatch
     alone = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     assert len(runs) == GREEDY.max_tokens - 1  # every decode step
     assert alone == hf_greedy(path, prompt, GREEDY.max_tokens)
+    if family != "llama":  # (the batch's steps are the same code for every family)
+        return
     prompts = [prompt, [*prompt[:8], 40, 41], [50, 51, 52]]
     lengths = [4, 7, 9]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
@@ -100,11 +102,11 @@ def test_fused_verify_steps_match_transformers(checkpoints, method: str, monkeyp
         tokens = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
         assert tokens == hf_greedy(path, prompt, GREEDY.max_tokens)
     assert len(prompts[0]) in rows  # the first prompt's prefill
-    drafted = llm.engine.scheduler.spec_stats.num_drafts
-    assert drafted or method == "ngram"  # (the tiny model's text may never repeat itself)
     verify_rows = [r for r in rows[1:] if r > 1]  # (after the first prompt's prefill)
-    assert bool(verify_rows) == bool(drafted)
-    assert 4 in verify_rows or method == "ngram"  # 3 drafts (prompt lookup may find fewer)
+    # (prompt lookup drafts 2 tokens once in the second prompt's continuation; the target as
+    # its own draft 3 at every step)
+    assert llm.engine.scheduler.spec_stats.num_drafts > 0 and verify_rows
+    assert 4 in verify_rows or method == "ngram"
 
 
 @pytest.mark.parametrize(

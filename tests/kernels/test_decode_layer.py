@@ -109,8 +109,8 @@ CASES = [
     (64, 4, 2, 16, 96, 4, 9, 5, False, True, 128),
     (64, 4, 4, 16, 80, 1, 1, 4, True, False, 128),
     (96, 6, 2, 32, 160, 16, 300, 8, False, False, 64),
-    (64, 8, 2, 16, 128, 8, 700, 16, True, True, 128),  # splits of two key blocks
-    (64, 8, 2, 16, 128, 8, 1200, 6, False, True, 64),  # three splits of many blocks
+    (64, 8, 2, 16, 128, 8, 500, 16, True, True, 128),  # splits of two key blocks
+    (64, 8, 2, 16, 128, 8, 700, 6, False, True, 64),  # three splits of four blocks
 ]
 
 
@@ -202,7 +202,7 @@ def test_l2_prefetch_rule(monkeypatch) -> None:
     from tokenmill.kernels import decode_layer
 
     capability = [(9, 0)]
-    monkeypatch.setattr(decode_layer, "_interpreted", lambda: False)
+    monkeypatch.setattr(decode_layer, "interpreted", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability[0])
     monkeypatch.setattr(
         torch.cuda, "get_device_properties", lambda device: SimpleNamespace(L2_cache_size=50 << 20)

@@ -41,7 +41,6 @@ barriers (the CPU tests; the GPU tests compare the one launch with those, bit fo
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -56,13 +55,13 @@ from tokenmill.kernels.attention import (
     _split_result,
 )
 from tokenmill.kernels.launch import cdiv, direct_launch, next_power_of_2
-from tokenmill.kernels.pdl import pdl_options, pdl_wait
+from tokenmill.kernels.pdl import interpreted, pdl_options, pdl_wait
 from tokenmill.kernels.rope_store import _rotate
 from tokenmill.kernels.tickets import last_to_arrive, reset_ticket
 
 NUM_STAGES = 5
 # A split of the attention stage attends at least this many cached positions by default
-# (fewer splits for short contexts: each split adds a partial result every O program merges).
+# (fewer splits for short contexts: each split adds a partial result to write and merge).
 SPLIT_KEYS = 128
 # Keys of an attention block.
 ATTN_BLOCK_N = 64
@@ -821,9 +820,9 @@ class DecodeLayerWeights:
 
 @dataclass(frozen=True)
 class DecodeStep:
-    """The one sequence's inputs of a decode step: its position, the slot its K/V goes to (<
-    0: none), its context length (the new token included) and its page-table row, and the
-    rotary tables `[max_positions, D]` (float32)."""
+    """The sequence's inputs of a step of M query tokens: their positions and the slots their
+    K/V go to (< 0: none), `[M]` each, its context length (the step's tokens included) and its
+    page-table row, and the rotary tables `[max_positions, D]` (float32)."""
 
     positions: torch.Tensor
     slots: torch.Tensor
@@ -882,7 +881,7 @@ def l2_prefetch_fits(
     bulk prefetches (compute capability 9.0+), rows of whole 16-byte units, and (`sized`) the
     largest stage's weights within a third of its L2 (else they would evict each other before
     use: Llama-3.1-8B's gate/up is 235 MB)."""
-    if device.type != "cuda" or _interpreted() or torch.cuda.get_device_capability(device)[0] < 9:
+    if device.type != "cuda" or interpreted() or torch.cuda.get_device_capability(device)[0] < 9:
         return False
     d = dims
     widths = (d.hidden, d.num_heads * d.head_dim, d.intermediate)
@@ -1006,7 +1005,7 @@ class DecodeLayerKernel:
             BLOCK_R=max(16, next_power_of_2(tokens * group)),
             BLOCK_T=1 if m == 1 else max(16, MAX_TOKENS), BLOCK_S=next_power_of_2(self.s_max),
             HAS_RES=residual is not None, QKV_BIAS=self.qkv_bias, QK_NORM=self.qk_norm,
-            STAGE=stage, OPAQUE=not _interpreted(), L2=self.l2_prefetch and stage < 0,
+            STAGE=stage, OPAQUE=not interpreted(), L2=self.l2_prefetch and stage < 0,
             TIMING=timing is not None, num_warps=self.num_warps,
             **pdl_options(x.device, wanted=stage < 0),
         )  # fmt: skip
@@ -1038,11 +1037,6 @@ def _tiles(d: LayerDims, programs: int, block_m: int) -> dict[str, int]:
         "R_DN": r_h, "BR_DN": br_h, "BK_DN": bk_dn,
         "R_RT": r_rt, "BR_RT": br_rt, "BK_RT": _tile_k(br_rt, d.hidden),
     }  # fmt: skip
-
-
-def _interpreted() -> bool:
-    """Whether Triton's interpreter runs the kernels (no inline assembly there)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _address(t: torch.Tensor | None, fallback: torch.Tensor, dtype: torch.dtype) -> int:

@@ -16,6 +16,7 @@ from tokenmill.kernels.decode_layer import (
     DecodeStep,
     LayerDims,
 )
+from tokenmill.kernels.pdl import interpreted
 
 
 def fused_decode_refusal(model: torch.nn.Module, backend: AttentionBackend) -> str | None:
@@ -28,7 +29,10 @@ def fused_decode_refusal(model: torch.nn.Module, backend: AttentionBackend) -> s
         "it is not batch-invariant (deterministic mode)": backend.deterministic,
         "the model has a sliding window": cfg.sliding_window is not None,
         "the model's o projection has a bias": cfg.o_proj_bias,
-        "it runs on one device": model.model.layers[0].self_attn.tp.size > 1,
+        "it needs tensor_parallel_size=1": model.model.layers[0].self_attn.tp.size > 1,
+        "it needs a CUDA device (or Triton's interpreter, TRITON_INTERPRET=1)": (
+            next(model.parameters()).device.type != "cuda" and not interpreted()
+        ),
     }
     return next((reason for reason, refused in reasons.items() if refused), None)
 

@@ -52,7 +52,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 2 << 30
-# Programs of a fused decode layer off a GPU (Triton's interpreter runs them one by one).
+# Programs of the fused decode layers off a GPU (Triton's interpreter runs them one by one; at
+# least one a KV head).
 FUSED_CPU_PROGRAMS = 8
 
 # Called once a step's forward pass is queued: reads the previous step's tokens and starts
@@ -370,7 +371,11 @@ class ModelRunner:
         refusal = fused_decode_refusal(self.model, self.attention)
         if refusal is not None:
             raise ValueError(f"fused_decode_layer: {refusal}")
-        programs = sm_count(self.device) if self.device.type == "cuda" else FUSED_CPU_PROGRAMS
+        programs = (
+            sm_count(self.device)
+            if self.device.type == "cuda"
+            else max(FUSED_CPU_PROGRAMS, self.model_config.num_kv_heads)
+        )
         try:
             fused = FusedDecodeLayers(self.model, self.attention, programs)
         except ValueError as exc:  # shapes or tensors the kernel does not take
