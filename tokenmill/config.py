@@ -864,9 +864,10 @@ class EngineArgs:
         "Steps of 1 to 8 query tokens of one sequence (decoding one request, its speculative "
         "verify steps) run all the decoder layers in one kernel (five stages a layer, "
         "separated by grid barriers, each program loading its next weights before it waits) "
-        "instead of seven kernels a layer: dense Llama-family models on one CUDA device with "
-        "the triton attention backend, not in deterministic mode; other models are refused "
-        "at start-up. Not yet measured on a GPU.",
+        "instead of seven kernels a layer: dense Llama-family models, and Qwen3-MoE models "
+        "whose every layer is sparse (one token a step), on one CUDA device with the triton "
+        "attention backend, not in deterministic mode; other models are refused at start-up. "
+        "Not yet measured on a GPU.",
     )
     tuning_cache_dir: str | None = option(
         None,
