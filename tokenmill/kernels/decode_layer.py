@@ -83,6 +83,8 @@ TICKET_STRIDE = tl.constexpr(32)
 _COLUMNS = ("qkv", "qkv_bias", "o", "gate_up", "down", "input_norm", "post_norm", "q_norm",
             "k_norm", "k_cache", "v_cache", "router")  # fmt: skip
 NUM_COLUMNS = tl.constexpr(len(_COLUMNS))
+(W_QKV, B_QKV, W_O, W_GATE_UP, W_DOWN, LN_INPUT, LN_POST, Q_NORM, K_NORM, K_CACHE, V_CACHE,
+ W_ROUTER) = (tl.constexpr(column) for column in range(len(_COLUMNS)))  # fmt: skip
 # Timer stamps a layer with TIMING: the start and end of each of its stages (a mixture of
 # experts' layer has one more: MOE_STAGES).
 MOE_STAGES = 6
@@ -578,12 +580,12 @@ def _qkv_stage(
     """Stage 1: `x + residual` (program 0 stores it), RMSNorm, the q/k/v product's rows."""
     rows, mask = _rows(pid, R, NQKV, BR)
     acc = _normed_product(
-        _ptr(table_ptr, layer, 0, x_ptr), rows, mask, w0, w1, x_ptr, res_ptr,
-        _ptr(table_ptr, layer, 5, x_ptr), mid_res_ptr, eps, H, M, HAS_RES, pid == 0, BLOCK_M,
+        _ptr(table_ptr, layer, W_QKV, x_ptr), rows, mask, w0, w1, x_ptr, res_ptr,
+        _ptr(table_ptr, layer, LN_INPUT, x_ptr), mid_res_ptr, eps, H, M, HAS_RES, pid == 0, BLOCK_M,
         BK,
     )  # fmt: skip
     if QKV_BIAS:
-        bias = tl.load(_ptr(table_ptr, layer, 1, x_ptr) + rows, mask=mask, other=0.0)
+        bias = tl.load(_ptr(table_ptr, layer, B_QKV, x_ptr) + rows, mask=mask, other=0.0)
         if BLOCK_M == 1:
             acc += bias.to(tl.float32)
         else:
@@ -630,8 +632,8 @@ def _decode_layers_kernel(
         # others' on the previous layer's output and residual
         if ALL or STAGE == 0:
             rows, mask = _rows(pid, R_QKV, NQKV, BR_QKV)
-            qkv0, qkv1 = _first_tiles(_ptr(table_ptr, layer, 0, x_ptr), rows, mask, H, BK_QKV)
-            _prefetch_rows(_ptr(table_ptr, layer, 2, x_ptr), pid * R_O, R_O, H, HQ * D, L2)
+            qkv0, qkv1 = _first_tiles(_ptr(table_ptr, layer, W_QKV, x_ptr), rows, mask, H, BK_QKV)
+            _prefetch_rows(_ptr(table_ptr, layer, W_O, x_ptr), pid * R_O, R_O, H, HQ * D, L2)
             if layer == 0:
                 _stamp(timing_ptr, pid, layer, layers, 0, TIMING)
                 _qkv_stage(
@@ -647,8 +649,8 @@ def _decode_layers_kernel(
                     qkv_ptr, eps, M, H, NQKV, R_QKV, BR_QKV, BK_QKV, BLOCK_M, True, QKV_BIAS,
                 )  # fmt: skip
             _stamp(timing_ptr, pid, layer, layers, 1, TIMING)
-        k_cache_ptr = _ptr(table_ptr, layer, 9, x_ptr)
-        v_cache_ptr = _ptr(table_ptr, layer, 10, x_ptr)
+        k_cache_ptr = _ptr(table_ptr, layer, K_CACHE, x_ptr)
+        v_cache_ptr = _ptr(table_ptr, layer, V_CACHE, x_ptr)
         pid = _program_id(OPAQUE)
         # 2. attention, a program per (KV head, split) (programs >= HKV * S_MAX)
         if ALL or STAGE == 1:
@@ -656,7 +658,7 @@ def _decode_layers_kernel(
                 pid, kv_lens_ptr, page_table_ptr, k_cache_ptr, v_cache_ptr, M, HKV, D, PAGE,
                 S_MAX, SPLIT_KEYS, BLOCK_N,
             )  # fmt: skip
-            w_gu = _ptr(table_ptr, layer, 3, x_ptr)
+            w_gu = _ptr(table_ptr, layer, W_GATE_UP, x_ptr)
             _prefetch_rows(w_gu, pid * R_GU, R_GU, FF, H, L2)
             _prefetch_rows(w_gu + FF * H, pid * R_GU, R_GU, FF, H, L2)
         if ALL:
@@ -666,8 +668,8 @@ def _decode_layers_kernel(
             if pid < HKV * S_MAX:
                 _attention_split(
                     pid, kb, vb, qkv_ptr, positions_ptr, slots_ptr, kv_lens_ptr,
-                    page_table_ptr, cos_ptr, sin_ptr, _ptr(table_ptr, layer, 7, x_ptr),
-                    _ptr(table_ptr, layer, 8, x_ptr), eps, k_cache_ptr, v_cache_ptr, mid_o_ptr,
+                    page_table_ptr, cos_ptr, sin_ptr, _ptr(table_ptr, layer, Q_NORM, x_ptr),
+                    _ptr(table_ptr, layer, K_NORM, x_ptr), eps, k_cache_ptr, v_cache_ptr, mid_o_ptr,
                     mid_lse_ptr, attn_ptr, barrier_ptr + TICKETS, qk_scale, M, HQ, HKV, D,
                     PAGE, S_MAX, SPLIT_KEYS, BLOCK_R, BLOCK_T, BLOCK_S, BLOCK_N, QK_NORM,
                 )  # fmt: skip
@@ -677,15 +679,15 @@ def _decode_layers_kernel(
         # 3. o product
         if ALL or STAGE == 2:
             rows, mask = _rows(pid, R_O, H, BR_O)
-            o0, o1 = _first_tiles(_ptr(table_ptr, layer, 2, x_ptr), rows, mask, HQ * D, BK_O)
-            _prefetch_rows(_ptr(table_ptr, layer, 4, x_ptr), pid * R_DN, R_DN, H, FF, L2)
+            o0, o1 = _first_tiles(_ptr(table_ptr, layer, W_O, x_ptr), rows, mask, HQ * D, BK_O)
+            _prefetch_rows(_ptr(table_ptr, layer, W_DOWN, x_ptr), pid * R_DN, R_DN, H, FF, L2)
         if ALL:
             _grid_barrier(count_ptr, gen_ptr, programs)
         _stamp(timing_ptr, pid, layer, layers, 4, TIMING)
         if ALL or STAGE == 2:
             rows, mask = _rows(pid, R_O, H, BR_O)
             acc = _plain_product(
-                _ptr(table_ptr, layer, 2, x_ptr), rows, mask, o0, o1, attn_ptr, HQ * D, M,
+                _ptr(table_ptr, layer, W_O, x_ptr), rows, mask, o0, o1, attn_ptr, HQ * D, M,
                 BLOCK_M, BK_O,
             )  # fmt: skip
             _store_rows(o_ptr, acc, rows, mask, H, M, BLOCK_M)
@@ -696,9 +698,11 @@ def _decode_layers_kernel(
             # 4. residual add + RMSNorm + gate/up product (rows interleaved), SiLU-and-mul
             if ALL or STAGE == 3:
                 rows, mask = _pair_rows(pid, R_GU, FF, BR_GU)
-                gu0, gu1 = _first_tiles(_ptr(table_ptr, layer, 3, x_ptr), rows, mask, H, BK_GU)
+                gu0, gu1 = _first_tiles(
+                    _ptr(table_ptr, layer, W_GATE_UP, x_ptr), rows, mask, H, BK_GU
+                )
                 if layer + 1 < layers:
-                    w_qkv = _ptr(table_ptr, layer + 1, 0, x_ptr)
+                    w_qkv = _ptr(table_ptr, layer + 1, W_QKV, x_ptr)
                     _prefetch_rows(w_qkv, pid * R_QKV, R_QKV, NQKV, H, L2)
             if ALL:
                 _grid_barrier(count_ptr, gen_ptr, programs)
@@ -706,9 +710,9 @@ def _decode_layers_kernel(
             if ALL or STAGE == 3:
                 rows, mask = _pair_rows(pid, R_GU, FF, BR_GU)
                 acc = _normed_product(
-                    _ptr(table_ptr, layer, 3, x_ptr), rows, mask, gu0, gu1, o_ptr, mid_res_ptr,
-                    _ptr(table_ptr, layer, 6, x_ptr), new_res_ptr, eps, H, M, True, pid == 0,
-                    BLOCK_M, BK_GU,
+                    _ptr(table_ptr, layer, W_GATE_UP, x_ptr), rows, mask, gu0, gu1, o_ptr,
+                    mid_res_ptr, _ptr(table_ptr, layer, LN_POST, x_ptr), new_res_ptr, eps, H, M,
+                    True, pid == 0, BLOCK_M, BK_GU,
                 )  # fmt: skip
                 # each rounded to the activation dtype, as the unfused product stores them
                 acc = acc.to(act_dtype).to(tl.float32)
@@ -724,15 +728,17 @@ def _decode_layers_kernel(
             # 5. down product
             if ALL or STAGE == 4:
                 rows, mask = _rows(pid, R_DN, H, BR_DN)
-                dn0, dn1 = _first_tiles(_ptr(table_ptr, layer, 4, x_ptr), rows, mask, FF, BK_DN)
+                dn0, dn1 = _first_tiles(
+                    _ptr(table_ptr, layer, W_DOWN, x_ptr), rows, mask, FF, BK_DN
+                )
             if ALL:
                 _grid_barrier(count_ptr, gen_ptr, programs)
             _stamp(timing_ptr, pid, layer, layers, 8, TIMING)
             if ALL or STAGE == 4:
                 rows, mask = _rows(pid, R_DN, H, BR_DN)
                 acc = _plain_product(
-                    _ptr(table_ptr, layer, 4, x_ptr), rows, mask, dn0, dn1, act_ptr, FF, M, BLOCK_M,
-                    BK_DN,
+                    _ptr(table_ptr, layer, W_DOWN, x_ptr), rows, mask, dn0, dn1, act_ptr, FF, M,
+                    BLOCK_M, BK_DN,
                 )  # fmt: skip
                 _store_rows(out_ptr, acc, rows, mask, H, M, BLOCK_M)
             _stamp(timing_ptr, pid, layer, layers, 9, TIMING)
@@ -741,16 +747,18 @@ def _decode_layers_kernel(
             # 4. residual add + RMSNorm + router (a mixture of experts' feed-forward)
             if ALL or STAGE == 3:
                 rows, mask = _rows(pid, R_RT, E, BR_RT)
-                rt0, rt1 = _first_tiles(_ptr(table_ptr, layer, 11, x_ptr), rows, mask, H, BK_RT)
+                rt0, rt1 = _first_tiles(
+                    _ptr(table_ptr, layer, W_ROUTER, x_ptr), rows, mask, H, BK_RT
+                )
             if ALL:
                 _grid_barrier(count_ptr, gen_ptr, programs)
             _stamp(timing_ptr, pid, layer, layers, 6, TIMING)
             if ALL or STAGE == 3:
                 rows, mask = _rows(pid, R_RT, E, BR_RT)
                 acc = _normed_product(
-                    _ptr(table_ptr, layer, 11, x_ptr), rows, mask, rt0, rt1, o_ptr, mid_res_ptr,
-                    _ptr(table_ptr, layer, 6, x_ptr), new_res_ptr, eps, H, M, True, pid == 0, 1,
-                    BK_RT,
+                    _ptr(table_ptr, layer, W_ROUTER, x_ptr), rows, mask, rt0, rt1, o_ptr,
+                    mid_res_ptr, _ptr(table_ptr, layer, LN_POST, x_ptr), new_res_ptr, eps, H, M,
+                    True, pid == 0, 1, BK_RT,
                 )  # fmt: skip
                 # rounded to the activation dtype, as the router's output
                 tl.store(router_ptr + rows, acc.to(act_dtype).to(tl.float32), mask=mask)
@@ -765,12 +773,12 @@ def _decode_layers_kernel(
             if ALL or STAGE == 4:
                 ids, weights = _route(router_ptr, E, TOPK, RENORM, BLOCK_E, BLOCK_K)
                 slots = tl.arange(0, BLOCK_K)
-                w_gu = _ptr(table_ptr, layer, 3, x_ptr)
+                w_gu = _ptr(table_ptr, layer, W_GATE_UP, x_ptr)
                 rows, mask = _expert_pair_rows(pid, ids, slots, R_GU, FF, TOPK, BR_GU)
                 gu0, gu1 = _first_tiles(w_gu, rows, mask, H, BK_GU)
                 acc = _normed_product(
                     w_gu, rows, mask, gu0, gu1, new_res_ptr, new_res_ptr,
-                    _ptr(table_ptr, layer, 6, x_ptr), new_res_ptr, eps, H, M, False, False, 1,
+                    _ptr(table_ptr, layer, LN_POST, x_ptr), new_res_ptr, eps, H, M, False, False, 1,
                     BK_GU,
                 )  # fmt: skip
                 gate, up = tl.split(tl.reshape(acc.to(act_dtype).to(tl.float32), [BR_GU, 2]))
@@ -788,7 +796,7 @@ def _decode_layers_kernel(
                 ids, weights = _route(router_ptr, E, TOPK, RENORM, BLOCK_E, BLOCK_K)
                 rows, mask = _rows(pid, R_DN, H, BR_DN)
                 acc = _expert_down_product(
-                    _ptr(table_ptr, layer, 4, x_ptr), ids, tl.arange(0, BLOCK_K), rows, mask,
+                    _ptr(table_ptr, layer, W_DOWN, x_ptr), ids, tl.arange(0, BLOCK_K), rows, mask,
                     act_ptr, H, FF, TOPK, BK_DN,
                 )  # fmt: skip
                 tl.store(out_ptr + rows, acc.to(act_dtype), mask=mask)
