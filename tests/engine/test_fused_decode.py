@@ -107,6 +107,8 @@ def test_fused_verify_steps_match_transformers(checkpoints, method: str, monkeyp
     # its own draft 3 at every step)
     assert llm.engine.scheduler.spec_stats.num_drafts > 0 and verify_rows
     assert 4 in verify_rows or method == "ngram"
+    drafter = llm.engine.runner.spec.drafter
+    assert drafter is None or drafter.model.model.fused_decode is not None  # its steps too
 
 
 @pytest.mark.parametrize(

@@ -275,6 +275,8 @@ class ModelRunner:
                 self.spec = SpecDecoder(
                     config, self.sampler, self.num_pages, self.device, self.staging
                 )
+            if config.runner.fused_decode_layer and self.spec.drafter is not None:
+                self._fuse_draft_layers(self.spec.drafter.model, self.spec.drafter.attention)
         self.encoder_cache: EncoderCache | None = None
         if config.model.vision is not None:
             from tokenmill.runner.encoder_cache import EncoderCache
@@ -357,7 +359,8 @@ class ModelRunner:
                 warm_up(self.model, self.attention, self.page_size, batches + fused, self.device)
                 if self.spec is not None and (drafter := self.spec.drafter) is not None:
                     # The draft model mirrors every eager step: its heads, its kernels.
-                    warm_up(drafter.model, drafter.attention, self.page_size, batches, self.device)
+                    warm_up(drafter.model, drafter.attention, self.page_size, batches + fused,
+                            self.device)  # fmt: skip
                 self.sampler.warm_up(self.model_config.vocab_size, self.model_config.dtype)
 
     def _fuse_decode_layers(self) -> None:
@@ -365,22 +368,42 @@ class ModelRunner:
         speculative verify) run every decoder layer in one kernel, on one program per SM (off
         a GPU, in Triton's interpreter, on FUSED_CPU_PROGRAMS); a model or set-up it does not
         serve is a `ValueError` naming the option."""
-        from tokenmill.kernels.attention import sm_count
         from tokenmill.models.fused_decode import FusedDecodeLayers, fused_decode_refusal
 
         refusal = fused_decode_refusal(self.model, self.attention)
         if refusal is not None:
             raise ValueError(f"fused_decode_layer: {refusal}")
-        programs = (
-            sm_count(self.device)
-            if self.device.type == "cuda"
-            else max(FUSED_CPU_PROGRAMS, self.model_config.num_kv_heads)
-        )
         try:
+            programs = self._programs(self.model_config.num_kv_heads)
             fused = FusedDecodeLayers(self.model, self.attention, programs)
         except ValueError as exc:  # shapes or tensors the kernel does not take
             raise ValueError(f"fused_decode_layer: {exc}") from exc
         self.model.model.fused_decode = fused
+
+    def _fuse_draft_layers(self, model: torch.nn.Module, attention: AttentionBackend) -> None:
+        """The draft model's decode steps (one token a sequence, each drafting step; its
+        mirror of a verify step) through fused layers of its own too, where it is a model they
+        serve (else, said in the log, through its modules)."""
+        from tokenmill.models.fused_decode import FusedDecodeLayers, fused_decode_refusal
+
+        refusal = fused_decode_refusal(model, attention)
+        if refusal is None:
+            try:
+                programs = self._programs(model.config.num_kv_heads)
+                model.model.fused_decode = FusedDecodeLayers(model, attention, programs)
+                return
+            except ValueError as exc:  # shapes or tensors the kernel does not take
+                refusal = str(exc)
+        logger.info("the draft model runs its layers as modules (fused layers: %s)", refusal)
+
+    def _programs(self, num_kv_heads: int) -> int:
+        """Programs of the fused layers' launch: one per SM (off a GPU FUSED_CPU_PROGRAMS, and
+        at least one a KV head)."""
+        from tokenmill.kernels.attention import sm_count
+
+        if self.device.type == "cuda":
+            return sm_count(self.device)
+        return max(FUSED_CPU_PROGRAMS, num_kv_heads)
 
     @property
     def graphs_pending(self) -> int:
