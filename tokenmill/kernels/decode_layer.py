@@ -1,26 +1,32 @@
-"""A dense Llama-family model's decoder layers in one launch, for one decoding sequence.
+"""A Llama-family model's decoder layers in one launch, for 1 to MAX_TOKENS query tokens of one
+sequence (a decode step, a speculative verify step).
 
 At batch 1 every kernel of a small model's layer is latency-bound: Qwen3-0.6B spent ~25 us a
 layer in seven kernels carrying ~7.4 us of weight bytes (`docs/perf-notes.md`), most of it at
 the kernel boundaries (a grid's tail, the next grid's wait, its first loads). Here one grid of
-`programs` programs (one per SM, all resident at once) runs every layer's five stages,
-separated by grid barriers instead of kernel boundaries, and each program loads the first two
-weight tiles of its next stage before it waits at the barrier (weights do not depend on the
-activations), so the weight stream does not stop at a stage's end:
+`programs` programs (one per SM, all resident at once) runs every layer's stages, separated by
+grid barriers instead of kernel boundaries, and each program loads the first two weight tiles
+of its next stage before it waits at the barrier (weights do not depend on the activations),
+so the weight stream does not stop at a stage's end:
 
-1. q/k/v: residual add + RMSNorm (each program over the whole row, program 0 storing the new
+1. q/k/v: residual add + RMSNorm (each program over the whole rows, program 0 storing the new
    residual) and the fused q/k/v product, `R_QKV` rows a program.
-2. attention: a program per (KV head, split of the cached positions): q/k norm and rotary of
-   the head's query group and its new key, the new key and value stored by split 0, the split's
-   keys attended (its first block loaded before the barrier: K/V of earlier steps), the new
-   token folded in by the last split (so no program reads a key another program stores in this
-   stage); the split's normalised output and log-sum-exp to scratch.
-   The last split of each KV head to finish (an arrival ticket a KV head) merges its query
-   heads' splits by their log-sum-exp into the o product's input.
+2. attention: a program per (KV head, split of the cached positions), its rows the step's
+   (token, query head of the group) pairs: q/k norm and rotary, the step's keys and values
+   stored by split 0, the split's keys attended (its first block loaded before the barrier:
+   K/V of earlier steps), the step's own keys folded in, causally, by the last split from
+   registers (so no program reads a key another program stores in this stage). The last
+   split of each KV head to finish (an arrival ticket a KV head) merges its rows' splits by
+   their log-sum-exp into the o product's input.
 3. o: the o product.
 4. gate/up: residual add + RMSNorm, `R_GU` (gate, up) row pairs a program, SiLU-and-mul of each
    pair stored.
 5. down: the down product, the layer's output, which the next layer's stage 1 takes.
+
+A mixture of experts' layer (every layer sparse, one token) replaces 4-5 by a router stage,
+then the chosen experts' gate/up pairs (each program routing the token itself), then their
+down rows, summed (MOE_STAGES). One token's products run on the CUDA cores, several tokens'
+on the tensor cores (`BLOCK_M` = DOT_ROWS).
 
 With L2 (a model whose largest stage fits a third of the L2 cache), as each program loads its
 next stage's first tiles it also asks for the stage after next's rows to be pulled into L2
@@ -34,9 +40,10 @@ words serves every barrier and step). Data a program reads after a barrier was w
 programs of the same launch: it is loaded past L1 (`.cg`), which is not coherent across SMs.
 Under PDL the kernel waits for the previous kernel before it reads anything: once a step.
 
-Triton's interpreter runs programs one after another, so a barrier there would never open:
-off a GPU each stage of each layer is a launch of its own (`STAGE`), the same code without the
-barriers (the CPU tests; the GPU tests compare the one launch with those, bit for bit).
+Triton's interpreter runs programs one after another, so a barrier there opens only for a grid
+of one program: off a GPU each stage of each layer is a launch of its own (`STAGE`), the same
+code without the barriers (the CPU tests; the GPU tests compare the one launch with those, bit
+for bit).
 """
 
 from __future__ import annotations
