@@ -55,6 +55,30 @@ def test_fused_decode_matches_transformers(checkpoints, family: str, monkeypatch
     assert len(runs) == lengths[2] - lengths[1]  # the last row's steps alone
 
 
+def test_fused_chunks_and_prefix_hits_match_transformers(checkpoints, monkeypatch) -> None:
+    """Prompt chunks of at most 8 tokens (a budget of 8) and the few new tokens of a prompt
+    whose prefix is cached run through the fused layers too: each token attends the cached
+    positions and, causally, the chunk's own; greedy output is still transformers'."""
+    path = checkpoints["qwen3"]
+    rows: list[int] = []
+    original = DecodeLayerKernel.run
+
+    def counted(self, x, *args, **kwargs):  # type: ignore[no-untyped-def]
+        rows.append(x.shape[0])
+        return original(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(DecodeLayerKernel, "run", counted)
+    llm = _fused_llm(path, page_size=4, max_num_batched_tokens=8)
+    first = list(range(3, 16))  # 13 tokens: chunks of 8 and 5
+    second = [*first[:12], 60, 61]  # 12 cached (3 pages of 4), 2 new
+    for prompt in (first, second):
+        tokens = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        assert tokens == hf_greedy(path, prompt, GREEDY.max_tokens)
+    decodes = GREEDY.max_tokens - 1
+    assert rows[: 2 + decodes] == [8, 5] + [1] * decodes
+    assert rows[2 + decodes] == 2  # the second prompt's uncached tokens
+
+
 def test_fused_moe_layers_match_transformers(tmp_path, monkeypatch) -> None:
     """A Qwen3-MoE whose every layer is sparse (8 experts, top 2, renormalised): its decode
     steps through the fused layers (router, the token's experts, their down rows) give
