@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from functools import partial
 
 import torch
 import triton
@@ -20,6 +21,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.kernels.attention import sm_count
 from tokenmill.kernels.decode_layer import (
     GENERATION,
+    MAX_TOKENS,
     STAMPS,
     DecodeLayerKernel,
     DecodeLayerWeights,
@@ -140,36 +142,42 @@ def main() -> None:
     cfg = ModelConfig.from_pretrained(args.config, "bfloat16")
     programs = args.programs or sm_count(device)
     pages = -(-(args.context + 1) // PAGE) + 1
+    dims = _dims(cfg)
     layers = [_layer(cfg, pages, device) for _ in range(cfg.num_layers)]
-    weight_bytes = sum(w.qkv.nbytes + w.o.nbytes + w.gate_up.nbytes + w.down.nbytes for w in layers)
-    dims = LayerDims(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                     cfg.intermediate_size, cfg.rms_norm_eps, PAGE)  # fmt: skip
+    weight_bytes = sum(_active_bytes(w, dims) for w in layers)
     rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings).to(device)
-    step = DecodeStep(
-        positions=torch.tensor([args.context - 1], device=device),
-        slots=torch.tensor([args.context - 1], device=device),
-        kv_lens=torch.tensor([args.context], dtype=torch.int32, device=device),
-        page_table=torch.arange(pages, dtype=torch.int32, device=device)[None],
-        cos=rotary.cos, sin=rotary.sin,
-    )  # fmt: skip
-    x = torch.randn(1, cfg.hidden_size, device=device, dtype=torch.bfloat16)
+
+    def step_of(tokens: int) -> DecodeStep:  # the context's last `tokens` positions
+        positions = torch.arange(args.context - tokens, args.context, device=device)
+        return DecodeStep(
+            positions=positions, slots=positions,
+            kv_lens=torch.tensor([args.context], dtype=torch.int32, device=device),
+            page_table=torch.arange(pages, dtype=torch.int32, device=device)[None],
+            cos=rotary.cos, sin=rotary.sin,
+        )  # fmt: skip
+
+    step = step_of(1)
+    x = torch.randn(MAX_TOKENS, cfg.hidden_size, device=device, dtype=torch.bfloat16)
     copy = _copy_bandwidth(device)
     print(f"{args.config}: {cfg.num_layers} layers, {weight_bytes / 1e6:.1f} MB of weights read, "
           f"context {args.context}; copy bandwidth {copy / 1e12:.2f} TB/s; {programs} programs; "
           f"one grid barrier {_barrier_us(programs, device):.2f} us")  # fmt: skip
-    rows = (("one launch", None, None), ("one launch, no L2 prefetch", None, False),
-            ("a launch a layer", 1, None))  # fmt: skip
-    for label, per_launch, l2 in rows:
+    rows = [("one launch", None, None, 1), ("one launch, no L2 prefetch", None, False, 1),
+            ("a launch a layer", 1, None, 1)]  # fmt: skip
+    if not dims.experts:  # (a mixture of experts' layers take one token)
+        rows.append(("one launch, 4 tokens (verify)", None, None, 4))
+    for label, per_launch, l2, tokens in rows:
         set_layers_per_launch(per_launch)
         set_l2_prefetch(l2)
         kernel = DecodeLayerKernel(dims, layers, programs)
-        seconds = median_graph_seconds(lambda k=kernel: k.run(x, step), replays=50)
+        run = partial(kernel.run, x[:tokens], step_of(tokens))
+        seconds = median_graph_seconds(run, replays=50)
         print(f"  {label:<28} {seconds * 1e6:8.1f} us a step ({seconds * 1e6 / cfg.num_layers:.2f} "
               f"a layer), {weight_bytes / seconds / copy:.0%} of the copy bandwidth "
               f"(L2 prefetch {'on' if kernel.l2_prefetch else 'off'})")  # fmt: skip
     set_layers_per_launch(None)
     set_l2_prefetch(None)
-    _timeline(DecodeLayerKernel(dims, layers, programs), x, step)
+    _timeline(DecodeLayerKernel(dims, layers, programs), x[:1], step)
 
 
 if __name__ == "__main__":
