@@ -145,8 +145,8 @@ if [[ "$what" == b2 || "$what" == all ]]; then
 fi
 if [[ "$what" == fused ]]; then  # fused_decode_layer: its GPU tests, then batch 1 off and on
   python3 -m pytest -q -p no:cacheprovider tests/kernels/test_decode_layer.py \
-    tests/engine/test_fused_decode.py tests/gpu/test_engine_gpu.py -k "decode_layer or fused" \
-    2>&1 | tee "$out/pytest-fused.log" | tail -15
+    tests/engine/test_fused_decode.py tests/gpu/test_engine_gpu.py tests/gpu/test_moe_gpu.py \
+    -k "decode_layer or fused" 2>&1 | tee "$out/pytest-fused.log" | tail -15
   echo "fused tests: $(tail -1 "$out/pytest-fused.log")" >> "$table"
   for m in ${AB_MODELS:-qwen3-0.6b llama-3.1-8b}; do
     for flags in "" "--fused-decode-layer" "--fused-decode-layer --l2-prefetch off" \

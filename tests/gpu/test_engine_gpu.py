@@ -296,7 +296,7 @@ def _triton_kernels() -> list:  # type: ignore[type-arg]
     return found
 
 
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("fused", [False, True], ids=["modules", "fused"])
 def test_serving_after_start_up_compiles_no_kernel(checkpoints, fused: bool) -> None:
     """The runner's start-up warm-up compiles what a serving run's steps launch: mixed steps
     (prompt chunks beside decode rows, whose short rows are a launch of their own; short
