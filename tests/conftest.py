@@ -65,9 +65,25 @@ def long_test(why: str) -> pytest.MarkDecorator:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Put `SLOW_FILES_FIRST` first (stable: the rest keep their order)."""
+    """Put `SLOW_FILES_FIRST` first (stable: the rest keep their order); on a GPU, the fused
+    decode layers' tests last (`_runs_fused_layers`)."""
     rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+    gpu = torch.cuda.is_available()
+    items.sort(
+        key=lambda item: (
+            gpu and _runs_fused_layers(item),
+            rank.get(item.nodeid.split("::", 1)[0], len(rank)),
+        )
+    )
+
+
+def _runs_fused_layers(item: pytest.Item) -> bool:
+    """Whether a test runs the fused decode layers' grid-barrier kernel: a kernel that waits at
+    a barrier until the poll limit traps loses the process's CUDA context, and every later test
+    of the session with it; run last, they take no other test down."""
+    node = item.nodeid
+    names = ("decode_layer", "fused_decode", "fused_moe_layers")
+    return any(name in node for name in names) or node.endswith(("-fused]", "[fused]"))
 
 
 @pytest.fixture(scope="session")
