@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.attention.backend import AttentionBackend
+from tokenmill.attention.backend import AttentionBackend, AttentionInputs
 from tokenmill.attention.triton_backend import TritonAttentionBackend
 from tokenmill.config import ModelConfig
 from tokenmill.kernels.decode_layer import (
@@ -75,20 +75,20 @@ class FusedDecodeLayers:
         )  # fmt: skip
         self.kernel = DecodeLayerKernel(dims, layers, programs)
 
-    def serves(self, input_ids: torch.Tensor) -> bool:
-        """Whether the step computes 1 to MAX_TOKENS query tokens of one sequence (a decode
-        step, a speculative verify step, a short chunk; one for a mixture of experts; else
-        the layers run as modules)."""
+    def step_inputs(self, input_ids: torch.Tensor) -> AttentionInputs | None:
+        """The planned step's inputs if it computes 1 to MAX_TOKENS query tokens of one
+        sequence (a decode step, a speculative verify step, a short chunk; one for a mixture
+        of experts), else None (the layers run as modules)."""
         inputs = self.backend.one_sequence_step(1 if self.experts else MAX_TOKENS)
-        return inputs is not None and input_ids.shape[0] == inputs.query_lens_cpu[0]
+        served = inputs is not None and input_ids.shape[0] == inputs.query_lens_cpu[0]
+        return inputs if served else None
 
     def __call__(
-        self, x: torch.Tensor, positions: torch.Tensor
+        self, x: torch.Tensor, positions: torch.Tensor, inputs: AttentionInputs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`(x, residual)` after every layer, as the modules would return them, for the
-        embedded query tokens `x` `[M, H]` at `positions` `[M]` of a step `serves` took."""
-        inputs = self.backend.one_sequence_step(MAX_TOKENS)
-        assert inputs is not None
+        embedded query tokens `x` `[M, H]` at `positions` `[M]` of a step whose `inputs`
+        `step_inputs` returned."""
         step = DecodeStep(
             positions=positions, slots=inputs.slot_mapping, kv_lens=inputs.kv_lens,
             page_table=inputs.page_table, cos=self.rotary.cos, sin=self.rotary.sin,

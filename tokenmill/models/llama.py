@@ -169,8 +169,9 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
-        if self.fused_decode is not None and self.fused_decode.serves(input_ids):
-            x, residual = self.fused_decode(x, positions)
+        fused = self.fused_decode.step_inputs(input_ids) if self.fused_decode else None
+        if fused is not None:
+            x, residual = self.fused_decode(x, positions, fused)
         else:
             for layer in self.layers:
                 x, residual = layer(positions, x, residual, attn)
