@@ -86,6 +86,23 @@ def _runs_fused_layers(item: pytest.Item) -> bool:
     return any(name in node for name in names) or node.endswith(("-fused]", "[fused]"))
 
 
+@pytest.fixture
+def fused_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The query tokens of each run of the fused decode layers' kernel, as the test goes (on
+    a GPU, a graphed step's at its capture)."""
+    from tokenmill.kernels.decode_layer import DecodeLayerKernel
+
+    rows: list[int] = []
+    original = DecodeLayerKernel.run
+
+    def counted(self, x, *args, **kwargs):  # type: ignore[no-untyped-def]
+        rows.append(x.shape[0])
+        return original(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(DecodeLayerKernel, "run", counted)
+    return rows
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """One tiny checkpoint directory per architecture family."""

@@ -14,24 +14,9 @@ pytest.importorskip("triton")
 
 from tests.conftest import hf_greedy
 from tokenmill import LLM, SamplingParams
-from tokenmill.kernels.decode_layer import DecodeLayerKernel
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-
-
-@pytest.fixture
-def fused_rows(monkeypatch) -> list[int]:  # type: ignore[no-untyped-def]
-    """The query tokens of each run of the fused layers' kernel, as the test goes."""
-    rows: list[int] = []
-    original = DecodeLayerKernel.run
-
-    def counted(self, x, *args, **kwargs):  # type: ignore[no-untyped-def]
-        rows.append(x.shape[0])
-        return original(self, x, *args, **kwargs)
-
-    monkeypatch.setattr(DecodeLayerKernel, "run", counted)
-    return rows
 
 
 def _fused_llm(path, **engine_args) -> LLM:  # type: ignore[no-untyped-def]

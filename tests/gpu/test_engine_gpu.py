@@ -48,21 +48,12 @@ def test_float32_greedy_equals_transformers_on_gpu(checkpoints, family: str, set
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("mode", ["graphs", "eager", "speculative"])
 def test_fused_decode_layer_equals_transformers(
-    checkpoints, family: str, mode: str, monkeypatch: pytest.MonkeyPatch
+    checkpoints, family: str, mode: str, fused_rows: list[int]
 ) -> None:
     """`fused_decode_layer`: prompts sent one at a time decode through one kernel for all the
     layers (in the batch-1 CUDA graph, or launched eagerly), all its programs resident; with
     speculation (the target as its own draft, 3 drafts) its verify steps (4 query tokens, in
     the verify graphs) too."""
-    from tokenmill.kernels.decode_layer import DecodeLayerKernel
-
-    rows: list[int] = []  # the fused kernel's steps (graphed ones at their capture)
-    run = DecodeLayerKernel.run
-    monkeypatch.setattr(
-        DecodeLayerKernel,
-        "run",
-        lambda self, x, *a, **kw: rows.append(x.shape[0]) or run(self, x, *a, **kw),
-    )
     path = checkpoints[family]
     spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
     llm = LLM(str(path), device="cuda", dtype="float32", fused_decode_layer=True,
@@ -73,7 +64,7 @@ def test_fused_decode_layer_equals_transformers(
     prompts = [*PROMPTS, [(7 * i) % 200 + 3 for i in range(240)]]
     outputs = [llm.generate([p], greedy, use_tqdm=False)[0] for p in prompts]
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy_on(path, prompts, MAX_TOKENS)
-    assert 1 in rows and (4 in rows) == (mode == "speculative")
+    assert 1 in fused_rows and (4 in fused_rows) == (mode == "speculative")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
