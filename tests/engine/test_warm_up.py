@@ -19,16 +19,19 @@ SHORT = [[q, 1] for q in range(2, 9)]  # short prompts (the verify kernel's row 
 
 
 def test_warm_up_batches_fit_the_step_budget_and_the_model_length() -> None:
-    assert warm_up_batches(8192, 40960) == [[8191, 1], [64, 1], [16, 1], *SHORT]
-    assert warm_up_batches(8192, 4096) == [[4096, 4095, 1], [64, 1], [16, 1], *SHORT]
-    assert warm_up_batches(40, 1024) == [[39, 1], [16, 1], *SHORT]
-    assert warm_up_batches(40, 16) == [[16, 16, 7, 1], [16, 1], *SHORT]
-    assert warm_up_batches(40, 4) == [[4] * 9 + [3, 1], [4, 1], [2, 1], [3, 1]]
-    assert warm_up_batches(1, 1024) == []
+    assert warm_up_batches(8192, 40960, 64) == [[8191, 1], [64, 1], [16, 1], *SHORT]
+    assert warm_up_batches(8192, 4096, 64) == [[4096, 4095, 1], [64, 1], [16, 1], *SHORT]
+    assert warm_up_batches(40, 1024, 64) == [[39, 1], [16, 1], *SHORT]
+    assert warm_up_batches(40, 16, 64) == [[16, 16, 7, 1], [16, 1], *SHORT]
+    assert warm_up_batches(40, 4, 64) == [[4] * 9 + [3, 1], [4, 1], [2, 1], [3, 1]]
+    assert warm_up_batches(1, 1024, 64) == []
     # whole prompts of >= 2,048 tokens attend through another kernel: rows just shorter too
     rows = [[2047] * 4 + [3, 1]]
-    assert warm_up_batches(8192, 40960, 2048) == [[8191, 1], *rows, [64, 1], [16, 1], *SHORT]
-    assert warm_up_batches(40, 16, 2048) == warm_up_batches(40, 16)
+    assert warm_up_batches(8192, 40960, 64, 2048) == [[8191, 1], *rows, [64, 1], [16, 1], *SHORT]
+    assert warm_up_batches(40, 16, 64, 2048) == warm_up_batches(40, 16, 64)
+    # never more rows than max_num_seqs: the first ones (the scratch is sized for that many)
+    assert warm_up_batches(40, 16, 3) == [[16, 16, 7], [16, 1], *SHORT]
+    assert warm_up_batches(8192, 40960, 1) == [[8191], [64], [16], *[[q] for q in range(2, 9)]]
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
@@ -48,7 +51,7 @@ def test_warm_up_runs_mixed_batches_and_writes_no_kv(checkpoints, backend, monke
         plan(self, inputs)
 
     monkeypatch.setattr(type(runner.attention), "plan", spy)
-    batches = warm_up_batches(40, 16)  # rows of at most 16 tokens, as for a 16-token model
+    batches = warm_up_batches(40, 16, 64)  # rows of at most 16 tokens, as for a 16-token model
     warm_up(runner.model, runner.attention, runner.page_size, batches, runner.device)
     assert planned == [[16, 16, 7, 1], [16, 1], *SHORT]
     assert all(bool((t == 0.5).all()) for t in cache)

@@ -28,6 +28,8 @@ SETTINGS = {
     "chunked_prefill": {"max_num_batched_tokens": 16},
     "page_size_1": {"page_size": 1},
     "torch_backend": {"attention_backend": "torch", "enforce_eager": True},
+    # one sequence a step: the start-up warm-up runs no batch of more (it did: a crash)
+    "one_sequence": {"max_num_seqs": 1},
 }
 
 

@@ -352,7 +352,7 @@ class ModelRunner:
             with self.startup.phase("warm_up"):
                 batches = warm_up_batches(
                     config.scheduler.max_num_batched_tokens, config.max_model_len,
-                    self.attention.whole_prompt_min_tokens(),
+                    config.scheduler.max_num_seqs, self.attention.whole_prompt_min_tokens(),
                 )  # fmt: skip
                 # one sequence of one and of two tokens: the fused layers' two kernels
                 fused = [[1], [2]] if config.runner.fused_decode_layer else []
@@ -742,15 +742,19 @@ def _eager_only(plan: StepPlan) -> bool:
     return bool(plan.images) or plan.prompt_logprobs is not None
 
 
-def warm_up_batches(max_tokens: int, max_len: int, whole_min: int = 0) -> list[list[int]]:
+def warm_up_batches(
+    max_tokens: int, max_len: int, max_seqs: int, whole_min: int = 0
+) -> list[list[int]]:
     """Query lengths of the eager batches `warm_up` runs, each of at most `max_tokens` tokens
-    in rows of at most `max_len` (no position past the model's): prompts filling the step
-    beside a decode row, a 64- and a 16-token prompt beside one, and each of 2 to 8 tokens
-    beside one (a serving run's first mixed steps; each shape may be kernels of its own: the
-    Triton backend's prefill tiles, its short rows' launch, its verify kernel's row blocks).
-    `whole_min` > 0 (`AttentionBackend.whole_prompt_min_tokens`: whole prompts of that many
-    tokens take another kernel): also prompts just shorter filling the step beside a decode
-    row, the tiles the prefill kernel takes for the rows left to it (chunks after a prefix)."""
+    in rows of at most `max_len` (no position past the model's) and at most `max_seqs` rows
+    (the batch's first ones kept: a batch of more sequences never runs, and the backends'
+    scratch is sized for `max_num_seqs`): prompts filling the step beside a decode row, a 64-
+    and a 16-token prompt beside one, and each of 2 to 8 tokens beside one (a serving run's
+    first mixed steps; each shape may be kernels of its own: the Triton backend's prefill
+    tiles, its short rows' launch, its verify kernel's row blocks). `whole_min` > 0
+    (`AttentionBackend.whole_prompt_min_tokens`: whole prompts of that many tokens take another
+    kernel): also prompts just shorter filling the step beside a decode row, the tiles the
+    prefill kernel takes for the rows left to it (chunks after a prefix)."""
     fill = max_tokens - 1
     batches = [[*_rows_filling(fill, max_len), 1]]
     if whole_min > 1:
@@ -758,8 +762,10 @@ def warm_up_batches(max_tokens: int, max_len: int, whole_min: int = 0) -> list[l
     batches += [[min(64, max_len), 1], [min(16, max_len), 1]]
     batches += [[min(q, max_len), 1] for q in range(2, 9)]
     kept: list[list[int]] = []
-    for lens in batches:
-        if len(lens) > 1 and min(lens) > 0 and sum(lens) <= max_tokens and lens not in kept:
+    least = min(2, max_seqs)  # (a one-row batch is a prefill graph's, unless one is all)
+    for lens in (b[:max_seqs] for b in batches):
+        fits = len(lens) >= least and min(lens) > 0 and sum(lens) <= max_tokens
+        if fits and lens not in kept:
             kept.append(lens)
     return kept
 
