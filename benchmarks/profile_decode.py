@@ -1,8 +1,7 @@
 """Where a decode step's time goes on the GPU: graph replay vs. host work, and the top kernels.
 
 python benchmarks/profile_decode.py --config shared/models/qwen3-0.6b [--batch 1 8 64] [--no-pdl]
-    [--deterministic] [--fused-decode-layer [--layers-per-launch N] [--l2-prefetch on|off]]
-    [--kv-cache-bytes N]
+    [--deterministic] [--kv-cache-bytes N]
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ from torch.profiler import ProfilerActivity, profile
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.engine_core import EngineCore
-from tokenmill.kernels.decode_layer import set_l2_prefetch, set_layers_per_launch
 from tokenmill.kernels.pdl import set_pdl_enabled
 from tokenmill.observability.cuda_timing import median_cuda_seconds
 
@@ -40,27 +38,13 @@ def main() -> None:
     parser.add_argument(
         "--deterministic", action="store_true", help="the engine in deterministic mode"
     )
-    parser.add_argument(
-        "--fused-decode-layer", action="store_true",
-        help="batch-1 steps run the decoder layers in one kernel (fused_decode_layer)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--layers-per-launch", type=int, default=None,
-        help="with --fused-decode-layer: launch the fused layers this many at a time",
-    )  # fmt: skip
-    parser.add_argument(
-        "--l2-prefetch", choices=["on", "off"], default=None,
-        help="with --fused-decode-layer: pull the stage after next into L2 (default: by size)",
-    )  # fmt: skip
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # GEMV choices
     set_pdl_enabled(not args.no_pdl)
-    set_layers_per_launch(args.layers_per_launch)
-    set_l2_prefetch(None if args.l2_prefetch is None else args.l2_prefetch == "on")
     llm = LLM(
         args.config, load_format="dummy", dtype="bfloat16", max_num_seqs=max(args.batch),
         kv_cache_memory_bytes=args.kv_cache_bytes, enable_prefix_caching=False, max_model_len=4096,
-        deterministic=args.deterministic, fused_decode_layer=args.fused_decode_layer,
+        deterministic=args.deterministic,
     )  # fmt: skip
     runner, engine = llm.engine.runner, llm.engine
     graphs = runner.graphs

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call (see ../shared/device/README.md).
 # Usage on the device:
-#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|moeprofile|structured|b4|b4adaptive|spechost|verifyfusion|tp|conformance|hostkv|startup|vl|det|detsweep|prefillattn|launch|fused|fusedb4|all]
+#   bash scripts/gpu_check.sh [quick|tests|gputests|profile|gemv|b1|b2|moe|moetests|moebench|moesweep|moeprofile|structured|b4|b4adaptive|spechost|verifyfusion|tp|conformance|hostkv|startup|vl|det|detsweep|prefillattn|launch|all]
 # (gputests = the GPU engine tests and the GEMV, decode and rotary kernel tests + profile + B1;
 #  moe = the mixture-of-experts GPU and kernel tests (moetests), B1/B2 qwen3-30b-a3b with the
 #  transformers peer (moebench);
@@ -36,12 +36,6 @@
 #  vl = Qwen3-VL (issue 26): the multimodal GPU tests, then benchmarks/vl_images.py on
 #  Qwen3-VL-30B-A3B shapes (benchmarks/models/qwen3-vl-30b-a3b, dummy weights): TTFT per
 #  1024x768 image, images/s for 64 requests, the vision encoder's share, transformers peer;
-#  fused = fused_decode_layer (the decoder layers in one kernel at batch 1): its kernel,
-#  CPU-path and GPU engine tests, then per model (AB_MODELS) profile_decode.py at batch 1 off,
-#  on, on without the L2 prefetch and on with a launch a layer, benchmarks/fused_decode_timeline.py
-#  (the layers against the copy bandwidth, one grid barrier alone, each stage's work and wait
-#  from timer stamps) and B1 (no peer) off and on, same call; fusedb4 = B4 at batch 1 (oracle
-#  a = 0.8) off and on: the verify steps through the fused layers too;
 #  det = deterministic mode (issue 30): its GPU tests, then B1 and B2 of qwen3-0.6b and
 #  llama-3.1-8b (engine args of b1/b2, no transformers peer) without and with
 #  `--engine-arg deterministic=true`, same run;
@@ -143,25 +137,6 @@ if [[ "$what" == b2 || "$what" == all ]]; then
   bench qwen3-0.6b b2 "${kv2[@]}" "${b2[@]}"
   bench llama-3.1-8b b2 "${kv2[@]}" "${b2[@]}"
 fi
-if [[ "$what" == fused ]]; then  # fused_decode_layer: its GPU tests, then batch 1 off and on
-  python3 -m pytest -q -p no:cacheprovider tests/kernels/test_decode_layer.py \
-    tests/engine/test_fused_decode.py tests/gpu/test_engine_gpu.py tests/gpu/test_moe_gpu.py \
-    -k "decode_layer or fused" 2>&1 | tee "$out/pytest-fused.log" | tail -15
-  echo "fused tests: $(tail -1 "$out/pytest-fused.log")" >> "$table"
-  for m in ${AB_MODELS:-qwen3-0.6b llama-3.1-8b}; do
-    for flags in "" "--fused-decode-layer" "--fused-decode-layer --l2-prefetch off" \
-        "--fused-decode-layer --layers-per-launch 1"; do
-      tag=$(echo "$flags" | tr -d ' -')
-      python3 benchmarks/profile_decode.py --config "$models/$m" --batch 1 $flags 2>&1 \
-        | tee "$out/profile-$m-$tag.log" | grep -E "^bs=" | sed "s/^/$m $flags: /" >> "$table"
-    done
-    python3 benchmarks/fused_decode_timeline.py --config "$models/$m" 2>&1 \
-      | tee "$out/timeline-$m.log" | tail -12 >> "$table"
-    bench "$m" b1 --no-peer "${kv[@]}" --engine-arg max_num_seqs=8
-    TAG=fused bench "$m" b1 --no-peer "${kv[@]}" --engine-arg max_num_seqs=8 \
-      --engine-arg fused_decode_layer=true
-  done
-fi
 if [[ "$what" == ab-b1 || "$what" == ab-b2 ]]; then
   # A/B of source trees in one call: `python -m` from inside each tree imports that tree's
   # tokenmill (the current directory comes first on sys.path), whatever PYTHONPATH says.
@@ -228,14 +203,6 @@ if [[ "$what" == structured || "$what" == all ]]; then
       2>&1 | tee "$out/structured-$m.log" | tail -1 >> "$table"
     python3 benchmarks/structured_outputs.py --config "$models/$m" --host-only \
       --tokenizer tokenmill/assets/demo-llama-16m 2>&1 | tail -1 | sed 's/^/demo tokenizer: /' >> "$table"
-  done
-fi
-if [[ "$what" == fusedb4 ]]; then  # B4 at batch 1, off and with the fused layers (verify too)
-  for m in ${AB_MODELS:-qwen3-0.6b llama-3.1-8b}; do
-    bench "$m" b4 "${kv[@]}" --engine-arg max_num_seqs=8 --batch-sizes 1 --acceptance-rates 0.8 \
-      --repeats 3
-    TAG=fused bench "$m" b4 "${kv[@]}" --engine-arg max_num_seqs=8 --batch-sizes 1 \
-      --acceptance-rates 0.8 --repeats 3 --engine-arg fused_decode_layer=true
   done
 fi
 if [[ "$what" == b4 || "$what" == all ]]; then  # speculative decoding vs plain, same run

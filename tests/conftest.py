@@ -65,42 +65,9 @@ def long_test(why: str) -> pytest.MarkDecorator:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Put `SLOW_FILES_FIRST` first (stable: the rest keep their order); on a GPU, the fused
-    decode layers' tests last (`_runs_fused_layers`)."""
+    """Put `SLOW_FILES_FIRST` first (stable: the rest keep their order)."""
     rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
-    gpu = torch.cuda.is_available()
-    items.sort(
-        key=lambda item: (
-            gpu and _runs_fused_layers(item),
-            rank.get(item.nodeid.split("::", 1)[0], len(rank)),
-        )
-    )
-
-
-def _runs_fused_layers(item: pytest.Item) -> bool:
-    """Whether a test runs the fused decode layers' grid-barrier kernel: a kernel that waits at
-    a barrier until the poll limit traps loses the process's CUDA context, and every later test
-    of the session with it; run last, they take no other test down."""
-    node = item.nodeid
-    names = ("decode_layer", "fused_decode", "fused_moe_layers")
-    return any(name in node for name in names) or node.endswith(("-fused]", "[fused]"))
-
-
-@pytest.fixture
-def fused_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The query tokens of each run of the fused decode layers' kernel, as the test goes (on
-    a GPU, a graphed step's at its capture)."""
-    from tokenmill.kernels.decode_layer import DecodeLayerKernel
-
-    rows: list[int] = []
-    original = DecodeLayerKernel.run
-
-    def counted(self, x, *args, **kwargs):  # type: ignore[no-untyped-def]
-        rows.append(x.shape[0])
-        return original(self, x, *args, **kwargs)
-
-    monkeypatch.setattr(DecodeLayerKernel, "run", counted)
-    return rows
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
 
 
 @pytest.fixture(scope="session")

@@ -546,8 +546,6 @@ class RunnerConfig:
     encoder_cache_tokens: int = 16384  # image tokens of vision-encoder outputs kept
     # Batch-invariant kernels: a request's logits do not depend on the rest of its batch.
     deterministic: bool = False
-    # Steps of 1-8 query tokens of one sequence run the decoder layers in one kernel.
-    fused_decode_layer: bool = False
 
     def __post_init__(self) -> None:
         if self.encoder_cache_tokens < 0:
@@ -859,16 +857,6 @@ class EngineArgs:
         "whatever else is in its batch, however its prompt was chunked and whether its prefix "
         "was cached; slower (no split-K GEMV, no split-KV decode attention).",
     )
-    fused_decode_layer: bool = option(
-        False,
-        "Steps of 1 to 8 query tokens of one sequence (decoding one request, its speculative "
-        "verify steps) run all the decoder layers in one kernel (five stages a layer, "
-        "separated by grid barriers, each program loading its next weights before it waits) "
-        "instead of seven kernels a layer: dense Llama-family models, and Qwen3-MoE models "
-        "whose every layer is sparse (one token a step), on one CUDA device with the triton "
-        "attention backend, not in deterministic mode; other models are refused at start-up. "
-        "Not yet measured on a GPU.",
-    )
     tuning_cache_dir: str | None = option(
         None,
         "Folder where start-up tuning decisions (the GEMV kernel per weight shape) are kept, "
@@ -1011,7 +999,6 @@ class EngineArgs:
             overlap_scheduling=self.overlap_scheduling,
             gpu_memory_utilization=self.gpu_memory_utilization,
             deterministic=self.deterministic,
-            fused_decode_layer=self.fused_decode_layer,
             tuning_cache_dir=default_tuning_cache_dir()
             if self.tuning_cache_dir is None
             else self.tuning_cache_dir,
@@ -1089,7 +1076,6 @@ class EngineArgs:
             # An all-reduce's summation order depends on the message size (NCCL's algorithm
             # and protocol choice, gloo's chunking), so on the batch.
             "deterministic": self.deterministic,
-            "fused_decode_layer": self.fused_decode_layer,  # (no all-reduce between its stages)
         }
         for name, used in unsupported.items():
             if used:

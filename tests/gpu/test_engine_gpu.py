@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
@@ -45,28 +44,6 @@ def test_float32_greedy_equals_transformers_on_gpu(checkpoints, family: str, set
     again = llm.generate(PROMPTS, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outputs]
     assert sum(o.num_cached_tokens for o in again) > 0
-
-
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("mode", ["graphs", "eager", "speculative"])
-def test_fused_decode_layer_equals_transformers(
-    checkpoints, family: str, mode: str, fused_rows: list[int]
-) -> None:
-    """`fused_decode_layer`: prompts sent one at a time decode through one kernel for all the
-    layers (in the batch-1 CUDA graph, or launched eagerly), all its programs resident; with
-    speculation (the target as its own draft, 3 drafts) its verify steps (4 query tokens, in
-    the verify graphs) too."""
-    path = checkpoints[family]
-    spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
-    llm = LLM(str(path), device="cuda", dtype="float32", fused_decode_layer=True,
-              enforce_eager=mode == "eager",
-              speculative_config=json.dumps(spec) if mode == "speculative" else None)  # fmt: skip
-    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    # the last one decodes from 240 to 263 positions: two attention splits, then three
-    prompts = [*PROMPTS, [(7 * i) % 200 + 3 for i in range(240)]]
-    outputs = [llm.generate([p], greedy, use_tqdm=False)[0] for p in prompts]
-    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy_on(path, prompts, MAX_TOKENS)
-    assert 1 in fused_rows and (4 in fused_rows) == (mode == "speculative")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -181,15 +158,13 @@ def test_cuda_graph_batch_sizes_match_eager(checkpoints) -> None:
     assert [o.outputs[0].token_ids for o in graphs] == [o.outputs[0].token_ids for o in eager]
 
 
-@pytest.mark.parametrize("mode", ["plain", "dense", "fused"])
+@pytest.mark.parametrize("dense", [False, True])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_bfloat16_tracks_float32_transformers(
-    tmp_path_factory, family: str, mode: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path_factory, family: str, dense: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`dense`: whole prompts of at least 16 tokens through cuDNN's dense attention
-    (`attention.dense_rows`; by default only those of 2,048 or more); `fused`: the prompts one
-    at a time, each decode step's layers in one kernel (`fused_decode_layer`)."""
-    dense = mode == "dense"
+    (`attention.dense_rows`; by default only those of 2,048 or more)."""
     from tokenmill.attention import triton_backend
     from tokenmill.testing.checkpoints import build_checkpoint
 
@@ -207,13 +182,10 @@ def test_bfloat16_tracks_float32_transformers(
         tmp_path_factory.mktemp("bf16") / family, family, hidden_size=256, intermediate_size=512,
         num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
     )  # fmt: skip
-    llm = LLM(str(path), device="cuda", dtype="bfloat16", fused_decode_layer=mode == "fused")
+    llm = LLM(str(path), device="cuda", dtype="bfloat16")
     attended.clear()  # (the start-up warm-up's)
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=0)
-    if mode == "fused":
-        outputs = [llm.generate([p], params, use_tqdm=False)[0] for p in PROMPTS]
-    else:
-        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert {row.n for row in attended} == ({57, 34, 42} if dense else set())
     # bfloat16 rounding (~0.4% per operation) can flip near-ties of the float32 reference, so
     # positions whose reference top-2 margin exceeds 0.1 nats must agree; the rest about as often
@@ -289,19 +261,17 @@ def _triton_kernels() -> list:  # type: ignore[type-arg]
     return found
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["modules", "fused"])
-def test_serving_after_start_up_compiles_no_kernel(checkpoints, fused: bool) -> None:
+def test_serving_after_start_up_compiles_no_kernel(checkpoints) -> None:
     """The runner's start-up warm-up compiles what a serving run's steps launch: mixed steps
     (prompt chunks beside decode rows, whose short rows are a launch of their own; short
     prompts beside decode rows, through the verify kernel) of varied lengths, page-table widths
-    and input offsets compile no Triton kernel (of `tokenmill.kernels`); with the fused decode
-    layers, nor do the last request's decode steps and a short prompt alone after it."""
+    and input offsets compile no Triton kernel (of `tokenmill.kernels`)."""
     kernels = _triton_kernels()
     assert kernels
     for k in kernels:  # earlier tests' compiles must not stand in for the warm-up's
         k.reset()
     llm = LLM(str(checkpoints["qwen3"]), device="cuda", dtype="bfloat16",
-              max_num_batched_tokens=96, max_num_seqs=16, fused_decode_layer=fused)  # fmt: skip
+              max_num_batched_tokens=96, max_num_seqs=16)  # fmt: skip
     before = _compiled(kernels)
     rng = random.Random(0)
     # The last 8 are short (2-8 tokens), admitted as earlier ones finish: steps whose longest
@@ -313,7 +283,6 @@ def test_serving_after_start_up_compiles_no_kernel(checkpoints, fused: bool) -> 
         for _ in prompts
     ]
     llm.generate(prompts, params, use_tqdm=False)
-    llm.generate([[5, 6, 7]], params[0], use_tqdm=False)  # a 3-token prompt alone
     assert _compiled(kernels) == before
 
 

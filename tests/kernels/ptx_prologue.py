@@ -24,7 +24,6 @@ from tokenmill.kernels.attention import (
     _prefill_kernel,
     _verify_split_kernel,
 )
-from tokenmill.kernels.decode_layer import _decode_layers_kernel
 from tokenmill.kernels.fused_moe import _down_gemv_kernel, _gate_up_gemv_kernel
 from tokenmill.kernels.gemv import _gemv_kernel
 from tokenmill.kernels.graph_inputs import _decode_inputs_kernel
@@ -34,10 +33,10 @@ from tokenmill.kernels.norm import _add_rms_norm_kernel
 from tokenmill.kernels.rope_store import _rope_store_kernel
 
 FP32_PTRS = {"mid_o_ptr", "mid_lse_ptr", "mid_ml_ptr", "part_ptr", "ss_ptr", "cos_ptr",
-             "router_ptr", "sin_ptr", "part_val_ptr", "logits_ptr"}  # fmt: skip
+             "sin_ptr", "part_val_ptr", "logits_ptr"}  # fmt: skip
 INT_PTRS = {"cu_q_ptr", "kv_lens_ptr", "page_table_ptr", "positions_ptr", "slots_ptr",
-            "ticket_ptr", "part_idx_ptr", "barrier_ptr"}  # fmt: skip
-INT64_PTRS = {"tokens_ptr", "host_ptr", "table_ptr", "timing_ptr"}
+            "ticket_ptr", "part_idx_ptr"}  # fmt: skip
+INT64_PTRS = {"tokens_ptr", "host_ptr"}
 INT64_KERNELS = {"decode_inputs"}  # every pointer of these is int64
 # Index pointers (INT_PTRS) of these are int64: the kernel takes int32 or int64 ones.
 INT64_INDEX_KERNELS = {"invariant_int64_index"}
@@ -51,8 +50,6 @@ UNALIGNED = FLOAT_SCALARS | {
     "dense_min_len",
     "stride_pt",
     "tokens",
-    "programs",
-    "layers",
 }
 # Constexprs of each kernel (USE_PDL is set for all), as the decode path of a
 # qwen3-like layer uses them.
@@ -97,19 +94,6 @@ KERNELS = {
         TOP_K=8, EXPERTS=128, SLOTS=8, NORM=True, BLOCK_N=2, BLOCK_K=256)),
     "moe_down_gemv": (_down_gemv_kernel, dict(
         TOP_K=8, RENORMALIZE=True, EXPERTS=128, SLOTS=8, BLOCK_N=8, BLOCK_K=128)),
-    **{name: (_decode_layers_kernel, dict(  # Qwen3-0.6B's / Qwen3-30B-A3B's on 132 programs
-        H=2048 if moe else 1024, HQ=32 if moe else 16, HKV=4 if moe else 8, D=128,
-        FF=768 if moe else 3072, PAGE=16, S_MAX=32 if moe else 16, SPLIT_KEYS=128, BLOCK_N=64,
-        R_QKV=32, BR_QKV=32, BK_QKV=256, R_O=16 if moe else 8, BR_O=16 if rows > 1 or moe else 8,
-        BK_O=512 if rows > 1 or moe else 1024, R_GU=47 if moe else 24, BR_GU=64 if moe else 32,
-        BK_GU=64 if moe else 128, R_DN=16 if moe else 8, BR_DN=16 if rows > 1 or moe else 8,
-        BK_DN=256 if moe else (1024 if rows == 1 else 512), MOE=moe, E=128 if moe else 1,
-        TOPK=8 if moe else 1, RENORM=moe, R_RT=1, BR_RT=1, BK_RT=2048 if moe else 1024,
-        BLOCK_E=128 if moe else 1, BLOCK_K=8 if moe else 1, BLOCK_M=rows,
-        BLOCK_R=16, BLOCK_T=1 if rows == 1 else 16, BLOCK_S=32 if moe else 16, HAS_RES=True,
-        QKV_BIAS=False, QK_NORM=True, STAGE=-1, OPAQUE=True, L2=True, TIMING=False))
-        for name, rows, moe in (("decode_layer", 1, False), ("decode_layer_verify", 16, False),
-                                ("decode_layer_moe", 1, True))},
 }  # fmt: skip
 MEMORY_OP = re.compile(r"^\s*(?:@%\w+\s+)?((?:ld|st|atom|red)\.global\S*|cp\.async\.bulk\S*)")
 

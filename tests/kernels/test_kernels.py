@@ -889,9 +889,7 @@ def test_pdl_kernels_wait_before_touching_memory() -> None:
                                 "invariant_matmul", "invariant_matmul_swiglu",
                                 "invariant_matmul_across", "invariant_matmul_loop",
                                 "invariant_matmul_tma", "invariant_matmul_tma_across", "invariant",
-                                "invariant_int64_index", "invariant_merge",
-                                "decode_layer", "decode_layer_verify",
-                                "decode_layer_moe"}  # fmt: skip
+                                "invariant_int64_index", "invariant_merge"}  # fmt: skip
     reads_first = {"gemv", "gemv_dot", "rope_store", "rope_store_blocked", "decode_split",
                    "decode_split_late", "moe_down_gemv"}  # fmt: skip
     for name, ops in before_wait.items():

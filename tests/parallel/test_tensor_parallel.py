@@ -186,10 +186,6 @@ def _title(pid: int) -> str:
             {"tensor_parallel_size": 2, "host_kv_cache_bytes": 1 << 20},
             "does not work with host_kv_cache_bytes",
         ),
-        (
-            {"tensor_parallel_size": 2, "fused_decode_layer": True},
-            "does not work with fused_decode_layer",
-        ),
         ({"tensor_parallel_size": 2, "device": "cuda:7"}, r"cuda:7\.\.cuda:8"),
     ],
 )

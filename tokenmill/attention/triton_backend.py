@@ -82,8 +82,7 @@ class FusedStoreBackend(AttentionBackend):
     _inputs: AttentionInputs
     _fresh: torch.Tensor | None = None
 
-    def layer_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s K and V caches, `[slots, Hkv, D]` each."""
+    def _cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.model
         return (
             self.kv_cache.k[layer].view(-1, cfg.num_kv_heads, cfg.head_dim),
@@ -99,7 +98,7 @@ class FusedStoreBackend(AttentionBackend):
         qk_norm: QKNorm | None,
     ) -> torch.Tensor:
         cfg = self.model
-        k_cache, v_cache = self.layer_cache(layer)
+        k_cache, v_cache = self._cache(layer)
         norm = None
         if qk_norm is not None:
             norm = (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
@@ -191,14 +190,6 @@ class TritonAttentionBackend(FusedStoreBackend):
             long = [q for q in rest if q > self._short_q_len]
         self._tiles = prefill_tiles(long or lens, cfg.head_dim, cfg.dtype.itemsize)
 
-    def one_sequence_step(self, max_tokens: int) -> AttentionInputs | None:
-        """The planned step's inputs if it computes 1 to `max_tokens` query tokens of one
-        sequence (a decode step, a speculative verify step, a short chunk), outside
-        deterministic mode (what `models.fused_decode` runs), else None."""
-        lens = self._inputs.query_lens_cpu
-        one = len(lens) == 1 and 1 <= lens[0] <= max_tokens
-        return self._inputs if one and not self.deterministic else None
-
     def _plan_dense(self, inputs: AttentionInputs) -> None:
         """The step's dense rows, and the buffer their K/V are read from (its rows past the
         step's tokens zeroed: a padded row's keys there meet a zero probability)."""
@@ -244,7 +235,7 @@ class TritonAttentionBackend(FusedStoreBackend):
         return self._dense_bound() if self._dense_ok else 0
 
     def attend(self, q: torch.Tensor, layer: int) -> torch.Tensor:
-        k_cache, v_cache = self.layer_cache(layer)
+        k_cache, v_cache = self._cache(layer)
         inputs, ps, window = self._inputs, self.kv_cache.page_size, self.model.sliding_window
         if self.deterministic:
             split = self._decode and inputs.kv_lens.shape[0] <= self._split_seqs

@@ -46,20 +46,6 @@ def _attend_block(q, k, v, keep, m_i, l_i, acc, qk_scale):
 
 
 @triton.jit
-def _fold_key(q, k, v, keep, m_i, l_i, acc, qk_scale):
-    """Fold one key `k` / value `v` (`[1, D]`, e.g. a step's new token, held in registers)
-    into the softmax state of the rows `q`, where `keep` (else a -inf score)."""
-    s = tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1) * qk_scale
-    s = tl.where(keep, s, float("-inf"))
-    m_new = tl.maximum(m_i, s)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_safe)
-    alpha = tl.math.exp2(m_i - m_safe)
-    l_i = l_i * alpha + p
-    return m_new, l_i, acc * alpha[:, None] + p[:, None] * v.to(tl.float32)
-
-
-@triton.jit
 def _attend_causal_parts(
     q, q_pos, lo, masked_lo, hi, kv_len, window, k_cache_ptr, v_cache_ptr, page_row, kvh, offs_d,
     qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
@@ -588,9 +574,15 @@ def _decode_split_kernel(
             k = _kv_block(k_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
             v = _kv_block(v_cache_ptr, page_row, offs_n, valid, kvh, offs_d, PAGE, HKV, D)
     if EARLY_KV:  # the new token, as one more key (-inf score: not this split's)
-        m_i, l_i, acc = _fold_key(
-            q, k_new[None, :], v_new[None, :], fold_new, m_i, l_i, acc, qk_scale
-        )
+        s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale
+        s = tl.where(fold_new, s, float("-inf"))
+        m_new = tl.maximum(m_i, s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe)
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
+        m_i = m_new
     lse, out = _split_result(m_i, l_i, acc)
     _store_split(
         out, lse, seq64 * HQ + heads, g_mask, split, SPLITS, out_ptr, mid_o_ptr, mid_lse_ptr,

@@ -44,15 +44,10 @@ def pdl_options(device: torch.device, wanted: bool = True) -> dict[str, bool]:
     return {"USE_PDL": on, "launch_pdl": on}
 
 
-def interpreted() -> bool:
-    """Whether Triton's interpreter runs the kernels (`TRITON_INTERPRET=1`): on the CPU,
-    programs one after another, no inline assembly, no PDL."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 @functools.cache
 def _supports_pdl(device: torch.device) -> bool:  # cached: asked at every kernel launch
-    return not interpreted() and torch.cuda.get_device_capability(device)[0] >= 9
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return not interpreted and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @triton.jit

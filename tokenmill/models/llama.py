@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -15,9 +15,6 @@ from tokenmill.layers.linear import InputKind, Linear, MergedLinear, QKVLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.layers.sharding import VocabParallelEmbedding
-
-if TYPE_CHECKING:
-    from tokenmill.models.fused_decode import FusedDecodeLayers
 
 
 class LlamaAttention(nn.Module):
@@ -161,20 +158,13 @@ class LlamaModel(nn.Module):
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # Set by the runner with `fused_decode_layer`: steps of a few query tokens of one
-        # sequence (decode, speculative verify) run the layers in one kernel.
-        self.fused_decode: FusedDecodeLayers | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
-        fused = self.fused_decode.step_inputs(input_ids) if self.fused_decode else None
-        if fused is not None:
-            x, residual = self.fused_decode(x, positions, fused)
-        else:
-            for layer in self.layers:
-                x, residual = layer(positions, x, residual, attn)
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, attn)
         x, _ = self.norm.add_forward(x, residual)
         return x
 

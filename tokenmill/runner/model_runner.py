@@ -52,9 +52,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 2 << 30
-# Programs of the fused decode layers off a GPU (Triton's interpreter runs them one by one; at
-# least one a KV head).
-FUSED_CPU_PROGRAMS = 8
 
 # Called once a step's forward pass is queued: reads the previous step's tokens and starts
 # filling this step's grammar masks (structured outputs), which its sampling waits for.
@@ -264,8 +261,6 @@ class ModelRunner:
             config.runner.attention_backend, self.model_config, self.kv_cache, max_seqs,
             deterministic,
         )  # fmt: skip
-        if config.runner.fused_decode_layer:
-            self._fuse_decode_layers()
         self.sampler = Sampler(self.device, config.seed)
         # Every host→device copy of a step goes through here: one pinned, non-blocking copy.
         self.staging = HostStaging(self.device)
@@ -275,8 +270,6 @@ class ModelRunner:
                 self.spec = SpecDecoder(
                     config, self.sampler, self.num_pages, self.device, self.staging
                 )
-            if config.runner.fused_decode_layer and self.spec.drafter is not None:
-                self._fuse_draft_layers(self.spec.drafter.model, self.spec.drafter.attention)
         self.encoder_cache: EncoderCache | None = None
         if config.model.vision is not None:
             from tokenmill.runner.encoder_cache import EncoderCache
@@ -354,56 +347,11 @@ class ModelRunner:
                     config.scheduler.max_num_batched_tokens, config.max_model_len,
                     config.scheduler.max_num_seqs, self.attention.whole_prompt_min_tokens(),
                 )  # fmt: skip
-                # one sequence of one and of two tokens: the fused layers' two kernels
-                fused = [[1], [2]] if config.runner.fused_decode_layer else []
-                warm_up(self.model, self.attention, self.page_size, batches + fused, self.device)
+                warm_up(self.model, self.attention, self.page_size, batches, self.device)
                 if self.spec is not None and (drafter := self.spec.drafter) is not None:
                     # The draft model mirrors every eager step: its heads, its kernels.
-                    warm_up(drafter.model, drafter.attention, self.page_size, batches + fused,
-                            self.device)  # fmt: skip
+                    warm_up(drafter.model, drafter.attention, self.page_size, batches, self.device)
                 self.sampler.warm_up(self.model_config.vocab_size, self.model_config.dtype)
-
-    def _fuse_decode_layers(self) -> None:
-        """`fused_decode_layer`: steps of 1 to 8 query tokens of one sequence (decode,
-        speculative verify) run every decoder layer in one kernel, on one program per SM (off
-        a GPU, in Triton's interpreter, on FUSED_CPU_PROGRAMS); a model or set-up it does not
-        serve is a `ValueError` naming the option."""
-        from tokenmill.models.fused_decode import FusedDecodeLayers, fused_decode_refusal
-
-        refusal = fused_decode_refusal(self.model, self.attention)
-        if refusal is not None:
-            raise ValueError(f"fused_decode_layer: {refusal}")
-        try:
-            programs = self._programs(self.model_config.num_kv_heads)
-            fused = FusedDecodeLayers(self.model, self.attention, programs)
-        except ValueError as exc:  # shapes or tensors the kernel does not take
-            raise ValueError(f"fused_decode_layer: {exc}") from exc
-        self.model.model.fused_decode = fused
-
-    def _fuse_draft_layers(self, model: torch.nn.Module, attention: AttentionBackend) -> None:
-        """The draft model's decode steps (one token a sequence, each drafting step; its
-        mirror of a verify step) through fused layers of its own too, where it is a model they
-        serve (else, said in the log, through its modules)."""
-        from tokenmill.models.fused_decode import FusedDecodeLayers, fused_decode_refusal
-
-        refusal = fused_decode_refusal(model, attention)
-        if refusal is None:
-            try:
-                programs = self._programs(model.config.num_kv_heads)
-                model.model.fused_decode = FusedDecodeLayers(model, attention, programs)
-                return
-            except ValueError as exc:  # shapes or tensors the kernel does not take
-                refusal = str(exc)
-        logger.info("the draft model runs its layers as modules (fused layers: %s)", refusal)
-
-    def _programs(self, num_kv_heads: int) -> int:
-        """Programs of the fused layers' launch: one per SM (off a GPU FUSED_CPU_PROGRAMS, and
-        at least one a KV head)."""
-        from tokenmill.kernels.attention import sm_count
-
-        if self.device.type == "cuda":
-            return sm_count(self.device)
-        return max(FUSED_CPU_PROGRAMS, num_kv_heads)
 
     @property
     def graphs_pending(self) -> int:
