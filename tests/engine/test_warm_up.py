@@ -59,3 +59,18 @@ def test_warm_up_runs_mixed_batches_and_writes_no_kv(checkpoints, backend, monke
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     out = llm.generate([prompt], greedy, use_tqdm=False)
     assert out[0].outputs[0].token_ids == hf_greedy(path, prompt, 4)
+
+
+def test_warm_up_of_one_sequence_fits_the_backends_scratch(checkpoints) -> None:
+    """With `max_num_seqs=1` the warm-up's batches are single rows: a 2-row batch of 8 + 1
+    tokens attended through the split-KV verify path, whose scratch holds one sequence's
+    partials, and overran it (on a GPU, where the warm-up runs at start-up)."""
+    path = checkpoints["qwen3"]
+    llm = LLM(str(path), device=DEVICE, dtype="float32", attention_backend="triton",
+              max_num_seqs=1, max_num_batched_tokens=40, enforce_eager=True)  # fmt: skip
+    runner = llm.engine.runner
+    with pytest.raises(RuntimeError, match="invalid for input of size"):
+        warm_up(runner.model, runner.attention, runner.page_size, [[8, 1]], runner.device)
+    batches = warm_up_batches(40, 1024, 1)
+    assert batches == [[39], [16], *[[q] for q in range(2, 9)]]
+    warm_up(runner.model, runner.attention, runner.page_size, batches, runner.device)
