@@ -16,6 +16,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 SHORT = [[q, 1] for q in range(2, 9)]  # short prompts (the verify kernel's row blocks)
+SHORT_ALONE = [[q] for q in range(2, 9)]  # the same with one sequence a step
 
 
 def test_warm_up_batches_fit_the_step_budget_and_the_model_length() -> None:
@@ -31,7 +32,7 @@ def test_warm_up_batches_fit_the_step_budget_and_the_model_length() -> None:
     assert warm_up_batches(40, 16, 64, 2048) == warm_up_batches(40, 16, 64)
     # never more rows than max_num_seqs: the first ones (the scratch is sized for that many)
     assert warm_up_batches(40, 16, 3) == [[16, 16, 7], [16, 1], *SHORT]
-    assert warm_up_batches(8192, 40960, 1) == [[8191], [64], [16], *[[q] for q in range(2, 9)]]
+    assert warm_up_batches(8192, 40960, 1) == [[8191], [64], [16], *SHORT_ALONE]
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
@@ -72,5 +73,5 @@ def test_warm_up_of_one_sequence_fits_the_backends_scratch(checkpoints) -> None:
     with pytest.raises(RuntimeError, match="invalid for input of size"):
         warm_up(runner.model, runner.attention, runner.page_size, [[8, 1]], runner.device)
     batches = warm_up_batches(40, 1024, 1)
-    assert batches == [[39], [16], *[[q] for q in range(2, 9)]]
+    assert batches == [[39], [16], *SHORT_ALONE]
     warm_up(runner.model, runner.attention, runner.page_size, batches, runner.device)

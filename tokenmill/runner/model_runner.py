@@ -710,7 +710,7 @@ def warm_up_batches(
     batches += [[min(64, max_len), 1], [min(16, max_len), 1]]
     batches += [[min(q, max_len), 1] for q in range(2, 9)]
     kept: list[list[int]] = []
-    least = min(2, max_seqs)  # (a one-row batch is a prefill graph's, unless one is all)
+    least = min(2, max_seqs)  # (a lone decode row is no mixed step, unless steps are one row)
     for lens in (b[:max_seqs] for b in batches):
         fits = len(lens) >= least and min(lens) > 0 and sum(lens) <= max_tokens
         if fits and lens not in kept:
