@@ -160,8 +160,13 @@ def test_norm_gemv_is_add_rmsnorm_then_product(dtype, config, with_residual: boo
     assert torch.equal(norm_gemv(x, w, config, norm)[0], out)
 
 
-# Tensor-core configs: whole tiles, a K split, two slabs ahead (each kind of input below).
-DOT_CONFIGS = [GemvConfig(16, 32, 1, dot=True), GemvConfig(32, 64, 3, prefetch=2, dot=True)]
+# Tensor-core configs: whole tiles, K splits, one to three slabs ahead (each kind of input
+# below; a 64-row tile of W, as shipped, over the 37 columns).
+DOT_CONFIGS = [
+    GemvConfig(16, 32, 1, dot=True),
+    GemvConfig(32, 64, 3, prefetch=2, dot=True),
+    GemvConfig(64, 32, 2, prefetch=3, dot=True),
+]
 
 
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
@@ -188,8 +193,13 @@ def test_dot_gemv_matches_the_reference(dtype, m: int, config: GemvConfig, kind:
 
 
 def test_gemv_config_rejects_bad_prefetch() -> None:
+    """Two slabs ahead at most on the CUDA cores (held in registers), three on the tensor
+    cores (Triton's pipeline, in shared memory)."""
     with pytest.raises(ValueError, match="prefetch"):
         GemvConfig(8, 32, 1, prefetch=3)
+    with pytest.raises(ValueError, match="prefetch"):
+        GemvConfig(16, 32, 1, prefetch=4, dot=True)
+    assert GemvConfig(16, 32, 1, prefetch=3, dot=True).prefetch == 3
 
 
 def test_dot_gemv_does_not_norm_float16() -> None:

@@ -7,6 +7,13 @@ the last program of each column block to arrive (an atomic ticket) adds them up 
 output, then resets its ticket — one launch, no memset, safe to capture in a CUDA graph.
 With `gated=True` the input is `[M, 2K]` (gate | up) and SwiGLU `silu(gate) * up` is applied as
 it is loaded, so an MLP's down projection needs no separate activation kernel.
+
+Two kernels share that frame: `_gemv_kernel` multiplies on the CUDA cores (one row's products
+take as long as its weights' bytes at most), and `_gemv_dot_kernel` (`GemvConfig.dot`, for 2-8
+rows: a verify step's 1 + k tokens) on the tensor cores with the operands swapped: W's rows are
+the MMA's tall side and the input rows, padded to 16, its narrow side (`out^T = W x^T`), so
+slabs of W stream from memory through shared memory into the MMA in Triton's software pipeline
+without passing through registers.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from tokenmill.kernels.pdl import pdl_options, pdl_wait
 from tokenmill.kernels.tickets import last_to_arrive, reset_ticket, ticket_buffer
 
 MAX_M = 8
-# A `dot` config's rows are padded to a tensor-core tile's height.
+# A `dot` config's rows are padded to a tensor-core tile's narrow side.
 DOT_ROWS = 16
 
 
@@ -33,15 +40,9 @@ def _w_slab(w_rows, k, k_hi, n_mask, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _x_slab(
-    x_ptr, res_ptr, offs_m, m_mask, stride_xm, k, k_hi, K, BLOCK_K: tl.constexpr,
-    GATED: tl.constexpr, HAS_RES: tl.constexpr,
-):  # fmt: skip
-    """Columns `k .. k + BLOCK_K` (below `k_hi`) of the input rows: (x, up half, residual); the
-    last two only where GATED / HAS_RES, else `x` again."""
-    offs = k + tl.arange(0, BLOCK_K)
-    x_offs = offs_m[:, None] * stride_xm + offs[None, :]
-    mask = m_mask[:, None] & (offs < k_hi)[None, :]
+def _x_slab(x_ptr, res_ptr, x_offs, mask, K, GATED: tl.constexpr, HAS_RES: tl.constexpr):
+    """The input at `x_offs` (a slab of its rows' columns, either way round): (x, up half,
+    residual); the last two only where GATED / HAS_RES, else `x` again."""
     x = tl.load(x_ptr + x_offs, mask=mask, other=0.0)
     up = x
     r = x
@@ -52,6 +53,77 @@ def _x_slab(
     return x, up, r
 
 
+@triton.jit
+def _row_slab(
+    x_ptr, res_ptr, offs_m, m_mask, stride_xm, k, k_hi, K, BLOCK_K: tl.constexpr,
+    GATED: tl.constexpr, HAS_RES: tl.constexpr,
+):  # fmt: skip
+    """`_x_slab` of columns `k .. k + BLOCK_K` (below `k_hi`), rows first."""
+    offs = k + tl.arange(0, BLOCK_K)
+    x_offs = offs_m[:, None] * stride_xm + offs[None, :]
+    mask = m_mask[:, None] & (offs < k_hi)[None, :]
+    return _x_slab(x_ptr, res_ptr, x_offs, mask, K, GATED, HAS_RES)
+
+
+@triton.jit
+def _transformed(
+    x, up, r, new_res_ptr, x_offs, mask, store_residual,
+    GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+):  # fmt: skip
+    """An input slab after SwiGLU (GATED) or the residual add (NORM with HAS_RES: the sum
+    rounded to the activation dtype, as an eager add does, and stored as the new residual
+    where `store_residual`), in float32; the norm itself is the caller's."""
+    if GATED:  # x is the gate
+        x = x.to(tl.float32)
+        x = x * tl.sigmoid(x) * up.to(tl.float32)
+    if NORM and HAS_RES:
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(r.dtype)  # r: the activations' dtype
+        if store_residual:
+            tl.store(new_res_ptr + x_offs, x, mask=mask)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _rms_scaled(acc, sumsq, K, eps, ROWS_FIRST: tl.constexpr):
+    """`acc` with each input row's RMS scale (from its `sumsq` over K) applied."""
+    scale = tl.rsqrt(sumsq / K + eps)
+    return acc * scale[:, None] if ROWS_FIRST else acc * scale[None, :]
+
+
+@triton.jit
+def _store_sums(
+    acc, sumsq, out_ptr, part_ptr, ss_ptr, ticket_ptr, out_offs, part_offs, out_mask, offs_m,
+    m_mask, pid_n, pid_k, M, N, K, eps,
+    SPLIT_K: tl.constexpr, NORM: tl.constexpr, ROWS_FIRST: tl.constexpr,
+):  # fmt: skip
+    """Write a program's sums `acc` (rows x columns where ROWS_FIRST, else columns x rows) as
+    the output, or, split over K, as a partial that the column block's last program adds up
+    (with the rows' partial sums of squares, for NORM)."""
+    if SPLIT_K == 1:
+        if NORM:
+            acc = _rms_scaled(acc, sumsq, K, eps, ROWS_FIRST)
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(part_ptr + pid_k * M * N + part_offs, acc, mask=out_mask)
+        if NORM:  # every column block stores the same value for this slice
+            tl.store(ss_ptr + pid_k * M + offs_m, sumsq, mask=m_mask)
+        if last_to_arrive(ticket_ptr, pid_n, SPLIT_K):
+            total = tl.zeros_like(acc)
+            total_ss = tl.zeros_like(sumsq)
+            for s in range(SPLIT_K):
+                total += tl.load(
+                    part_ptr + s * M * N + part_offs, mask=out_mask, other=0.0, cache_modifier=".cg"
+                )
+                if NORM:
+                    total_ss += tl.load(
+                        ss_ptr + s * M + offs_m, mask=m_mask, other=0.0, cache_modifier=".cg"
+                    )
+            if NORM:
+                total = _rms_scaled(total, total_ss, K, eps, ROWS_FIRST)
+            tl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            reset_ticket(ticket_ptr, pid_n)
+
+
 @direct_launch
 @triton.jit
 def _gemv_kernel(
@@ -59,7 +131,7 @@ def _gemv_kernel(
     M, N, K, k_per_split, stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, PREFETCH: tl.constexpr,
-    DEFER: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
+    DEFER: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -86,7 +158,7 @@ def _gemv_kernel(
     pdl_wait(USE_PDL)
     # The input is loaded one slab ahead too, so each slab's loads are in flight while the
     # previous one is summed (one load latency after the wait, not one per slab).
-    x_next, up_next, r_next = _x_slab(
+    x_next, up_next, r_next = _row_slab(
         x_ptr, res_ptr, offs_m, m_mask, stride_xm, k_lo, k_hi, K, BLOCK_K, GATED, HAS_RES
     )
     for k in range(k_lo, k_lo + k_per_split, BLOCK_K):
@@ -99,69 +171,81 @@ def _gemv_kernel(
         else:
             w_next = _w_slab(w_rows, k + BLOCK_K, k_hi, n_mask, BLOCK_K)
         x, up, r = x_next, up_next, r_next
-        x_next, up_next, r_next = _x_slab(
+        x_next, up_next, r_next = _row_slab(
             x_ptr, res_ptr, offs_m, m_mask, stride_xm, k + BLOCK_K, k_hi, K, BLOCK_K, GATED,
             HAS_RES,
         )  # fmt: skip
         x_offs = offs_m[:, None] * stride_xm + offs_k[None, :]
         x_mask = m_mask[:, None] & k_mask[None, :]
-        if GATED:  # x is the gate
-            x = x.to(tl.float32)
-            x = x * tl.sigmoid(x) * up.to(tl.float32)
+        x = _transformed(x, up, r, new_res_ptr, x_offs, x_mask, pid_n == 0, GATED, NORM, HAS_RES)
         if NORM:
-            if HAS_RES:  # the sum is rounded to the activation dtype, as an eager add does
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-                if pid_n == 0:
-                    tl.store(new_res_ptr + x_offs, x, mask=x_mask)
-            x = x.to(tl.float32)
             if DEFER:
                 sumsq2 += x * x
             else:
                 sumsq += tl.sum(x * x, axis=1)
             x = x * tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-        if DOT:  # the transformed input rounded to W's dtype, as the unfused kernels store it
-            xw = x.to(w_cur.dtype)
-            if IEEE:  # float32 weights: no TF32 rounding
-                acc += tl.dot(xw, tl.trans(w_cur), input_precision="ieee")
-            else:
-                acc += tl.dot(xw, tl.trans(w_cur))
+        w = w_cur.to(tl.float32)
+        if DEFER:
+            acc3 += x[:, None, :] * w[None, :, :]
         else:
-            x = x.to(tl.float32)
-            w = w_cur.to(tl.float32)
-            if DEFER:
-                acc3 += x[:, None, :] * w[None, :, :]
-            else:
-                acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     if DEFER:
         acc = tl.sum(acc3, axis=2)
         if NORM:
             sumsq = tl.sum(sumsq2, axis=1)
-    out_offs = offs_m[:, None] * stride_om + offs_n[None, :]
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT_K == 1:
+    _store_sums(
+        acc, sumsq, out_ptr, part_ptr, ss_ptr, ticket_ptr,
+        offs_m[:, None] * stride_om + offs_n[None, :], offs_m[:, None] * N + offs_n[None, :],
+        m_mask[:, None] & n_mask[None, :], offs_m, m_mask, pid_n, pid_k, M, N, K, eps,
+        SPLIT_K, NORM, True,
+    )  # fmt: skip
+
+
+@direct_launch
+@triton.jit
+def _gemv_dot_kernel(
+    x_ptr, w_ptr, out_ptr, part_ptr, ticket_ptr, res_ptr, new_res_ptr, norm_w_ptr, ss_ptr, eps,
+    M, N, K, k_per_split, stride_xm, stride_wn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, STAGES: tl.constexpr,
+    IEEE: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """`_gemv_kernel` on the tensor cores, transposed: each program sums `W[BLOCK_N, slab] @
+    x[slab, BLOCK_M]^T` over its K slice in a `STAGES`-deep pipeline of slabs."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)  # NORM: this K slice's sum of squares
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    pdl_wait(USE_PDL)
+    for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+        offs_k = k + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_hi
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x_offs = offs_m[None, :] * stride_xm + offs_k[:, None]
+        x_mask = m_mask[None, :] & k_mask[:, None]
+        x, up, r = _x_slab(x_ptr, res_ptr, x_offs, x_mask, K, GATED, HAS_RES)
+        x = _transformed(x, up, r, new_res_ptr, x_offs, x_mask, pid_n == 0, GATED, NORM, HAS_RES)
         if NORM:
-            acc = acc * tl.rsqrt(sumsq / K + eps)[:, None]
-        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        part_offs = offs_m[:, None] * N + offs_n[None, :]
-        tl.store(part_ptr + pid_k * M * N + part_offs, acc, mask=out_mask)
-        if NORM:  # every column block stores the same value for this slice
-            tl.store(ss_ptr + pid_k * M + offs_m, sumsq, mask=m_mask)
-        if last_to_arrive(ticket_ptr, pid_n, SPLIT_K):
-            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            total_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for s in range(SPLIT_K):
-                total += tl.load(
-                    part_ptr + s * M * N + part_offs, mask=out_mask, other=0.0, cache_modifier=".cg"
-                )
-                if NORM:
-                    total_ss += tl.load(
-                        ss_ptr + s * M + offs_m, mask=m_mask, other=0.0, cache_modifier=".cg"
-                    )
-            if NORM:
-                total = total * tl.rsqrt(total_ss / K + eps)[:, None]
-            tl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
-            reset_ticket(ticket_ptr, pid_n)
+            sumsq += tl.sum(x * x, axis=0)
+            x = x * tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[:, None]
+        # The transformed input rounded to W's dtype, as the unfused kernels store it.
+        if IEEE:  # float32 weights: no TF32 rounding
+            acc = tl.dot(w, x.to(w.dtype), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, x.to(w.dtype), acc)
+    _store_sums(
+        acc, sumsq, out_ptr, part_ptr, ss_ptr, ticket_ptr,
+        offs_m[None, :] * stride_om + offs_n[:, None], offs_m[None, :] * N + offs_n[:, None],
+        m_mask[None, :] & n_mask[:, None], offs_m, m_mask, pid_n, pid_k, M, N, K, eps,
+        SPLIT_K, NORM, False,
+    )  # fmt: skip
 
 
 def dot_normed_ok(dtype: torch.dtype) -> bool:
@@ -221,15 +305,25 @@ def _launch(
     if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()):
         raise ValueError(f"residual {tuple(residual.shape)} must be contiguous, shaped as x")
     new_residual = torch.empty_like(x) if residual is not None else None
-    _gemv_kernel[(grid_n, split_k)](
+    args = (
         x, weight, out, part, ticket_buffer(x.device, grid_n if split_k > 1 else 0),
         residual if residual is not None else x, new_residual if new_residual is not None else x,
         norm.weight if norm is not None else x, sumsq, norm.eps if norm is not None else 0.0,
         m, n, k, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=max(DOT_ROWS if config.dot else 1, next_power_of_2(m)),
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k, GATED=gated,
-        NORM=norm is not None, HAS_RES=residual is not None, PREFETCH=config.prefetch,
-        DEFER=config.defer, DOT=config.dot, IEEE=weight.dtype == torch.float32,
-        num_warps=config.num_warps, **pdl_options(x.device),
     )  # fmt: skip
+    shared = dict(
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k, GATED=gated,
+        NORM=norm is not None, HAS_RES=residual is not None, num_warps=config.num_warps,
+        **pdl_options(x.device),
+    )  # fmt: skip
+    if config.dot:
+        _gemv_dot_kernel[(grid_n, split_k)](
+            *args, BLOCK_M=max(DOT_ROWS, next_power_of_2(m)), STAGES=config.prefetch + 1,
+            IEEE=weight.dtype == torch.float32, **shared,
+        )  # fmt: skip
+    else:
+        _gemv_kernel[(grid_n, split_k)](
+            *args, BLOCK_M=max(1, next_power_of_2(m)), PREFETCH=config.prefetch, DEFER=config.defer,
+            **shared,
+        )  # fmt: skip
     return out, new_residual

@@ -10,11 +10,12 @@ import torch
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """Tile sizes and K split of one launch; `prefetch` (1 or 2): slabs of W loaded ahead of
-    the one being multiplied; `defer`: sum products element-wise and reduce over K once at the
-    end (more registers, fewer shuffles per slab); `dot`: multiply each slab on the tensor
-    cores (`tl.dot`, the rows padded to 16) instead of the CUDA cores, whose multiply-adds at
-    5-8 rows take about as long as streaming the weights."""
+    """Tile sizes and K split of one launch; `prefetch`: slabs of W loaded ahead of the one
+    being multiplied (1 or 2; up to 3 with `dot`); `defer`: sum products element-wise and
+    reduce over K once at the end (more registers, fewer shuffles per slab); `dot`: multiply
+    each slab on the tensor cores (`tl.dot`, W's `block_n` rows by the input rows padded to
+    16) instead of the CUDA cores, whose multiply-adds at 5-8 rows take about as long as
+    streaming the weights."""
 
     block_n: int
     block_k: int
@@ -25,8 +26,9 @@ class GemvConfig:
     dot: bool = False
 
     def __post_init__(self) -> None:
-        if self.prefetch not in (1, 2):
-            raise ValueError(f"GemvConfig.prefetch must be 1 or 2, got {self.prefetch}")
+        most = 3 if self.dot else 2
+        if not 1 <= self.prefetch <= most:
+            raise ValueError(f"GemvConfig.prefetch must be 1..{most}, got {self.prefetch}")
         if self.dot and (self.defer or min(self.block_n, self.block_k) < 16):
             raise ValueError("a GemvConfig with dot needs block_n, block_k >= 16 and no defer")
 

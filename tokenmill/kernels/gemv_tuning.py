@@ -46,7 +46,8 @@ GEMV_BUCKETS = (1, 4, 8)
 # The configs of `benchmarks/gemv_sweep.py` that came within a few percent of the best on the
 # decode shapes of qwen3-0.6b and llama-3.1-8b on an H200 (docs/perf-notes.md, v9), plus split-K
 # ones for M > 1, where each program's product is M times the work, and tensor-core ones
-# (`dot`) for M > 1, where the CUDA cores' multiply-adds take as long as the weights' bytes.
+# (`dot`) for M > 1, where the CUDA cores' multiply-adds take as long as the weights' bytes:
+# those that won a shape of either model at 5 or 8 rows in session 36's sweep.
 GEMV_CANDIDATES = (
     GemvConfig(4, 512, 1, num_warps=2, defer=True),
     GemvConfig(4, 256, 1, num_warps=2, prefetch=2, defer=True),
@@ -58,9 +59,11 @@ GEMV_CANDIDATES = (
     GemvConfig(8, 512, 1),
     GemvConfig(8, 512, 2),
     GemvConfig(8, 512, 4),
-    GemvConfig(16, 256, 1, num_warps=4, prefetch=2, dot=True),
-    GemvConfig(16, 256, 4, num_warps=4, prefetch=2, dot=True),
-    GemvConfig(32, 256, 1, num_warps=4, prefetch=2, dot=True),
+    GemvConfig(64, 256, 1, num_warps=4, prefetch=3, dot=True),
+    GemvConfig(64, 128, 1, num_warps=4, prefetch=3, dot=True),
+    GemvConfig(64, 128, 4, num_warps=4, prefetch=3, dot=True),
+    GemvConfig(64, 256, 2, num_warps=4, prefetch=3, dot=True),
+    GemvConfig(64, 256, 8, num_warps=4, prefetch=2, dot=True),
 )
 # Bytes of weights a candidate's timing streams per replay: many times any L2 cache, so the
 # weights come from memory as in a decode step, without timing every layer's (a cold start of

@@ -27,6 +27,7 @@ from tokenmill.layers.invariant import configure_invariant_cublas, make_batch_in
 from tokenmill.layers.linear import choose_gemv_kernels
 from tokenmill.models.loader import load_model
 from tokenmill.observability.startup import StartupTimer
+from tokenmill.runner.host_heap import HeapTrimmer, bound_onednn_cache
 from tokenmill.runner.prompt_logprobs import read_scores, score_prompt
 from tokenmill.runner.sampler import (
     GrammarMask,
@@ -230,6 +231,12 @@ class ModelRunner:
         self.tp = tp or TPGroup.single()
         if self.device.type == "cpu" and self.tp.size > 1:
             logger.info("rank %d computes on %d threads", self.tp.rank, share_cpu_threads(size))
+        # A CPU process's native caches, bounded (`host_heap`): oneDNN's before its first
+        # matmul, the C heap trimmed as steps launch.
+        self._trim_heap: HeapTrimmer | None = None
+        if self.device.type == "cpu":
+            bound_onednn_cache()
+            self._trim_heap = HeapTrimmer()
         deterministic = config.runner.deterministic
         if deterministic and self.device.type == "cuda":
             configure_invariant_cublas()  # before this process's first cuBLAS product
@@ -453,6 +460,8 @@ class ModelRunner:
         same forward pass and take rank 0's sampled tokens instead of sampling. A lost rank
         fails the launch with a `RuntimeError` naming it.
         """
+        if self._trim_heap is not None:
+            self._trim_heap()
         if self.workers is None:
             return self._launch(plan, grammar_mask)
         self.workers.send(plan)
