@@ -25,7 +25,7 @@ from tokenmill.kernels.attention import (
     _verify_split_kernel,
 )
 from tokenmill.kernels.fused_moe import _down_gemv_kernel, _gate_up_gemv_kernel
-from tokenmill.kernels.gemv import _gemv_kernel
+from tokenmill.kernels.gemv import _gemv_dot_kernel, _gemv_kernel
 from tokenmill.kernels.graph_inputs import _decode_inputs_kernel
 from tokenmill.kernels.invariant_matmul import _invariant_matmul_kernel
 from tokenmill.kernels.launch import DirectLaunch
@@ -68,10 +68,13 @@ KERNELS = {
         HQ=16, HKV=8, D=128, PAGE=16, BLOCK_R=16, BLOCK_N=64, HAS_WINDOW=False)),
     "gemv": (_gemv_kernel, dict(
         BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, SPLIT_K=4, GATED=False, NORM=True, HAS_RES=True,
-        PREFETCH=2, DEFER=True, DOT=False, IEEE=False)),
-    "gemv_dot": (_gemv_kernel, dict(
-        BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, SPLIT_K=1, GATED=True, NORM=False, HAS_RES=False,
-        PREFETCH=2, DEFER=False, DOT=True, IEEE=False)),
+        PREFETCH=2, DEFER=True)),
+    "gemv_dot": (_gemv_dot_kernel, dict(
+        BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=1, GATED=True, NORM=False, HAS_RES=False,
+        STAGES=4, IEEE=False)),
+    "gemv_dot_normed": (_gemv_dot_kernel, dict(
+        BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, GATED=False, NORM=True, HAS_RES=True,
+        STAGES=4, IEEE=False)),
     **{name: (_invariant_matmul_kernel, dict(
         HAS_BIAS=not swiglu, IEEE=False, SWIGLU=swiglu, CHUNKS=chunks, ACROSS=across, TMA=tma,
         BLOCK_M=64 if tma else 16, BLOCK_N=32, BLOCK_K=128, GROUP_M=8))

@@ -174,8 +174,8 @@ DOT_CONFIGS = [
 @pytest.mark.parametrize("config", DOT_CONFIGS)
 @pytest.mark.parametrize("kind", ["plain", "gated", "normed"])
 def test_dot_gemv_matches_the_reference(dtype, m: int, config: GemvConfig, kind: str) -> None:
-    """The tensor-core path (rows padded to a 16-row tile, ragged N and K) for every input
-    kind: plain, SwiGLU of (gate | up), residual add + RMSNorm."""
+    """The tensor-core path (W's rows by the input rows padded to 16, ragged N and K) for
+    every input kind: plain, SwiGLU of (gate | up), residual add + RMSNorm."""
     gen = torch.Generator().manual_seed(m)
     width = 2 * 150 if kind == "gated" else 150
     x, w = _randn(m, width, dtype=dtype, gen=gen), _randn(37, 150, dtype=dtype, gen=gen)
@@ -226,6 +226,10 @@ def test_gemv_rejects_bad_shapes() -> None:
         gemv(torch.zeros(2, 15, device=DEVICE), w, GemvConfig(8, 16, 1))
     with pytest.raises(ValueError, match="2K"):
         gemv(torch.zeros(2, 16, device=DEVICE), w, GemvConfig(8, 16, 1), gated=True)
+    x, norm_w = torch.zeros(2, 16, device=DEVICE), torch.ones(16, device=DEVICE)
+    for residual in (torch.zeros(2, 8, device=DEVICE), x.double()):  # another shape or dtype
+        with pytest.raises(ValueError, match="residual"):
+            norm_gemv(x, w, GemvConfig(8, 16, 1), InputNorm(norm_w, 1e-6, residual))
 
 
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
@@ -887,20 +891,21 @@ def test_gemv_candidate_check_rejects_wrong_or_failing_kernels(caplog) -> None:
 
 def test_pdl_kernels_wait_before_touching_memory() -> None:
     """Launched with PDL, a kernel may start before the previous one has finished: compiled for
-    sm_90, no kernel may write global memory before its `griddepcontrol.wait`; only the GEMV
-    (constant weights; CUDA-core and tensor-core variants), rotary + store (the step's
-    positions and slots, the rotary tables), split decode (KV lengths, page table, K/V of
-    earlier steps) and the MoE down GEMV (router logits of the kernel before the previous one,
-    expert weights) read before it."""
+    sm_90, no kernel may write global memory before its `griddepcontrol.wait`; only the
+    CUDA-core GEMV (constant weights), rotary + store (the step's positions and slots, the
+    rotary tables), split decode (KV lengths, page table, K/V of earlier steps) and the MoE
+    down GEMV (router logits of the kernel before the previous one, expert weights) read
+    before it. The tensor-core GEMV loads nothing before it: its slabs stream in Triton's
+    pipeline, which starts after the wait."""
     before_wait = _compiled_report("tests.kernels.ptx_prologue")
     assert set(before_wait) >= {"decode_split", "decode_reduce", "verify_split", "gemv",
-                                "gemv_dot", "rope_store", "rope_store_blocked", "moe_gate_up_gemv",
-                                "moe_down_gemv",
+                                "gemv_dot", "gemv_dot_normed", "rope_store", "rope_store_blocked",
+                                "moe_gate_up_gemv", "moe_down_gemv",
                                 "invariant_matmul", "invariant_matmul_swiglu",
                                 "invariant_matmul_across", "invariant_matmul_loop",
                                 "invariant_matmul_tma", "invariant_matmul_tma_across", "invariant",
                                 "invariant_int64_index", "invariant_merge"}  # fmt: skip
-    reads_first = {"gemv", "gemv_dot", "rope_store", "rope_store_blocked", "decode_split",
+    reads_first = {"gemv", "rope_store", "rope_store_blocked", "decode_split",
                    "decode_split_late", "moe_down_gemv"}  # fmt: skip
     for name, ops in before_wait.items():
         if name in reads_first:

@@ -11,12 +11,13 @@ from tokenmill.runner.host_heap import ONEDNN_CACHE_CAPACITY, HeapTrimmer, bound
 
 
 def test_onednn_cache_capped_unless_the_environment_says(monkeypatch) -> None:
-    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    env: dict[str, str] = {}  # the process's own environment stays as it is
+    monkeypatch.setattr(os, "environ", env)
     bound_onednn_cache()
-    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_CACHE_CAPACITY)
-    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+    assert env == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(ONEDNN_CACHE_CAPACITY)}
+    env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = "64"
     bound_onednn_cache()
-    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"
+    assert env == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"}
 
 
 def test_trimmer_trims_at_most_once_per_interval(monkeypatch) -> None:

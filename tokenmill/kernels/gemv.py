@@ -302,8 +302,13 @@ def _launch(
         raise ValueError(f"a dot GemvConfig cannot norm a {x.dtype} input (see dot_normed_ok)")
     if norm is not None and not x.is_contiguous():
         raise ValueError("norm_gemv needs a contiguous x")
-    if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()):
-        raise ValueError(f"residual {tuple(residual.shape)} must be contiguous, shaped as x")
+    if residual is not None and (
+        residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous()
+    ):
+        raise ValueError(
+            f"residual {tuple(residual.shape)} {residual.dtype} must be contiguous, shaped and "
+            "typed as x"
+        )
     new_residual = torch.empty_like(x) if residual is not None else None
     args = (
         x, weight, out, part, ticket_buffer(x.device, grid_n if split_k > 1 else 0),

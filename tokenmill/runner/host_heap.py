@@ -18,7 +18,6 @@ made each round ~40% slower (a mapping per large tensor).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 import time
@@ -38,10 +37,10 @@ def bound_onednn_cache() -> None:
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's `malloc_trim`, or None where the C library has none (musl, macOS)."""
-    name = ctypes.util.find_library("c")
+    """glibc's `malloc_trim` among the process's own symbols, or None where the C library
+    has none (musl, macOS)."""
     try:
-        return ctypes.CDLL(name).malloc_trim if name else None
+        return ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
         return None
 
