@@ -124,6 +124,23 @@ def _store_sums(
             reset_ticket(ticket_ptr, pid_n)
 
 
+@triton.jit
+def _program_slice(
+    w_ptr, M, N, K, k_per_split, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):  # fmt: skip
+    """This program's part of the product: its column block `pid_n` (`offs_n`, W's rows
+    `w_rows`), its K split `pid_k` (columns `k_lo .. k_hi`), and the input rows `offs_m`,
+    with the masks of real columns and rows."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    return pid_n, pid_k, offs_n, offs_m, offs_n < N, offs_m < M, k_lo, k_hi, w_rows
+
+
 @direct_launch
 @triton.jit
 def _gemv_kernel(
@@ -133,12 +150,9 @@ def _gemv_kernel(
     GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, PREFETCH: tl.constexpr,
     DEFER: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    n_mask = offs_n < N
-    m_mask = offs_m < M
+    pid_n, pid_k, offs_n, offs_m, n_mask, m_mask, k_lo, k_hi, w_rows = _program_slice(
+        w_ptr, M, N, K, k_per_split, stride_wn, BLOCK_M, BLOCK_N
+    )
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # DEFER: products summed element-wise, reduced over K once after the loop.
     if DEFER:
@@ -146,9 +160,6 @@ def _gemv_kernel(
         if NORM:
             sumsq2 = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)  # NORM: this K slice's sum of squares
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     # Slabs of W are loaded PREFETCH iterations ahead; the first ones before waiting for the
     # previous kernel (weights are constant), so under PDL they stream while that kernel ends.
     w_next = _w_slab(w_rows, k_lo, k_hi, n_mask, BLOCK_K)
@@ -212,17 +223,11 @@ def _gemv_dot_kernel(
 ):  # fmt: skip
     """`_gemv_kernel` on the tensor cores, transposed: each program sums `W[BLOCK_N, slab] @
     x[slab, BLOCK_M]^T` over its K slice in a `STAGES`-deep pipeline of slabs."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    n_mask = offs_n < N
-    m_mask = offs_m < M
+    pid_n, pid_k, offs_n, offs_m, n_mask, m_mask, k_lo, k_hi, w_rows = _program_slice(
+        w_ptr, M, N, K, k_per_split, stride_wn, BLOCK_M, BLOCK_N
+    )
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)  # NORM: this K slice's sum of squares
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     pdl_wait(USE_PDL)
     for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         offs_k = k + tl.arange(0, BLOCK_K)
