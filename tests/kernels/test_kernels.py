@@ -737,11 +737,13 @@ def test_triton_backend_engine_matches_transformers(checkpoints, family: str, mo
     assert single[0].outputs[0].token_ids == outputs[2].outputs[0].token_ids
 
 
-def test_engine_with_every_gemv_fusion_matches_transformers(checkpoints) -> None:
+@pytest.mark.parametrize("cores", ["cuda", "tensor"])
+def test_engine_with_every_gemv_fusion_matches_transformers(checkpoints, cores: str) -> None:
     """Every linear layer forced onto the GEMV kernel for decode batches of up to 4 (most with
-    add+RMSNorm fused into q/k/v and gate/up and SwiGLU into down, some behind those kernels):
-    greedy output unchanged (Llama: the fusions are the same for every family; under Triton's
-    interpreter this test takes most of a minute)."""
+    add+RMSNorm fused into q/k/v and gate/up and SwiGLU into down, some behind those kernels),
+    on the CUDA cores or, for batches of 2-4, the tensor cores: greedy output unchanged
+    (Llama: the fusions are the same for every family; under Triton's interpreter this test
+    takes most of a minute)."""
     from tests.conftest import hf_greedy
     from tokenmill import LLM, SamplingParams
     from tokenmill.kernels.gemv_tuning import GEMV_BUCKETS, GemvChoice
@@ -755,6 +757,9 @@ def test_engine_with_every_gemv_fusion_matches_transformers(checkpoints) -> None
     for i, layer in enumerate(layers):
         config = GemvConfig(8, 32, 1 + i % 3, prefetch=1 + i % 2, defer=i % 4 < 2)
         layer.gemv_choices = dict.fromkeys(GEMV_BUCKETS, GemvChoice(config, fused=i % 5 < 3))
+        if cores == "tensor":  # the decode batches of 2-4 rows (a prompt's first token: 1)
+            dot = GemvConfig(16 << i % 3, 32, 1 + i % 3, prefetch=1 + i % 3, dot=True)
+            layer.gemv_choices[4] = GemvChoice(dot, fused=i % 5 < 3)
     assert {c.fused for layer in layers for c in layer.gemv_choices.values()} == {True, False}
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outputs = llm.generate(prompts, greedy, use_tqdm=False)
