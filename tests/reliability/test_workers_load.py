@@ -29,6 +29,29 @@ def test_bounded_load_with_disconnects_accounts_for_every_request(
         assert httpx.get(server.base_url + "/health").status_code == 200
 
 
+def test_speculative_server_under_mixed_load_accounts_for_every_request(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    """Prompt-lookup speculation (k fixed at 3) under the load's whole mix of features (chat,
+    seeded sampling with penalties, logprobs, stop strings, JSON grammars, echo) and
+    disconnects: every request ends with a status, the counters agree, drafts were verified."""
+    spec = LoadSpec(num_requests=150, concurrency=48, max_tokens=8, feature_fraction=0.4, seed=3)
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+              "prompt_lookup_min": 1, "adaptive": False}  # fmt: skip
+    args = ("--max-model-len", "256", "--speculative-config", json.dumps(config))
+    with run_server(llama_dir, tmp_path / "log", *args) as server:
+        report = asyncio.run(run_load(server.base_url, MODEL_NAME, spec))
+        summary = json.dumps(report.summary())
+        assert report.accounted and report.server_agrees, summary
+        assert report.statuses == {200: report.statuses[200]}, summary  # no request refused
+        metrics = httpx.get(server.base_url + "/metrics").text
+        drafts = next(
+            float(line.split()[-1]) for line in metrics.splitlines()
+            if line.startswith("tokenmill:spec_decode_num_draft_tokens_total")
+        )  # fmt: skip
+        assert drafts > 0, summary
+
+
 def test_sigterm_under_load_ends_every_in_flight_request_with_a_status(
     llama_dir: Path, tmp_path: Path
 ) -> None:

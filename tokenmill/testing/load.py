@@ -3,9 +3,12 @@
 Used by the reliability tests (a bounded run) and by `scripts/load_test.py` and `scripts/soak.py`
 (long ones). Requests mix streamed and non-streamed completions, some with `n` > 1; a fraction of
 clients disconnect early (a stream closed after its first chunk, a plain request cancelled after
-a moment), which the server must see as aborts. After the run the server's own counters must
-agree: nothing left running or waiting, and as many engine requests finished normally as the
-clients received.
+a moment), which the server must see as aborts. Each request also takes each of the load's
+`features` with probability `feature_fraction`: the chat route, random sampling (temperature,
+top-p/top-k, a seed, penalties, `min_tokens`), logprobs, stop strings, JSON output
+(`response_format`, a grammar), echo (non-streamed completions). After the run the server's own
+counters must agree: nothing left running or waiting, and as many engine requests finished
+normally as the clients received.
 """
 
 from __future__ import annotations
@@ -30,9 +33,13 @@ COMPLETED, DISCONNECTED, REJECTED, SERVER_ERROR, LOST = (
 )
 
 
+# What a request may use besides a plain completion (`LoadSpec.features`).
+FEATURES = ("chat", "sampling", "logprobs", "stop", "json", "echo")
+
+
 @dataclass(frozen=True)
 class LoadSpec:
-    """How much load, and of what shape."""
+    """How much load, and of what shape (`features`: comma-separated, of `FEATURES`)."""
 
     num_requests: int = 200
     concurrency: int = 64
@@ -41,6 +48,20 @@ class LoadSpec:
     max_n: int = 2
     seed: int = 0
     timeout_s: float = 300.0
+    features: str = ",".join(FEATURES)
+    feature_fraction: float = 0.25
+
+    def __post_init__(self) -> None:
+        unknown = set(self.feature_list) - set(FEATURES)
+        if unknown:
+            raise ValueError(f"features: unknown {sorted(unknown)}; known: {', '.join(FEATURES)}")
+        if not 0.0 <= self.feature_fraction <= 1.0:
+            raise ValueError(f"feature_fraction must be in [0, 1], got {self.feature_fraction}")
+
+    @property
+    def feature_list(self) -> list[str]:
+        """The features, as a list."""
+        return [f for f in self.features.split(",") if f]
 
 
 @dataclass
@@ -128,29 +149,52 @@ def _plan(rng: random.Random, spec: LoadSpec) -> dict[str, Any]:
         "max_tokens": rng.randint(1, spec.max_tokens),
         "prompt": " ".join(rng.choice(("alpha", "beta", "gamma", "delta")) for _ in range(8)),
         "disconnect": rng.random() < spec.disconnect_fraction,
+        "features": {f for f in spec.feature_list if rng.random() < spec.feature_fraction},
+        "seed": rng.randrange(1 << 31),
     }
     if plan["disconnect"]:
         plan["max_tokens"] = LEAVER_TOKENS_FACTOR * spec.max_tokens
     return plan
 
 
-async def _request(
-    client: httpx.AsyncClient, model: str, plan: dict[str, Any], report: LoadReport
-) -> None:
-    body = {
+def _route_and_body(model: str, plan: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The route and JSON body of a planned request, with its features."""
+    features, chat = plan["features"], "chat" in plan["features"]
+    body: dict[str, Any] = {
         "model": model,
-        "prompt": plan["prompt"],
         "max_tokens": plan["max_tokens"],
         "n": plan["n"],
         "ignore_eos": True,
         "stream": plan["stream"],
     }
+    if chat:
+        body["messages"] = [{"role": "user", "content": plan["prompt"]}]
+    else:
+        body["prompt"] = plan["prompt"]
+    if "sampling" in features:
+        body.update(temperature=0.8, top_p=0.9, top_k=20, seed=plan["seed"], min_tokens=1,
+                    presence_penalty=0.5, frequency_penalty=0.2)  # fmt: skip
+    if "logprobs" in features:
+        body.update({"logprobs": True, "top_logprobs": 2} if chat else {"logprobs": 2})
+    if "stop" in features:
+        body["stop"] = ["beta", "gamma"]
+    if "json" in features:
+        body["response_format"] = {"type": "json_object"}
+    if "echo" in features and not chat and not plan["stream"]:
+        body["echo"] = True
+    return ("/v1/chat/completions" if chat else "/v1/completions"), body
+
+
+async def _request(
+    client: httpx.AsyncClient, model: str, plan: dict[str, Any], report: LoadReport
+) -> None:
+    route, body = _route_and_body(model, plan)
     try:
         if plan["stream"]:
-            outcome = await _streamed(client, body, plan["disconnect"], report)
+            outcome = await _streamed(client, route, body, plan["disconnect"], report)
         elif plan["disconnect"]:
             # Gone before the answer: the server notices on its next disconnect poll.
-            with_deadline = asyncio.wait_for(client.post("/v1/completions", json=body), 0.05)
+            with_deadline = asyncio.wait_for(client.post(route, json=body), 0.05)
             try:
                 response = await with_deadline
             except TimeoutError:
@@ -158,7 +202,7 @@ async def _request(
             else:
                 outcome = _plain(response, report)
         else:
-            outcome = _plain(await client.post("/v1/completions", json=body), report)
+            outcome = _plain(await client.post(route, json=body), report)
     except httpx.HTTPError as exc:
         outcome = LOST
         report.errors.append(f"{type(exc).__name__}: {exc}")
@@ -184,9 +228,10 @@ def _rejected(response: httpx.Response, report: LoadReport) -> str:
 
 
 async def _streamed(
-    client: httpx.AsyncClient, body: dict[str, Any], disconnect: bool, report: LoadReport
-) -> str:
-    async with client.stream("POST", "/v1/completions", json=body) as response:
+    client: httpx.AsyncClient, route: str, body: dict[str, Any], disconnect: bool,
+    report: LoadReport,
+) -> str:  # fmt: skip
+    async with client.stream("POST", route, json=body) as response:
         report.statuses[response.status_code] += 1
         if response.status_code != 200:
             await response.aread()
