@@ -33,6 +33,9 @@ def test_every_feature_shapes_the_request() -> None:
         assert body["response_format"] == {"type": "json_object"} and body["top_logprobs"] == 2
     assert routes == {"/v1/chat/completions"}
     assert {"seed", "temperature", "presence_penalty", "stop"} <= keys
+    assert "tools" not in keys  # a tool call's grammar is not combined with JSON output
+    plan = {**_plan(rng, everything), "features": {"chat", "tools"}}
+    assert _route_and_body("m", plan)[1]["tools"][0]["function"]["name"] == "get_weather"
     plain = _plan(rng, LoadSpec(feature_fraction=0.0))
     route, body = _route_and_body("m", {**plain, "features": {"echo", "logprobs"}, "stream": False})
     assert route == "/v1/completions" and body["echo"] is True and body["logprobs"] == 2

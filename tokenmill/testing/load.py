@@ -6,7 +6,8 @@ clients disconnect early (a stream closed after its first chunk, a plain request
 a moment), which the server must see as aborts. Each request also takes each of the load's
 `features` with probability `feature_fraction`: the chat route, random sampling (temperature,
 top-p/top-k, a seed, penalties, `min_tokens`), logprobs, stop strings, JSON output
-(`response_format`, a grammar), echo (non-streamed completions). After the run the server's own
+(`response_format`, a grammar), echo (non-streamed completions), a tool (chat requests without
+JSON output; `tool_choice` required, a grammar of its call, or auto). After the run the server's own
 counters must agree: nothing left running or waiting, and as many engine requests finished
 normally as the clients received.
 """
@@ -34,7 +35,19 @@ COMPLETED, DISCONNECTED, REJECTED, SERVER_ERROR, LOST = (
 
 
 # What a request may use besides a plain completion (`LoadSpec.features`).
-FEATURES = ("chat", "sampling", "logprobs", "stop", "json", "echo")
+FEATURES = ("chat", "sampling", "logprobs", "stop", "json", "echo", "tools")
+# The function a "tools" chat request offers (required half the time: a grammar of its call).
+_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -182,6 +195,8 @@ def _route_and_body(model: str, plan: dict[str, Any]) -> tuple[str, dict[str, An
         body["response_format"] = {"type": "json_object"}
     if "echo" in features and not chat and not plan["stream"]:
         body["echo"] = True
+    if "tools" in features and chat and "json" not in features:
+        body.update(tools=[_TOOL], tool_choice="required" if plan["seed"] % 2 else "auto")
     return ("/v1/chat/completions" if chat else "/v1/completions"), body
 
 
