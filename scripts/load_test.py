@@ -39,7 +39,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     for f in dataclasses.fields(LoadSpec):  # --num-requests, --concurrency, ...
         flag = "--" + f.name.replace("_", "-")
-        parser.add_argument(flag, type=type(f.default), default=DEFAULTS.get(f.name, f.default))
+        default = DEFAULTS.get(f.name, f.default)
+        parser.add_argument(
+            flag, type=type(f.default), default=default,
+            help=f"{f.metadata['help']} (default: {default})",
+        )  # fmt: skip
     parser.add_argument("--output", default=None, help="Write the JSON summary here.")
     return parser.parse_args(argv)
 

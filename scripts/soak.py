@@ -62,18 +62,28 @@ class Sampler(threading.Thread):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--minutes", type=float, default=5.0)
+    parser.add_argument("--minutes", type=float, default=5.0, help="How long to load.")
     parser.add_argument(
         "--warmup-minutes", type=float, default=1.0,
         help="Load before the RSS baseline is taken (less than --minutes).",
     )  # fmt: skip
-    parser.add_argument("--model-dir", default=str(DEMO_MODEL_DIR))
+    parser.add_argument(
+        "--model-dir", default=str(DEMO_MODEL_DIR), help="Checkpoint of the server to start."
+    )
     parser.add_argument("--server-arg", action="append", default=[], help="Extra `serve` flag.")
-    parser.add_argument("--requests-per-batch", type=int, default=200)
-    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument(
+        "--requests-per-batch", type=int, default=200, help="Requests of each load batch."
+    )
+    parser.add_argument("--concurrency", type=int, default=64, help="Requests in flight at once.")
     parser.add_argument("--interval", type=float, default=2.0, help="Seconds between samples.")
-    parser.add_argument("--max-growth-mb", type=float, default=64.0)
-    parser.add_argument("--max-growth-pct", type=float, default=10.0)
+    parser.add_argument(
+        "--max-growth-mb", type=float, default=64.0,
+        help="A process fails if it grew more than this after the warm-up (and the percent).",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-growth-pct", type=float, default=10.0,
+        help="... and more than this percent of its RSS after the warm-up.",
+    )  # fmt: skip
     parser.add_argument("--output", default=None, help="Write the samples and verdict as JSON.")
     ns = parser.parse_args(argv)
     if not 0 <= ns.warmup_minutes < ns.minutes:

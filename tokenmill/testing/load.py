@@ -54,15 +54,24 @@ _TOOL = {
 class LoadSpec:
     """How much load, and of what shape (`features`: comma-separated, of `FEATURES`)."""
 
-    num_requests: int = 200
-    concurrency: int = 64
-    disconnect_fraction: float = 0.1
-    max_tokens: int = 16
-    max_n: int = 2
-    seed: int = 0
-    timeout_s: float = 300.0
-    features: str = ",".join(FEATURES)
-    feature_fraction: float = 0.25
+    num_requests: int = field(default=200, metadata={"help": "Requests in all."})
+    concurrency: int = field(default=64, metadata={"help": "Requests in flight at once."})
+    disconnect_fraction: float = field(
+        default=0.1, metadata={"help": "Share of clients that leave before their answer."}
+    )
+    max_tokens: int = field(
+        default=16, metadata={"help": "A request's max_tokens is drawn from 1 to this."}
+    )
+    max_n: int = field(default=2, metadata={"help": "A request's n is drawn from 1 to this."})
+    seed: int = field(default=0, metadata={"help": "Seed of the requests' plans."})
+    timeout_s: float = field(default=300.0, metadata={"help": "Client timeout per request."})
+    features: str = field(
+        default=",".join(FEATURES),
+        metadata={"help": f"Comma-separated request features, of: {', '.join(FEATURES)}."},
+    )
+    feature_fraction: float = field(
+        default=0.25, metadata={"help": "Probability that a request takes each feature."}
+    )
 
     def __post_init__(self) -> None:
         unknown = set(self.feature_list) - set(FEATURES)
