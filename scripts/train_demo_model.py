@@ -402,10 +402,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("corpus", help="Build the corpus from Debian's documentation packages.")
-    c.add_argument("--out", type=Path, required=True)
+    c.add_argument("--out", type=Path, required=True, help="Where to write the corpus.")
     t = sub.add_parser("train", help="Train tokenizer, model and draft; write checkpoints.")
-    t.add_argument("--corpus", type=Path, required=True)
-    t.add_argument("--out", type=Path, required=True)
+    t.add_argument("--corpus", type=Path, required=True, help="A corpus `corpus` built.")
+    t.add_argument("--out", type=Path, required=True, help="Where to write the checkpoints.")
     defaults = RunSettings()
     for field, value in asdict(defaults).items():
         flag = "--" + field.replace("_", "-")
