@@ -42,3 +42,15 @@ def test_every_feature_shapes_the_request() -> None:
     assert _route_and_body("m", plain)[1].keys() == {
         "model", "prompt", "max_tokens", "n", "ignore_eos", "stream"
     }  # fmt: skip
+
+
+def test_soak_refuses_a_warm_up_as_long_as_its_run() -> None:
+    """The soak's RSS baseline is taken after the warm-up: one lasting the whole run would
+    leave nothing to compare (refused before any server starts)."""
+    import runpy
+    from pathlib import Path
+
+    soak = runpy.run_path(str(Path(__file__).parents[2] / "scripts" / "soak.py"))
+    with pytest.raises(SystemExit) as exit_info:
+        soak["main"](["--minutes", "1", "--warmup-minutes", "1"])
+    assert exit_info.value.code == 2
