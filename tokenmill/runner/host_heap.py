@@ -18,12 +18,9 @@ made each round ~40% slower (a mapping per large tensor).
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import time
 from collections.abc import Callable
-
-logger = logging.getLogger(__name__)
 
 # oneDNN primitives kept; a decode step reuses a handful of shapes (no slower than 1,024).
 ONEDNN_CACHE_CAPACITY = 8
