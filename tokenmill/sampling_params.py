@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json as json_lib
 import math
+import re
 from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -37,6 +38,11 @@ MAX_SEED = 2**64 - 1
 # levels of objects in a schema, about 20-40 levels of JSON.
 MAX_STRUCTURED_CHARS = 128 * 1024
 MAX_STRUCTURED_DEPTH = 64
+# xgrammar turns the regular expressions of a JSON schema (`pattern`, `patternProperties`; a
+# structural tag's too) into rules in time quadratic in their repetition counts: a 60-byte
+# schema with `"pattern": "a{20000}"` took 19 s in each process it crossed (the engine core's
+# loop stalled meanwhile), `a{60000}` minutes; 2,048 repetitions in all take 0.2 s.
+MAX_PATTERN_REPEATS = 2048
 # OpenAI's range of a logit bias; the most entries a request's map may hold (each one is an
 # element the sampler adds on the device, at every step of the request).
 MAX_LOGIT_BIAS = 100.0
@@ -106,6 +112,8 @@ class StructuredOutputsParams:
             )
         if isinstance(value, str) and kind in ("json", "structural_tag"):
             _check_depth(f"structured_outputs.{kind}", value)  # after the length: it scans it
+        if kind in ("json", "structural_tag"):
+            _check_pattern_repeats(f"structured_outputs.{kind}", value)
         # Imported here: xgrammar is loaded only by processes that see a constrained request.
         from tokenmill.structured.grammar import check_grammar
 
@@ -137,6 +145,59 @@ def _check_depth(name: str, value: str | dict[str, Any]) -> None:
             f"{name} nests more than {MAX_STRUCTURED_DEPTH} levels of objects and arrays deep; "
             "flatten it (e.g. with $defs and $ref)"
         )
+
+
+def _check_pattern_repeats(name: str, value: str | dict[str, Any]) -> None:
+    """Raise `ValueError` naming `name` if the regular expressions of the JSON document `value`
+    repeat more than MAX_PATTERN_REPEATS times in all (text that is no JSON is left to the
+    grammar's own check)."""
+    try:
+        document = json_lib.loads(value) if isinstance(value, str) else value
+    except ValueError:
+        return
+    repeats = pattern_repeats(document)
+    if repeats > MAX_PATTERN_REPEATS:
+        raise ValueError(
+            f"{name} has regular expressions (pattern, patternProperties) whose repetition "
+            f"counts add up to {repeats}, more than the {MAX_PATTERN_REPEATS} a constraint may "
+            "have; use minLength / maxLength to bound a string's length"
+        )
+
+
+# A repetition count in a regular expression: `{n}`, `{n,}` or `{n,m}` (escaped braces too:
+# counting a literal `\{5\}` errs on the safe side).
+_REPETITION = re.compile(r"\{(\d+)(?:,(\d*))?\}")
+
+
+def pattern_repeats(document: Any) -> int:
+    """The repetition counts (of `{n,m}` the larger) of the regular expressions in a parsed JSON
+    schema or structural tag, added up: `pattern` values and `patternProperties` keys at any
+    depth, counted without recursion."""
+    patterns: list[str] = []
+    stack = [document]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        if isinstance(pattern := node.get("pattern"), str):
+            patterns.append(pattern)
+        if isinstance(keyed := node.get("patternProperties"), dict):
+            patterns.extend(keyed)
+        stack.extend(node.values())
+    return sum(
+        max(_count(low), _count(high))
+        for pattern in patterns
+        for low, high in _REPETITION.findall(pattern)
+    )
+
+
+def _count(digits: str) -> int:
+    """A repetition count's digits as a number (none: 0); past 9 digits, more than any limit
+    (int() refuses more than 4,300 digits)."""
+    return 10**9 if len(digits) > 9 else int(digits or 0)
 
 
 def json_depth(value: Any, limit: int) -> int:

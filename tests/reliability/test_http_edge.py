@@ -155,6 +155,17 @@ BAD_COMPLETIONS = [
         "response_format",
     ),
     ({"structured_outputs": {"regex": "a" * 200_000}}, "structured_outputs"),
+    # a pattern's repetition count costs its square to parse: 60 bytes held every process the
+    # request crossed for 19 s each, and stalled the engine core's other requests
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "a{20000}"}},
+            }
+        },
+        "response_format",
+    ),
 ]
 
 
@@ -165,6 +176,7 @@ def test_bad_completion_is_400_naming_the_field(client: httpx.Client, patch, par
 
 
 BIG_ARGS = json.dumps({"x": "y" * MAX_PROMPT_BYTES})
+PATTERNED = {"type": "object", "properties": {"a": {"type": "string", "pattern": "a{20000}"}}}
 BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "a\ud800"}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]}, "messages"),
@@ -233,6 +245,13 @@ BAD_CHATS = [
     (
         {
             "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "?"}}}],
+            "tool_choice": "required",
+        },
+        "tools",
+    ),
+    (
+        {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": PATTERNED}}],
             "tool_choice": "required",
         },
         "tools",

@@ -9,7 +9,13 @@ import msgspec
 import pytest
 
 from tokenmill import SamplingParams, StructuredOutputsParams
-from tokenmill.sampling_params import MAX_STRUCTURED_CHARS, MAX_STRUCTURED_DEPTH, json_depth
+from tokenmill.sampling_params import (
+    MAX_PATTERN_REPEATS,
+    MAX_STRUCTURED_CHARS,
+    MAX_STRUCTURED_DEPTH,
+    json_depth,
+    pattern_repeats,
+)
 
 
 @pytest.mark.parametrize(
@@ -111,3 +117,40 @@ def test_constraints_over_the_length_limit_are_refused(kwargs: dict) -> None:
     kind = next(iter(kwargs))
     with pytest.raises(ValueError, match=f"structured_outputs.{kind} is .* characters long"):
         StructuredOutputsParams(**kwargs)
+
+
+def _pattern_tag(pattern: str) -> dict:
+    """A structural tag whose JSON schema holds `pattern`."""
+    schema = {"type": "string", "pattern": pattern}
+    return {"type": "structural_tag", "format": {"type": "json_schema", "json_schema": schema}}
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        # xgrammar converts a schema's patterns in time quadratic in their repetition counts:
+        # each of these took 19-25 s to parse, in every process the request crossed.
+        {"json": {"type": "string", "pattern": "a{20000}"}},
+        {"json": '{"type": "string", "pattern": "[a-z]{1,20000}"}'},
+        {"json": {"type": "object", "patternProperties": {"^a{20000}$": {}}}},
+        {"json": {"type": "object", "propertyNames": {"pattern": "a{20000,}"}}},
+        {"json": {"anyOf": [{"type": "string", "pattern": "a{1500}"}] * 2}},  # in all
+        {"structural_tag": _pattern_tag("a{20000}")},
+    ],
+    ids=["pattern", "text", "pattern-properties", "property-names", "two-patterns", "tag"],
+)
+def test_patterns_repeating_too_much_are_refused_at_once(kwargs: dict) -> None:
+    kind = next(iter(kwargs))
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=f"structured_outputs.{kind} has regular expressions"):
+        StructuredOutputsParams(**kwargs)
+    assert time.monotonic() - started < 1
+
+
+def test_pattern_repeats_add_up_the_larger_bound_of_each_count() -> None:
+    date_like = {"pattern": r"\d{4}-\d{2,3}x{5,}", "properties": {"pattern": {}}}
+    assert pattern_repeats(date_like) == 12
+    assert pattern_repeats([{"patternProperties": {"a{7}": {"pattern": "b{1}"}}}]) == 8
+    assert pattern_repeats({"pattern": "a{" + "9" * 5000 + "}"}) > MAX_PATTERN_REPEATS
+    schema = {"type": "string", "pattern": f"[0-9]{{{MAX_PATTERN_REPEATS}}}"}
+    assert StructuredOutputsParams(json=schema).kind == "json"  # at the limit: accepted
