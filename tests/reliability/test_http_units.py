@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 from fastapi.responses import JSONResponse
 from fastapi.testclient import TestClient
+from pydantic import ValidationError
 
-from tests.reliability.routes import offline_app
+from tests.reliability.routes import offline_app, server_state
 from tokenmill.config import EngineArgs
 from tokenmill.entrypoints import api_server
 from tokenmill.entrypoints import openai_responses as oai
 from tokenmill.entrypoints.engine_client import ChoiceOutput
-from tokenmill.entrypoints.protocol import MessageToolCall, error_param
+from tokenmill.entrypoints.protocol import MessageToolCall, error_param, request_models
 from tokenmill.entrypoints.server_options import ServerOptions
 from tokenmill.entrypoints.tool_parsers import get_tool_parser
 from tokenmill.ipc.messages import ClientOutput, PromptTextLogprobs
@@ -112,6 +113,19 @@ def test_error_messages_name_the_path_without_union_tags() -> None:
     assert error_param(invalid) == ("the body is not valid JSON: bad", None)
     query = {"type": "greater_than_equal", "loc": ("query", "limit"), "msg": "too small"}
     assert error_param(query) == ("limit: too small", "limit")
+
+
+@pytest.mark.parametrize("key", ["-1", "1.5", "01", "512"])
+def test_a_logit_bias_key_that_is_no_token_id_is_named_once(key: str) -> None:
+    """The message was `... as decimal strings, got {key!r}, got '-1'` (pydantic fills in
+    `{key}` only)."""
+    completion = request_models(server_state().limits).completion
+    with pytest.raises(ValidationError) as raised:
+        completion.model_validate({"prompt": "hi", "logit_bias": {key: 1.0}})
+    message, param = error_param(raised.value.errors()[0])
+    assert param == "logit_bias"
+    assert message.endswith(f"integers in [0, 512) as decimal strings, got {key!r}"), message
+    assert "{" not in message
 
 
 @pytest.mark.parametrize(

@@ -85,11 +85,12 @@ def token_id_key_type(vocab_size: int = MAX_INT64 + 1) -> Any:
     def check(key: str) -> str:
         digits = key.isascii() and key.isdigit() and len(key) <= 20
         if not (digits and int(key) < vocab_size and str(int(key)) == key):
+            # The message names the key through the error's input (`error_param`): pydantic
+            # fills in `{name}`, not `{name!r}`.
             raise PydanticCustomError(
                 "token_id_key",
-                "keys must be token ids, integers in [0, {vocab_size}) as decimal strings, "
-                "got {key!r}",
-                {"vocab_size": vocab_size, "key": key[:40]},
+                "keys must be token ids, integers in [0, {vocab_size}) as decimal strings",
+                {"vocab_size": vocab_size},
             )
         return key
 
