@@ -55,6 +55,22 @@ def test_unclosed_call_at_the_end_still_counts(hermes) -> None:
     assert [c.name for c in parsed.tool_calls] == ["f"] and parsed.content is None
 
 
+@pytest.mark.parametrize("piece", [1, 4, 1000])
+@pytest.mark.parametrize(
+    "text",
+    ['<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call', '<tool_call>\n{"name": "f", "a'],
+    ids=["in-the-end-tag", "in-the-call"],
+)
+def test_output_cut_short_inside_a_call_stays_the_models_text(hermes, text, piece) -> None:
+    """An output ending (max_tokens) inside a call that does not parse is content as the model
+    wrote it: the response read `...</tool_call</tool_call>`, an end tag never generated."""
+    assert hermes.parse(text).content == text
+    stream = ToolStream(hermes)
+    events = [e for i in range(0, len(text), piece) for e in stream.feed(text[i : i + piece])]
+    events += stream.finish()
+    assert "".join(e for e in events if isinstance(e, str)) == text
+
+
 @pytest.mark.parametrize("piece", [1, 3, 7, 1000])
 def test_streamed_in_any_pieces_gives_the_same_calls(hermes, piece: int) -> None:
     stream = ToolStream(hermes)

@@ -117,13 +117,15 @@ class ToolStream:
         if not self._in_call:
             return [rest] if self._keeps(rest) and rest else []
         self._in_call = False
-        event = self._call(rest)
+        event = self._call(rest, closed=False)
         return [event] if event else []
 
-    def _call(self, body: str) -> str | ToolCall:
+    def _call(self, body: str, closed: bool = True) -> str | ToolCall:
+        """The call written between the tags; if it is none, the model's text as written (the
+        end tag only if `closed`: an output cut short may end inside a call, or its end tag)."""
         call = self.parser.parse_call(body)
         if call is None:  # not a call after all: keep the model's text
-            return self.parser.start_tag + body + self.parser.end_tag
+            return self.parser.start_tag + body + (self.parser.end_tag if closed else "")
         self.num_calls += 1
         return call
 
