@@ -43,6 +43,11 @@ MAX_STRUCTURED_DEPTH = 64
 # schema with `"pattern": "a{20000}"` took 19 s in each process it crossed (the engine core's
 # loop stalled meanwhile), `a{60000}` minutes; 2,048 repetitions in all take 0.2 s.
 MAX_PATTERN_REPEATS = 2048
+# Its compile time also grows with the square of an object's optional properties (not under
+# `required`): the sum over objects of that count squared is bounded by one object of 256
+# (~1 s on a 2-core CPU; 2,000 optional properties took a minute, holding up every
+# structured-output request behind it on the compile thread).
+MAX_OPTIONAL_PROPERTY_PAIRS = 256 * 256
 # OpenAI's range of a logit bias; the most entries a request's map may hold (each one is an
 # element the sampler adds on the device, at every step of the request).
 MAX_LOGIT_BIAS = 100.0
@@ -113,7 +118,7 @@ class StructuredOutputsParams:
         if isinstance(value, str) and kind in ("json", "structural_tag"):
             _check_depth(f"structured_outputs.{kind}", value)  # after the length: it scans it
         if kind in ("json", "structural_tag"):
-            _check_pattern_repeats(f"structured_outputs.{kind}", value)
+            _check_compile_cost(f"structured_outputs.{kind}", value)
         # Imported here: xgrammar is loaded only by processes that see a constrained request.
         from tokenmill.structured.grammar import check_grammar
 
@@ -147,10 +152,11 @@ def _check_depth(name: str, value: str | dict[str, Any]) -> None:
         )
 
 
-def _check_pattern_repeats(name: str, value: str | dict[str, Any]) -> None:
-    """Raise `ValueError` naming `name` if the regular expressions of the JSON document `value`
-    repeat more than MAX_PATTERN_REPEATS times in all (text that is no JSON is left to the
-    grammar's own check)."""
+def _check_compile_cost(name: str, value: str | dict[str, Any]) -> None:
+    """Raise `ValueError` naming `name` where the JSON document `value` (a schema or structural
+    tag) would take xgrammar too long to compile: its regular expressions repeat more than
+    MAX_PATTERN_REPEATS times in all, or its objects' optional properties exceed
+    MAX_OPTIONAL_PROPERTY_PAIRS (text that is no JSON is left to the grammar's own check)."""
     try:
         document = json_lib.loads(value) if isinstance(value, str) else value
     except ValueError:
@@ -162,6 +168,28 @@ def _check_pattern_repeats(name: str, value: str | dict[str, Any]) -> None:
             f"counts add up to {repeats}, more than the {MAX_PATTERN_REPEATS} a constraint may "
             "have; use minLength / maxLength to bound a string's length"
         )
+    pairs = optional_property_pairs(document)
+    if pairs > MAX_OPTIONAL_PROPERTY_PAIRS:
+        raise ValueError(
+            f"{name} has objects with too many optional properties (the sum over its objects "
+            f"of their number squared is {pairs}, more than {MAX_OPTIONAL_PROPERTY_PAIRS}, "
+            f"e.g. one object of {math.isqrt(MAX_OPTIONAL_PROPERTY_PAIRS)}); list more of "
+            "them under required, or split the object"
+        )
+
+
+def _json_objects(document: Any) -> list[dict[str, Any]]:
+    """Every object (dict) of a parsed JSON document, at any depth, found without recursion."""
+    objects: list[dict[str, Any]] = []
+    stack = [document]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            objects.append(node)
+            stack.extend(node.values())
+    return objects
 
 
 # A repetition count in a regular expression: `{n}`, `{n,}` or `{n,m}` (escaped braces too:
@@ -172,26 +200,35 @@ _REPETITION = re.compile(r"\{(\d+)(?:,(\d*))?\}")
 def pattern_repeats(document: Any) -> int:
     """The repetition counts (of `{n,m}` the larger) of the regular expressions in a parsed JSON
     schema or structural tag, added up: `pattern` values and `patternProperties` keys at any
-    depth, counted without recursion."""
+    depth."""
     patterns: list[str] = []
-    stack = [document]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
-            continue
-        if not isinstance(node, dict):
-            continue
+    for node in _json_objects(document):
         if isinstance(pattern := node.get("pattern"), str):
             patterns.append(pattern)
         if isinstance(keyed := node.get("patternProperties"), dict):
             patterns.extend(keyed)
-        stack.extend(node.values())
     return sum(
         max(_count(low), _count(high))
         for pattern in patterns
         for low, high in _REPETITION.findall(pattern)
     )
+
+
+def optional_property_pairs(document: Any) -> int:
+    """The sum, over the objects of a parsed JSON schema (or structural tag) with `properties`,
+    of the square of how many of them are not `required`: xgrammar's compile time grows with
+    it (an object of 200 optional integer properties took 0.5 s on a 2-core CPU, 400 took
+    2.0 s, 2,000 a minute; 3,000 required ones 0.7 s)."""
+    pairs = 0
+    for node in _json_objects(document):
+        properties = node.get("properties")
+        if not isinstance(properties, dict):
+            continue
+        required = node.get("required")
+        names = {r for r in required if isinstance(r, str)} if isinstance(required, list) else ()
+        listed = properties.keys() & names
+        pairs += (len(properties) - len(listed)) ** 2
+    return pairs
 
 
 def _count(digits: str) -> int:

@@ -72,6 +72,7 @@ HUGE = 2**64
 DEEP_SCHEMA: dict = {"type": "string"}
 for _ in range(40):
     DEEP_SCHEMA = {"type": "object", "properties": {"a": DEEP_SCHEMA}}
+MANY_OPTIONAL = {f"p{i}": {"type": "integer"} for i in range(2000)}
 BAD_COMPLETIONS = [
     # integers outside what the engine represents (were HTTP 500s)
     ({"max_tokens": HUGE}, "max_tokens"),
@@ -162,6 +163,20 @@ BAD_COMPLETIONS = [
             "response_format": {
                 "type": "json_schema",
                 "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "a{20000}"}},
+            }
+        },
+        "response_format",
+    ),
+    # an object's optional properties cost their square to compile: 2,000 held the engine's
+    # grammar compiler (and every structured request behind it) for a minute
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {"type": "object", "properties": MANY_OPTIONAL},
+                },
             }
         },
         "response_format",

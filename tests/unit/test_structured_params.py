@@ -10,10 +10,12 @@ import pytest
 
 from tokenmill import SamplingParams, StructuredOutputsParams
 from tokenmill.sampling_params import (
+    MAX_OPTIONAL_PROPERTY_PAIRS,
     MAX_PATTERN_REPEATS,
     MAX_STRUCTURED_CHARS,
     MAX_STRUCTURED_DEPTH,
     json_depth,
+    optional_property_pairs,
     pattern_repeats,
 )
 
@@ -154,3 +156,41 @@ def test_pattern_repeats_add_up_the_larger_bound_of_each_count() -> None:
     assert pattern_repeats({"pattern": "a{" + "9" * 5000 + "}"}) > MAX_PATTERN_REPEATS
     schema = {"type": "string", "pattern": f"[0-9]{{{MAX_PATTERN_REPEATS}}}"}
     assert StructuredOutputsParams(json=schema).kind == "json"  # at the limit: accepted
+
+
+def _object(optional: int, required: int = 0) -> dict:
+    """An object schema of `optional` optional and `required` required integer properties."""
+    names = [f"p{i}" for i in range(optional + required)]
+    return {"type": "object", "properties": {n: {"type": "integer"} for n in names},
+            "required": names[optional:]}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        # 2,000 optional properties passed every other check and took the engine's grammar
+        # compiler a minute, holding up every structured-output request queued behind it.
+        {"json": _object(2000)},
+        {"json": {"type": "array", "items": [_object(200), _object(200)]}},  # in all
+        {"structural_tag": {"type": "structural_tag",
+                            "format": {"type": "json_schema", "json_schema": _object(300)}}},
+    ],
+    ids=["one-object", "two-objects", "tag"],
+)  # fmt: skip
+def test_objects_with_too_many_optional_properties_are_refused_at_once(kwargs: dict) -> None:
+    kind = next(iter(kwargs))
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=f"structured_outputs.{kind} has objects with too many"):
+        StructuredOutputsParams(**kwargs)
+    assert time.monotonic() - started < 1
+
+
+def test_optional_properties_are_counted_per_object_squared() -> None:
+    """Required properties cost nothing; a `required` entry naming no property, or not a
+    string, changes nothing; the bound is one object of its square root."""
+    assert optional_property_pairs(_object(3, required=5)) == 9
+    nested = {"properties": {"a": _object(2), "b": {}}, "required": ["a", "zz", {"x": 1}]}
+    assert optional_property_pairs(nested) == 1 + 4
+    assert optional_property_pairs({"properties": "not a map"}) == 0
+    at_limit = _object(int(MAX_OPTIONAL_PROPERTY_PAIRS**0.5), required=1000)
+    assert StructuredOutputsParams(json=at_limit).kind == "json"  # accepted
