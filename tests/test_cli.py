@@ -14,7 +14,7 @@ import pytest
 
 from tests.e2e.server import wait_until
 from tokenmill import LLM, SamplingParams
-from tokenmill.config import EngineArgs
+from tokenmill.config import DEMO_MODEL_DIR, EngineArgs
 from tokenmill.entrypoints.cli import main
 
 
@@ -258,3 +258,63 @@ def test_bad_bench_lengths_name_the_options(
     """Refused before anything loads (numpy's "low >= high" named nothing before)."""
     assert main(["bench", command, "--config", "c", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--seed", "-1"], "seed must be >= 0, got -1"),  # numpy's message named nothing
+        (["--output-len", "1"], "output_len must be >= 2 for b1 (it times decoding), got 1"),
+        (["--input-len", str(2**40)], "input_len must be <= 1048576"),
+        (["--workload", "b2", "--num-requests", "10000000"], "num_requests x max_len"),
+        (["--workload", "data", "--length-scale", "1e9"], "x length_scale must be at most"),
+        (["--workload", "b4", "--acceptance-rates", "x"], "acceptance_rates must be comma-"),
+        (["--workload", "b4", "--acceptance-rates", "2"], "acceptance_rates must be numbers in"),
+        (["--workload", "b4", "--batch-sizes", "0"], "batch_sizes must be integers >= 1"),
+        (["--workload", "b4", "--adaptive-batch-sizes", "7"], "must be some of batch_sizes"),
+        (["--workload", "b4", "--num-speculative-tokens", "0"], "num_speculative_tokens must"),
+        (["--workload", "b2", "--peer-requests", "-1"], "peer_requests must be >= 1, got -1"),
+        (["--engine-arg", "enforce_eager=maybe"], "enforce_eager takes bool values, got 'maybe'"),
+        (["--engine-arg", "model=/x"], "(not model: that is --config), got 'model=/x'"),
+        (["--output", "/no/such/dir/report.json"], "--output '/no/such/dir/report.json': not a"),
+    ],
+)
+def test_bad_bench_offline_option_is_an_error_message(
+    flags: list[str], message: str, capsys
+) -> None:
+    """Refused by name before the model loads: each was a traceback (numpy's out-of-memory,
+    a ZeroDivisionError, a RuntimeError, a TypeError from LLM), a run of minutes, a silently
+    False option, or an `open` error after the whole run."""
+    assert main(["bench", "offline", "--config", str(DEMO_MODEL_DIR), *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--seed", "-1"], "seed must be >= 0, got -1"),
+        (["--num-requests", "1000000000"], "x prompt tokens per session must be at most"),
+        (["--input-len", "10000000000"], "x length_scale must be at most 1048576 tokens"),
+        (["--slo", "ttft:-5"], "--slo ttft must be a number of ms > 0, got '-5'"),
+        (["--slo", "itl:nan"], "--slo itl must be a number of ms > 0, got 'nan'"),
+        (["--sweep-rates", ""], "--sweep-rates takes numbers, got ''"),
+        (["--output", "/no/such/dir/r.json"], "--output '/no/such/dir/r.json': not a file"),
+    ],
+)
+def test_bad_bench_serve_sizes_and_paths_are_refused_before_the_run(
+    flags: list[str], message: str, capsys
+) -> None:
+    """An unbounded workload was numpy's out-of-memory traceback or minutes of drawing ids; a
+    bad SLO or an empty --sweep-rates ran silently; an unwritable --output failed after it."""
+    argv = ["bench", "serve", "--model", "m", "--base-url", "http://127.0.0.1:1", "--vocab-size"]
+    assert main([*argv, "100", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_roofline_takes_no_b4_options(capsys) -> None:
+    """It has no B4 floor: `--workload b4` printed B2's, and B4's flags were ignored."""
+    argv = ["bench", "roofline", "--config", str(DEMO_MODEL_DIR)]
+    assert main([*argv, "--workload", "b4"]) == 2
+    assert "bench roofline has no b4 floor" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*argv, "--num-speculative-tokens", "2"])

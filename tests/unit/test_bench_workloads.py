@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tokenmill.bench.workloads import WorkloadSpec, build_workload
 
 
@@ -23,3 +25,34 @@ def test_length_scale_shrinks_chat_turns_once() -> None:
         assert 200 + 5 <= len(first.new_tokens) <= 200 + 30
         assert all(5 <= len(t.new_tokens) <= 30 for t in later)
         assert all(5 <= t.max_tokens <= 30 for t in session.turns)
+
+
+def _prompt_tokens(spec: WorkloadSpec) -> int:
+    return sum(len(t.new_tokens) for s in build_workload(spec) for t in s.turns)
+
+
+def test_the_size_bound_holds_what_each_workload_draws() -> None:
+    """The size check's estimate of a session's prompt tokens (the bound of
+    `--num-requests`) is at least what `build_workload` draws for it."""
+    for name in ("random", "shared-prefix", "chatbot", "agent", "data"):
+        spec = WorkloadSpec(name, num_sessions=8, length_scale=0.05)
+        assert _prompt_tokens(spec) <= 8 * _session_bound(spec)
+
+
+def _session_bound(spec: WorkloadSpec) -> float:
+    """The per-session tokens `_check_size` assumes, read back from its refusal."""
+    try:
+        WorkloadSpec(spec.name, num_sessions=10**9, length_scale=spec.length_scale)
+    except ValueError as exc:
+        return float(str(exc).split(" x ")[-1].split()[0])
+    raise AssertionError("a billion sessions were admitted")
+
+
+def test_a_bad_seed_or_an_unbounded_size_names_the_option() -> None:
+    """numpy's "expected non-negative integer", or its out-of-memory traceback, before."""
+    with pytest.raises(ValueError, match="seed must be >= 0, got -1"):
+        WorkloadSpec("random", seed=-1)
+    with pytest.raises(ValueError, match="x length_scale must be at most 1048576 tokens"):
+        WorkloadSpec("data", length_scale=1e6)
+    with pytest.raises(ValueError, match="num_sessions \\(--num-requests\\) x prompt tokens"):
+        WorkloadSpec("agent", num_sessions=10_000)

@@ -7,8 +7,13 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field
 from typing import Any
 
-from tokenmill.bench.workloads import WorkloadSpec
+from tokenmill.bench.workloads import MAX_LENGTH, MAX_WORKLOAD_TOKENS, WorkloadSpec
 from tokenmill.config import option
+
+# The options only `--workload b4` reads.
+B4_OPTIONS = (
+    "num_speculative_tokens", "acceptance_rates", "batch_sizes", "adaptive_batch_sizes", "repeats"
+)  # fmt: skip
 
 
 @dataclass
@@ -80,6 +85,76 @@ class OfflineBenchArgs:
             raise ValueError(f"output_len must be >= 1, got {self.output_len}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        self._check_sizes()
+        self._check_b4()
+
+    def _check_sizes(self) -> None:
+        """Seed, B1's output (a decode step to time) and the bounds of the lengths and the
+        prompts drawn up front (`workloads.MAX_LENGTH`, `MAX_WORKLOAD_TOKENS`)."""
+        if self.seed < 0:  # numpy's own message names nothing
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if self.workload == "b1" and self.output_len < 2:  # its decode rate divides by it - 1
+            raise ValueError(
+                f"output_len must be >= 2 for b1 (it times decoding), got {self.output_len}"
+            )
+        if self.peer_requests < 1:
+            raise ValueError(f"peer_requests must be >= 1, got {self.peer_requests}")
+        for name in ("input_len", "output_len", "max_len"):
+            if getattr(self, name) > MAX_LENGTH:
+                raise ValueError(f"{name} must be <= {MAX_LENGTH}, got {getattr(self, name)}")
+        if self.workload == "data":  # its sizes, checked before the model loads
+            WorkloadSpec("data", self.num_requests, seed=self.seed, length_scale=self.length_scale)
+        longest = self.max_len if self.workload == "b2" else self.input_len
+        if self.workload in ("b2", "b6") and self.num_requests * longest > MAX_WORKLOAD_TOKENS:
+            length = "max_len" if self.workload == "b2" else "input_len"
+            raise ValueError(
+                f"num_requests x {length} must be at most {MAX_WORKLOAD_TOKENS} prompt tokens, "
+                f"got {self.num_requests} x {longest}"
+            )
+
+    def _check_b4(self) -> None:
+        """B4's lists parse, and name their option when they do not."""
+        if self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"
+            )
+        self.acceptance_rate_list()
+        sizes = self.batch_size_list()
+        adaptive = self.adaptive_batch_size_list()
+        if not set(adaptive) <= set(sizes):
+            raise ValueError(
+                f"adaptive_batch_sizes must be some of batch_sizes ({self.batch_sizes}), "
+                f"got {self.adaptive_batch_sizes!r}"
+            )
+
+    def acceptance_rate_list(self) -> list[float]:
+        """`acceptance_rates` as numbers in [0, 1]."""
+        rates = _comma_list("acceptance_rates", self.acceptance_rates, float, "numbers")
+        if not rates or not all(0 <= r <= 1 for r in rates):
+            raise ValueError(
+                f"acceptance_rates must be numbers in [0, 1], got {self.acceptance_rates!r}"
+            )
+        return rates
+
+    def batch_size_list(self) -> list[int]:
+        """`batch_sizes` as integers >= 1."""
+        sizes = _comma_list("batch_sizes", self.batch_sizes, int, "integers")
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"batch_sizes must be integers >= 1, got {self.batch_sizes!r}")
+        return sizes
+
+    def adaptive_batch_size_list(self) -> list[int]:
+        """`adaptive_batch_sizes` as integers (none when empty)."""
+        return _comma_list("adaptive_batch_sizes", self.adaptive_batch_sizes, int, "integers")
+
+
+def _comma_list(name: str, text: str, kind: type, what: str) -> list[Any]:
+    """The comma-separated values of option `name`; `ValueError` naming it (int()'s and
+    float()'s messages name nothing)."""
+    try:
+        return [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{name} must be comma-separated {what}, got {text!r}") from None
 
 
 @dataclass(frozen=True)

@@ -80,9 +80,8 @@ class SpecBenchArgs:
         return SpecBenchArgs(
             config=args.config, dtype=args.dtype, device=args.device,
             num_speculative_tokens=args.num_speculative_tokens,
-            acceptance_rates=[float(a) for a in args.acceptance_rates.split(",")],
-            batch_sizes=[int(b) for b in args.batch_sizes.split(",")],
-            adaptive_batch_sizes=[int(b) for b in args.adaptive_batch_sizes.split(",") if b],
+            acceptance_rates=args.acceptance_rate_list(), batch_sizes=args.batch_size_list(),
+            adaptive_batch_sizes=args.adaptive_batch_size_list(),
             input_len=args.input_len, output_len=args.output_len, seed=args.seed,
             repeats=args.repeats, engine_kwargs=args.engine_kwargs,
         )  # fmt: skip

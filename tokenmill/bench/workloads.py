@@ -16,6 +16,17 @@ import numpy as np
 from tokenmill.config import option
 
 WORKLOADS = ("random", "shared-prefix", "chatbot", "agent", "data")
+# Bounds of a benchmark's sizes: every prompt is drawn up front as Python lists of ids (~36 bytes
+# a token), so an unbounded count or length is minutes of drawing or an out-of-memory traceback
+# before the first request. One length at most MAX_LENGTH tokens (past any context window), all
+# the prompts together at most MAX_WORKLOAD_TOKENS (~1.2 GB of lists).
+MAX_LENGTH = 1 << 20
+MAX_WORKLOAD_TOKENS = 1 << 25
+# The longest length each workload draws at length_scale 1 (input_len and prefix_len aside), and
+# its most turns: `build_workload`'s constants.
+_DEFAULT_PREFIX = {"chatbot": 2000, "agent": 16000, "shared-prefix": 1024}
+_LONGEST_TURN = {"chatbot": 300, "agent": 500, "data": 8000}
+_MOST_TURNS = {"chatbot": 6, "agent": 20}
 
 
 @dataclass(frozen=True)
@@ -68,6 +79,31 @@ class WorkloadSpec:
             raise ValueError(f"prefix_len must be >= 0, got {self.prefix_len}")
         if not 0 < self.length_scale < float("inf"):
             raise ValueError(f"length_scale must be > 0, got {self.length_scale}")
+        if self.seed < 0:  # numpy's own message names nothing
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        self._check_size()
+
+    def _check_size(self) -> None:
+        """Refuse a workload past MAX_LENGTH tokens in one length or MAX_WORKLOAD_TOKENS of
+        prompts in all, by its options' names (numpy's out-of-memory traceback, or minutes of
+        drawing ids, before)."""
+        if self.name not in WORKLOADS:  # build_workload names it
+            return
+        prefix = self.prefix_len if self.prefix_len is not None else _DEFAULT_PREFIX.get(self.name)
+        turn = _LONGEST_TURN.get(self.name, self.input_len)
+        longest = max(prefix or 0, turn, self.output_len if self.name == "random" else 0)
+        if longest * self.length_scale > MAX_LENGTH:
+            raise ValueError(
+                f"input_len, output_len, prefix_len x length_scale must be at most {MAX_LENGTH} "
+                f"tokens, got {longest} x {self.length_scale:g} (workload {self.name})"
+            )
+        per_session = ((prefix or 0) + turn * _MOST_TURNS.get(self.name, 1)) * self.length_scale
+        if self.num_sessions * per_session > MAX_WORKLOAD_TOKENS:
+            raise ValueError(
+                f"num_sessions (--num-requests) x prompt tokens per session must be at most "
+                f"{MAX_WORKLOAD_TOKENS}, got {self.num_sessions} x {per_session:.0f} "
+                f"(workload {self.name})"
+            )
 
 
 def build_workload(spec: WorkloadSpec) -> list[Session]:
@@ -90,9 +126,7 @@ def build_workload(spec: WorkloadSpec) -> list[Session]:
 
     builders: dict[str, Callable[[], Session]] = {}
     shared = ids(
-        spec.prefix_len
-        if spec.prefix_len is not None
-        else {"chatbot": 2000, "agent": 16000, "shared-prefix": 1024}.get(spec.name, 0)
+        spec.prefix_len if spec.prefix_len is not None else _DEFAULT_PREFIX.get(spec.name, 0)
     )
     prefixes = [shared]
     prefixes += [rng.integers(10, spec.vocab_size, len(shared)).tolist()

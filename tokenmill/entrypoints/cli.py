@@ -249,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
-    from tokenmill.bench.options import OfflineBenchArgs
+    from tokenmill.bench.options import B4_OPTIONS, OfflineBenchArgs
 
     bench = commands.add_parser("bench", help="Benchmarks: B1/B2 offline, roofline, serving load.")
     kinds = bench.add_subparsers(dest="bench", required=True)
@@ -272,7 +272,8 @@ def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
     roofline = kinds.add_parser(
         "roofline", help="Print the hardware floor of a config and a workload."
     )
-    machine = ("device", "peer", "peer_requests", "engine_kwargs")  # only for a run
+    # Only for a run, or only B4's (which has no roofline): not flags here, so not ignored.
+    machine = ("device", "peer", "peer_requests", "engine_kwargs", *B4_OPTIONS)
     add_options(roofline, OfflineBenchArgs, "benchmark options", skip=machine)
     _add_serve_bench_parser(kinds)
 
@@ -329,6 +330,7 @@ def _eval(ns: argparse.Namespace) -> int:
 
 
 def _parse_slo(text: str | None) -> tuple[float | None, float | None]:
+    """`--slo ttft:500,itl:50` as (TTFT, ITL) in seconds; each a finite number of ms > 0."""
     if not text:
         return None, None
     values: dict[str, float] = {}
@@ -337,7 +339,19 @@ def _parse_slo(text: str | None) -> tuple[float | None, float | None]:
         if key not in ("ttft", "itl") or not sep:
             raise ValueError(f"--slo must look like ttft:500,itl:50 (ms), got {text!r}")
         values[key] = _float("--slo", ms) / 1e3
+        if not 0 < values[key] < float("inf"):  # NaN too: no request would meet it
+            raise ValueError(f"--slo {key} must be a number of ms > 0, got {ms!r}")
     return values.get("ttft"), values.get("itl")
+
+
+def _check_output(flag: str, path: str | None) -> None:
+    """A file `flag` names can be written: checked before a benchmark runs, not after it (an
+    `open` traceback at the end of a run, its report lost)."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ValueError(f"{flag} {path!r}: not a file in a writable directory")
 
 
 def _float(flag: str, text: str) -> float:
@@ -360,7 +374,9 @@ def _serve_bench(ns: argparse.Namespace) -> int:
     from tokenmill.bench.workloads import WorkloadSpec
 
     slo_ttft, slo_itl = _parse_slo(ns.slo)
-    if ns.sweep_rates:
+    _check_output("--output", ns.output)
+    _check_output("--plot", ns.plot)
+    if ns.sweep_rates is not None:
         rates = [_float("--sweep-rates", r) for r in ns.sweep_rates.split(",")]
     else:
         rates = [ns.request_rate]
@@ -398,23 +414,38 @@ def _serve_bench(ns: argparse.Namespace) -> int:
     return 0 if all(r["failed"] == 0 for r in reports) else 1
 
 
+# `--engine-arg` spellings of a bool option's values.
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def _engine_kwargs(pairs: list[str]) -> dict[str, object]:
+    """`bench offline --engine-arg KEY=VALUE`s as engine options; `ValueError` naming the flag
+    for an unknown key, the model (that is --config), or a value of the wrong type (a bool
+    option's too: anything but true/false and their spellings was False before)."""
     hints = get_type_hints(EngineArgs)
     out: dict[str, object] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
-        if not sep or key not in hints:
+        if not sep or key not in hints or key == "model":
             raise ValueError(
-                f"--engine-arg must be KEY=VALUE with KEY an engine option, got {pair!r}"
+                f"--engine-arg must be KEY=VALUE with KEY an engine option (not model: that is "
+                f"--config), got {pair!r}"
             )
         kind = _base_type(hints[key])
         try:
-            out[key] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
+            out[key] = _bool(value) if kind is bool else kind(value)
         except ValueError:
             raise ValueError(
                 f"--engine-arg {key} takes {getattr(kind, '__name__', kind)} values, got {value!r}"
             ) from None
     return out
+
+
+def _bool(text: str) -> bool:
+    """`text` as a bool (true/false, yes/no, on/off, 1/0); `ValueError` for anything else."""
+    if text.lower() not in (*_TRUE, *_FALSE):
+        raise ValueError(text)
+    return text.lower() in _TRUE
 
 
 def _bench(ns: argparse.Namespace) -> int:
@@ -430,6 +461,8 @@ def _bench(ns: argparse.Namespace) -> int:
         return _serve_bench(ns)
     if ns.bench == "roofline":
         args = options_from(ns, OfflineBenchArgs)
+        if args.workload == "b4":
+            raise ValueError("bench roofline has no b4 floor; use b1, b2, b6 or data")
         cfg = ModelConfig.from_pretrained(args.config, args.dtype)
         cost = roofline.ModelCost.of(cfg, 2 if args.dtype != "float32" else 4)
         hw = roofline.Hardware(roofline.H200_COPY_BANDWIDTH, roofline.H200_MATMUL_FLOPS)
@@ -457,6 +490,7 @@ def _bench(ns: argparse.Namespace) -> int:
               f"{hw.bandwidth / 1e12:.2f} TB/s, {hw.matmul_flops / 1e12:.0f} TFLOP/s)")  # fmt: skip
         return 0
     args = options_from(ns, OfflineBenchArgs, engine_kwargs=_engine_kwargs(ns.engine_arg))
+    _check_output("--output", ns.output)
     if args.workload == "b4":
         return _spec_bench(args, ns.output)
     report = offline.run_offline(args)
