@@ -318,3 +318,10 @@ def test_bench_roofline_takes_no_b4_options(capsys) -> None:
     assert "bench roofline has no b4 floor" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([*argv, "--num-speculative-tokens", "2"])
+
+
+def test_an_empty_api_key_is_refused_not_an_open_server(capsys) -> None:
+    """`--api-key "$KEY"` with KEY unset served every route without a key (an empty key meant
+    none), silently; it is refused before the model loads."""
+    assert main(["serve", "--api-key", "", "--model", str(DEMO_MODEL_DIR)]) == 2
+    assert "api_key must not be empty" in capsys.readouterr().err

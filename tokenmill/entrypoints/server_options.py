@@ -173,6 +173,11 @@ class ServerOptions:
                 )
             except (ssl.SSLError, OSError) as exc:
                 raise ValueError(f"ssl_certfile, ssl_keyfile: cannot load them: {exc}") from None
+        if self.api_key == "":  # e.g. `--api-key "$KEY"` with KEY unset: every route open
+            raise ValueError(
+                "api_key must not be empty (it would require no key); leave the flag out to "
+                f"serve without one, or to use ${API_KEY_ENV}"
+            )
         if self.root_path and not self.root_path.startswith("/"):
             raise ValueError(f"root_path must start with '/', got {self.root_path!r}")
 
