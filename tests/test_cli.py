@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -325,3 +326,21 @@ def test_an_empty_api_key_is_refused_not_an_open_server(capsys) -> None:
     none), silently; it is refused before the model loads."""
     assert main(["serve", "--api-key", "", "--model", str(DEMO_MODEL_DIR)]) == 2
     assert "api_key must not be empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "command", [["generate"], ["serve"], ["bench", "offline"], ["bench", "serve"]]
+)
+def test_help_gives_each_option_one_default_that_means_something(command: list[str]) -> None:
+    """Options whose help said their default printed a second "(default: None)" after it
+    (`--device`: "default: cuda if present). (default: None)"), and `bench serve`'s
+    --base-url, --workload, --num-requests, --max-concurrency, --duration showed none."""
+    out = subprocess.run(
+        [sys.executable, "-m", "tokenmill.entrypoints.cli", *command, "--help"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    flat = " ".join(out.split())
+    assert not re.search(r"\(default: [^()]*(\([^()]*\))?[^()]*\)\. \(default: None\)", flat)
+    if command == ["bench", "serve"]:
+        for default in ("http://127.0.0.1:8000", "random", "16", "no cap", "run them all"):
+            assert f"(default: {default})" in flat

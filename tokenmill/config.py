@@ -781,6 +781,7 @@ class EngineArgs:
         "Attention implementation: torch (reference, any device), triton (default on CUDA) or "
         "flashinfer (CUDA, needs the flashinfer package and --enforce-eager).",
         choices=ATTENTION_BACKENDS,
+        default_help="triton on CUDA, torch on the CPU",
     )
     enforce_eager: bool = option(False, "Never use CUDA graphs (they speed up decode steps).")
     cuda_graph_max_bs: int = option(

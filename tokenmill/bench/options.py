@@ -32,7 +32,7 @@ class OfflineBenchArgs:
         choices=("b1", "b2", "b4", "b6", "data"),
     )
     dtype: str = option("bfloat16", "Weight dtype.")
-    device: str | None = option(None, "cpu or cuda (None: cuda if present).")
+    device: str | None = option(None, "cpu or cuda.", default_help="cuda if present")
     num_requests: int = option(256, "B2, B6 and data requests.")
     input_len: int = option(
         0, "B1 and B6 prompt tokens.", default_help="512 for B1 and B4, 2048 for B6"
@@ -166,8 +166,10 @@ class ServeBenchArgs:
     workload: WorkloadSpec
     request_rate: float = float("inf")  # sessions per second; inf = all at once
     burstiness: float = option(1.0, "Gamma shape of arrivals (1 = Poisson, < 1 burstier).")
-    max_concurrency: int | None = option(None, "Cap on open requests.")
-    duration: float | None = option(None, "Stop starting sessions after this many seconds.")
+    max_concurrency: int | None = option(None, "Cap on open requests.", default_help="no cap")
+    duration: float | None = option(
+        None, "Stop starting sessions after this many seconds.", default_help="run them all"
+    )
     slo_ttft: float | None = None  # seconds
     slo_itl: float | None = None  # seconds (mean inter-token gap of a request)
     timeout: float = option(600.0, "Seconds one request may take.")

@@ -58,7 +58,10 @@ def add_options(
         kind = _base_type(hints[f.name])
         required = f.default is dataclasses.MISSING
         default = f.metadata.get("default_help", f.default)
-        help_text = f.metadata["help"] + ("" if required else f" (default: {default})")
+        # A help that says its default itself ("(default: cuda if present)") gets no second,
+        # "(default: None)", contradicting it.
+        said = "(default:" in f.metadata["help"]
+        help_text = f.metadata["help"] + ("" if required or said else f" (default: {default})")
         if kind is bool:
             group.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
@@ -288,8 +291,17 @@ def _add_serve_bench_parser(kinds: argparse._SubParsersAction) -> None:
         description="Streams /v1/completions (token-id prompts) against any OpenAI-compatible "
         "server and reports TTFT, ITL, TPOT and E2E percentiles, throughput and goodput.",
     )
-    serve.add_argument("--base-url", default="http://127.0.0.1:8000", help="Server address.")
-    serve.add_argument("--workload", choices=WORKLOADS, default="random", help="Traffic profile.")
+    serve.add_argument(
+        "--base-url", default="http://127.0.0.1:8000",
+        help="Server address (default: http://127.0.0.1:8000).",
+    )  # fmt: skip
+    serve.add_argument(
+        "--workload", choices=WORKLOADS, default="random",
+        help="Traffic profile (BENCHMARKS.md B3): random (--input-len prompts, --output-len "
+        "outputs), shared-prefix (the same with one of --num-prefixes shared prefixes first), "
+        "chatbot (2-6 turns after a shared system prompt), agent (10-20 turns after a long "
+        "shared prefix) or data (2,000-8,000-token documents, short outputs) (default: random).",
+    )  # fmt: skip
     arrivals = serve.add_mutually_exclusive_group()
     arrivals.add_argument(
         "--request-rate", type=float, default=float("inf"),
@@ -304,7 +316,7 @@ def _add_serve_bench_parser(kinds: argparse._SubParsersAction) -> None:
     serve.add_argument("--slo", default=None, help="Goodput SLO, e.g. ttft:500,itl:50 (ms).")
     serve.add_argument(
         "--num-requests", type=int, default=16,
-        help="Sessions to run (one request each, several for chatbot/agent).",
+        help="Sessions to run (one request each, several for chatbot/agent) (default: 16).",
     )  # fmt: skip
     serve.add_argument(
         "--vocab-size", type=int, default=None,
