@@ -329,6 +329,21 @@ def test_an_empty_api_key_is_refused_not_an_open_server(capsys) -> None:
 
 
 @pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--retry-after-s", "100000"], "retry_after_s in \\[0, 3600\\]"),
+        # a file where the traces go: found out only at /stop_profile before
+        (["--enable-profiling", "--profile-dir", __file__], "profile_dir .* is not a directory"),
+    ],
+)
+def test_serve_options_a_server_would_trip_on_later_are_refused_at_once(
+    capsys, flags: list[str], message: str
+) -> None:
+    assert main(["serve", *flags, "--model", str(DEMO_MODEL_DIR)]) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
     "command", [["generate"], ["serve"], ["bench", "offline"], ["bench", "serve"]]
 )
 def test_help_gives_each_option_one_default_that_means_something(command: list[str]) -> None:

@@ -517,8 +517,8 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_model_len is not None and self.max_model_len < 2:  # a token in, one out
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if not self.cache_aware_max_wait >= 0:
             raise ValueError(
                 f"cache_aware_max_wait must be >= 0 seconds, got {self.cache_aware_max_wait}"
@@ -891,8 +891,8 @@ class EngineArgs:
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if isinstance(self.dtype, str) and self.dtype != "auto":  # (a torch.dtype is checked later)
             dtype_name(self.dtype)
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_model_len is not None and self.max_model_len < 2:  # a token in, one out
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         root = Path(self.model)
         arch, top, cfg = read_checkpoint_config(root)
         self._check_tokenizer_dir()

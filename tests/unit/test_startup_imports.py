@@ -69,7 +69,8 @@ def test_the_served_model_is_the_engine_configurations(
         ({"model": ""}, "model must be a checkpoint directory"),
         ({"model": "/no/such/checkpoint"}, "does not exist"),
         ({"dtype": "float64"}, "dtype must be one of auto"),
-        ({"max_model_len": 0}, "max_model_len must be >= 1"),
+        ({"max_model_len": 0}, "max_model_len must be >= 2"),
+        ({"max_model_len": 1}, "max_model_len must be >= 2"),  # no request could ever run
         ({"max_image_bytes": -1}, "max_image_bytes must be >= 0"),
         ({"load_format": "gguf"}, "load_format must be auto or dummy"),
         ({"tokenizer": "/no/such/tokenizer"}, "tokenizer must be a directory holding"),

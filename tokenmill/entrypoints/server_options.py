@@ -22,6 +22,8 @@ MIB = 1024 * 1024
 # Tokenizer processes: each is a Python process with its own tokenizer and sockets; far past a
 # host's cores they only cost memory (a million hung the start in ZMQ errors).
 MAX_TOKENIZER_WORKERS = 256
+# The longest Retry-After a 503 may ask for (an hour: a client told to wait days never returns).
+MAX_RETRY_AFTER_S = 3600
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,9 @@ class ServerOptions:
         "with Retry-After (default: no limit).",
     )
     retry_after_s: int = option(
-        1, "Retry-After (seconds) sent with a 503 when load is shed or the model is still loading."
+        1,
+        "Retry-After (seconds, at most 3600) sent with a 503 when load is shed or the model is "
+        "still loading.",
     )
     trace_file: str | None = option(
         None, "Append one JSON line per finished request (token ids, timestamps, params) here."
@@ -144,11 +148,18 @@ class ServerOptions:
                 f"num_tokenizer_workers must be <= {MAX_TOKENIZER_WORKERS}, got "
                 f"{self.num_tokenizer_workers}"
             )
-        if self.max_stop < 0 or self.retry_after_s < 0:
+        if self.max_stop < 0 or not 0 <= self.retry_after_s <= MAX_RETRY_AFTER_S:
             raise ValueError(
-                f"max_stop and retry_after_s must be >= 0, got {self.max_stop}, "
-                f"{self.retry_after_s}"
+                f"max_stop must be >= 0 and retry_after_s in [0, {MAX_RETRY_AFTER_S}], got "
+                f"{self.max_stop}, {self.retry_after_s}"
             )
+        # (Found out only at /stop_profile, before.)
+        if (
+            self.enable_profiling
+            and os.path.exists(self.profile_dir)
+            and not os.path.isdir(self.profile_dir)
+        ):
+            raise ValueError(f"profile_dir {self.profile_dir!r} is not a directory")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.tool_call_parser not in tool_parser_names():
