@@ -181,9 +181,9 @@ def test_a_trace_that_can_not_be_written_leaves_the_server_serving(
     llama_dir: Path, tmp_path: Path
 ) -> None:
     blocker = tmp_path / "a-file"  # --profile-dir names a file: the trace cannot be written
-    blocker.write_text("")
     flags = ("--enable-profiling", "--profile-dir", str(blocker))
     with run_server(llama_dir, tmp_path / "log", *flags) as server:
+        blocker.write_text("")  # after the start-up, which refuses a file there
         assert httpx.post(server.base_url + "/start_profile").status_code == 200
         assert httpx.post(server.base_url + "/stop_profile").status_code == 200
         assert wait_until(lambda: "profiler trace not written" in server.log, timeout=30)
