@@ -10,7 +10,10 @@ import re
 import shutil
 import socket
 import subprocess
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -20,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from tests.e2e.server import MODEL_NAME, ServerHandle, run_server, wait_until
 from tokenmill.config import DEMO_MODEL_DIR
 from tokenmill.entrypoints.cli import main
+from tokenmill.evals.options import ConformanceArgs, TaskEvalArgs
 from tokenmill.evals.scorers import DEMO_TASKS
 from tokenmill.observability.feedback import FeedbackLog, RecentRequests, response_id_of
 from tokenmill.observability.metrics import ServerMetrics
@@ -238,3 +242,99 @@ def test_dashboard_lists_recent_negative_feedback_with_trace_links(
     assert rows >= 1, dom[-2000:]
     assert f'href="v1/traces/{completion["id"]}"' in dom  # relative: works under a root path
     assert "&lt;b&gt;not html&lt;/b&gt;" in dom  # a comment is shown as text
+
+
+# Answers of a server that is not (quite) OpenAI's, by route: a proxy's HTML page, another API's
+# JSON, a stream that stops mid-answer. Each route answers 200.
+MISSHAPEN: dict[str, dict[str, bytes]] = {
+    "models not JSON": {"/v1/models": b"<html>a proxy</html>"},
+    "models a list": {"/v1/models": b"[1, 2]"},
+    "model without id": {"/v1/models": b'{"data": [{"object": "model"}]}'},
+    "tokens missing": {"/tokenize": b"{}"},
+    "chunk not JSON": {"/v1/completions": b"data: {not json\n\n"},
+    "logprobs misshapen": {"/v1/completions": b'data: {"choices": [{"logprobs": {}}]}\n\n'},
+    "error chunk a string": {"/v1/completions": b'data: {"error": "overloaded"}\n\n'},
+    "stream cut short": {"/v1/completions": b'data: {"choices": [{"text": "10"}]}\n\n'},
+}
+_GOOD = {
+    "/v1/models": b'{"data": [{"id": "m", "max_model_len": 256}]}',
+    "/tokenize": b'{"tokens": [1, 2]}',
+    "/v1/completions": b'data: {"choices": [{"text": "10", "finish_reason": "stop"}]}\n\n',
+}
+
+
+@contextmanager
+def _fake_server(answers: dict[str, bytes]) -> Iterator[str]:
+    """An HTTP server answering each route with `answers`' bytes (else a good answer); its URL."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            body = answers.get(self.path, _GOOD[self.path])
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _one_task(tmp_path: Path) -> Path:
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"prompt": "range(", "expected": 10, "scorer": "numeric"}) + "\n")
+    return tasks
+
+
+@pytest.mark.parametrize("case", list(MISSHAPEN))
+def test_an_answer_not_in_openais_shape_is_a_one_line_error(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "report.json"
+    with _fake_server(MISSHAPEN[case]) as url:
+        argv = ["eval", "tasks", "--base-url", url, str(_one_task(tmp_path)), "--no-progress"]
+        status = main([*argv, "--output", str(out)])
+    route = next(iter(MISSHAPEN[case]))
+    if route == "/v1/models":  # no model to ask: the whole run is refused
+        assert status == 2
+        assert capsys.readouterr().err.startswith(f"tokenmill: error: {url}: GET /v1/models: ")
+    else:  # the task is a request error, not a score of half an answer
+        assert status == 1
+        [result] = json.loads(out.read_text())["results"]
+        assert not result["passed"] and route in result["error"], result
+
+
+def test_the_fake_server_is_scored_when_it_answers_well(tmp_path: Path) -> None:
+    with _fake_server({}) as url:
+        argv = ["eval", "tasks", "--base-url", url, str(_one_task(tmp_path)), "--no-progress"]
+        assert main([*argv, "--min-accuracy", "1"]) == 0
+
+
+@pytest.mark.parametrize("url", ["http://[::1", "http://", "127.0.0.1:8000", "ftp://host"])
+def test_a_base_url_that_is_no_http_url_is_refused_naming_it(url: str) -> None:
+    with pytest.raises(ValueError, match="^base_url"):
+        TaskEvalArgs(base_url=url)
+    with pytest.raises(ValueError, match="^base_url"):
+        ConformanceArgs(model="m", base_url=url)
+
+
+def test_conformance_of_a_folder_without_a_causal_lm_config_is_refused_naming_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "vl").mkdir()
+    (tmp_path / "vl" / "config.json").write_text('{"text_config": {"vocab_size": 8}}')
+    for model, why in ((tmp_path / "none", "cannot read"), (tmp_path / "vl", "no vocab_size")):
+        assert main(["eval", "conformance", "--model", str(model), "--base-url", "http://x"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("tokenmill: error: model: ") and why in err, err

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +17,21 @@ TOKEN_ID_PREFIX = "token_id:"
 
 class EvalRequestError(Exception):
     """The server refused or failed a request; the message is the server's."""
+
+
+# What reading an answer that is not in OpenAI's shape raises: not JSON (a proxy's HTML page),
+# or JSON of another shape (another API's, a field missing or of another type).
+_SHAPE_ERRORS = (ValueError, KeyError, IndexError, TypeError, AttributeError)
+
+
+@contextmanager
+def _answer_of(route: str) -> Iterator[None]:
+    """Reads an answer of `route`: a shape error becomes an `EvalRequestError` naming it."""
+    try:
+        yield
+    except _SHAPE_ERRORS as exc:
+        why = f"{type(exc).__name__}: {exc}"[:200]
+        raise EvalRequestError(f"{route}: the answer is not in OpenAI's shape ({why})") from None
 
 
 @dataclass
@@ -39,7 +56,10 @@ def _token_id(token: str) -> int:
             f"the server returned logprob token {token!r}, not 'token_id:N': it does not "
             "support return_tokens_as_token_ids"
         )
-    return int(token.removeprefix(TOKEN_ID_PREFIX))
+    digits = token.removeprefix(TOKEN_ID_PREFIX)
+    if not (digits.isascii() and digits.isdigit()):
+        raise EvalRequestError(f"the server returned logprob token {token!r}, not 'token_id:N'")
+    return int(digits)
 
 
 def _error_text(response: httpx.Response) -> str:
@@ -70,11 +90,12 @@ class EvalClient:
             raise EvalRequestError(
                 f"GET /v1/models: {response.status_code} {_error_text(response)}"
             )
-        cards = response.json().get("data", [])
-        card = next((c for c in cards if name is None or c.get("id") == name), None)
-        if card is None:
-            raise EvalRequestError(f"the server serves no model {name!r}")
-        self.model = card["id"]
+        with _answer_of("GET /v1/models"):
+            cards = response.json()["data"]
+            card = next((c for c in cards if name is None or c["id"] == name), None)
+            if card is None:
+                raise EvalRequestError(f"the server serves no model {name!r}")
+            self.model = str(card["id"])
         return card
 
     async def tokenize(
@@ -90,7 +111,8 @@ class EvalClient:
             raise EvalRequestError(
                 f"POST /tokenize: {response.status_code} {_error_text(response)}"
             )
-        return list(response.json()["tokens"])
+        with _answer_of("POST /tokenize"):
+            return [int(t) for t in response.json()["tokens"]]
 
     async def generate(
         self,
@@ -124,12 +146,21 @@ class EvalClient:
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                chunk = json.loads(line.removeprefix("data: "))
-                if "error" in chunk:
-                    raise EvalRequestError(f"POST {path}: {chunk['error'].get('message')}")
-                _add_chunk(out, chunk, chat, start)
+                with _answer_of(f"POST {path}"):
+                    chunk = json.loads(line.removeprefix("data: "))
+                    if "error" in chunk:
+                        raise EvalRequestError(f"POST {path}: {_chunk_error(chunk)}")
+                    _add_chunk(out, chunk, chat, start)
+        if out.finish_reason is None:  # the server stopped mid-answer: no result to score
+            raise EvalRequestError(f"POST {path}: the stream ended with no finish_reason")
         out.latency_s = time.perf_counter() - start
         return out
+
+
+def _chunk_error(chunk: dict[str, Any]) -> str:
+    """The message of a streamed error chunk (OpenAI's `{"error": {"message": ...}}`)."""
+    error = chunk["error"]
+    return str(error.get("message") if isinstance(error, dict) else error)[:500]
 
 
 def _add_chunk(out: Generation, chunk: dict[str, Any], chat: bool, start: float) -> None:

@@ -194,11 +194,29 @@ async def _query_server(
     return card, prompts, results, dict(zip([p.name for p in prompts], server_ids, strict=True))
 
 
+def checkpoint_config(model: str) -> dict[str, Any]:
+    """The `config.json` of checkpoint `model`; `ValueError` naming model when it cannot be read
+    or names no `vocab_size` (the reference is a text-only causal language model)."""
+    path = Path(model) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ValueError(f"model: cannot read {path}: {why}") from None
+    vocab_size = config.get("vocab_size") if isinstance(config, dict) else None
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
+        raise ValueError(
+            f"model: {path} gives no vocab_size: conformance compares a text-only causal "
+            "language model's checkpoint"
+        )
+    return config
+
+
 def resolve_thresholds(args: ConformanceArgs) -> tuple[str, Thresholds]:
     """The server's precision (auto: config.json's) and the thresholds in force."""
     precision = args.server_dtype
     if precision == "auto":
-        config = json.loads((Path(args.model) / "config.json").read_text())
+        config = checkpoint_config(args.model)
         precision = config.get("torch_dtype") or config.get("dtype") or "float32"
     base = THRESHOLDS.get(precision, THRESHOLDS["bfloat16"])
     return precision, Thresholds(
@@ -243,14 +261,14 @@ def _per_position(seqs: list[Sequence], length: int) -> dict[str, list[float | N
 
 def run_conformance(args: ConformanceArgs) -> dict[str, Any]:
     """Query the server, score with the reference, and return the report (`passed` inside)."""
+    config = checkpoint_config(args.model)
     tokenizer_dir = args.tokenizer or args.model
     tokenizer: PreTrainedTokenizerBase | None = None
     if any(Path(tokenizer_dir).glob("tokenizer*")):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = json.loads((Path(args.model) / "config.json").read_text())
     precision, thresholds = resolve_thresholds(args)
     card, prompts, results, server_ids = asyncio.run(
-        _query_server(args, tokenizer, int(config["vocab_size"]))
+        _query_server(args, tokenizer, config["vocab_size"])
     )
     failures: list[str] = []
     checks = []

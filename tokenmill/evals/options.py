@@ -13,6 +13,19 @@ DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 PRECISIONS = ("auto", "float32", "bfloat16", "float16")
 
 
+def check_base_url(url: str) -> None:
+    """`ValueError` naming base_url unless `url` is an http(s) URL with a host (httpx's own
+    error for a malformed one, `InvalidURL`, is no `httpx.HTTPError`)."""
+    import httpx  # here: building the CLI imports no HTTP client
+
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        raise ValueError(f"base_url: {exc}, got {url!r}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"base_url must be an http(s) URL such as {DEFAULT_BASE_URL}, got {url!r}")
+
+
 def default_api_key() -> str | None:
     """The key the server expects, as tokenmill's and OpenAI's clients find it."""
     return os.environ.get("TOKENMILL_API_KEY") or os.environ.get("OPENAI_API_KEY") or None
@@ -95,6 +108,7 @@ class ConformanceArgs:
     timeout: float = option(600.0, "Seconds one request may take.")
 
     def __post_init__(self) -> None:
+        check_base_url(self.base_url)
         if not 1 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs must be in [1, 20], got {self.top_logprobs}")
         for name in ("max_tokens", "concurrency"):
@@ -137,6 +151,7 @@ class TaskEvalArgs:
     progress: bool = option(True, "Show a progress bar (on stderr).")
 
     def __post_init__(self) -> None:
+        check_base_url(self.base_url)
         for name in ("max_tokens", "concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
