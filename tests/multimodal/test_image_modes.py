@@ -43,6 +43,12 @@ def _encoded(image: Image.Image, fmt: str = "PNG", **options: object) -> bytes:
 
 def _handle(worker: TokenizerWorker, *images: bytes) -> tuple[list[bytes], RequestError | None]:
     urls = [f"data:image/png;base64,{base64.b64encode(data).decode()}" for data in images]
+    return _handle_urls(worker, urls)
+
+
+def _handle_urls(
+    worker: TokenizerWorker, urls: list[str]
+) -> tuple[list[bytes], RequestError | None]:
     parts = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
     messages = [{"role": "user", "content": [*parts, {"type": "text", "text": "Describe."}]}]
     request = TokenizeRequest("r", SamplingParams(max_tokens=2), messages=messages)
@@ -146,3 +152,12 @@ def test_a_corrupt_avif_is_a_400(worker: TokenizerWorker) -> None:
     data = bytearray(_encoded(random_image(40, 24, seed=5), "AVIF"))
     data[81] ^= 0xFF  # its decoder raises RuntimeError("Missing or empty image item")
     assert _refusal(worker, bytes(data)).startswith("messages: image 0 could not be decoded: ")
+
+
+def test_a_data_url_in_capitals_is_read_as_one(worker: TokenizerWorker) -> None:
+    data = png_bytes(random_image(32, 32, seed=6))
+    url = f"DATA:IMAGE/PNG;BASE64,{base64.b64encode(data).decode()}"  # RFC 2397: case-blind
+    (encoded,), error = _handle_urls(worker, [url])
+    assert error is None, error
+    (image,) = msgspec.msgpack.decode(encoded, type=EngineRequest).images
+    assert image.image().key == _preprocessed(worker, data)[0].key

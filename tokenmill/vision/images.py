@@ -184,7 +184,7 @@ class ImagePreprocessor:
         what = f"messages: image {n}"
         if isinstance(source, Image.Image):
             return rgb(self._checked(source, what))
-        if isinstance(source, str) and source.startswith("data:"):
+        if isinstance(source, str) and source[:5].lower() == "data:":
             data = self._data_url(source, what)
         elif isinstance(source, str) and source.split(":", 1)[0].lower() in ("http", "https"):
             raise ValueError(
@@ -219,6 +219,7 @@ class ImagePreprocessor:
 
     def _data_url(self, url: str, what: str) -> bytes:
         header, sep, payload = url.partition(",")
+        header = header.lower()  # the scheme, the media type and "base64" ignore case
         if not sep or not header.endswith(";base64") or not header[5:].startswith("image/"):
             raise ValueError(f"{what}: a data URL must be data:image/<type>;base64,<data>")
         if len(payload) * 3 // 4 > self.limits.max_image_bytes:
