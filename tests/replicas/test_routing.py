@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tokenmill.deploy.options import DeployOptions
+from tokenmill.deploy.options import MAX_COUNT, DeployOptions
 from tokenmill.deploy.routing import TOKEN_BLOCK, RoutedRequest, RouterState, prefix_blocks
 from tokenmill.entrypoints.cli import main
 
@@ -153,6 +153,17 @@ def test_deploy_options_refuse_negative_or_not_finite_amounts(bad: dict) -> None
     # Ray refused some only once started, naming no flag; took others (NaN) silently.
     with pytest.raises(ValueError, match=next(iter(bad))):
         DeployOptions(replicas=1, **bad)
+
+
+@pytest.mark.parametrize(
+    "name", ["replicas", "min_replicas", "max_replicas", "max_ongoing_requests"]
+)
+def test_deploy_options_refuse_counts_past_what_ray_serve_holds(name: str) -> None:
+    # Ray refused them only once started, as "Value out of range: ...", naming no flag.
+    counts = {"min_replicas": 0, "max_replicas": 1, name: MAX_COUNT + 1}
+    with pytest.raises(ValueError, match=f"^{name} must be <= {MAX_COUNT}, got {MAX_COUNT + 1}"):
+        DeployOptions(**counts)
+    DeployOptions(**{**counts, name: MAX_COUNT, "max_replicas": MAX_COUNT})
 
 
 def test_serve_refuses_inconsistent_replica_flags_before_starting_anything(capsys) -> None:

@@ -14,6 +14,10 @@ from tokenmill.config import option
 
 ROUTERS = ("prefix", "round-robin")
 
+# Ray Serve keeps replica counts and max_ongoing_requests as protobuf int32 (max_replicas as
+# uint32): a larger one failed only once Ray had started, as "Value out of range", naming no flag.
+MAX_COUNT = 2**31 - 1
+
 
 @dataclass(frozen=True)
 class DeployOptions:
@@ -56,6 +60,9 @@ class DeployOptions:
     replica_num_gpus: float = option(0.0, "GPUs Ray reserves for each replica (e.g. 1).")
 
     def __post_init__(self) -> None:
+        for name in ("replicas", "min_replicas", "max_replicas", "max_ongoing_requests"):
+            if (value := getattr(self, name)) is not None and value > MAX_COUNT:
+                raise ValueError(f"{name} must be <= {MAX_COUNT}, got {value}")
         if self.replicas < 0:
             raise ValueError(f"replicas must be >= 0, got {self.replicas}")
         scaling = (self.min_replicas, self.max_replicas)
