@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import base64
 import io
+import subprocess
+import sys
 from pathlib import Path
 
 import msgspec
@@ -161,3 +163,30 @@ def test_a_data_url_in_capitals_is_read_as_one(worker: TokenizerWorker) -> None:
     assert error is None, error
     (image,) = msgspec.msgpack.decode(encoded, type=EngineRequest).images
     assert image.image().key == _preprocessed(worker, data)[0].key
+
+
+# Peak memory of preprocessing eight 4096x4096 images (the default --max-image-pixels), in a
+# fresh process: what the worker holds beyond the one PNG it was given, in KiB.
+_PEAK_SCRIPT = """
+import io, resource, sys
+from PIL import Image
+from tokenmill.config import EngineArgs
+from tokenmill.vision.images import ImagePreprocessor, image_setup
+served = EngineArgs(model=sys.argv[1], device="cpu").create_served_model()
+images = ImagePreprocessor(image_setup(served))
+buf = io.BytesIO()
+Image.new("RGB", (4096, 4096)).save(buf, format="PNG")
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+images.expand([images.vision.image_token_id] * 8, [buf.getvalue()] * 8)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+"""
+
+
+def test_a_requests_images_are_decoded_one_at_a_time(vl_checkpoints: dict[str, Path]) -> None:
+    # All eight held decoded at once took 680 MB of a tokenizer worker for one request.
+    run = subprocess.run(
+        [sys.executable, "-c", _PEAK_SCRIPT, str(vl_checkpoints["qwen3_vl"])],
+        capture_output=True, text=True, check=True, timeout=300,
+    )  # fmt: skip
+    decoded_mib = 8 * 4096 * 4096 * 3 / 2**20  # 384 MiB of RGB pixels
+    assert int(run.stdout) / 1024 < decoded_mib, run.stdout  # 160 MiB; 625 held together

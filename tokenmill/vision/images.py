@@ -151,20 +151,25 @@ class ImagePreprocessor:
             )
         if not sources:
             return token_ids, ()
-        images = [self.open(source, n) for n, source in enumerate(sources)]
-        processed = [self._preprocess(image, n) for n, image in enumerate(images)]
         expanded: list[int] = []
         inputs: list[ImageInput] = []
         cursor = 0
-        for position, image, (patches, grid) in zip(placeholders, images, processed, strict=True):
-            n = num_image_tokens(grid, vision.spatial_merge_size)
+        for n, (position, source) in enumerate(zip(placeholders, sources, strict=True)):
+            key, patches, grid = self._read(source, n)
+            num_tokens = num_image_tokens(grid, vision.spatial_merge_size)
             expanded += token_ids[cursor:position]
-            key = image_key(np.asarray(image), grid)
-            inputs.append(ImageInput(key, patches, grid, len(expanded), n))
-            expanded += [vision.image_token_id] * n
+            inputs.append(ImageInput(key, patches, grid, len(expanded), num_tokens))
+            expanded += [vision.image_token_id] * num_tokens
             cursor = position + 1
         expanded += token_ids[cursor:]
         return expanded, tuple(inputs)
+
+    def _read(self, source: ImageSource, n: int) -> tuple[int, np.ndarray, tuple[int, int, int]]:
+        """Image `n`'s key, patches and grid. One image is decoded at a time: a request's eight
+        16-megapixel images held decoded together took 680 MB of a tokenizer worker."""
+        image = self.open(source, n)
+        patches, grid = self._preprocess(image, n)
+        return image_key(np.asarray(image), grid), patches, grid
 
     def _preprocess(self, image: Image.Image, n: int) -> tuple[np.ndarray, tuple[int, int, int]]:
         """Image `n`'s patches and grid, from the image processor (one image at a time, so that
