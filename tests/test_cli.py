@@ -343,6 +343,19 @@ def test_serve_options_a_server_would_trip_on_later_are_refused_at_once(
     assert re.search(message, capsys.readouterr().err)
 
 
+def test_an_option_the_engine_core_refuses_ends_serve_with_its_reason_in_one_line() -> None:
+    """What only the engine core finds (a host KV tier smaller than a page, found as it sizes
+    its caches) ends `serve` with exit code 1 and the reason as one log line, not a traceback."""
+    out = subprocess.run(
+        [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--port", "0",
+         "--host-kv-cache-bytes", "1"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 1
+    assert "engine core exits: host_kv_cache_bytes=1 is less than one KV page" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
 @pytest.mark.parametrize(
     "command", [["generate"], ["serve"], ["bench", "offline"], ["bench", "serve"]]
 )

@@ -64,7 +64,12 @@ def run_engine_core(
             except ValueError as exc:  # the server, resolving the same arguments, says why
                 logger.error("engine core exits: %s", exc)
                 sys.exit(1)
-    loop = EngineCoreLoop(config, addresses, startup)
+    try:
+        loop = EngineCoreLoop(config, addresses, startup)
+    except ValueError as exc:  # an option the model or the machine refuses (cache sizes)
+        logger.error("engine core exits: %s", exc)
+        logger.debug("where it was refused", exc_info=True)
+        sys.exit(1)
     loop.run()
 
 
