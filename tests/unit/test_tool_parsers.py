@@ -4,6 +4,7 @@ required-call grammars."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import xgrammar as xgr
@@ -190,3 +191,26 @@ def test_a_call_with_an_integer_python_cannot_read_is_content(name: str) -> None
     assert parsed.tool_calls == [] and parsed.content == text
     stream = parser.stream()
     assert "".join(stream.feed(text) + stream.finish()) == text
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3_json"])
+def test_a_long_call_streams_in_time_linear_in_its_length(name: str) -> None:
+    """A call of 64,000 tokens (a long string argument) is parsed as it streams without
+    rescanning or copying what came before at each token: that took seconds of the event
+    loop (hermes 32,000 tokens: 2.2 s, llama3_json: 1.2 s, four times that at twice the
+    length)."""
+    parser = get_tool_parser(name)
+    head = '{"name": "f", "arguments": {"text": "'
+    opening = "<tool_call>\n" + head if name == "hermes" else head
+    closing = '"}}\n</tool_call>' if name == "hermes" else '"}}'
+    stream = parser.stream()
+    started = time.perf_counter()
+    events = stream.feed(opening)
+    for _ in range(64_000):
+        events += stream.feed("abcdefghij")
+    events += stream.feed(closing)
+    events += stream.finish()
+    assert time.perf_counter() - started < 1.0
+    [call] = events
+    assert isinstance(call, ToolCall)
+    assert json.loads(call.arguments) == {"text": "abcdefghij" * 64_000}
