@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -241,3 +242,28 @@ def test_streamed_reasoning_carries_its_tokens_logprobs(tools: bool) -> None:
     ]
     assert tokens[1:] == [["So"], [" yes</think>"], ["Hi"]]
     assert chunks[-1]["finish_reason"] == "stop"
+
+
+def test_choice_logprobs_accumulate_in_time_linear_in_the_tokens() -> None:
+    """Each output's logprobs are added to its choice's in place: a new list per output copied
+    the choice's whole history (32,000 tokens: 0.66 s of the event loop, per choice)."""
+    response = oai.ResponseState("cmpl-x", "m", 1)
+    entry = [(7, "a", -0.1, 1)]
+    started = time.perf_counter()
+    for _ in range(64_000):
+        out = ClientOutput("cmpl-x-0-0", "a", [7], [entry], None, 1, 0)
+        response.add(ChoiceOutput(0, 0, out))
+    assert time.perf_counter() - started < 1.5
+    assert response.choices[0].logprobs == [entry] * 64_000
+
+
+def test_a_non_streamed_body_is_encoded_as_json_response_encodes_it() -> None:
+    """Bodies are encoded choice by choice (off the event loop): the bytes are JSONResponse's."""
+    prompt = PromptTextLogprobs((1, "<s>"), [[(5, "é\u2028", -1.5, 3)]])
+    response = oai.ResponseState("cmpl-x", "m", 2, echo=None, prompt_top_n=1)
+    for choice in range(2):
+        out = ClientOutput("cmpl-x-0", "日本", [7], [[(7, "日", -0.5, 1)]], "stop", 3, 0)
+        out.prompt_logprobs = prompt
+        response.add(ChoiceOutput(0, choice, out))
+    for body in (oai.completion_body(response, 1), oai.chat_body(response, 1), {"choices": []}):
+        assert api_server._json_body(body) == JSONResponse(body).body
