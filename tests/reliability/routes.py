@@ -22,7 +22,7 @@ def server_state(
     without an engine client, unless given): what routes that need neither run on."""
     limits = RequestLimits(
         model_name="m", vocab_size=512, max_model_len=128, max_prompt_bytes=4096, max_n=8,
-        max_stop=4, max_stop_chars=16,
+        max_stop=4, max_stop_chars=16, max_chat_messages=128,
     )  # fmt: skip
     no_tokenizer: Future[None] = Future()
     no_tokenizer.set_result(None)

@@ -78,6 +78,30 @@ def test_default_prompt_byte_limit_is_the_context_of_the_longest_tokens(llama_di
     assert api_server.request_limits("m", explicit, served, bounds).max_prompt_bytes == 5
 
 
+def test_chat_messages_and_parts_past_the_limit_are_refused_before_they_are_validated(
+    llama_dir: Path,
+) -> None:
+    """480,000 messages (16 MB) took 26 s of the tokenizer worker and 2 s of the event loop;
+    counted first, such a chat is a 400 naming `messages`, whatever its messages hold."""
+    served = EngineArgs(model=str(llama_dir), device="cpu", max_model_len=100).create_served_model()
+    assert api_server.request_limits("m", ServerOptions(), served, None).max_chat_messages == 100
+    explicit = ServerOptions(max_chat_messages=7)
+    assert api_server.request_limits("m", explicit, served, None).max_chat_messages == 7
+    client = TestClient(offline_app())  # --max-chat-messages 128
+    message = {"role": "user", "content": "a"}
+    bogus = {"role": "bogus", "content": 1}  # would fail validation, were it reached
+    too_many = [message] * 128 + [bogus]
+    one_of_many_parts = [{"role": "user", "content": [{"type": "text", "text": ""}] * 128}]
+    for messages in (too_many, one_of_many_parts, [message] * 200_000):
+        response = client.post("/tokenize", json={"messages": messages})
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["param"] == "messages" and "--max-chat-messages" in error["message"]
+    # At the limit the chat goes on to the tokenizer (this app has none).
+    response = client.post("/tokenize", json={"messages": [message] * 128})
+    assert "--max-chat-messages" not in response.text
+
+
 def test_access_log_filter_drops_polls_only() -> None:
     quiet = api_server._QuietRoutes("/llm")
 

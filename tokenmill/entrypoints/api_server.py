@@ -180,6 +180,7 @@ def request_limits(
         min_prompt_chars=int(bounds is not None and not bounds.empty_prompt_has_tokens),
         images=config.vision is not None,
         tool_parser=options.tool_call_parser,
+        max_chat_messages=options.max_chat_messages or config.max_model_len,
     )
 
 

@@ -65,6 +65,9 @@ from tokenmill.tokenization.chat_options import ChatTemplateOptions
 
 MAX_SEED = 2**64 - 1  # seeds are unsigned 64-bit (torch.Generator.manual_seed's range)
 MAX_FEEDBACK_COMMENT_CHARS = 10_000
+# Messages and content parts of one chat, where a server's RequestLimits do not say (the
+# server's default is its max_model_len).
+DEFAULT_MAX_CHAT_MESSAGES = 2048
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -409,6 +412,16 @@ class _ChatTemplateFields(_Strict):
     # More variables for the template, e.g. Qwen3's {"enable_thinking": false}.
     chat_template_kwargs: dict[Text, Any] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _few_enough_messages(cls, data: Any) -> Any:
+        """Counted before the messages are validated: that, for hundreds of thousands of
+        messages or parts, took seconds of the event loop."""
+        limits = cls.limits
+        if limits is not None and isinstance(data, dict):
+            _check_chat_items(data.get("messages"), limits)
+        return data
+
     def chat_options(self) -> ChatTemplateOptions:
         """The fields as the tokenizer takes them; ValueError for a combination it refuses."""
         return ChatTemplateOptions(
@@ -516,6 +529,8 @@ class RequestLimits:
     # The model reads images: chat messages may hold image parts (else text parts only).
     images: bool = False
     tool_parser: str = DEFAULT_TOOL_PARSER  # --tool-call-parser
+    # --max-chat-messages: messages and their content parts, together, in one chat.
+    max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES
 
 
 @dataclass(frozen=True)
@@ -569,6 +584,26 @@ def _check_chat_size(
         _check_template_depth(param, "chat_template_kwargs", template_kwargs)
         size += _json_bytes(template_kwargs)
         _within_limit(size, param, "the chat with its template's variables", limits)
+
+
+def _check_chat_items(messages: Any, limits: RequestLimits) -> None:
+    """A limit error naming `messages` if the chat's messages and their content parts number
+    more than `limits.max_chat_messages`; anything not shaped as messages is left to the
+    schema."""
+    if not isinstance(messages, list):
+        return
+    parts = sum(
+        len(m["content"])
+        for m in messages
+        if isinstance(m, dict) and isinstance(m.get("content"), list)
+    )
+    if len(messages) + parts > limits.max_chat_messages:
+        raise limit_error(
+            "messages",
+            f"the chat has {len(messages)} messages and {parts} content parts, more "
+            f"than the {limits.max_chat_messages} together this server renders "
+            "(--max-chat-messages)",
+        )
 
 
 def _within_limit(size: int, param: str, what: str, limits: RequestLimits) -> None:

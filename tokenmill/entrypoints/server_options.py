@@ -78,6 +78,12 @@ class ServerOptions:
         "Largest prompt (UTF-8 bytes; a chat's contents together) accepted for tokenizing "
         "(default: 2 x max_model_len x the longest token's bytes; no longer prompt can fit).",
     )
+    max_chat_messages: int | None = option(
+        None,
+        "Most messages in one chat, each content part of a message counted as one more "
+        "(default: max_model_len; a chat template marks every message with a token, so no "
+        "longer chat can fit).",
+    )
     max_n: int = option(128, "Most sequences one request may start (n x the number of prompts).")
     max_stop: int = option(64, "Most stop strings, and most stop token ids, per request.")
     max_stop_chars: int = option(1024, "Longest stop string (characters).")
@@ -132,6 +138,7 @@ class ServerOptions:
             "num_tokenizer_workers": self.num_tokenizer_workers,
             "max_request_body_bytes": self.max_request_body_bytes,
             "max_prompt_bytes": self.max_prompt_bytes,
+            "max_chat_messages": self.max_chat_messages,
             "max_n": self.max_n,
             "max_stop_chars": self.max_stop_chars,
             "max_waiting_requests": self.max_waiting_requests,
