@@ -600,9 +600,9 @@ def _check_chat_items(messages: Any, limits: RequestLimits) -> None:
     if len(messages) + parts > limits.max_chat_messages:
         raise limit_error(
             "messages",
-            f"the chat has {len(messages)} messages and {parts} content parts, more "
-            f"than the {limits.max_chat_messages} together this server renders "
-            "(--max-chat-messages)",
+            f"the chat's messages and content parts number {len(messages) + parts} "
+            f"({len(messages)} + {parts}), more than the {limits.max_chat_messages} this server "
+            "renders (--max-chat-messages)",
         )
 
 
