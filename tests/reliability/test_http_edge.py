@@ -294,6 +294,10 @@ def test_bad_bodies_get_openai_errors(client: httpx.Client) -> None:
     _assert_error(client.post("/tokenize", json={"messages": chat}), 400, "messages")
     _assert_error(client.get("/v1/feedback", params={"limit": 0}), 400, "limit")  # was `query`
     _assert_error(client.post("/detokenize", json={"tokens": [True]}), 400, "tokens")
+    # no sequence the model runs is longer (millions of ids held the api server for seconds)
+    too_long = {"tokens": [5] * (MAX_MODEL_LEN + 1)}
+    _assert_error(client.post("/detokenize", json=too_long), 400, "tokens")
+    assert client.post("/detokenize", json={"tokens": []}).status_code == 200
     assert _assert_error(client.get("/v1/nothing"), 404)["type"] == "NotFoundError"
     _assert_error(client.delete("/v1/completions"), 405)
 
