@@ -54,21 +54,17 @@ class ReasoningStream:
         # None: not known yet whether the output opens with `<think>` (qwen3's first tokens).
         self._inside: bool | None = True if parser.starts_inside else None
         self._at_start = True  # a leading `<think>` is dropped
+        # The output's leading whitespace while `_at_start`, in pieces: kept apart from
+        # `_buffer`, so that a long run of it is not copied and stripped again at every token.
+        self._space: list[str] = []
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         """(reasoning, content) of `text` and what was held back; `final`: nothing follows."""
-        self._buffer += text
+        if not self._at_start:
+            self._buffer += text
+        elif not self._open(text, final):
+            return "", ""  # may still open with `<think>`
         reasoning = content = ""
-        if self._at_start:
-            stripped = self._buffer.lstrip()
-            if stripped.startswith(START):
-                self._buffer, self._inside, self._at_start = stripped[len(START) :], True, False
-            elif not (START.startswith(stripped) and not final):
-                self._at_start = False
-                if self._inside is None:
-                    self._inside = False
-            else:
-                return "", ""  # may still open with `<think>`
         if self._inside:
             end = self._buffer.find(END)
             if end < 0:
@@ -80,3 +76,24 @@ class ReasoningStream:
             self._inside = False
         content, self._buffer = self._buffer, ""
         return reasoning, content
+
+    def _open(self, text: str, final: bool) -> bool:
+        """Take `text` at the output's start: False while it may still open with `<think>`
+        (its leading whitespace and the tag's first characters held), else True, with the tag
+        dropped or, when there is none, the held text put back in `_buffer`."""
+        if not self._buffer:  # nothing but whitespace so far
+            head = text.lstrip()
+            self._space.append(text[: len(text) - len(head)])
+            text = head
+        stripped = self._buffer + text  # `_buffer`: at most the tag's first characters
+        if stripped.startswith(START):
+            self._buffer, self._inside = stripped[len(START) :], True
+        elif START.startswith(stripped) and not final:
+            self._buffer = stripped
+            return False
+        else:
+            self._buffer = "".join(self._space) + stripped
+            if self._inside is None:
+                self._inside = False
+        self._at_start, self._space = False, []
+        return True
