@@ -16,6 +16,7 @@ from tokenmill.ipc.messages import ClientBatch, ClientOutput, RequestError, Toke
 from tokenmill.ipc.sockets import Addresses, encode, pull, push
 from tokenmill.observability.metrics import ServerMetrics
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenization.tokenizer_worker import Inbox
 
 
 def _finished(request_id: str) -> ClientOutput:
@@ -92,3 +93,48 @@ def test_a_failed_essential_task_fails_requests_fast_instead_of_hanging(
     finally:
         client.close()
         addresses.remove()
+
+
+async def _handled_after_a_refused_prompt() -> list[str]:
+    """A three-prompt request whose first prompt is refused, then a one-prompt request: the
+    ids a tokenizer worker's inbox hands out, in order."""
+    addresses = Addresses.fresh(1)
+    ctx = zmq.Context()
+    client = EngineClient(addresses, ServerMetrics("m", trace_file=None, log_requests=False))
+    inbox = Inbox(pull(ctx, addresses.tokenizers[0], bind=True))
+    api = push(ctx, addresses.api, bind=False)
+    reader = asyncio.create_task(client.run_output_loop())
+    decoder = msgspec.msgpack.Decoder(TokenizeRequest)
+    params = SamplingParams(max_tokens=1)
+    try:
+        prompts = [TokenizeRequest(f"cmpl-a-{i}", params, prompt="x" * 99) for i in range(3)]
+        refused = client.generate(prompts)
+        first = asyncio.ensure_future(anext(refused))
+        await asyncio.sleep(0.05)  # all three sent to the worker
+        handled = [decoder.decode(inbox.next()).request_id]
+        api.send(encode(ClientBatch([], [RequestError("cmpl-a-0", "too long", status=400)])))
+        with pytest.raises(RequestFailed):
+            async with asyncio.timeout(10):
+                await first
+        await refused.aclose()
+        async with asyncio.timeout(10):
+            next_request = client.generate([TokenizeRequest("cmpl-b-0", params, prompt="hi")])
+            second = asyncio.ensure_future(anext(next_request))
+            await asyncio.sleep(0.05)
+            handled.append(decoder.decode(inbox.next()).request_id)
+            api.send(encode(ClientBatch([_finished("cmpl-b-0:0")], [])))
+            await second
+            await next_request.aclose()
+        return handled
+    finally:
+        reader.cancel()
+        client.close()
+        ctx.destroy(linger=0)
+        addresses.remove()
+
+
+def test_a_refused_prompt_drops_its_requests_other_prompts_from_the_tokenizer_queue() -> None:
+    """The request is answered at its first refused prompt; its other prompts, still queued at
+    the tokenizer worker, are dropped, not tokenized ahead of the next request (34 prompts of
+    462 kB, each refused after ~0.3 s of tokenizing, held the next request 11 s)."""
+    assert asyncio.run(_handled_after_a_refused_prompt()) == ["cmpl-a-0", "cmpl-b-0"]

@@ -151,10 +151,23 @@ class EngineClient:
                     unfinished.discard(item.request_id)
                 yield ChoiceOutput(index[sub_id], choice, item)
         finally:
-            for r in requests:
-                self._in_flight.pop(r.request_id, None)
+            ended = [self._in_flight.pop(r.request_id, None) for r in requests]
             if unfinished:
                 self.abort(sorted(unfinished))
+                self._drop_queued(requests, ended)
+
+    def _drop_queued(
+        self, requests: list[TokenizeRequest], entries: list[_InFlight | None]
+    ) -> None:
+        """Tell each tokenizer worker to drop the sub-requests of an ended request that it may
+        still hold (the engine has not accepted all their choices), rather than tokenize them
+        while other requests wait."""
+        by_worker: dict[int, list[str]] = {}
+        for r, entry in zip(requests, entries, strict=True):
+            if entry is not None and entry.unstarted:
+                by_worker.setdefault(entry.tokenizer, []).append(r.request_id)
+        for worker, sub_ids in by_worker.items():
+            self._to_tokenizers[worker].send(encode(AbortRequest(sub_ids)))
 
     def abort(self, engine_request_ids: list[str]) -> None:
         """Ask the engine to finish these requests now (finish reason "abort")."""
