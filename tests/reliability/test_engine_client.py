@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import msgspec
@@ -23,23 +25,50 @@ def _finished(request_id: str) -> ClientOutput:
     return ClientOutput(request_id, "x", [1], None, "length", 1, 0)
 
 
-async def _errors_after_the_request_ended() -> list[str]:
-    """A two-prompt request whose prompts both fail, their errors in two batches (the second
-    arrives after the first ended the request), then a request that should still be served."""
+@dataclass
+class _PlayedWorkers:
+    """An `EngineClient` on its real sockets, its output loop running (`reader`); the test
+    plays the tokenizer worker (`tokenizer`: what the api server sends it) and every worker
+    that answers the api server (`api`)."""
+
+    client: EngineClient
+    tokenizer: zmq.Socket
+    api: zmq.Socket
+    reader: asyncio.Task[None]
+
+
+@contextlib.asynccontextmanager
+async def _played_workers() -> AsyncIterator[_PlayedWorkers]:
     addresses = Addresses.fresh(1)
     ctx = zmq.Context()
     client = EngineClient(addresses, ServerMetrics("m", trace_file=None, log_requests=False))
-    tokenizer = pull(ctx, addresses.tokenizers[0], bind=True)
-    api = push(ctx, addresses.api, bind=False)
     reader = asyncio.create_task(client.run_output_loop())
+    try:
+        yield _PlayedWorkers(
+            client,
+            pull(ctx, addresses.tokenizers[0], bind=True),
+            push(ctx, addresses.api, bind=False),
+            reader,
+        )
+    finally:
+        reader.cancel()
+        client.close()
+        ctx.destroy(linger=0)
+        addresses.remove()
+
+
+async def _errors_after_the_request_ended() -> list[str]:
+    """A two-prompt request whose prompts both fail, their errors in two batches (the second
+    arrives after the first ended the request), then a request that should still be served."""
     decoder = msgspec.msgpack.Decoder(TokenizeRequest)
     params = SamplingParams(max_tokens=1)
+    async with _played_workers() as workers:
+        client, tokenizer, api = workers.client, workers.tokenizer, workers.api
 
-    async def send_later(batch: ClientBatch) -> None:
-        await asyncio.sleep(0.05)
-        api.send(encode(batch))
+        async def send_later(batch: ClientBatch) -> None:
+            await asyncio.sleep(0.05)
+            api.send(encode(batch))
 
-    try:
         failing = [TokenizeRequest(f"cmpl-a-{i}", params, prompt="") for i in range(2)]
         first_error = RequestError("cmpl-a-0", "no tokens", status=400)
         sender = asyncio.create_task(send_later(ClientBatch([], [first_error])))
@@ -57,13 +86,8 @@ async def _errors_after_the_request_ended() -> list[str]:
             async for choice in client.generate([TokenizeRequest("cmpl-b-0", params, prompt="hi")]):
                 served.append(choice.output.request_id)
         await sender
-        assert not reader.done()
+        assert not workers.reader.done()
         return served
-    finally:
-        reader.cancel()
-        client.close()
-        ctx.destroy(linger=0)
-        addresses.remove()
 
 
 def test_an_error_for_a_request_already_ended_is_dropped_and_serving_goes_on() -> None:
@@ -98,15 +122,10 @@ def test_a_failed_essential_task_fails_requests_fast_instead_of_hanging(
 async def _handled_after_a_refused_prompt() -> list[str]:
     """A three-prompt request whose first prompt is refused, then a one-prompt request: the
     ids a tokenizer worker's inbox hands out, in order."""
-    addresses = Addresses.fresh(1)
-    ctx = zmq.Context()
-    client = EngineClient(addresses, ServerMetrics("m", trace_file=None, log_requests=False))
-    inbox = Inbox(pull(ctx, addresses.tokenizers[0], bind=True))
-    api = push(ctx, addresses.api, bind=False)
-    reader = asyncio.create_task(client.run_output_loop())
     decoder = msgspec.msgpack.Decoder(TokenizeRequest)
     params = SamplingParams(max_tokens=1)
-    try:
+    async with _played_workers() as workers:
+        client, inbox, api = workers.client, Inbox(workers.tokenizer), workers.api
         prompts = [TokenizeRequest(f"cmpl-a-{i}", params, prompt="x" * 99) for i in range(3)]
         refused = client.generate(prompts)
         first = asyncio.ensure_future(anext(refused))
@@ -126,11 +145,6 @@ async def _handled_after_a_refused_prompt() -> list[str]:
             await second
             await next_request.aclose()
         return handled
-    finally:
-        reader.cancel()
-        client.close()
-        ctx.destroy(linger=0)
-        addresses.remove()
 
 
 def test_a_refused_prompt_drops_its_requests_other_prompts_from_the_tokenizer_queue() -> None:
