@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -13,7 +14,7 @@ from transformers import PreTrainedTokenizerBase
 from tokenmill.batch import FinishReason
 from tokenmill.config import EngineArgs
 from tokenmill.engine.engine_core import EngineCore, EngineOutput
-from tokenmill.intake import prepare
+from tokenmill.intake import ChildRequest, prepare
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenization.chat_options import ChatTemplateOptions
@@ -47,6 +48,11 @@ class LLM:
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()
         self._children: dict[str, _Child] = {}  # engine request id → its unfinished choice
+        # Held while the engine steps or its queue changes: calls from several threads take
+        # turns, and an abort that finds it taken (a stream collected mid-step) waits in
+        # `_orphans` for the next step.
+        self._lock = threading.Lock()
+        self._orphans: list[RequestOutput] = []
 
     def close(self) -> None:
         """Stop the engine's other tensor-parallel ranks (done at exit too); the object is not
@@ -165,12 +171,19 @@ class LLM:
         results = self._add(token_ids, texts, params, images)
         bar = tqdm(total=len(results), desc="Generating", disable=not use_tqdm or len(results) < 2)
         done = 0
-        while done < len(results):
-            self._step()
-            finished = sum(r.finished for r in results)
-            bar.update(finished - done)
-            done = finished
-        bar.close()
+        try:
+            while done < len(results):
+                self._step()
+                finished = sum(r.finished for r in results)
+                bar.update(finished - done)
+                done = finished
+        except BaseException:
+            # Interrupted (KeyboardInterrupt, an error in a step or a callback): nobody will
+            # read these, so they must not keep running nor hold pages.
+            self._abort(results)
+            raise
+        finally:
+            bar.close()
         return results
 
     def _stream(
@@ -195,11 +208,23 @@ class LLM:
                     finished = result.finished
                     yield result
         finally:
-            self._abort(result)
+            self._abort([result])
 
-    def _abort(self, result: RequestOutput) -> None:
-        """Abort the request of `result`'s choices still unfinished."""
-        for child_id in [i for i, c in self._children.items() if c.result is result]:
+    def _abort(self, results: Sequence[RequestOutput]) -> None:
+        """Abort the requests of `results`' choices still unfinished: now, or at the next step
+        when the engine is busy (this runs from garbage collection too, maybe inside a step)."""
+        if not self._lock.acquire(blocking=False):
+            self._orphans.extend(results)
+            return
+        try:
+            self._abort_now(results)
+        finally:
+            self._lock.release()
+
+    def _abort_now(self, results: Sequence[RequestOutput]) -> None:
+        """`_abort`, with the lock held."""
+        ids = {id(r) for r in results}
+        for child_id in [i for i, c in self._children.items() if id(c.result) in ids]:
             self.engine.abort_request(child_id)
             del self._children[child_id]
 
@@ -227,6 +252,14 @@ class LLM:
             if p.structured_outputs is not None:
                 # Compiled now (the engine reuses it): a constraint no token can start raises.
                 self.engine.grammar_compiler.submit(p.structured_outputs).result()
+        with self._lock:
+            self._queue(prepared)
+        return [result for result, _, _ in prepared]
+
+    def _queue(
+        self, prepared: list[tuple[RequestOutput, list[ChildRequest], tuple[ImageInput, ...]]]
+    ) -> None:
+        """Add checked requests to the engine (with the lock held), each choice as its own."""
         for result, engine_requests, inputs in prepared:
             for index, child in enumerate(engine_requests):
                 logprobs = [] if child.params.logprobs is not None else None
@@ -237,10 +270,16 @@ class LLM:
                 self.engine.add_request(
                     child.request_id, child.prompt_token_ids, child.params, inputs, checked=True
                 )
-        return [result for result, _, _ in prepared]
 
     def _step(self) -> list[RequestOutput]:
         """One engine step, applied; returns the requests it added to (each once)."""
+        with self._lock:
+            orphans, self._orphans = self._orphans, []
+            self._abort_now(orphans)
+            return self._step_now()
+
+    def _step_now(self) -> list[RequestOutput]:
+        """`_step`, with the lock held."""
         touched: dict[int, RequestOutput] = {}
         for out in self.engine.step():
             child = self._children[out.request_id]
@@ -289,7 +328,11 @@ class _Stream(Iterator[RequestOutput]):
 
     def close(self) -> None:
         self._follow.close()
-        self._llm._abort(self._result)
+        self._llm._abort([self._result])
+
+    def __del__(self) -> None:
+        # Dropped unread: its request was queued when the stream was made.
+        self.close()
 
 
 @dataclasses.dataclass
