@@ -131,8 +131,9 @@ class LLM:
         """Complete one prompt, yielding its output after each engine step that added to it.
 
         Every yield is the same `RequestOutput`, grown (text and token ids so far, as vLLM's
-        cumulative outputs); the last one is finished. Closing the generator early (`break`,
-        `close()`) aborts the request and frees its pages.
+        cumulative outputs); the last one is finished. Closing the generator early (`close()`,
+        or dropping it: a `break` out of `for out in llm.stream(...)` does) aborts the request
+        and frees its pages; a stream still referenced after a `break` runs on until closed.
         """
         ids = encode_prompt(self.tokenizer, prompt)
         return self._stream(ids, prompt if isinstance(prompt, str) else None, sampling_params)
