@@ -488,3 +488,21 @@ def test_bad_words_hold_across_accepted_drafts(
     ours = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0].outputs[0].token_ids
     expected = plain.generate([PROMPTS[1]], params, use_tqdm=False)[0].outputs[0].token_ids
     assert ours == expected and expected[:5] == ref[:5] and expected[5:7] != ref[5:7]
+
+
+def test_deterministic_mode_makes_the_draft_model_batch_invariant(
+    llama_dir: Path, draft_dir: Path
+) -> None:
+    """A seeded sampled request's tokens depend on the drafts it verifies, so under
+    `deterministic=True` the draft model's products and attention must be batch-invariant
+    too (else the demo model's seeded request alone and in a crowd diverged at token 73)."""
+    llm = LLM(str(llama_dir), device="cpu", deterministic=True,
+              speculative_config=_spec("draft_model", 2, draft_dir))  # fmt: skip
+    try:
+        spec = llm.engine.runner.spec
+        assert spec is not None and spec.drafter is not None
+        layers = [m for m in spec.drafter.model.modules() if hasattr(m, "batch_invariant")]
+        assert layers and all(m.batch_invariant for m in layers)
+        assert spec.drafter.attention.deterministic
+    finally:
+        llm.close()

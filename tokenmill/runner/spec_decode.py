@@ -96,6 +96,7 @@ class SpecDecoder:
                 config.scheduler.max_num_seqs,
                 config.load_format,
                 config.seed,
+                config.runner.deterministic,
             )
 
     @staticmethod

@@ -24,6 +24,7 @@ import torch
 from tokenmill.attention.backend import AttentionInputs, create_backend
 from tokenmill.cache.kv_cache import KVCache
 from tokenmill.config import ModelConfig
+from tokenmill.layers.invariant import make_batch_invariant
 from tokenmill.models.loader import load_model
 from tokenmill.runner.staging import HostStaging
 from tokenmill.spec.proposer import Drafts
@@ -52,14 +53,21 @@ class DraftModelProposer:
         max_num_seqs: int,
         load_format: str = "auto",
         seed: int = 0,
+        deterministic: bool = False,
     ) -> None:
+        """`deterministic`: batch-invariant products and attention, as the target's, so a seeded
+        sampled request's drafts (and so its accepted tokens) do not depend on its batch."""
         self.config = draft
         self.k = num_speculative_tokens
         self.device = device
         self.page_size = page_size
         self.model = load_model(draft, device, load_format, seed)
+        if deterministic:
+            make_batch_invariant(self.model)
         self.kv_cache = KVCache.allocate(draft, num_pages, page_size, device)
-        self.attention = create_backend(attention_backend, draft, self.kv_cache, max_num_seqs)
+        self.attention = create_backend(
+            attention_backend, draft, self.kv_cache, max_num_seqs, deterministic
+        )
         self.staging = HostStaging(device)
 
     @staticmethod
