@@ -57,16 +57,12 @@ def run_engine_core(
     init_child(log_level, "engine_core", server_pid)
     startup = StartupTimer(started_ago=process_age())
     startup.rest("engine_imports")  # the process's start: Python, torch, tokenmill
-    if isinstance(config, EngineArgs):
-        with startup.phase("engine_config"):  # CUDA's driver starts here (device detection)
-            try:
-                config = config.for_server().create_engine_config()
-            except ValueError as exc:  # the server, resolving the same arguments, says why
-                logger.error("engine core exits: %s", exc)
-                sys.exit(1)
     try:
+        if isinstance(config, EngineArgs):
+            with startup.phase("engine_config"):  # CUDA's driver starts here (device detection)
+                config = config.for_server().create_engine_config()
         loop = EngineCoreLoop(config, addresses, startup)
-    except ValueError as exc:  # an option the model or the machine refuses (cache sizes)
+    except ValueError as exc:  # an option refused, as resolved or as the caches are sized
         logger.error("engine core exits: %s", exc)
         logger.debug("where it was refused", exc_info=True)
         sys.exit(1)

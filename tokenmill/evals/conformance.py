@@ -212,11 +212,11 @@ def checkpoint_config(model: str) -> dict[str, Any]:
     return config
 
 
-def resolve_thresholds(args: ConformanceArgs) -> tuple[str, Thresholds]:
-    """The server's precision (auto: config.json's) and the thresholds in force."""
+def resolve_thresholds(args: ConformanceArgs, config: dict[str, Any]) -> tuple[str, Thresholds]:
+    """The server's precision (auto: that of `config`, the checkpoint's config.json) and the
+    thresholds in force."""
     precision = args.server_dtype
     if precision == "auto":
-        config = checkpoint_config(args.model)
         precision = config.get("torch_dtype") or config.get("dtype") or "float32"
     base = THRESHOLDS.get(precision, THRESHOLDS["bfloat16"])
     return precision, Thresholds(
@@ -266,7 +266,7 @@ def run_conformance(args: ConformanceArgs) -> dict[str, Any]:
     tokenizer: PreTrainedTokenizerBase | None = None
     if any(Path(tokenizer_dir).glob("tokenizer*")):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    precision, thresholds = resolve_thresholds(args)
+    precision, thresholds = resolve_thresholds(args, config)
     card, prompts, results, server_ids = asyncio.run(
         _query_server(args, tokenizer, config["vocab_size"])
     )
