@@ -22,11 +22,34 @@ WORKLOADS = ("random", "shared-prefix", "chatbot", "agent", "data")
 # the prompts together at most MAX_WORKLOAD_TOKENS (~1.2 GB of lists).
 MAX_LENGTH = 1 << 20
 MAX_WORKLOAD_TOKENS = 1 << 25
-# The longest length each workload draws at length_scale 1 (input_len and prefix_len aside), and
-# its most turns: `build_workload`'s constants.
 _DEFAULT_PREFIX = {"chatbot": 2000, "agent": 16000, "shared-prefix": 1024}
-_LONGEST_TURN = {"chatbot": 300, "agent": 500, "data": 8000}
-_MOST_TURNS = {"chatbot": 6, "agent": 20}
+
+
+@dataclass(frozen=True)
+class _TurnShape:
+    """The ranges a drawn workload's turns take at length_scale 1: each turn's new prompt
+    tokens and output tokens, and how many turns follow the first (none: no count drawn)."""
+
+    prompt: tuple[int, int]
+    output: tuple[int, int]
+    more_turns: tuple[int, int] | None = None
+
+    @property
+    def longest(self) -> int:
+        """The longest length it draws, prompt or output."""
+        return max(self.prompt[1], self.output[1])
+
+    @property
+    def most_turns(self) -> int:
+        """The most turns a session of it has."""
+        return 1 + (self.more_turns[1] if self.more_turns else 0)
+
+
+_SHAPES = {
+    "chatbot": _TurnShape((50, 300), (50, 300), (1, 5)),
+    "agent": _TurnShape((50, 200), (100, 500), (9, 19)),
+    "data": _TurnShape((2000, 8000), (20, 100)),
+}
 
 
 @dataclass(frozen=True)
@@ -92,14 +115,16 @@ class WorkloadSpec:
         if self.name not in WORKLOADS:  # build_workload names it
             return
         prefix = self.prefix_len if self.prefix_len is not None else _DEFAULT_PREFIX.get(self.name)
-        turn = _LONGEST_TURN.get(self.name, self.input_len)
+        shape = _SHAPES.get(self.name)
+        turn = shape.longest if shape else self.input_len
         longest = max(prefix or 0, turn, self.output_len if self.name == "random" else 0)
         if longest * self.length_scale > MAX_LENGTH:
             raise ValueError(
                 f"input_len, output_len, prefix_len x length_scale must be at most {MAX_LENGTH} "
                 f"tokens, got {longest} x {self.length_scale:g} (workload {self.name})"
             )
-        per_session = ((prefix or 0) + turn * _MOST_TURNS.get(self.name, 1)) * self.length_scale
+        turns = shape.most_turns if shape else 1
+        per_session = ((prefix or 0) + turn * turns) * self.length_scale
         if self.num_sessions * per_session > MAX_WORKLOAD_TOKENS:
             raise ValueError(
                 f"num_sessions (--num-requests) x prompt tokens per session must be at most "
@@ -138,15 +163,18 @@ def build_workload(spec: WorkloadSpec) -> list[Session]:
     builders["shared-prefix"] = lambda: Session([Turn(
         prefixes[next(next_prefix) % len(prefixes)] + ids(spec.input_len), scaled(spec.output_len)
     )])  # fmt: skip
-    builders["chatbot"] = lambda: Session(
-        [Turn(shared + ids(count(50, 300)), uniform(50, 300))]
-        + [Turn(ids(count(50, 300)), uniform(50, 300)) for _ in range(count(1, 5))]
-    )
-    builders["agent"] = lambda: Session(
-        [Turn(shared + ids(count(50, 200)), uniform(100, 500))]
-        + [Turn(ids(count(50, 200)), uniform(100, 500)) for _ in range(count(9, 19))]
-    )
-    builders["data"] = lambda: Session([Turn(ids(count(2000, 8000)), uniform(20, 100))])
+
+    def drawn(shape: _TurnShape, prefix: list[int]) -> Session:
+        """A session of `shape`'s turns, the first after `prefix`."""
+        first = Turn(prefix + ids(count(*shape.prompt)), uniform(*shape.output))
+        more = count(*shape.more_turns) if shape.more_turns else 0
+        return Session(
+            [first] + [Turn(ids(count(*shape.prompt)), uniform(*shape.output)) for _ in range(more)]
+        )
+
+    builders["chatbot"] = lambda: drawn(_SHAPES["chatbot"], shared)
+    builders["agent"] = lambda: drawn(_SHAPES["agent"], shared)
+    builders["data"] = lambda: drawn(_SHAPES["data"], [])
     return [builders[spec.name]() for _ in range(spec.num_sessions)]
 
 
