@@ -90,3 +90,30 @@ def test_seeded_request_is_identical_alone_and_in_a_busy_batch(
     llm = LLM(str(llama_dir), device="cpu", speculative_config=_spec(proposer, llama_dir,
               draft_dir))  # fmt: skip
     assert_seeded_request_is_batch_independent(llm, PROMPT)
+
+
+@pytest.mark.parametrize("proposer", ["self_draft", "other_draft"])
+def test_seeded_requests_keep_their_tokens_through_preemption(
+    proposer: str, llama_dir: Path, draft_dir: Path
+) -> None:
+    """A seeded sampled request draws each token from the step that verifies it, so a request
+    preempted mid-decode must resume with the verify row it would have had: a recompute that
+    sampled its newest token plain changed the tokens after it (issue 30's server bursts)."""
+    prompts = [[5 + i, *PROMPT, 20 + i] for i in range(6)]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=40 + 4 * i, ignore_eos=True)
+              for i in range(6)]  # fmt: skip
+    spec = _spec(proposer, llama_dir, draft_dir, adaptive=False)
+    roomy = LLM(str(llama_dir), device="cpu", speculative_config=spec)
+    alone = [roomy.generate([p], s, use_tqdm=False)[0].outputs[0].token_ids
+             for p, s in zip(prompts, params, strict=True)]  # fmt: skip
+    tight = LLM(
+        str(llama_dir),
+        device="cpu",
+        speculative_config=spec,
+        page_size=4,
+        num_pages=40,
+        max_model_len=96,
+    )
+    crowded = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.engine.scheduler.stats.num_preemptions > 2
+    assert [o.outputs[0].token_ids for o in crowded] == alone

@@ -24,7 +24,7 @@ def _scheduler(spec: SpeculativeConfig, budget: int = 64, draft_model: bool = Fa
 
 
 def _prefilled(sched: Scheduler, prompt: list[int], first: int, **params) -> Request:
-    sampling = SamplingParams(temperature=0, max_tokens=params.pop("max_tokens", 20), **params)
+    sampling = SamplingParams(**{"temperature": 0, "max_tokens": 20, **params})
     req = Request("r", prompt, sampling, eos_token_ids=(2,), max_model_len=64)
     sched.add_request(req)
     out = sched.schedule()
@@ -87,3 +87,34 @@ def test_a_row_whose_drafts_do_not_fit_waits_rather_than_drafting_fewer() -> Non
     b.status = a.status
     out = sched.schedule()
     assert [s.request for s in out.seqs] == [b]
+
+
+def test_a_preempted_seeded_request_resumes_with_the_verify_row_it_would_have_had() -> None:
+    """Its recompute stops before the newest token (no plain draw of it); when the prefix cache
+    holds all of that, it joins the batch without a row and verifies in the next step."""
+    sched = _scheduler(NGRAM, draft_model=True)
+    req = _prefilled(sched, [5, 6, 7, 8, 5, 6], first=7, seed=3, temperature=1.0)
+    sched.update(sched.schedule(), [8, PLACEHOLDER, PLACEHOLDER, PLACEHOLDER], [None] * 4)
+    assert req.num_tokens == 8 and req.num_computed_tokens == 7
+    sched.running.remove(req)
+    sched._preempt(req)  # its 7 computed tokens: 3 full pages cached, 1 token not
+    out = sched.schedule()
+    assert [(s.num_new_tokens, s.num_samples) for s in out.seqs] == [(1, 0)]  # the 7th token
+    sched.update(out, [], [])
+    plan = sched.schedule().plan
+    assert plan is not None and plan.num_samples.tolist() == [4]  # newest token + 3 drafts
+    assert plan.sampling.token_index == [2, 3, 4, 5]
+
+
+def test_a_resumed_seeded_request_whose_prefix_is_cached_joins_without_a_row() -> None:
+    sched = _scheduler(NGRAM, draft_model=True)
+    req = _prefilled(sched, [5, 6, 7, 8, 5], first=7, seed=3, temperature=1.0)
+    sched.update(sched.schedule(), [8, PLACEHOLDER, PLACEHOLDER, PLACEHOLDER], [None] * 4)
+    assert req.num_tokens == 7 and req.num_computed_tokens == 6
+    sched.running.remove(req)
+    sched._preempt(req)  # its 6 computed tokens: 3 full pages, all cached
+    out = sched.schedule()
+    assert out.plan is None and sched.running == [req] and req.num_computed_tokens == 6
+    plan = sched.schedule().plan
+    assert plan is not None and plan.num_samples.tolist() == [4]
+    assert plan.sampling.token_index == [2, 3, 4, 5]

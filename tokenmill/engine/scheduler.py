@@ -136,7 +136,12 @@ class Scheduler:
             if verify is not None and verify.num_new_tokens > budget:
                 i += 1  # waits for a step with room for all its drafts (see _verify_row)
                 continue
-            num_new = verify.num_new_tokens if verify is not None else min(uncomputed, budget)
+            if verify is not None:
+                num_new = verify.num_new_tokens
+            elif uncomputed > 1:  # a prefill chunk
+                num_new = min(uncomputed - self._held_back(req), budget)
+            else:
+                num_new = min(uncomputed, budget)
             while not self.cache.allocate(req.pages, req.num_computed_tokens + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -302,6 +307,18 @@ class Scheduler:
         return ScheduledSeq(req, req.num_computed_tokens, 1 + num_drafts, 1 + num_drafts,
                             drafts=drafts, num_device_drafts=num_device)  # fmt: skip
 
+    def _held_back(self, req: Request) -> int:
+        """1 when the recompute of preempted `req` stops short of its newest token, else 0.
+
+        A seeded sampled request (`_pinned`) under speculation draws each token from the step
+        that verifies it: as a draft accepted or replaced, or after the drafts, from other
+        draws than a plain step's. Its steps must therefore follow its tokens alone, so a
+        recompute after preemption computes every token but the newest, which then continues
+        in a decode or verify row, as it would have without the preemption (a recompute that
+        ends sampling would draw that token plain)."""
+        resumes = self.speculative is not None and bool(req.output_token_ids)
+        return int(resumes and _pinned(req))
+
     def _preempt(self, req: Request) -> None:
         self._release(req)
         req.status = RequestStatus.PREEMPTED
@@ -320,7 +337,7 @@ class Scheduler:
                 return  # preempted while its last token was in flight: admit once it lands
             req.num_computed_tokens = self.cache.match_prefix(req.pages, _prefix_key(req))
             uncomputed = req.num_uncomputed_tokens(0)
-            num_new = min(uncomputed, budget)
+            num_new = min(uncomputed - self._held_back(req), budget)
             waits = self._waits_whole(out, req, uncomputed, budget)
             if waits or not self.cache.allocate(req.pages, req.num_computed_tokens + num_new):
                 self._release(req)
@@ -342,7 +359,8 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         self._admissions += 1
-        out.seqs.append(_row(req, num_new, uncomputed, None))
+        if num_new:  # none: a resumed request whose newest token waits for its verify row
+            out.seqs.append(_row(req, num_new, uncomputed, None))
 
     def _admit_whole(
         self,
@@ -372,12 +390,15 @@ class Scheduler:
                 return
             req.num_computed_tokens = self.cache.match_prefix(req.pages, key)
             uncomputed = req.num_uncomputed_tokens(0)
-            if uncomputed > budget or not self.cache.allocate(req.pages, req.num_tokens):
+            num_new = uncomputed - self._held_back(req)
+            if num_new > budget or not self.cache.allocate(
+                req.pages, req.num_computed_tokens + num_new
+            ):
                 self._release(req)
                 req.num_computed_tokens = 0
                 return
-            self._admit(out, req, uncomputed, uncomputed)
-            budget -= uncomputed
+            self._admit(out, req, num_new, uncomputed)
+            budget -= num_new
 
     def _waits_whole(
         self, out: SchedulerOutput, req: Request, uncomputed: int, budget: int
