@@ -124,6 +124,27 @@ def test_chat_template_is_a_file_or_the_template_itself(tmp_path: Path) -> None:
         api_server.read_chat_template(str(tmp_path / "missing.jinja"))
 
 
+@pytest.mark.parametrize(
+    "template",
+    ["{% for m in messages %}{{ m.content }", "{% if x %}no end", "{{ m | }}"],
+)
+def test_a_chat_template_that_does_not_compile_is_refused_before_the_server_starts(
+    template: str, tmp_path: Path
+) -> None:
+    """Else the server started and every chat request failed on the template."""
+    with pytest.raises(ValueError, match=r"chat_template is not a valid Jinja template \(line 1\)"):
+        api_server.read_chat_template(template)
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages }}\n" + template)
+    with pytest.raises(ValueError, match=r"\(line 2\)"):
+        api_server.read_chat_template(str(path))
+    # transformers' own tags and extensions compile
+    ok = "{% for m in messages %}{% generation %}{{ m }}{% endgeneration %}{% break %}{% endfor %}"
+    assert api_server.read_chat_template(ok) == ok
+    with pytest.raises(ValueError, match="chat_template is not a valid Jinja template: 'break'"):
+        api_server.read_chat_template("{% break %}")
+
+
 def test_error_messages_name_the_path_without_union_tags() -> None:
     error = {
         "type": "less_than",

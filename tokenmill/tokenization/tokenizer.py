@@ -27,13 +27,19 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def read_chat_template(value: str | None) -> str | None:
-    """--chat-template: a file's text, or the value itself when it is a Jinja template."""
-    if value is None or ("{" in value and not os.path.isfile(value)):
-        return value
-    try:
-        return Path(value).read_text()
-    except OSError as exc:
-        raise ValueError(f"chat_template: cannot read {value!r}: {exc.strerror}") from None
+    """--chat-template: a file's text, or the value itself when it is a Jinja template; raises
+    `ValueError` naming chat_template if it cannot be read or compiled (else the server would
+    start and fail every chat request on it)."""
+    if value is None:
+        return None
+    template = value
+    if "{" not in value or os.path.isfile(value):
+        try:
+            template = Path(value).read_text()
+        except OSError as exc:
+            raise ValueError(f"chat_template: cannot read {value!r}: {exc.strerror}") from None
+    _check_chat_template(template)
+    return template
 
 
 Prompt = str | list[int]
@@ -98,6 +104,18 @@ def load_tokenizer(path: str, chat_template: str | None = None) -> PreTrainedTok
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer
+
+
+def _check_chat_template(template: str) -> None:
+    """Raise `ValueError` naming chat_template if transformers cannot compile `template`."""
+    from jinja2 import TemplateError, TemplateSyntaxError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(template)
+    except (TemplateError, SyntaxError) as exc:  # (SyntaxError: e.g. a break outside a loop)
+        where = f" (line {exc.lineno})" if isinstance(exc, TemplateSyntaxError) else ""
+        raise ValueError(f"chat_template is not a valid Jinja template{where}: {exc}") from None
 
 
 def encode_prompt(
