@@ -179,7 +179,10 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    # Logprobs of the tokens appended since the engine core last sent them out
+    # (`take_new_logprobs`); none kept after that (a 32k-token output's 21 entries a token,
+    # ~175 bytes each, were 120 MB of the engine core's for the request's lifetime).
+    new_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     # `params.prompt_logprobs`: entry i scores prompt token i + 1 given the tokens before it;
     # emptied when they go out with the first output (`take_prompt_logprobs`: an 8k-token
     # prompt's 20 alternatives are some 25 MB, held no longer than that).
@@ -296,13 +299,18 @@ class Request:
         self.prompt_logprobs, self.prompt_logprobs_taken = [], True
         return taken
 
+    def take_new_logprobs(self) -> list[dict[int, Logprob]]:
+        """The logprobs of the tokens appended since the last call, forgotten here."""
+        taken, self.new_logprobs = self.new_logprobs, []
+        return taken
+
     def append_token(self, token_id: int, logprobs: dict[int, Logprob] | None) -> None:
         """Record a sampled token and finish the request if it hit a stop condition."""
         self.output_token_ids.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = time.time()
         if logprobs is not None:
-            self.output_logprobs.append(logprobs)
+            self.new_logprobs.append(logprobs)
         reason = self._stop_reason(token_id)
         if reason is not None:
             self.finish(reason)

@@ -524,8 +524,7 @@ class EngineCore:
             self.stats.generation_tokens += num_new
             if len(req.output_token_ids) == num_new:
                 self.stats.prompt_tokens += len(req.prompt_token_ids)
-            wants_logprobs = req.params.logprobs is not None
-            logprobs = req.output_logprobs[-num_new:] if wants_logprobs else None
+            logprobs = req.take_new_logprobs() if req.params.logprobs is not None else None
             first = len(req.output_token_ids) == num_new
             output = self._output(req, req.output_token_ids[-num_new:], logprobs)
             if first and req.params.prompt_logprobs is not None:
