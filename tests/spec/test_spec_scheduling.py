@@ -118,3 +118,25 @@ def test_a_resumed_seeded_request_whose_prefix_is_cached_joins_without_a_row() -
     plan = sched.schedule().plan
     assert plan is not None and plan.num_samples.tolist() == [4]
     assert plan.sampling.token_index == [2, 3, 4, 5]
+
+
+def test_a_resumed_seeded_request_is_admitted_only_with_the_page_of_its_next_row() -> None:
+    """Joining without a row, it still needs a page for its newest token: admitted without
+    one, its verify row preempted the prompt admitted after it (found in review)."""
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64)
+    sched = Scheduler(config, CacheManager(2, 8, enable_prefix_caching=True), NGRAM)
+    sched.host_proposer = None  # draft-model drafting
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=20)
+    r = Request("r", list(range(10, 18)), params, eos_token_ids=(2,), max_model_len=64)
+    sched.add_request(r)
+    sched.update(sched.schedule(), [7], [None])  # 9 tokens: 1 full page cached, 1 more held
+    sched.running.remove(r)
+    sched._preempt(r)
+    w = Request("w", [40, 41, 42, 43, 44, 45], SamplingParams(temperature=0, max_tokens=5),
+                eos_token_ids=(2,), max_model_len=64)  # fmt: skip
+    sched.add_request(w)
+    out = sched.schedule()
+    assert [s.request for s in out.seqs] == [] and sched.running == [r]  # w waits
+    sched.update(out, [], [])
+    out = sched.schedule()
+    assert not out.preempted and [s.num_samples for s in out.seqs] == [4]

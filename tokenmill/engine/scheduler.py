@@ -337,9 +337,14 @@ class Scheduler:
                 return  # preempted while its last token was in flight: admit once it lands
             req.num_computed_tokens = self.cache.match_prefix(req.pages, _prefix_key(req))
             uncomputed = req.num_uncomputed_tokens(0)
-            num_new = min(uncomputed - self._held_back(req), budget)
+            held = self._held_back(req)
+            num_new = min(uncomputed - held, budget)
+            # A recompute that ends in this step keeps its newest token's slot: its next row
+            # needs it (admitted without it, that row preempted a request admitted after it,
+            # or the request itself, step after step).
+            end = req.num_computed_tokens + num_new + (held if num_new == uncomputed - held else 0)
             waits = self._waits_whole(out, req, uncomputed, budget)
-            if waits or not self.cache.allocate(req.pages, req.num_computed_tokens + num_new):
+            if waits or not self.cache.allocate(req.pages, end):
                 self._release(req)
                 req.num_computed_tokens = 0
                 if waits:
@@ -391,9 +396,7 @@ class Scheduler:
             req.num_computed_tokens = self.cache.match_prefix(req.pages, key)
             uncomputed = req.num_uncomputed_tokens(0)
             num_new = uncomputed - self._held_back(req)
-            if num_new > budget or not self.cache.allocate(
-                req.pages, req.num_computed_tokens + num_new
-            ):
+            if num_new > budget or not self.cache.allocate(req.pages, req.num_tokens):
                 self._release(req)
                 req.num_computed_tokens = 0
                 return
