@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import re
@@ -310,5 +311,13 @@ def test_a_non_streamed_body_is_encoded_as_json_response_encodes_it() -> None:
         out = ClientOutput("cmpl-x-0", "日本", [7], [[(7, "日", -0.5, 1)]], "stop", 3, 0)
         out.prompt_logprobs = prompt
         response.add(ChoiceOutput(0, choice, out))
-    for body in (oai.completion_body(response, 1), oai.chat_body(response, 1), {"choices": []}):
-        assert api_server._json_body(body) == JSONResponse(body).body
+    for build in (oai.completion_body, oai.chat_body):
+        state = copy.deepcopy(response)
+        body = build(state, 1)
+        assert list(body)[:6] == ["id", "object", "created", "model", "choices", "usage"]
+        listed = {**build(copy.deepcopy(response), 1)}
+        listed["choices"] = list(listed["choices"])
+        assert len(listed["choices"]) == 2
+        assert api_server._json_body(body) == JSONResponse(listed).body
+        assert state.choices == {}  # each choice was taken out as it was encoded
+    assert api_server._json_body({"choices": []}) == JSONResponse({"choices": []}).body

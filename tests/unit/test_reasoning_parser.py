@@ -73,7 +73,7 @@ def test_chat_body_and_stream_carry_reasoning_content_and_tool_calls() -> None:
     parser, tools = REASONING_PARSERS["qwen3"], get_tool_parser("hermes")
     state = oai.ResponseState("chatcmpl-1", "m", 1)
     state.add(_output(text, "stop"))
-    message = oai.chat_body(state, 0, tools, parser)["choices"][0]["message"]
+    message = next(oai.chat_body(state, 0, tools, parser)["choices"])["message"]
     assert message["reasoning_content"] == "call it"
     assert message["tool_calls"][0]["function"]["name"] == "f"
 

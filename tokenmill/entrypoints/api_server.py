@@ -710,17 +710,24 @@ async def _serve_generation(
 
 
 def _json_body(body: dict[str, Any]) -> bytes:
-    """`body` as `JSONResponse` encodes it, but one encoder call per choice: the encoder holds
-    the GIL for a whole call, and one call on a body of hundreds of MB held up the event loop,
-    even from another thread, for seconds."""
-    fields = []
+    """`body` as `JSONResponse` encodes it (its `choices` any iterable, consumed once), but
+    one encoder call per choice, each choice encoded before the next is made: the encoder
+    holds the GIL for a whole call (one call on a body of hundreds of MB held up the event
+    loop, even from another thread, for seconds), and the choices' dicts of a body with many
+    logprobs, made whole, took 3.3x the body's size beside the outputs they came from."""
+    parts = []
     for key, value in body.items():
+        parts.append(b"," if parts else b"{")
+        parts.append(_json_text(key).encode() + b":")
         if key == "choices":
-            text = "[" + ",".join(_json_text(choice) for choice in value) + "]"
+            parts.append(b"[")
+            for i, choice in enumerate(value):
+                parts.append(b"," if i else b"")
+                parts.append(_json_text(choice).encode("utf-8"))
+            parts.append(b"]")
         else:
-            text = _json_text(value)
-        fields.append(f"{_json_text(key)}:{text}")
-    return ("{" + ",".join(fields) + "}").encode("utf-8")
+            parts.append(_json_text(value).encode("utf-8"))
+    return b"".join([*parts, b"}"])
 
 
 def _json_text(value: Any) -> str:

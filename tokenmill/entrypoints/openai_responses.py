@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +91,11 @@ class ResponseState:
 
     def sorted_choices(self) -> list[tuple[int, ChoiceState]]:
         return sorted(self.choices.items())
+
+    def take_choices(self) -> Iterator[tuple[int, ChoiceState]]:
+        """The choices in index order, each removed from the state as it is yielded."""
+        for index in sorted(self.choices):
+            yield index, self.choices.pop(index)
 
     def echoed_text(self, index: int, text: str) -> str:
         """Choice `index`'s `text` after its prompt's, with echo (else as it is)."""
@@ -201,23 +207,24 @@ def _envelope(state: ResponseState, kind: str) -> dict[str, Any]:
 
 
 def completion_body(state: ResponseState, top_n: int) -> dict[str, Any]:
-    """The non-streamed `text_completion` body."""
-    return {
-        **_envelope(state, "text_completion"),
-        "choices": [
-            {
-                "index": i,
-                "text": state.echoed_text(i, c.text),
-                "logprobs": completion_logprobs(
-                    c.logprobs, top_n, state.tokens_as_ids, state.echoed_prompt(c.prompt_logprobs)
-                ),
-                "finish_reason": c.finish_reason,
-                **_prompt_logprobs_field(state, c.prompt_logprobs),
-            }
-            for i, c in state.sorted_choices()
-        ],
-        "usage": state.usage(),
-    }
+    """The non-streamed `text_completion` body. Its `choices` are a generator that takes each
+    choice out of `state` as it makes its dict (`ResponseState.take_choices`), so a body with
+    many logprobs is not held as dicts whole beside the state (an encoder that consumes one
+    choice at a time, `api_server._json_body`, holds one choice's dicts)."""
+    choices = (
+        {
+            "index": i,
+            "text": state.echoed_text(i, c.text),
+            "logprobs": completion_logprobs(
+                c.logprobs, top_n, state.tokens_as_ids, state.echoed_prompt(c.prompt_logprobs)
+            ),
+            "finish_reason": c.finish_reason,
+            **_prompt_logprobs_field(state, c.prompt_logprobs),
+        }
+        for i, c in state.take_choices()
+    )
+    # (The usage is counted here, before the generator takes the choices.)
+    return {**_envelope(state, "text_completion"), "choices": choices, "usage": state.usage()}
 
 
 def _prompt_logprobs_field(
@@ -236,27 +243,31 @@ def chat_body(
     reasoning: ReasoningParser | None = None,
 ) -> dict[str, Any]:
     """The non-streamed `chat.completion` body; `reasoning` splits off the text's reasoning,
-    `tool_parser` finds tool calls in the rest."""
-    choices = []
-    for i, c in state.sorted_choices():
+    `tool_parser` finds tool calls in the rest. Its `choices` are a generator, as
+    `completion_body`'s."""
+
+    def choice(i: int, c: ChoiceState) -> dict[str, Any]:
         thought, text = reasoning.split(c.text) if reasoning is not None else (None, c.text)
         message, finish_reason = assistant_message(text or "", c.finish_reason, tool_parser)
         if reasoning is not None:
             message["reasoning_content"] = thought
             if text is None:  # all reasoning (no closing tag yet)
                 message["content"] = None
-        choices.append(
-            {
-                "index": i,
-                "message": message,
-                "logprobs": chat_logprobs(c.logprobs, top_n, state.tokens_as_ids),
-                "finish_reason": finish_reason,
-            }
-        )
-    body = {**_envelope(state, "chat.completion"), "choices": choices, "usage": state.usage()}
+        return {
+            "index": i,
+            "message": message,
+            "logprobs": chat_logprobs(c.logprobs, top_n, state.tokens_as_ids),
+            "finish_reason": finish_reason,
+        }
+
     # vLLM's: one for the response (every choice has the same prompt).
     prompt = next((c.prompt_logprobs for _, c in state.sorted_choices()), None)
-    return {**body, **_prompt_logprobs_field(state, prompt)}
+    return {
+        **_envelope(state, "chat.completion"),
+        "choices": (choice(i, c) for i, c in state.take_choices()),
+        "usage": state.usage(),
+        **_prompt_logprobs_field(state, prompt),
+    }
 
 
 def assistant_message(
