@@ -95,6 +95,20 @@ def test_sampling_flags_not_given_take_the_models_generation_config(
     assert "(length, 2 tokens)" in capsys.readouterr().out
 
 
+def test_the_command_lines_default_max_tokens_fits_the_context(llama_dir: Path, capsys) -> None:
+    """Without --max-tokens or a model default, 64 at most the room left (a prompt that left
+    less failed on a max_tokens of 64 the user never gave); an override's value wins."""
+    args = ["--model", str(llama_dir), "--ignore-eos", "--max-model-len", "24", "Hi"]
+    assert main(["generate", *args]) == 0
+    generated = int(re.search(r"\(length, (\d+) tokens\)", capsys.readouterr().out)[1])
+    assert 0 < generated < 24
+    assert main(["generate", "--model", str(llama_dir), "--ignore-eos", "Hi"]) == 0
+    assert "(length, 64 tokens)" in capsys.readouterr().out
+    override = ["--override-generation-config", '{"max_new_tokens": 4}']
+    assert main(["generate", "--model", str(llama_dir), "--ignore-eos", "Hi", *override]) == 0
+    assert "(length, 4 tokens)" in capsys.readouterr().out
+
+
 def test_bad_option_is_an_error_message_not_a_traceback(llama_dir: Path, capsys) -> None:
     code = main(["generate", "--model", str(llama_dir), "x", "--temperature", "-1"])
     assert code == 2

@@ -429,38 +429,82 @@ _GENERATION_CONFIG_KEYS = {
 }
 
 
-def load_sampling_defaults(generation_config: str, model_dir: str) -> SamplingDefaults:
+def load_sampling_defaults(
+    generation_config: str,
+    model_dir: str,
+    override: str | Mapping[str, Any] | None = None,
+) -> SamplingDefaults:
     """The sampling defaults `--generation-config` names: `auto`, the checkpoint's
     `generation_config.json` (none if it has none); `vllm`, none; else a directory holding a
-    `generation_config.json`."""
-    if generation_config == "vllm":
-        return SamplingDefaults()
-    folder = Path(model_dir if generation_config == "auto" else generation_config)
-    path = folder / "generation_config.json"
-    if not path.is_file():
-        if generation_config == "auto":
-            return SamplingDefaults()
-        raise ValueError(
-            f"generation_config must be auto, vllm or a directory holding generation_config.json, "
-            f"got {generation_config!r} (no {path})"
-        )
+    `generation_config.json`. `override` (`--override-generation-config`, vLLM's: JSON text or a
+    dict with the file's keys) sets values over those."""
+    found: dict[str, Any] = {}
+    if generation_config != "vllm":
+        folder = Path(model_dir if generation_config == "auto" else generation_config)
+        path = folder / "generation_config.json"
+        if path.is_file():
+            found = _generation_defaults(_read_generation_config(path), None)
+            if _sampling_defaults(found, f"generation_config: {path}").given():
+                logger.info(
+                    "sampling defaults from %s, for requests that do not set them: %s "
+                    "(--generation-config vllm ignores them)",
+                    path,
+                    found,
+                )
+        elif generation_config != "auto":
+            raise ValueError(
+                "generation_config must be auto, vllm or a directory holding "
+                f"generation_config.json, got {generation_config!r} (no {path})"
+            )
+    name = "override_generation_config"
+    found.update(_generation_defaults(parse_generation_override(override), name))
+    return _sampling_defaults(found, name)
+
+
+def _sampling_defaults(values: dict[str, Any], where: str) -> SamplingDefaults:
+    try:
+        return SamplingDefaults(**values)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def _read_generation_config(path: Path) -> dict[str, Any]:
     try:
         values = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"generation_config: cannot read {path}: {exc}") from None
-    found = {field: values[key] for key, field in _GENERATION_CONFIG_KEYS.items() if key in values}
-    try:
-        defaults = SamplingDefaults(**found)
-    except ValueError as exc:
-        raise ValueError(f"generation_config: {path}: {exc}") from None
-    if defaults.given():
-        logger.info(
-            "sampling defaults from %s, for requests that do not set them: %s "
-            "(--generation-config vllm ignores them)",
-            path,
-            defaults.given(),
-        )
-    return defaults
+    if not isinstance(values, dict):
+        raise ValueError(f"generation_config: {path} must hold a JSON object")
+    return values
+
+
+def parse_generation_override(override: str | Mapping[str, Any] | None) -> Mapping[str, Any]:
+    """`--override-generation-config`'s JSON object (or the dict given), `{}` for None."""
+    if override is None:
+        return {}
+    if isinstance(override, str):
+        try:
+            override = json.loads(override)
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"override_generation_config must be a JSON object, got {override!r}: {exc}"
+            ) from None
+    if not isinstance(override, Mapping):
+        raise ValueError(f"override_generation_config must be a JSON object, got {override!r}")
+    return override
+
+
+def _generation_defaults(values: Mapping[str, Any], strict: str | None) -> dict[str, Any]:
+    """The sampling defaults among generation_config.json-style `values`, as SamplingParams
+    fields; with `strict` (the option's name) a key that is none of them is an error."""
+    if strict is not None:
+        unknown = sorted(set(values) - set(_GENERATION_CONFIG_KEYS))
+        if unknown:
+            raise ValueError(
+                f"{strict} has unknown key(s) {', '.join(map(repr, unknown))}; "
+                f"known: {', '.join(_GENERATION_CONFIG_KEYS)}"
+            )
+    return {field: values[key] for key, field in _GENERATION_CONFIG_KEYS.items() if key in values}
 
 
 @dataclass(frozen=True)
@@ -834,6 +878,11 @@ class EngineArgs:
         "max_new_tokens as max_tokens), vllm ignores it (tokenmill's defaults), or a directory "
         "holding a generation_config.json.",
     )
+    override_generation_config: str | Mapping[str, Any] | None = option(
+        None,
+        "Sampling defaults set over --generation-config's, as JSON with generation_config.json's "
+        'keys (vLLM\'s): e.g. {"temperature": 0.6, "max_new_tokens": 512}.',
+    )
     max_images_per_prompt: int = option(
         8, "Vision-language models: most images in one request (more: a 400 error)."
     )
@@ -910,7 +959,9 @@ class EngineArgs:
             vocab_size=int(cfg["vocab_size"]),
             max_model_len=self.max_model_len or positions,
             vision=VisionConfig.from_hf(top, cfg) if vision else None,
-            sampling_defaults=load_sampling_defaults(self.generation_config, self.model),
+            sampling_defaults=load_sampling_defaults(
+                self.generation_config, self.model, self.override_generation_config
+            ),
             images=ImageLimits(
                 self.max_images_per_prompt, self.max_image_bytes, self.max_image_pixels
             ),

@@ -67,6 +67,33 @@ def test_a_bad_generation_config_is_an_error_naming_it(tmp_path, content, fragme
     assert fragment in str(info.value)
 
 
+def test_an_override_sets_values_over_the_models_and_alone_with_vllm(model_dir: Path) -> None:
+    """--override-generation-config (vLLM's): JSON text or a dict, merged over the file."""
+    merged = load_sampling_defaults("auto", str(model_dir), '{"top_k": 7, "max_new_tokens": 9}')
+    assert merged == SamplingDefaults(temperature=0.0, top_k=7, repetition_penalty=1.25,
+                                      max_tokens=9)  # fmt: skip
+    alone = load_sampling_defaults("vllm", str(model_dir), {"temperature": 0.5})
+    assert alone == SamplingDefaults(temperature=0.5)
+    llm = LLM(str(model_dir), device="cpu", max_model_len=64,
+              override_generation_config={"max_new_tokens": 2})  # fmt: skip
+    assert len(llm.generate("Hello world", use_tqdm=False)[0].outputs[0].token_ids) == 2
+
+
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [
+        ("{", "must be a JSON object"),
+        ("[1]", "must be a JSON object"),
+        ('{"do_sample": true}', "unknown key(s) 'do_sample'"),
+        ('{"top_p": 0}', "top_p must be in (0, 1]"),
+    ],
+)
+def test_a_bad_override_is_an_error_naming_it(model_dir: Path, override: str, fragment) -> None:
+    with pytest.raises(ValueError, match="^override_generation_config") as info:
+        load_sampling_defaults("auto", str(model_dir), override)
+    assert fragment in str(info.value)
+
+
 def test_offline_requests_without_params_run_with_the_models_defaults(model_dir: Path) -> None:
     llm = LLM(str(model_dir), device="cpu", max_model_len=64)
     default = llm.get_default_sampling_params()

@@ -119,8 +119,9 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
 
 
 # The command line's own sampling defaults, below the model's (its generation_config.json):
-# greedy, and a short completion.
-_CLI_SAMPLING = {"temperature": 0.0, "max_tokens": 64}
+# greedy, and a short completion (`_offline_llm`: a default max_tokens, at most the room left).
+_CLI_SAMPLING = {"temperature": 0.0}
+CLI_MAX_TOKENS = 64
 # A placard (title, attribution, a paragraph of up to 90 words) fits in this many tokens.
 PLACARD_MAX_TOKENS = 256
 
@@ -596,11 +597,27 @@ def _sampling_params(ns: argparse.Namespace, defaults: SamplingDefaults) -> Samp
     return defaults.sampling_params(given, _CLI_SAMPLING)
 
 
-def _chat(ns: argparse.Namespace) -> int:
+def _offline_llm(ns: argparse.Namespace, max_tokens: int) -> LLM:
+    """The `LLM` of `generate`, `chat` and `placard` (bad sampling options refused before the
+    model loads). Without --max-tokens, and without a max_new_tokens of the model's or of
+    --override-generation-config, `max_tokens` becomes the default one: as the model's own, at
+    most the room left in the context (a fixed value made a long prompt fail on a max_tokens the
+    user never gave)."""
+    from tokenmill.config import load_sampling_defaults, parse_generation_override
     from tokenmill.entrypoints.llm import LLM
 
-    _sampling_params(ns, SamplingDefaults())  # bad sampling options fail before the model loads
-    llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
+    _sampling_params(ns, SamplingDefaults())
+    args = engine_args_from(ns)
+    override = dict(parse_generation_override(args.override_generation_config))
+    unset = ns.max_tokens is None and "max_new_tokens" not in override
+    if unset and load_sampling_defaults(args.generation_config, args.model).max_tokens is None:
+        override["max_new_tokens"] = max_tokens
+        args = dataclasses.replace(args, override_generation_config=override)
+    return LLM(**dataclasses.asdict(args))
+
+
+def _chat(ns: argparse.Namespace) -> int:
+    llm = _offline_llm(ns, CLI_MAX_TOKENS)
     params = _sampling_params(ns, llm.config.sampling_defaults)
     messages = [{"role": "system", "content": ns.system}] if ns.system else []
     if sys.stdin.isatty():
@@ -641,10 +658,7 @@ def _stream_reply(llm: LLM, messages: list[dict[str, Any]], params: SamplingPara
 
 
 def _generate(ns: argparse.Namespace) -> int:
-    from tokenmill.entrypoints.llm import LLM
-
-    _sampling_params(ns, SamplingDefaults())  # bad sampling options fail before the model loads
-    llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
+    llm = _offline_llm(ns, CLI_MAX_TOKENS)
     params = _sampling_params(ns, llm.config.sampling_defaults)
     if ns.chat:
         chats = [[{"role": "user", "content": p}] for p in ns.prompts]
@@ -659,18 +673,13 @@ def _generate(ns: argparse.Namespace) -> int:
 
 
 def _placard(ns: argparse.Namespace) -> int:
-    from tokenmill.entrypoints.llm import LLM
     from tokenmill.entrypoints.placard import PLACARD_PROMPT, write_placards
 
     missing = [image for image in ns.images if not Path(image).is_file()]
     if missing:
         raise ValueError(f"no such image file: {', '.join(missing)}")
-    defaults = SamplingDefaults()
-    _sampling_params(ns, defaults)  # bad sampling options fail before the model loads
-    llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
+    llm = _offline_llm(ns, PLACARD_MAX_TOKENS)
     params = _sampling_params(ns, llm.config.sampling_defaults)
-    if ns.max_tokens is None and llm.config.sampling_defaults.max_tokens is None:
-        params = dataclasses.replace(params, max_tokens=PLACARD_MAX_TOKENS)
     outputs = write_placards(llm, ns.images, params, ns.prompt or PLACARD_PROMPT)
     for image, out in zip(ns.images, outputs, strict=True):
         print(f"=== {image}")
