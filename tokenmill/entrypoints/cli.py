@@ -134,8 +134,9 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--max-tokens", type=int, default=None,
-        help="Tokens to generate per prompt (default: the model's max_new_tokens, at most the "
-        "room left in the context, else 64).",
+        help="Tokens to generate per prompt (default: --override-generation-config's or the "
+        "model's max_new_tokens, else 64, or 256 for a placard; at most the room left in the "
+        "context).",
     )  # fmt: skip
     group.add_argument(
         "--temperature", type=float, default=None, help="Sampling temperature; 0 is greedy "
