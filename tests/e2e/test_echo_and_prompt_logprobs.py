@@ -22,7 +22,9 @@ PROMPT_TEXT = "The cat sat on the mat and looked at the door."
 
 
 # A 16-token budget: prompts are scored chunk by chunk.
-server = server_fixture("--max-model-len", "256", "--max-num-batched-tokens", "16")
+MAX_RESPONSE_LOGPROBS = 20_000
+server = server_fixture("--max-model-len", "256", "--max-num-batched-tokens", "16",
+                        "--max-response-logprobs", str(MAX_RESPONSE_LOGPROBS))  # fmt: skip
 
 
 def _complete(server: ServerHandle, **body: Any) -> dict[str, Any]:
@@ -196,3 +198,28 @@ def test_lm_eval_loglikelihood_equals_transformers(server: ServerHandle, llama_d
         chosen = torch.tensor([(ctx + cont)[i] for i in positions])
         assert is_greedy == bool((rows[[i - 1 for i in positions]].argmax(-1) == chosen).all())
     assert results[1][1] and not results[0][1]
+
+
+def test_a_response_of_more_logprobs_than_allowed_is_a_400_and_a_stream_is_not_bound(
+    server: ServerHandle,
+) -> None:
+    """Five echoed choices of a 200-token prompt with 20 alternatives: 5 x 199 x 21 entries,
+    more than the server's --max-response-logprobs; the request is aborted, the server goes on.
+    Streamed, the same request is answered (a stream holds no logprobs)."""
+    body = {"model": MODEL_NAME, "prompt": list(range(10, 210)), "max_tokens": 2, "n": 5,
+            "echo": True, "logprobs": 20, "temperature": 0}  # fmt: skip
+    assert MAX_RESPONSE_LOGPROBS < 5 * 199 * 21
+    response = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "logprobs" and "--max-response-logprobs" in error["message"]
+    streamed = 0
+    with httpx.stream("POST", server.base_url + "/v1/completions",
+                      json={**body, "stream": True}, timeout=60) as reply:  # fmt: skip
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line.removeprefix("data: "))["choices"]:
+                    streamed += len(choice["logprobs"]["tokens"])
+    assert streamed == 5 * (200 + 2)
+    assert _complete(server, prompt=PROMPT_IDS, max_tokens=3, logprobs=2)["choices"]

@@ -683,7 +683,8 @@ async def _serve_generation(
     reasoning = _reasoning_parser(state, params) if chat else None
     try:
         if not body.stream:
-            if not await _collect(raw, response, outputs):
+            limit = state.options.max_response_logprobs
+            if not await _collect(raw, response, outputs, limit):
                 return Response(status_code=499)  # the client is gone; nobody reads this
             build: Callable[[], dict[str, Any]] = functools.partial(
                 oai.completion_body, response, top_n
@@ -817,13 +818,26 @@ def _tokenize_requests(
 
 
 async def _collect(
-    raw: Request, response: oai.ResponseState, outputs: AsyncIterator[ChoiceOutput]
+    raw: Request,
+    response: oai.ResponseState,
+    outputs: AsyncIterator[ChoiceOutput],
+    max_logprobs: int,
 ) -> bool:
-    """Gather a non-streamed response; False (and aborted) if the client disconnects meanwhile."""
+    """Gather a non-streamed response; False (and aborted) if the client disconnects meanwhile.
+    Raises `RequestFailed` (a 400, the request aborted) once it holds more than `max_logprobs`
+    logprob entries (`--max-response-logprobs`)."""
 
     async def gather() -> bool:
         async for item in outputs:
             response.add(item)
+            if response.num_logprobs > max_logprobs:
+                await _close(outputs)
+                message = (
+                    f"logprobs: the response would hold more than the {max_logprobs} logprob "
+                    "entries a non-streamed response may (--max-response-logprobs); stream it, "
+                    "or ask for fewer prompts, choices, tokens or alternatives"
+                )
+                raise RequestFailed(messages.RequestError("", message, 400, "logprobs"))
         return True
 
     return await _unless_client_leaves(raw, outputs, gather()) is not None

@@ -54,6 +54,8 @@ class ResponseState:
     choices: dict[int, ChoiceState] = field(default_factory=dict)
     prompt_tokens: dict[int, int] = field(default_factory=dict)
     cached_tokens: dict[int, int] = field(default_factory=dict)
+    # Logprob entries held (each token's and each alternative's, generated and prompt ones).
+    num_logprobs: int = 0
 
     def index(self, item: ChoiceOutput) -> int:
         """OpenAI's choice index: prompt-major, then sample."""
@@ -64,6 +66,7 @@ class ResponseState:
         state = self.choices.setdefault(self.index(item), ChoiceState())
         if out.prompt_logprobs is not None:
             state.prompt_logprobs = out.prompt_logprobs
+            self.num_logprobs += sum(map(len, out.prompt_logprobs.entries))
         if self.echo is None or not self.echo.only:
             state.text += out.text
             state.num_tokens += len(out.token_ids)
@@ -73,6 +76,7 @@ class ResponseState:
                 if state.logprobs is None:
                     state.logprobs = []
                 state.logprobs.extend(out.logprobs)
+                self.num_logprobs += sum(map(len, out.logprobs))
         if out.finish_reason is not None:
             state.finish_reason = out.finish_reason
         self.prompt_tokens[item.prompt_index] = out.num_prompt_tokens

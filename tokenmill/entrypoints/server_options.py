@@ -86,6 +86,12 @@ class ServerOptions:
     )
     max_n: int = option(128, "Most sequences one request may start (n x the number of prompts).")
     max_stop: int = option(64, "Most stop strings, and most stop token ids, per request.")
+    max_response_logprobs: int = option(
+        1 << 22,
+        "Most logprob entries (a token's or an alternative's, generated or of the prompt) one "
+        "non-streamed response may hold; past it the request ends with a 400 (~140 bytes an "
+        "entry in the server; a stream holds none: it sends them as they come).",
+    )
     max_stop_chars: int = option(1024, "Longest stop string (characters).")
     max_waiting_requests: int | None = option(
         None,
@@ -141,6 +147,7 @@ class ServerOptions:
             "max_chat_messages": self.max_chat_messages,
             "max_n": self.max_n,
             "max_stop_chars": self.max_stop_chars,
+            "max_response_logprobs": self.max_response_logprobs,
             "max_waiting_requests": self.max_waiting_requests,
             "max_log_len": self.max_log_len,
             "max_recent_requests": self.max_recent_requests,
