@@ -433,39 +433,45 @@ def load_sampling_defaults(
     generation_config: str,
     model_dir: str,
     override: str | Mapping[str, Any] | None = None,
+    log: bool = True,
 ) -> SamplingDefaults:
     """The sampling defaults `--generation-config` names: `auto`, the checkpoint's
     `generation_config.json` (none if it has none); `vllm`, none; else a directory holding a
     `generation_config.json`. `override` (`--override-generation-config`, vLLM's: JSON text or a
-    dict with the file's keys) sets values over those."""
-    found: dict[str, Any] = {}
+    dict with the file's keys) sets values over those. `log`: say which apply, and whence."""
+    from_file: dict[str, Any] = {}
+    path = None
     if generation_config != "vllm":
         folder = Path(model_dir if generation_config == "auto" else generation_config)
         path = folder / "generation_config.json"
         if path.is_file():
-            found = _generation_defaults(_read_generation_config(path), None)
-            if _sampling_defaults(found, f"generation_config: {path}").given():
-                logger.info(
-                    "sampling defaults from %s, for requests that do not set them: %s "
-                    "(--generation-config vllm ignores them)",
-                    path,
-                    found,
-                )
-        elif generation_config != "auto":
+            from_file = _generation_defaults(_read_generation_config(path), None)
+        elif generation_config == "auto":
+            path = None
+        else:
             raise ValueError(
                 "generation_config must be auto, vllm or a directory holding "
                 f"generation_config.json, got {generation_config!r} (no {path})"
             )
     name = "override_generation_config"
-    found.update(_generation_defaults(parse_generation_override(override), name))
-    return _sampling_defaults(found, name)
-
-
-def _sampling_defaults(values: dict[str, Any], where: str) -> SamplingDefaults:
+    from_override = _generation_defaults(parse_generation_override(override), name)
     try:
-        return SamplingDefaults(**values)
-    except ValueError as exc:
+        defaults = SamplingDefaults(**{**from_file, **from_override})
+    except ValueError as exc:  # its message starts with the field
+        field_name = str(exc).split(" ", 1)[0]
+        where = name if field_name in from_override else f"generation_config: {path}"
         raise ValueError(f"{where}: {exc}") from None
+    if log and defaults.given():
+        sources = [str(path)] * bool(from_file) + ["--override-generation-config"] * bool(
+            from_override
+        )
+        logger.info(
+            "sampling defaults for requests that do not set them (from %s): %s "
+            "(--generation-config vllm ignores the model's)",
+            " and ".join(sources),
+            defaults.given(),
+        )
+    return defaults
 
 
 def _read_generation_config(path: Path) -> dict[str, Any]:
@@ -489,8 +495,10 @@ def parse_generation_override(override: str | Mapping[str, Any] | None) -> Mappi
             raise ValueError(
                 f"override_generation_config must be a JSON object, got {override!r}: {exc}"
             ) from None
-    if not isinstance(override, Mapping):
-        raise ValueError(f"override_generation_config must be a JSON object, got {override!r}")
+    if not isinstance(override, Mapping) or not all(isinstance(k, str) for k in override):
+        raise ValueError(
+            f"override_generation_config must be a JSON object (string keys), got {override!r}"
+        )
     return override
 
 

@@ -79,16 +79,32 @@ def test_an_override_sets_values_over_the_models_and_alone_with_vllm(model_dir: 
     assert len(llm.generate("Hello world", use_tqdm=False)[0].outputs[0].token_ids) == 2
 
 
+def test_an_override_mends_a_bad_file_value_and_the_merged_values_are_logged_once(
+    tmp_path: Path, caplog
+) -> None:
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 0, "top_k": 5}))
+    with pytest.raises(ValueError, match="^generation_config: .*top_p"):
+        load_sampling_defaults(str(tmp_path), "unused")
+    with caplog.at_level(logging.INFO, logger="tokenmill.config"):
+        mended = load_sampling_defaults(str(tmp_path), "unused", {"top_p": 0.9})
+    assert mended == SamplingDefaults(top_p=0.9, top_k=5)
+    (line,) = [r.getMessage() for r in caplog.records if "sampling defaults" in r.getMessage()]
+    assert "--override-generation-config" in line and "'top_p': 0.9" in line
+    with pytest.raises(ValueError, match="^override_generation_config: top_k"):
+        load_sampling_defaults(str(tmp_path), "unused", {"top_p": 0.9, "top_k": -5})
+
+
 @pytest.mark.parametrize(
     ("override", "fragment"),
     [
         ("{", "must be a JSON object"),
         ("[1]", "must be a JSON object"),
+        ({1: 2, "top_k": 3}, "string keys"),
         ('{"do_sample": true}', "unknown key(s) 'do_sample'"),
         ('{"top_p": 0}', "top_p must be in (0, 1]"),
     ],
 )
-def test_a_bad_override_is_an_error_naming_it(model_dir: Path, override: str, fragment) -> None:
+def test_a_bad_override_is_an_error_naming_it(model_dir: Path, override, fragment) -> None:
     with pytest.raises(ValueError, match="^override_generation_config") as info:
         load_sampling_defaults("auto", str(model_dir), override)
     assert fragment in str(info.value)
@@ -128,7 +144,8 @@ def _traced_params(server: ServerHandle, response_id: str) -> dict:
 
 def test_the_server_applies_the_defaults_a_request_leaves_unset(server: ServerHandle) -> None:
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
-    assert "sampling defaults from" in server.log and "'max_tokens': 5" in server.log
+    assert "sampling defaults for requests that do not set them (from" in server.log
+    assert "'max_tokens': 5" in server.log
     chat = client.chat.completions.create(
         model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}]
     )

@@ -304,20 +304,48 @@ def test_choice_logprobs_accumulate_in_time_linear_in_the_tokens() -> None:
 
 
 def test_a_non_streamed_body_is_encoded_as_json_response_encodes_it() -> None:
-    """Bodies are encoded choice by choice (off the event loop): the bytes are JSONResponse's."""
+    """Bodies are encoded choice by choice (off the event loop), each choice taken out of the
+    state as it goes: the bytes are JSONResponse's of the whole body, choices in index order
+    (they arrive in any), usage counted over all of them."""
     prompt = PromptTextLogprobs((1, "<s>"), [[(5, "é\u2028", -1.5, 3)]])
     response = oai.ResponseState("cmpl-x", "m", 2, echo=None, prompt_top_n=1)
-    for choice in range(2):
-        out = ClientOutput("cmpl-x-0", "日本", [7], [[(7, "日", -0.5, 1)]], "stop", 3, 0)
+    for choice, text in ((1, "本"), (0, "日本")):
+        out = ClientOutput("cmpl-x-0", text, [7] * len(text), [[(7, "日", -0.5, 1)]] * len(text),
+                           "stop", 3, 0)  # fmt: skip
         out.prompt_logprobs = prompt
         response.add(ChoiceOutput(0, choice, out))
-    for build in (oai.completion_body, oai.chat_body):
+    scored = [None, {"5": {"logprob": -1.5, "rank": 3, "decoded_token": "é\u2028"}}]
+    envelope = {"id": "cmpl-x", "created": response.created, "model": "m"}
+    usage = {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+             "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+    completion = {
+        **envelope, "object": "text_completion", "usage": usage,
+        "choices": [
+            {"index": i, "text": text, "finish_reason": "stop", "prompt_logprobs": scored,
+             "logprobs": {"tokens": ["日"] * len(text), "token_logprobs": [-0.5] * len(text),
+                          "top_logprobs": [{"日": -0.5}] * len(text),
+                          "text_offset": [0, 1][: len(text)]}}
+            for i, text in ((0, "日本"), (1, "本"))
+        ],
+    }  # fmt: skip
+    item = {"token": "日", "logprob": -0.5, "bytes": [230, 151, 165]}
+    chat = {
+        **envelope, "object": "chat.completion", "usage": usage, "prompt_logprobs": scored,
+        "choices": [
+            {"index": i, "finish_reason": "stop",
+             "message": {"role": "assistant", "content": text},
+             "logprobs": {"content": [{**item, "top_logprobs": [item]}] * len(text)}}
+            for i, text in ((0, "日本"), (1, "本"))
+        ],
+    }  # fmt: skip
+    for build, expected in ((oai.completion_body, completion), (oai.chat_body, chat)):
         state = copy.deepcopy(response)
         body = build(state, 1)
         assert list(body)[:6] == ["id", "object", "created", "model", "choices", "usage"]
-        listed = {**build(copy.deepcopy(response), 1)}
-        listed["choices"] = list(listed["choices"])
-        assert len(listed["choices"]) == 2
-        assert api_server._json_body(body) == JSONResponse(listed).body
+        encoded = api_server._json_body(body)
         assert state.choices == {}  # each choice was taken out as it was encoded
+        assert json.loads(encoded) == expected
+        listed = build(copy.deepcopy(response), 1)
+        listed["choices"] = list(listed["choices"])
+        assert encoded == JSONResponse(listed).body
     assert api_server._json_body({"choices": []}) == JSONResponse({"choices": []}).body

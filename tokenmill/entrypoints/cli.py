@@ -611,7 +611,8 @@ def _offline_llm(ns: argparse.Namespace, max_tokens: int) -> LLM:
     args = engine_args_from(ns)
     override = dict(parse_generation_override(args.override_generation_config))
     unset = ns.max_tokens is None and "max_new_tokens" not in override
-    if unset and load_sampling_defaults(args.generation_config, args.model).max_tokens is None:
+    model_defaults = load_sampling_defaults(args.generation_config, args.model, log=False)
+    if unset and model_defaults.max_tokens is None:
         override["max_new_tokens"] = max_tokens
         args = dataclasses.replace(args, override_generation_config=override)
     return LLM(**dataclasses.asdict(args))
