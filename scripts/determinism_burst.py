@@ -9,6 +9,7 @@ any does.
 
     PYTHONPATH=$PWD python scripts/determinism_burst.py
     PYTHONPATH=$PWD python scripts/determinism_burst.py --no-draft --server-arg=--num-pages=400
+    PYTHONPATH=$PWD python scripts/determinism_burst.py --server-arg=--device=cuda   # on a GPU
 """
 
 from __future__ import annotations

@@ -36,7 +36,8 @@
 #  vl = Qwen3-VL (issue 26): the multimodal GPU tests, then benchmarks/vl_images.py on
 #  Qwen3-VL-30B-A3B shapes (benchmarks/models/qwen3-vl-30b-a3b, dummy weights): TTFT per
 #  1024x768 image, images/s for 64 requests, the vision encoder's share, transformers peer;
-#  det = deterministic mode (issue 30): its GPU tests, then B1 and B2 of qwen3-0.6b and
+#  det = deterministic mode (issue 30): its GPU tests, scripts/determinism_burst.py on the GPU
+#  (two identical server bursts under preemption with the demo's draft model), then B1 and B2 of qwen3-0.6b and
 #  llama-3.1-8b (engine args of b1/b2, no transformers peer) without and with
 #  `--engine-arg deterministic=true`, same run;
 #  prefillattn = benchmarks/prefill_attention.py --sweep, then --mixed (qwen3-0.6b heads: a data
@@ -339,6 +340,9 @@ if [[ "$what" == det ]]; then
   python3 -m pytest -q -p no:cacheprovider tests/gpu/test_determinism_gpu.py \
     tests/determinism/test_invariant_attention.py 2>&1 | tee "$out/pytest-det.log" | tail -8
   echo "det tests: $(tail -1 "$out/pytest-det.log")" >> "$table"
+  # A live server under preemption, with the demo's draft model: two identical bursts.
+  python3 scripts/determinism_burst.py --server-arg=--device=cuda 2>&1 | tee "$out/det-burst.log" \
+    | tail -1 | sed 's/^/det burst: /' >> "$table"
   b1=(--engine-arg max_num_seqs=8 "${kv[@]}")
   b2=(--engine-arg max_num_seqs=256 --engine-arg max_num_batched_tokens=8192
     --engine-arg max_model_len=4096 "${kv2[@]}")
