@@ -5,22 +5,25 @@ payloads to the engine core, multimodal rotary positions (against transformers'
 from __future__ import annotations
 
 import base64
+import tempfile
+import time
 from pathlib import Path
 
 import msgspec
 import numpy as np
 import pytest
 import torch
+import zmq
 from PIL import Image
 
 from tests.multimodal.conftest import chat, hf_vl_greedy, png_bytes, random_image
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineArgs
 from tokenmill.intake import ContextLimits
-from tokenmill.ipc.messages import EngineRequest, TokenizeRequest
-from tokenmill.ipc.sockets import encode
+from tokenmill.ipc.messages import AbortRequest, EngineRequest, TokenizeRequest
+from tokenmill.ipc.sockets import encode, pull, push
 from tokenmill.tokenization.tokenizer import load_tokenizer, render_chat
-from tokenmill.tokenization.tokenizer_worker import TokenizerWorker
+from tokenmill.tokenization.tokenizer_worker import Inbox, TokenizerWorker
 from tokenmill.vision.images import ImagePreprocessor, image_setup
 from tokenmill.vision.inputs import ImageInput, MultimodalPrompt
 
@@ -126,3 +129,45 @@ def test_same_bytes_in_another_shape_is_another_image(vl_dir: Path) -> None:
     assert images[0].grid_thw == (1, 4, 4)  # as the wide one's
     assert llm.engine.runner.encoder_cache.stats.images_encoded == 2
     assert out.outputs[0].token_ids == hf_vl_greedy(vl_dir, ids, images, 6)
+
+
+def test_a_request_ended_while_its_images_are_read_is_dropped_between_images(
+    vl_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker asks before each image whether the api server ended the request (its client
+    gone); it then stops reading and sends nothing (eight 16-megapixel images had held it)."""
+    images = _preprocessor(vl_dir)
+    worker = TokenizerWorker(load_tokenizer(str(vl_dir)), ContextLimits(600, 1024, None), images)
+    url = "data:image/png;base64," + base64.b64encode(png_bytes(random_image(64, 32, 1))).decode()
+    part = {"type": "image_url", "image_url": {"url": url}}
+    messages = [{"role": "user", "content": [part, part, part]}]
+    raw = encode(TokenizeRequest("r1", SamplingParams(max_tokens=2), messages=messages))
+    read = []
+    original = images._read
+    monkeypatch.setattr(images, "_read", lambda source, n: read.append(n) or original(source, n))
+    asked = []
+    assert worker.handle(raw, lambda rid: asked.append(rid) or len(asked) > 1) == ([], None)
+    assert read == [0] and asked == ["r1", "r1"]
+    (_encoded,), error = worker.handle(raw)  # not ended: all three
+    assert error is None and read == [0, 0, 1, 2]
+
+
+def test_the_inbox_tells_the_request_in_hand_ended() -> None:
+    ctx = zmq.Context()
+    address = f"ipc://{tempfile.mkdtemp()}/inbox"
+    inbox = Inbox(pull(ctx, address, bind=True))
+    sender = push(ctx, address, bind=False)
+    try:
+        for rid in ("a", "b"):
+            sender.send(encode(TokenizeRequest(rid, SamplingParams(max_tokens=1), prompt="x")))
+        assert msgspec.msgpack.decode(inbox.next(), type=TokenizeRequest).request_id == "a"
+        assert not inbox.ended("a")
+        sender.send(encode(AbortRequest(["a"])))
+        deadline = time.monotonic() + 5
+        while not inbox.ended("a") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert inbox.ended("a")
+        assert msgspec.msgpack.decode(inbox.next(), type=TokenizeRequest).request_id == "b"
+        assert not inbox.ended("a") and not inbox.ended("b")  # forgotten with the next request
+    finally:
+        ctx.destroy(linger=0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -196,11 +196,13 @@ def render_chat(
     images: ImagePreprocessor | None,
     tools: list[dict[str, Any]] | None = None,
     options: ChatTemplateOptions = DEFAULT_CHAT_OPTIONS,
+    cancelled: Callable[[], bool] = lambda: False,
 ) -> tuple[list[int], tuple[ImageInput, ...]]:
     """Token ids of a conversation whose messages may hold image parts, and its images
-    (`images` preprocesses them; None: the model takes none, and an image is an error)."""
+    (`images` preprocesses them, asking `cancelled` before each, see `ImagePreprocessor.expand`;
+    None: the model takes none, and an image is an error)."""
     rendered, sources = split_images(messages)
     if images is None and sources:
         raise ValueError("messages: this model takes no images (send text only)")
     ids = apply_chat_template(tokenizer, rendered, tools, options)
-    return (ids, ()) if images is None else images.expand(ids, sources)
+    return (ids, ()) if images is None else images.expand(ids, sources, cancelled)

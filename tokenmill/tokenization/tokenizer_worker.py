@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -26,7 +27,7 @@ from tokenmill.tokenization.tokenizer import (
     render_chat,
     with_bad_words,
 )
-from tokenmill.vision.images import ImagePreprocessor, ImageSetup
+from tokenmill.vision.images import ImagePreprocessor, ImageSetup, RequestCancelled
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -54,7 +55,7 @@ def run_tokenizer_worker(
     to_engine = push(ctx, addresses.engine, bind=False)
     to_api = push(ctx, addresses.api, bind=False)
     while True:
-        engine_requests, error = worker.handle(inbox.next())
+        engine_requests, error = worker.handle(inbox.next(), inbox.ended)
         for request in engine_requests:
             to_engine.send(request)
         if error is not None:
@@ -80,20 +81,33 @@ class Inbox:
         self._sock = sock
         self._queued: deque[tuple[str | None, bytes]] = deque()  # (request id, message)
         self._decoder = msgspec.msgpack.Decoder(_Addressed | AbortRequest)
+        self._ended: set[str] = set()  # ended since the request in hand was handed out
 
     def next(self) -> bytes:
         """The next encoded `TokenizeRequest` to handle, after everything that has arrived
         (blocks while there is none)."""
+        self._ended.clear()
         while True:
             if not self._queued:
                 self._take(self._sock.recv())
-            while True:
-                try:
-                    self._take(self._sock.recv(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
+            self._take_arrived()
             if self._queued:
                 return self._queued.popleft()[1]
+
+    def ended(self, request_id: str) -> bool:
+        """Whether the api server has ended `request_id`, the request in hand, meanwhile (read
+        without blocking; what else arrived is queued): its images need not be read on (a
+        request of eight 16-megapixel images, its client gone, held the worker until all were
+        preprocessed)."""
+        self._take_arrived()
+        return request_id in self._ended
+
+    def _take_arrived(self) -> None:
+        while True:
+            try:
+                self._take(self._sock.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return
 
     def _take(self, raw: bytes) -> None:
         try:
@@ -105,6 +119,7 @@ class Inbox:
             self._queued.append((message.request_id, raw))
             return
         dropped = set(message.request_ids)
+        self._ended |= dropped
         self._queued = deque(item for item in self._queued if item[0] not in dropped)
 
 
@@ -126,8 +141,11 @@ class TokenizerWorker:
         self.images = images
         self._decoder = msgspec.msgpack.Decoder(TokenizeRequest)
 
-    def handle(self, raw: bytes) -> tuple[list[bytes], RequestError | None]:
-        """(encoded `EngineRequest`s, None), or ([], the error to send to the api server)."""
+    def handle(
+        self, raw: bytes, ended: Callable[[str], bool] = lambda _: False
+    ) -> tuple[list[bytes], RequestError | None]:
+        """(encoded `EngineRequest`s, None), or ([], the error to send to the api server);
+        ([], None) for a request `ended` says the api server ended while its images were read."""
         try:
             req = self._decoder.decode(raw)
         except msgspec.DecodeError as exc:  # a value the struct refuses (or a bug upstream)
@@ -138,7 +156,10 @@ class TokenizerWorker:
             return [], RequestError(request_id, str(exc), status=400)
         field = "messages" if req.messages is not None else "prompt"
         try:
-            return self._engine_requests(req), None
+            return self._engine_requests(req, lambda: ended(req.request_id)), None
+        except RequestCancelled:
+            logger.debug("request %s ended while its images were read", req.request_id)
+            return [], None
         except IntakeError as exc:
             param = field if exc.param == "prompt" else exc.param
             return [], RequestError(req.request_id, str(exc), status=400, param=param)
@@ -149,11 +170,11 @@ class TokenizerWorker:
             message = f"tokenizing the request failed: {exc!r}"
             return [], RequestError(req.request_id, message, status=500)
 
-    def _engine_requests(self, req: TokenizeRequest) -> list[bytes]:
+    def _engine_requests(self, req: TokenizeRequest, cancelled: Callable[[], bool]) -> list[bytes]:
         images: list[ImagePayload] = []
         if req.messages is not None:
             ids, inputs = render_chat(
-                self.tokenizer, req.messages, self.images, req.tools, req.chat_options
+                self.tokenizer, req.messages, self.images, req.tools, req.chat_options, cancelled
             )
             images = [ImagePayload.of(image) for image in inputs]
         elif req.prompt is not None:

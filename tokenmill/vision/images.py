@@ -11,7 +11,7 @@ import base64
 import binascii
 import io
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -113,6 +113,11 @@ def image_setup(model: ServedModel) -> ImageSetup | None:
     return None if vision is None else ImageSetup(model.path, vision, model.images)
 
 
+class RequestCancelled(Exception):
+    """The request whose images were being read has ended (its client gone, or another of its
+    prompts refused): nothing is to be sent for it."""
+
+
 class ImagePreprocessor:
     """Turns a prompt's image sources into `ImageInput`s and its token ids into ones with
     every image's placeholders; errors are `ValueError`s naming `messages` and the image."""
@@ -133,10 +138,14 @@ class ImagePreprocessor:
             )
 
     def expand(
-        self, token_ids: list[int], sources: Sequence[ImageSource]
+        self,
+        token_ids: list[int],
+        sources: Sequence[ImageSource],
+        cancelled: Callable[[], bool] = lambda: False,
     ) -> tuple[list[int], tuple[ImageInput, ...]]:
         """`token_ids` with each image placeholder token repeated for its image's tokens, and
-        the images, preprocessed."""
+        the images, preprocessed. `cancelled` is asked before each image: true, the request
+        has ended (`RequestCancelled` is raised, the rest left unread)."""
         vision, limit = self.vision, self.limits.max_images_per_prompt
         if len(sources) > limit:
             raise ValueError(
@@ -155,6 +164,8 @@ class ImagePreprocessor:
         inputs: list[ImageInput] = []
         cursor = 0
         for n, (position, source) in enumerate(zip(placeholders, sources, strict=True)):
+            if cancelled():
+                raise RequestCancelled(f"cancelled before image {n} of {len(sources)}")
             key, patches, grid = self._read(source, n)
             num_tokens = num_image_tokens(grid, vision.spatial_merge_size)
             expanded += token_ids[cursor:position]
