@@ -25,7 +25,12 @@ def test_bounded_load_with_disconnects_accounts_for_every_request(
         assert report.server_agrees, summary
         assert sum(report.outcomes.values()) == 200
         assert report.outcomes[COMPLETED] > 150 and report.outcomes[DISCONNECTED] > 5, summary
-        assert report.server_finished.get("abort", 0) > 0, summary  # disconnects were seen
+        # Disconnects were seen: some leavers' choices did not run to their end, aborted in the
+        # engine or dropped unread at a tokenizer worker (under a loaded CPU, all of them can be
+        # the latter, which the engine's abort counter does not see).
+        normal = sum(report.server_finished.get(k, 0) for k in ("stop", "length"))
+        stopped = report.finished_choices + report.disconnected_choices - normal
+        assert stopped > 0, summary
         assert httpx.get(server.base_url + "/health").status_code == 200
 
 
