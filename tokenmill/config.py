@@ -446,9 +446,7 @@ def load_sampling_defaults(
         path = folder / "generation_config.json"
         if path.is_file():
             from_file = _generation_defaults(_read_generation_config(path), None)
-        elif generation_config == "auto":
-            path = None
-        else:
+        elif generation_config != "auto":
             raise ValueError(
                 "generation_config must be auto, vllm or a directory holding "
                 f"generation_config.json, got {generation_config!r} (no {path})"

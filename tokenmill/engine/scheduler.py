@@ -339,10 +339,11 @@ class Scheduler:
             uncomputed = req.num_uncomputed_tokens(0)
             held = self._held_back(req)
             num_new = min(uncomputed - held, budget)
-            # A recompute that ends in this step keeps its newest token's slot: its next row
-            # needs it (admitted without it, that row preempted a request admitted after it,
-            # or the request itself, step after step).
-            end = req.num_computed_tokens + num_new + (held if num_new == uncomputed - held else 0)
+            # A recompute that ends in this step covers all its tokens, the newest's slot too
+            # (as `_admit_whole`'s): its next row needs it (admitted without it, that row
+            # preempted a request admitted after it, or the request itself, step after step).
+            ends = num_new == uncomputed - held
+            end = req.num_tokens if ends else req.num_computed_tokens + num_new
             waits = self._waits_whole(out, req, uncomputed, budget)
             if waits or not self.cache.allocate(req.pages, end):
                 self._release(req)
