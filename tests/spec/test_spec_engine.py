@@ -412,6 +412,28 @@ def test_greedy_settings_with_speculation_equal_plain(llama_dir: Path) -> None:
             assert got_step[token].logprob == pytest.approx(want.logprob, abs=1e-4)
 
 
+@pytest.mark.parametrize("proposer", ["self_draft", "other_draft"])
+def test_penalties_count_the_draft_models_drafts(
+    proposer: str, llama_dir: Path, draft_dir: Path
+) -> None:
+    """The draft model drafts for requests with penalties (its drafts know none); a verify
+    position counts the drafts before it as generated, on the device, so greedy output is
+    plain decoding's."""
+    settings = [{"repetition_penalty": 2.0}, {"frequency_penalty": 1.5},
+                {"presence_penalty": 1.0, "repetition_penalty": 1.3}, {}]  # fmt: skip
+    prompts = PROMPTS[1:]
+    params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, **s)
+              for s in settings]  # fmt: skip
+    plain = LLM(str(llama_dir), device="cpu").generate(prompts, params, use_tqdm=False)
+    method, draft = _proposers(llama_dir, draft_dir)[proposer]
+    llm = LLM(str(llama_dir), device="cpu", speculative_config=_spec(method, 3, draft))
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.engine.scheduler.spec_stats
+    assert stats.num_accepted_tokens > 0
+    for want, got in zip(plain, spec, strict=True):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+
+
 def test_a_synchronous_step_returns_its_tokens_after_launching_the_next(llama_dir: Path) -> None:
     """A verify step is read, applied and followed by the next step's launch before `step()`
     returns its tokens: the caller's work on them (detokenizing, sending) overlaps the GPU."""

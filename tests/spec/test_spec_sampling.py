@@ -34,22 +34,29 @@ def _spec(proposer: str, llama_dir: Path, draft_dir: Path, adaptive: bool = True
                        "adaptive": adaptive})  # fmt: skip
 
 
-def _next_token_probs(path: Path, contexts: list[list[int]]) -> torch.Tensor:
-    """`[C, V]` the sampling distribution after each context (temperature, top-k), float64."""
+def _next_token_probs(
+    path: Path, contexts: list[list[int]], generated: int, frequency: float
+) -> torch.Tensor:
+    """`[C, V]` the sampling distribution after each context (frequency penalty on its last
+    `generated` tokens, temperature, top-k), float64."""
     with torch.no_grad():
-        logits = _hf_model(path)(torch.tensor(contexts)).logits[:, -1].double() / TEMPERATURE
+        logits = _hf_model(path)(torch.tensor(contexts)).logits[:, -1].double()
+    for row, context in zip(logits, contexts, strict=True):
+        for token in context[len(context) - generated :]:
+            row[token] -= frequency
+    logits = logits / TEMPERATURE
     top = logits.topk(TOP_K, dim=-1)
     probs = torch.zeros_like(logits)
     return probs.scatter_(1, top.indices, top.values.softmax(dim=-1))
 
 
-def _exact_marginals(path: Path, prompt: list[int]) -> list[torch.Tensor]:
+def _exact_marginals(path: Path, prompt: list[int], frequency: float = 0.0) -> list[torch.Tensor]:
     """Marginal distributions of the first three sampled tokens, summing over earlier ones."""
-    p1 = _next_token_probs(path, [prompt])[0]
+    p1 = _next_token_probs(path, [prompt], 0, frequency)[0]
     first = p1.nonzero()[:, 0].tolist()
-    p2 = _next_token_probs(path, [[*prompt, a] for a in first])  # [8, V]
+    p2 = _next_token_probs(path, [[*prompt, a] for a in first], 1, frequency)  # [8, V]
     pairs = [(a, b) for i, a in enumerate(first) for b in p2[i].nonzero()[:, 0].tolist()]
-    p3 = _next_token_probs(path, [[*prompt, a, b] for a, b in pairs])
+    p3 = _next_token_probs(path, [[*prompt, a, b] for a, b in pairs], 2, frequency)
     weight2 = p1[first]
     weight3 = torch.tensor([p1[a] * p2[first.index(a), b] for a, b in pairs], dtype=torch.float64)
     return [p1, weight2 @ p2, weight3 @ p3]
@@ -64,22 +71,26 @@ def _assert_follows(tokens: list[int], probs: torch.Tensor) -> None:
     assert result.pvalue > ALPHA, (counts[support].tolist(), expected.tolist(), result)
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "other_draft"])
+@pytest.mark.parametrize(
+    ("proposer", "frequency"), [("ngram", 0.0), ("other_draft", 0.0), ("self_draft", -2.0)]
+)
 def test_sampled_tokens_keep_the_target_distribution(
-    proposer: str, llama_dir: Path, draft_dir: Path
+    proposer: str, frequency: float, llama_dir: Path, draft_dir: Path
 ) -> None:
+    """(With a frequency penalty, a verify position counts the draft model's drafts before it,
+    made on the device, as generated.)"""
     # Not adaptive: every sample verifies drafts.
     llm = LLM(str(llama_dir), device="cpu", max_num_seqs=256, seed=1,
               speculative_config=_spec(proposer, llama_dir, draft_dir, adaptive=False))  # fmt: skip
     params = SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, max_tokens=3, n=SAMPLES,
-                            ignore_eos=True)  # fmt: skip
+                            ignore_eos=True, frequency_penalty=frequency)  # fmt: skip
     prompt = LOOKUP_PROMPT if proposer == "ngram" else PROMPT
     outputs = llm.generate([prompt], params, use_tqdm=False)[0].outputs
     stats = llm.engine.scheduler.spec_stats
     assert stats.num_draft_tokens >= SAMPLES
     if proposer != "ngram":
         assert stats.num_accepted_tokens > 0
-    for position, marginal in enumerate(_exact_marginals(llama_dir, prompt)):
+    for position, marginal in enumerate(_exact_marginals(llama_dir, prompt, frequency)):
         _assert_follows([o.token_ids[position] for o in outputs], marginal)
 
 

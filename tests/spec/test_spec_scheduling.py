@@ -62,12 +62,15 @@ def test_the_draft_model_is_asked_for_k_drafts_within_max_tokens() -> None:
     assert plan.input_ids.tolist() == [9, 0] and plan.num_samples.tolist() == [2]
 
 
-def test_penalised_requests_are_not_drafted_for_by_the_draft_model() -> None:
+def test_penalised_requests_are_drafted_for_by_the_draft_model() -> None:
+    """Their drafts are counted on the device (`SpecDecoder.sample`); the host's histories
+    hold none of them."""
     sched = _scheduler(NGRAM, draft_model=True)
     _prefilled(sched, [1, 3, 4], first=9, repetition_penalty=1.3)
     plan = sched.schedule().plan
-    assert plan is not None and plan.num_device_drafts is None
-    assert plan.num_samples.tolist() == [1]
+    assert plan is not None and plan.num_device_drafts is not None
+    assert plan.num_samples.tolist() == [1 + int(plan.num_device_drafts[0])] != [1]
+    assert all(output == [9] for _, output in plan.sampling.history.values())
 
 
 def test_a_stop_token_among_accepted_drafts_ends_the_request() -> None:

@@ -570,11 +570,11 @@ def _pause_after(ready: list[Request], offers: np.ndarray, chosen: np.ndarray) -
 
 
 def _host_only(req: Request) -> bool:
-    """Requests the draft model does not draft for: its drafts are not on the host to count
-    (penalties), to check against a grammar or to end a bad word of several tokens."""
+    """Requests the draft model does not draft for: its drafts are not on the host to check
+    against a grammar or to end a bad word of several tokens (penalties count them on the
+    device, `SpecDecoder.sample`)."""
     p = req.params
-    penalised = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1
-    return bool(penalised) or p.watches_output or p.structured_outputs is not None
+    return p.watches_output or p.structured_outputs is not None
 
 
 def _pinned(req: Request) -> bool:

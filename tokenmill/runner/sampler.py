@@ -41,7 +41,7 @@ class SamplingBatch:
     use_top_p: bool
     use_min_p: bool
     generators: list[torch.Generator | None]
-    penalties: _Penalties | None
+    penalties: Penalties | None
     suppressed: list[tuple[int, list[int]]]  # (row, token ids) banned by min_tokens
     num_logprobs: list[int | None]
     bias: _LogitBias | None = None
@@ -94,7 +94,7 @@ class SamplingBatch:
                 None if p.seed is None else _generator(p.seed, index, device)
                 for p, index in zip(params, rows.token_index, strict=True)
             ],
-            penalties=_Penalties.from_rows(rows, vocab_size, device),
+            penalties=Penalties.from_rows(rows, vocab_size, device),
             suppressed=suppressed,
             num_logprobs=[p.logprobs for p in params],
             bias=_LogitBias.from_params(params, device),
@@ -145,7 +145,10 @@ class _LogitBias:
 
 
 @dataclass(frozen=True)
-class _Penalties:
+class Penalties:
+    """Each sampled position's presence, frequency and repetition penalties (vLLM's), with
+    the counts of the tokens they apply to."""
+
     presence: torch.Tensor  # [B, 1]
     frequency: torch.Tensor  # [B, 1]
     repetition: torch.Tensor  # [B, 1]
@@ -153,7 +156,7 @@ class _Penalties:
     seen: torch.Tensor  # [B, V] bool: in prompt or generated
 
     @staticmethod
-    def from_rows(rows: SamplingRows, vocab_size: int, device: torch.device) -> _Penalties | None:
+    def from_rows(rows: SamplingRows, vocab_size: int, device: torch.device) -> Penalties | None:
         if not rows.history:
             return None
         params = rows.params
@@ -165,13 +168,20 @@ class _Penalties:
         def column(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, device=device, dtype=torch.float32)[:, None]
 
-        return _Penalties(
+        return Penalties(
             presence=column([p.presence_penalty for p in params]),
             frequency=column([p.frequency_penalty for p in params]),
             repetition=column([p.repetition_penalty for p in params]),
             output_counts=output,
             seen=(output + prompt) > 0,
         )
+
+    def add_generated(self, positions: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Count `token_ids[i]` as generated before sampled position `positions[i]` (the draft
+        model's drafts, on the device only, before the verify positions after them)."""
+        ones = torch.ones(token_ids.shape, dtype=self.output_counts.dtype, device=token_ids.device)
+        self.output_counts.index_put_((positions, token_ids), ones, accumulate=True)
+        self.seen[positions, token_ids] = True
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         scaled = torch.where(logits > 0, logits / self.repetition, logits * self.repetition)

@@ -11,6 +11,7 @@ target's step (same packed inputs).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,7 +21,13 @@ import torch
 from tokenmill.attention.backend import AttentionInputs
 from tokenmill.batch import SamplingRows, StepPlan
 from tokenmill.config import EngineConfig
-from tokenmill.runner.sampler import SampledTokens, Sampler, SamplingBatch, seeded_generator
+from tokenmill.runner.sampler import (
+    Penalties,
+    SampledTokens,
+    Sampler,
+    SamplingBatch,
+    seeded_generator,
+)
 from tokenmill.runner.staging import HostStaging
 from tokenmill.spec.draft_model import DraftModelProposer
 from tokenmill.spec.proposer import Drafts
@@ -44,6 +51,26 @@ def device_draft_entries(num_device_drafts: np.ndarray, k: int) -> np.ndarray:
     num = num_device_drafts[num_device_drafts > 0]
     within = np.arange(int(num.sum())) - np.repeat(np.cumsum(num) - num, num)
     return np.repeat(np.arange(len(num)) * k, num) + within
+
+
+def penalised_draft_counts(
+    offsets: np.ndarray, num_drafts: np.ndarray, k: int, history: Mapping[int, object]
+) -> tuple[np.ndarray, np.ndarray]:
+    """(sampled position, draft entry) pairs: drafting row i (its first sampled position
+    `offsets[i]`, `num_drafts[i]` drafts at entries `i * k ..` of `SpecDecoder.draft_tokens`)
+    counts its drafts [:j] as generated at its position j, where that position has a penalty
+    `history`."""
+    pairs = [
+        (offset + j, i * k + t)
+        for i, (offset, n) in enumerate(zip(offsets.tolist(), num_drafts.tolist(), strict=True))
+        for j in range(1, n + 1)
+        if offset + j in history
+        for t in range(j)
+    ]
+    return (
+        np.array([p for p, _ in pairs], dtype=np.int64),
+        np.array([e for _, e in pairs], dtype=np.int64),
+    )
 
 
 def device_draft_positions(plan: StepPlan) -> np.ndarray:
@@ -206,6 +233,8 @@ class SpecDecoder:
         When every row is greedy the step samples as a decode step does (one argmax per
         position, penalties, masks and logprobs as the plain sampler has them), and the host
         verifies the drafts once it reads the tokens (`GreedyVerdict`)."""
+        if device_drafts is not None and batch.penalties is not None:
+            self._count_device_drafts(batch.penalties, plan, device_drafts)
         if batch.temperature is None:
             sampled = self.sampler(logits, batch)
             sampled.host_verify = self._greedy_verdict(plan)
@@ -250,6 +279,21 @@ class SpecDecoder:
             sampled.token_ids = flat
             return sampled
         return SampledTokens(flat, batch.num_logprobs)
+
+    def _count_device_drafts(
+        self, penalties: Penalties, plan: StepPlan, device_drafts: tuple[np.ndarray, Drafts]
+    ) -> None:
+        """Penalties count a verify position's drafts before it as generated; the host's
+        histories (`SamplingRows.history`) hold no draft model drafts, made at launch, so those
+        are counted here, on the device, for the positions with a history."""
+        rows, drafts = device_drafts
+        positions, entries = penalised_draft_counts(
+            plan.sample_offsets[rows], plan.num_device_drafts[rows], self.k,
+            plan.sampling.history,
+        )  # fmt: skip
+        if len(positions):
+            positions_t, entries_t = self.staging.to_device(positions, entries)
+            penalties.add_generated(positions_t, drafts.token_ids.reshape(-1)[entries_t])
 
     def _greedy_verdict(self, plan: StepPlan) -> GreedyVerdict:
         """How the host verifies a greedy step from its argmax tokens: each sampled position
