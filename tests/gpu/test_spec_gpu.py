@@ -86,3 +86,22 @@ def test_float32_greedy_with_adaptive_speculation_equals_plain_on_gpu(
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert llm.engine.scheduler.spec_stats.chosen_drafts.count > 0
     assert llm.engine.cache.num_used_pages == 0
+
+
+def test_float32_greedy_with_penalties_and_the_draft_model_equals_plain_on_gpu(
+    checkpoints: dict[str, Path],
+) -> None:
+    """The draft model drafts for penalised requests in the loop graph; each verify position
+    counts the drafts before it on the device, so the tokens are plain decoding's."""
+    path = checkpoints["llama"]
+    settings = [{"repetition_penalty": 2.0}, {"frequency_penalty": 1.5},
+                {"presence_penalty": 1.0, "repetition_penalty": 1.3}, {}]  # fmt: skip
+    params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, **s)
+              for s in settings]  # fmt: skip
+    plain = LLM(str(path), device="cuda", dtype="float32")
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)]
+    llm = LLM(str(path), device="cuda", dtype="float32",
+              speculative_config=_spec("draft_model", 3, path))  # fmt: skip
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
