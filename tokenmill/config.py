@@ -1084,7 +1084,7 @@ class EngineArgs:
                     "(it reads no images); use method ngram"
                 )
         parallel = ParallelConfig(self.tensor_parallel_size)
-        self._check_parallel(parallel, model, speculative is not None)
+        self._check_parallel(parallel, model)
         if runner.cuda_graph_capture == "background" and (
             speculative is not None or parallel.tensor_parallel_size > 1
         ):
@@ -1119,9 +1119,7 @@ class EngineArgs:
             images=served.images,
         )
 
-    def _check_parallel(
-        self, parallel: ParallelConfig, model: ModelConfig, speculative: bool
-    ) -> None:
+    def _check_parallel(self, parallel: ParallelConfig, model: ModelConfig) -> None:
         """Refuse a tensor-parallel size the model or the other options do not allow (a
         `ValueError` naming `tensor_parallel_size`; `check_device` checks the devices)."""
         tp = parallel.tensor_parallel_size
@@ -1129,7 +1127,6 @@ class EngineArgs:
             return
         check_tensor_parallel(model, tp)
         unsupported = {
-            "speculative_config": speculative,
             "host_kv_cache_bytes": bool(self.host_kv_cache_bytes),
             # An all-reduce's summation order depends on the message size (NCCL's algorithm
             # and protocol choice, gloo's chunking), so on the batch.

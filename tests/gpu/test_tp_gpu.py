@@ -58,3 +58,30 @@ def test_two_gpus_match_transformers(
             assert llm.engine.scheduler.stats.num_preemptions > 0
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("setting", ["cuda_graphs", "eager"])
+def test_speculative_decoding_on_two_gpus_matches_transformers(
+    method: str,
+    setting: str,
+    checkpoints: dict[str, Path],
+    references: dict[str, list[list[int]]],
+) -> None:
+    """Verify steps on two ranks (verify graphs with all-reduces); with a draft model, rank 0
+    drafts (its loop graph) and broadcasts the drafts the other rank's forward pass reads."""
+    path = checkpoints["llama"]
+    speculative: dict[str, object] = {"method": method, "num_speculative_tokens": 3,
+                                      "adaptive": False}  # fmt: skip
+    if method == "ngram":
+        speculative |= {"prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    else:
+        speculative["model"] = str(path)  # the target as its own draft: most drafts accepted
+    llm = LLM(str(path), device="cuda", tensor_parallel_size=2, dtype="float32",
+              speculative_config=speculative, **SETTINGS[setting])  # fmt: skip
+    try:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == references["llama"]
+        assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
+    finally:
+        llm.close()

@@ -275,8 +275,9 @@ class ModelRunner:
         if config.speculative is not None:
             with self.startup.phase("speculative"):
                 self.spec = SpecDecoder(
-                    config, self.sampler, self.num_pages, self.device, self.staging
-                )
+                    config, self.sampler, self.num_pages, self.device, self.staging,
+                    drafts=self.tp.rank == 0,
+                )  # fmt: skip
         self.encoder_cache: EncoderCache | None = None
         if config.model.vision is not None:
             from tokenmill.runner.encoder_cache import EncoderCache
@@ -481,7 +482,11 @@ class ModelRunner:
         if plan.num_device_drafts is not None:
             assert self.spec is not None
             launched.start()
-            drafts = self.spec.draft(plan, self._last_tokens)
+            if self.tp.rank == 0:
+                drafts = self.spec.draft(plan, self._last_tokens)
+            # Every rank's forward pass reads the drafts: rank 0's, made by its draft model.
+            rows = int(np.count_nonzero(plan.num_device_drafts))
+            self.tp.broadcast(self.spec.draft_tokens[: rows * self.spec.k])
         # Images and multimodal positions run eagerly: the graphs take one position per token;
         # so do prompt logprobs: the graphs keep only the sampled positions' hidden states.
         graphs = None if host.multimodal or _eager_only(plan) else self.graphs

@@ -85,7 +85,11 @@ def device_draft_positions(plan: StepPlan) -> np.ndarray:
 
 class SpecDecoder:
     """Drafts with a draft model (when configured), keeps its KV cache in step with the
-    target's, and turns a step's logits into its tokens by verifying each row's drafts."""
+    target's, and turns a step's logits into its tokens by verifying each row's drafts.
+
+    With tensor parallelism only rank 0 holds the draft model (whole, not split) and drafts;
+    the other ranks (`drafts=False`) receive its drafts into `draft_tokens` (a broadcast per
+    step that drafts on the device, before the forward pass that reads them)."""
 
     def __init__(
         self,
@@ -94,6 +98,7 @@ class SpecDecoder:
         num_pages: int,
         device: torch.device,
         staging: HostStaging,
+        drafts: bool = True,
     ) -> None:
         spec = config.speculative
         assert spec is not None
@@ -112,7 +117,7 @@ class SpecDecoder:
         self.mirror_graphs: CudaGraphRunner | None = None
         self.loop_graphs: DraftLoopGraphs | None = None
         self._target_graphs: CudaGraphRunner | None = None
-        if spec.method == "draft_model":
+        if spec.method == "draft_model" and drafts:
             self.drafter = DraftModelProposer(
                 spec.draft_model_config(config.model, config.max_model_len),
                 self.k,
