@@ -62,3 +62,30 @@ def test_a_vocabulary_padded_past_the_tokenizer_on_the_gpu(tmp_path: Path, llama
         assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
         jsonschema.validate(json.loads(out.outputs[0].text), schema)
         assert max(out.outputs[0].token_ids) < config["vocab_size"] - 301
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_draft_model_drafts_for_constrained_requests_on_the_gpu(
+    llama_dir: Path, temperature: float
+) -> None:
+    """Drafts from the draft loop graph (greedy) or eager drafting (sampled), copied to the
+    host behind the draft model for the masks past them: outputs parse, greedy tokens are
+    plain decoding's."""
+    constraint = StructuredOutputsParams(json=SCHEMAS["refs"])
+    params = [SamplingParams(temperature=temperature, seed=s, max_tokens=300,
+                             structured_outputs=constraint) for s in range(16)]  # fmt: skip
+    speculative = {"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 3,
+                   "adaptive": False}  # fmt: skip
+    llm = LLM(str(llama_dir), device="cuda", dtype="float32", max_model_len=512,
+              speculative_config=speculative)  # fmt: skip
+    outputs = llm.generate(["Hello"] * 16, params, use_tqdm=False)
+    for out in outputs:
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS["refs"])
+    assert llm.engine.scheduler.spec_stats.num_draft_tokens > 0
+    if temperature == 0:
+        plain = LLM(str(llama_dir), device="cuda", dtype="float32", max_model_len=512)
+        expected = plain.generate(["Hello"] * 16, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == [
+            o.outputs[0].token_ids for o in expected
+        ]

@@ -108,6 +108,59 @@ def test_greedy_constrained_tokens_do_not_depend_on_speculation(
     assert got == expected
 
 
+def _draft_model(draft: Path) -> dict[str, object]:
+    return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3,
+            "adaptive": False}  # fmt: skip
+
+
+def test_the_draft_model_drafts_for_constrained_requests(llama_dir: Path, draft_dir: Path) -> None:
+    """Its drafts, made on the device, come to the host before the masks past them are
+    filled: greedy tokens are those without speculation, sampled outputs parse."""
+    llm = LLM(str(llama_dir), device="cpu", max_model_len=512,
+              speculative_config=_draft_model(draft_dir))  # fmt: skip
+    greedy = SamplingParams(temperature=0, max_tokens=200, structured_outputs=CONSTRAINT)
+    plain = LLM(str(llama_dir), device="cpu", max_model_len=512)
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    assert got == expected
+    assert llm.engine.scheduler.spec_stats.num_draft_tokens > 0
+    sampled = [
+        SamplingParams(temperature=1.0, seed=seed, max_tokens=300, logprobs=1,
+                       structured_outputs=CONSTRAINT)
+        for seed in range(2)
+    ]  # fmt: skip
+    for out in llm.generate(PROMPTS[:2], sampled, use_tqdm=False):
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop", completion.text
+        jsonschema.validate(json.loads(completion.text), SCHEMA)
+        assert len(completion.logprobs) == len(completion.token_ids)
+
+
+def test_draft_model_drafts_the_grammar_allows_are_accepted(llama_dir: Path) -> None:
+    """Choices holding the start of the target's own free greedy text (up to its first broken
+    character): the target as its own draft drafts what the grammar allows, and verification
+    under the masks past the drafts accepts them."""
+    plain = LLM(str(llama_dir), device="cpu", max_model_len=512)
+    tokenizer = plain.get_tokenizer()
+    assert tokenizer is not None
+    free = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = ["The cat", "def f", "Hello"]
+    params = []
+    for out in plain.generate(prompts, free, use_tqdm=False):
+        ids = out.outputs[0].token_ids
+        clean = max(n for n in range(len(ids) + 1) if "\ufffd" not in tokenizer.decode(ids[:n]))
+        assert clean >= 3
+        choice = StructuredOutputsParams(choice=[tokenizer.decode(ids[:clean])])
+        params.append(SamplingParams(temperature=0, max_tokens=40, structured_outputs=choice))
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(llama_dir), device="cpu", max_model_len=512,
+              speculative_config=_draft_model(llama_dir))  # fmt: skip
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    stats = llm.engine.scheduler.spec_stats
+    assert stats.num_accepted_tokens >= 5, stats
+
+
 def test_masks_past_drafts_are_the_grammars_after_them(llama_dir: Path) -> None:
     tokenizer = load_tokenizer(str(llama_dir))
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))

@@ -46,9 +46,12 @@ import logging
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from tokenmill.batch import FinishReason, Logprob, Request, SchedulerOutput, StepPlan
 from tokenmill.cache.cache_manager import CacheManager
@@ -185,12 +188,24 @@ def _grammars(batch: SchedulerOutput) -> tuple[list[RequestGrammar | None], list
     grammars: list[RequestGrammar | None] = []
     ahead: list[tuple[int, ...]] = []
     for s in batch.seqs:
-        grammar = s.request.grammar
-        # Drafts made on the device are not on the host to check: constrained rows have none.
-        assert grammar is None or not s.num_device_drafts, "device drafts under a grammar"
-        grammars += [grammar] * s.num_samples
+        grammars += [s.request.grammar] * s.num_samples
         ahead += [s.drafts[:j] for j in range(s.num_samples)]
     return grammars, ahead
+
+
+def _past_device_drafts(
+    batch: SchedulerOutput, ahead: list[tuple[int, ...]], drafts: np.ndarray
+) -> list[tuple[int, ...]]:
+    """`ahead` (`_grammars`) with the draft model's drafts in: row i of `drafts` `[rows, k]`
+    is the batch's i-th row that drafts on the device."""
+    ahead, at, row = list(ahead), 0, 0
+    for s in batch.seqs:
+        if s.num_device_drafts:
+            made = tuple(drafts[row, : s.num_device_drafts].tolist())
+            ahead[at : at + s.num_samples] = [made[:j] for j in range(s.num_samples)]
+            row += 1
+        at += s.num_samples
+    return ahead
 
 
 class EngineCore:
@@ -423,7 +438,9 @@ class EngineCore:
             if any(s.request.grammar is not None and s.num_samples for s in batch.seqs):
                 grammars, ahead = _grammars(batch)
 
-                def grammar_mask() -> Future[GrammarMask | None]:
+                def grammar_mask(
+                    device_drafts: Callable[[], np.ndarray] | None,
+                ) -> Future[GrammarMask | None]:
                     # The masks need the previous step's tokens: read them while the GPU runs
                     # this step's forward pass, then fill the masks (the runner samples once
                     # they are done).
@@ -431,7 +448,10 @@ class EngineCore:
                     if previous is not None:
                         outputs.extend(self._finish(previous))
                         previous = None
-                    return self._start_masks(batch, grammars, ahead)
+                    past = ahead
+                    if device_drafts is not None:
+                        past = _past_device_drafts(batch, ahead, device_drafts())
+                    return self._start_masks(batch, grammars, past)
 
             # The newest step is unread here iff it is `previous` (a grammar's read of it
             # during the launch overlaps the launch).

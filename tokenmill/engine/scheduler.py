@@ -570,11 +570,11 @@ def _pause_after(ready: list[Request], offers: np.ndarray, chosen: np.ndarray) -
 
 
 def _host_only(req: Request) -> bool:
-    """Requests the draft model does not draft for: its drafts are not on the host to check
-    against a grammar or to end a bad word of several tokens (penalties count them on the
-    device, `SpecDecoder.sample`)."""
-    p = req.params
-    return p.watches_output or p.structured_outputs is not None
+    """Requests the draft model does not draft for: the bans of a bad word of several tokens
+    follow the tokens before each position, and its drafts are not on the host when the plan
+    is built (penalties count them on the device, `SpecDecoder.sample`; grammar masks follow
+    them once copied, `SpecDecoder.drafts_on_host`)."""
+    return req.params.watches_output
 
 
 def _pinned(req: Request) -> bool:

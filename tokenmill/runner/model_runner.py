@@ -55,8 +55,10 @@ logger = logging.getLogger(__name__)
 CPU_KV_CACHE_BYTES = 2 << 30
 
 # Called once a step's forward pass is queued: reads the previous step's tokens and starts
-# filling this step's grammar masks (structured outputs), which its sampling waits for.
-GrammarMasks = Callable[[], "Future[GrammarMask | None]"]
+# filling this step's grammar masks (structured outputs), which its sampling waits for. Its
+# argument reads the draft model's drafts of the step (`SpecDecoder.drafts_on_host`; None: the
+# step drafts nothing on the device), which the masks of the positions past them follow.
+GrammarMasks = Callable[[Callable[[], np.ndarray] | None], "Future[GrammarMask | None]"]
 
 
 @dataclass(frozen=True)
@@ -479,13 +481,16 @@ class ModelRunner:
             self._deferred = None
         self.num_forward_tokens += len(host.input_ids)
         drafts = None
+        host_drafts: Callable[[], np.ndarray] | None = None
         if plan.num_device_drafts is not None:
             assert self.spec is not None
             launched.start()
+            rows = int(np.count_nonzero(plan.num_device_drafts))
             if self.tp.rank == 0:
                 drafts = self.spec.draft(plan, self._last_tokens)
+                if grammar_mask is not None:  # copied before the forward pass is queued
+                    host_drafts = self.spec.drafts_on_host(rows)
             # Every rank's forward pass reads the drafts: rank 0's, made by its draft model.
-            rows = int(np.count_nonzero(plan.num_device_drafts))
             self.tp.broadcast(self.spec.draft_tokens[: rows * self.spec.k])
         # Images and multimodal positions run eagerly: the graphs take one position per token;
         # so do prompt logprobs: the graphs keep only the sampled positions' hidden states.
@@ -538,13 +543,14 @@ class ModelRunner:
                 # scheduled; the sampling is queued when the next step is launched (or read).
                 # The deferred call holds the runner weakly: a step left pending when the
                 # engine is dropped must not keep the runner (and its GPU memory) in a cycle.
-                masks, sample = grammar_mask(), weakref.WeakMethod(self._sample)
+                masks, sample = grammar_mask(host_drafts), weakref.WeakMethod(self._sample)
                 launched.defer(lambda: sample()(plan, logits, ids, drafts, masks.result()))
                 self._deferred = launched
                 return launched
             launched.sampled = self._sample(plan, logits, ids, drafts, None)
         elif grammar_mask is not None:
-            grammar_mask().result()  # nothing to sample, but the previous step's tokens are read
+            # Nothing to sample, but the previous step's tokens are read.
+            grammar_mask(host_drafts).result()
         launched.forward_done()
         return launched
 

@@ -11,7 +11,7 @@ target's step (same packed inputs).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -300,6 +300,19 @@ class SpecDecoder:
             positions_t, entries_t = self.staging.to_device(positions, entries)
             penalties.add_generated(positions_t, drafts.token_ids.reshape(-1)[entries_t])
 
+    def drafts_on_host(self, num_rows: int) -> Callable[[], np.ndarray]:
+        """Reads the drafts `[num_rows, k]` of the step's drafting rows (the grammar masks of
+        the positions past them follow them): copied to the host behind the draft model, so
+        the read waits for the drafting, not for the forward pass queued after it."""
+        host, copied = _host_copy(self.draft_tokens[: num_rows * self.k])
+
+        def read() -> np.ndarray:
+            if copied is not None:
+                copied.synchronize()
+            return host.numpy().reshape(num_rows, self.k)
+
+        return read
+
     def _greedy_verdict(self, plan: StepPlan) -> GreedyVerdict:
         """How the host verifies a greedy step from its argmax tokens: each sampled position
         compares its argmax with the query token after it (a draft), except a row's last. The
@@ -316,12 +329,7 @@ class SpecDecoder:
         device_drafts = None
         if plan.num_device_drafts is not None:
             entries = device_draft_entries(plan.num_device_drafts, self.k)
-            copy = self.draft_tokens[: int(entries.max(initial=-1)) + 1]
-            if copy.is_cuda:
-                host = torch.empty(copy.shape, dtype=copy.dtype, pin_memory=True)
-                host.copy_(copy, non_blocking=True)
-            else:
-                host = copy.clone()
+            host, _ = _host_copy(self.draft_tokens[: int(entries.max(initial=-1)) + 1])
             # The sampled positions compared with a device draft, and that draft's entry.
             entry_of_query = np.full(plan.num_tokens, -1, dtype=np.int64)
             entry_of_query[device_draft_positions(plan)] = entries
@@ -368,6 +376,18 @@ class GreedyVerdict:
             drafts = drafts.copy()
             drafts[at] = host.numpy()[entries]
         return accept_greedy(targets, drafts, self.row_start)
+
+
+def _host_copy(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """`tensor` copied to the host behind the work queued so far (pinned, non-blocking on
+    CUDA), and the event that marks the copy done (None on the CPU: done)."""
+    if not tensor.is_cuda:
+        return tensor.clone(), None
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return host, copied
 
 
 def _generators(
