@@ -303,6 +303,40 @@ def test_choice_logprobs_accumulate_in_time_linear_in_the_tokens() -> None:
     assert response.choices[0].logprobs == [entry] * 64_000
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_a_stream_holds_none_of_the_logprobs_and_text_it_sent(chat: bool) -> None:
+    """A stream's chunks carry each output's text and logprobs; the response state kept them
+    too, for the stream's whole life and past --max-response-logprobs (a stream of n=128 with
+    20 alternatives held every entry, gigabytes at a long context). It counts tokens only."""
+    entry = [(7, "a", -0.1, 1)] * 21
+    prompt = PromptTextLogprobs((1, "<s>"), [entry] * 100)
+    echo = None if chat else oai.Echo(["<s>"], logprobs=True, only=False)
+    response = oai.ResponseState("cmpl-x", "m", 2, echo=echo)
+
+    def item(choice: int, finish: str | None = None) -> ChoiceOutput:
+        out = ClientOutput("cmpl-x-0", "a", [7], [entry], finish, 3, 0)
+        out.prompt_logprobs = prompt if finish is None else None
+        return ChoiceOutput(0, choice, out)
+
+    items = [item(c) for c in (0, 1)] * 500 + [item(0, "length"), item(1, "length")]
+
+    async def rest():
+        for output in items[1:]:
+            yield output
+
+    async def collect() -> list[str]:
+        stream = api_server._stream(response, items[0], rest(), chat, 20, (True, False))
+        return [event async for event in stream]
+
+    events = asyncio.run(collect())
+    usage = json.loads(events[-2].removeprefix("data: "))["usage"]
+    assert usage["completion_tokens"] == 1002  # still counted
+    assert response.num_logprobs == 0
+    for state in response.choices.values():
+        assert (state.text, state.logprobs, state.prompt_logprobs) == ("", None, None)
+        assert state.finish_reason == "length"
+
+
 def test_a_non_streamed_body_is_encoded_as_json_response_encodes_it() -> None:
     """Bodies are encoded choice by choice (off the event loop), each choice taken out of the
     state as it goes: the bytes are JSONResponse's of the whole body, choices in index order

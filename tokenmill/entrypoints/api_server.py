@@ -893,7 +893,7 @@ async def _stream(
 
     def chunks(item: ChoiceOutput) -> list[dict[str, Any]]:
         index = response.index(item)
-        response.add(item)
+        response.add(item, hold=False)  # the chunks carry the text and logprobs
         out = item.output
         first = index not in started
         started.add(index)

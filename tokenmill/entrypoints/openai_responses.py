@@ -61,16 +61,21 @@ class ResponseState:
         """OpenAI's choice index: prompt-major, then sample."""
         return item.prompt_index * self.n + item.choice
 
-    def add(self, item: ChoiceOutput) -> ChoiceState:
+    def add(self, item: ChoiceOutput, hold: bool = True) -> ChoiceState:
+        """Count `item` into its choice (tokens, finish reason, usage); `hold`: also keep its
+        text and logprobs for the body. A stream sends them in its chunks as they come and
+        holds none: kept, a stream of 128 choices with 20 alternatives held every entry (~140
+        bytes each, gigabytes at a long context) until it ended, past --max-response-logprobs."""
         out: ClientOutput = item.output
         state = self.choices.setdefault(self.index(item), ChoiceState())
-        if out.prompt_logprobs is not None:
+        if out.prompt_logprobs is not None and hold:
             state.prompt_logprobs = out.prompt_logprobs
             self.num_logprobs += sum(map(len, out.prompt_logprobs.entries))
         if self.echo is None or not self.echo.only:
-            state.text += out.text
             state.num_tokens += len(out.token_ids)
-            if out.logprobs is not None:
+            if hold:
+                state.text += out.text
+            if out.logprobs is not None and hold:
                 # In place: a new list per output copied the choice's whole history each time
                 # (quadratic; 32,000 tokens took 0.66 s of the event loop, one choice).
                 if state.logprobs is None:
