@@ -152,3 +152,49 @@ def test_a_refused_prompt_drops_its_requests_other_prompts_from_the_tokenizer_qu
     the tokenizer worker, are dropped, not tokenized ahead of the next request (34 prompts of
     462 kB, each refused after ~0.3 s of tokenizing, held the next request 11 s)."""
     assert asyncio.run(_handled_after_a_refused_prompt()) == ["cmpl-a-0", "cmpl-b-0"]
+
+
+async def _an_unread_stream() -> tuple[list[str], int, str]:
+    """A request whose handler takes its first output, then stops taking (a streaming client
+    that does not read); the engine keeps sending its choice's outputs (one token and 20
+    alternatives each). Returns the ids the engine was asked to abort, the entries held once
+    500 outputs were sent, and the error the handler meets when it resumes."""
+    ctx = zmq.Context()
+    async with _played_workers() as workers:
+        client, api = workers.client, workers.api
+        engine = pull(ctx, _engine_address(client), bind=True)
+        client.max_backlog = 2_500
+        request = TokenizeRequest("cmpl-a-0", SamplingParams(max_tokens=9999), prompt="hi")
+        outputs = client.generate([request])
+        first = asyncio.ensure_future(anext(outputs))
+        await asyncio.sleep(0.05)
+        alternatives = [[(t, "x", -1.0, t) for t in range(21)]]
+        for i in range(500):
+            out = ClientOutput("cmpl-a-0:0", "x", [i], alternatives, None, 1, 0)
+            api.send(encode(ClientBatch([out], [])))
+            if i == 0:
+                async with asyncio.timeout(10):
+                    await first
+                backlog = client._in_flight["cmpl-a-0"].outputs
+        await asyncio.sleep(0.2)  # the output loop reads all 500
+        held = backlog.held + backlog.queue.qsize() - 1  # the error alone is queued
+        aborted = msgspec.msgpack.decode(engine.recv(zmq.NOBLOCK))["request_ids"]
+        with pytest.raises(RequestFailed) as failed:
+            async with asyncio.timeout(10):
+                await anext(outputs)
+        engine.close()
+    ctx.destroy(linger=0)
+    return aborted, held, failed.value.error.message
+
+
+def _engine_address(client: EngineClient) -> str:
+    return client._to_engine.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def test_a_stream_left_unread_is_aborted_once_its_backlog_passes_the_bound() -> None:
+    """Its queued outputs are dropped, its choices aborted in the engine, and the handler
+    meets a 400 naming the bound if it resumes; nothing more is held for it."""
+    aborted, held, message = asyncio.run(_an_unread_stream())
+    assert aborted == ["cmpl-a-0:0"]
+    assert held == 0
+    assert "--max-response-logprobs" in message and "stopped reading" in message

@@ -1073,7 +1073,7 @@ def serve(
             options=options,
             engine=engine,
             config=config,
-            client=EngineClient(addresses, metrics),
+            client=EngineClient(addresses, metrics, options.max_response_logprobs),
             tokenizer=tokenizer,
             model_name=model_name,
             limits=request_limits(model_name, options, config, bounds),

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import zmq
@@ -47,11 +47,66 @@ class ChoiceOutput:
     output: ClientOutput
 
 
+# What a queued output counts toward a request's backlog besides its logprob entries: the
+# output itself (~4 entries' worth of memory: its struct, text and token list).
+OUTPUT_ENTRIES = 4
+
+
+def backlog_entries(item: ClientOutput | RequestError) -> int:
+    """What `item` counts toward its request's backlog (`Backlog`), in logprob entries."""
+    if isinstance(item, RequestError):
+        return 0
+    size = OUTPUT_ENTRIES + len(item.token_ids)
+    if item.logprobs is not None:
+        size += sum(map(len, item.logprobs))
+    if item.prompt_logprobs is not None:
+        size += sum(map(len, item.prompt_logprobs.entries))
+    return size
+
+
+@dataclass
+class Backlog:
+    """One HTTP request's outputs that its handler has not taken yet, bounded.
+
+    A streaming client that stops reading leaves its handler waiting on the socket while the
+    engine goes on generating: without a bound its outputs piled up here (two such clients
+    of 128 choices with 20 alternatives: +150 MB in 110 s). Past `limit` logprob entries'
+    worth (`backlog_entries`), the queued outputs are dropped and the request is aborted
+    (`EngineClient`); the handler, if it ever resumes, meets the error.
+    """
+
+    limit: int
+    queue: asyncio.Queue[ClientOutput | RequestError] = field(default_factory=asyncio.Queue)
+    held: int = 0
+
+    def put(self, item: ClientOutput | RequestError) -> bool:
+        """Queue `item`; False (nothing queued) if that would pass the limit."""
+        size = backlog_entries(item)
+        if self.held + size > self.limit:
+            return False
+        self.held += size
+        self.queue.put_nowait(item)
+        return True
+
+    async def get(self) -> ClientOutput | RequestError:
+        """The oldest output (waits for one)."""
+        item = await self.queue.get()
+        self.held -= backlog_entries(item)
+        return item
+
+    def overflow(self, error: RequestError) -> None:
+        """Drop every queued output and queue `error` alone."""
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        self.held = 0
+        self.queue.put_nowait(error)
+
+
 @dataclass
 class _InFlight:
     """One sub-request (one prompt of an HTTP request) between submission and its last output."""
 
-    queue: asyncio.Queue[ClientOutput | RequestError]
+    outputs: Backlog  # shared by the HTTP request's sub-requests
     child_ids: list[str]
     tokenizer: int  # the worker it was sent to
     unstarted: set[str]  # choices the engine core has not accepted yet
@@ -66,8 +121,11 @@ class EngineClient:
     (those whose choices the engine has not accepted yet) are known and failed.
     """
 
-    def __init__(self, addresses: Addresses, metrics: ServerMetrics) -> None:
+    def __init__(
+        self, addresses: Addresses, metrics: ServerMetrics, max_backlog: int = 1 << 22
+    ) -> None:
         self.metrics = metrics
+        self.max_backlog = max_backlog  # `Backlog.limit` (--max-response-logprobs)
         self._sync_ctx = zmq.Context()
         self._async_ctx = zmq.asyncio.Context()
         self._to_tokenizers = [
@@ -104,8 +162,23 @@ class EngineClient:
                 # Tokenizer errors carry the sub-request's id, engine outputs a choice's id; an
                 # item of a request already ended (its first error ended it) is dropped.
                 entry = self._in_flight.get(owner_request_id(item.request_id))
-                if entry is not None:
-                    entry.queue.put_nowait(item)
+                if entry is not None and not entry.outputs.put(item):
+                    self._overflow(entry.outputs)
+
+    def _overflow(self, outputs: Backlog) -> None:
+        """End the request whose handler left `outputs` unread past their bound: abort its
+        choices, drop what is queued, and leave the error for the handler."""
+        ended = {sub_id: e for sub_id, e in self._in_flight.items() if e.outputs is outputs}
+        for sub_id in ended:
+            del self._in_flight[sub_id]
+        self.abort(sorted(cid for e in ended.values() for cid in e.child_ids))
+        logger.warning("aborted %s: its client left more than %d logprob entries' worth of "
+                       "outputs unread", ", ".join(ended), outputs.limit)  # fmt: skip
+        message = (
+            f"the response's unsent outputs passed {outputs.limit} logprob entries' worth "
+            "(--max-response-logprobs): the client stopped reading its stream"
+        )
+        outputs.overflow(RequestError(next(iter(ended), ""), message, status=400))
 
     def _on_stats(self, stats: EngineStats) -> None:
         if not self.first_stats_at:
@@ -125,7 +198,7 @@ class EngineClient:
         """
         if self.failure is not None:
             raise RequestFailed(RequestError("", self.failure, status=503))
-        queue: asyncio.Queue[ClientOutput | RequestError] = asyncio.Queue()
+        outputs = Backlog(self.max_backlog)
         index = {r.request_id: i for i, r in enumerate(requests)}
         choices = {r.request_id: fan_out(r.request_id, r.params) for r in requests}
         trackers = {cid: ChoiceTracker(cid, p) for cs in choices.values() for cid, p in cs}
@@ -139,10 +212,12 @@ class EngineClient:
                     payload = encode(r)
                 except (OverflowError, UnicodeEncodeError) as exc:  # TokenizeRequest checks these
                     raise RequestFailed(RequestError(r.request_id, str(exc), status=400)) from exc
-                self._in_flight[r.request_id] = _InFlight(queue, child_ids, worker, set(child_ids))
+                self._in_flight[r.request_id] = _InFlight(
+                    outputs, child_ids, worker, set(child_ids)
+                )
                 self._to_tokenizers[worker].send(payload)
             while unfinished:
-                item = await queue.get()
+                item = await outputs.get()
                 if isinstance(item, RequestError):
                     raise RequestFailed(item)
                 sub_id, choice = split_child_request_id(item.request_id)
@@ -190,7 +265,7 @@ class EngineClient:
         failed = 0
         for sub_id, entry in list(self._in_flight.items()):
             if tokenizer is None or (entry.tokenizer == tokenizer and entry.unstarted):
-                entry.queue.put_nowait(RequestError(sub_id, message, status=status))
+                entry.outputs.queue.put_nowait(RequestError(sub_id, message, status=status))
                 failed += 1
         return failed
 

@@ -89,8 +89,9 @@ class ServerOptions:
     max_response_logprobs: int = option(
         1 << 22,
         "Most logprob entries (a token's or an alternative's, generated or of the prompt) one "
-        "non-streamed response may hold; past it the request ends with a 400 (~140 bytes an "
-        "entry in the server; a stream holds none: it sends them as they come).",
+        "non-streamed response may hold, and a stream may leave unsent while its client does "
+        "not read (an output counting as 4 entries more); past it the request is aborted with "
+        "a 400 (~140 bytes an entry in the server).",
     )
     max_stop_chars: int = option(1024, "Longest stop string (characters).")
     max_waiting_requests: int | None = option(
