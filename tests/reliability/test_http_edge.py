@@ -130,6 +130,13 @@ BAD_COMPLETIONS = [
     ),
     ({"structured_outputs": {"regex": "("}}, "structured_outputs"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
+    # vLLM's older guided_* fields: one constraint, named by the field sent
+    ({"guided_regex": "("}, "guided_regex"),
+    ({"guided_json": {"type": "?"}}, "guided_json"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_json": 5}, "guided_json"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex"),
+    ({"guided_grammar": 'root ::= "a"', "structured_outputs": {"regex": "a"}}, "guided_grammar"),
     # an invalid schema names the field the client sent (was `structured_outputs`)
     (
         {
@@ -188,6 +195,30 @@ BAD_COMPLETIONS = [
 def test_bad_completion_is_400_naming_the_field(client: httpx.Client, patch, param) -> None:
     body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 4, **patch}
     _assert_error(_post(client, "/v1/completions", body), 400, param)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("guided_choice", ["yes", "no"]), ("guided_regex", "[ab]{3}"),
+     ("guided_json", {"type": "object", "properties": {"a": {"type": "boolean"}},
+                      "required": ["a"], "additionalProperties": False}),
+     ("guided_grammar", 'root ::= "x" | "y"')],
+)  # fmt: skip
+def test_guided_fields_constrain_as_structured_outputs_does(
+    client: httpx.Client, field: str, value: object
+) -> None:
+    """vLLM's older names constrain the output (they were ignored: unconstrained text)."""
+    base = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 40, "temperature": 0}
+    kind = field.removeprefix("guided_")
+    guided = _post(client, "/v1/completions", {**base, field: value})
+    assert guided.status_code == 200, guided.text
+    same = _post(client, "/v1/completions", {**base, "structured_outputs": {kind: value}})
+    text = guided.json()["choices"][0]["text"]
+    assert text == same.json()["choices"][0]["text"]
+    if field == "guided_choice":
+        assert text in value  # type: ignore[operator]
+    elif field == "guided_json":
+        assert isinstance(json.loads(text)["a"], bool)
 
 
 BIG_ARGS = json.dumps({"x": "y" * MAX_PROMPT_BYTES})

@@ -98,10 +98,12 @@ def response_constraint(
         raise ValueError("response_format.json_schema.schema is required for type json_schema")
     schema = spec.json_schema
     field = "response_format.json_schema.schema"
-    return _naming(field, lambda: StructuredOutputsParams(json=schema))
+    return naming(field, lambda: StructuredOutputsParams(json=schema))
 
 
-def _naming(field: str, build: Callable[[], StructuredOutputsParams]) -> StructuredOutputsParams:
+def naming(
+    field: str, build: Callable[[], StructuredOutputsParams | None]
+) -> StructuredOutputsParams | None:
     """`build()`, its errors naming `field`, the request field the client sent, instead of the
     `structured_outputs` field it became (an error's first word is its `param`)."""
     try:
@@ -145,8 +147,8 @@ def tool_constraint(
                 f"tool_choice names function {name!r}, which is not among the tools "
                 f"({', '.join(t.name for t in offered)})"
             )
-        return _naming("tools", lambda: parser.constraint(chosen, parallel=False))
-    return _naming("tools", lambda: parser.constraint(offered, parallel))
+        return naming("tools", lambda: parser.constraint(chosen, parallel=False))
+    return naming("tools", lambda: parser.constraint(offered, parallel))
 
 
 def _choice_text(choice: ToolChoice) -> str:

@@ -30,6 +30,7 @@ from tokenmill.entrypoints.constraints import (
     StructuredOutputsBody,
     ToolChoice,
     ToolDefinition,
+    naming,
     response_constraint,
     tool_constraint,
 )
@@ -174,12 +175,31 @@ class _SamplingRequest(_Strict):
     include_stop_str_in_output: bool = False
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None  # vLLM's extension
+    # vLLM's older names of structured_outputs' json, regex, choice and grammar (still read
+    # there): a client moving over with them got unconstrained text.
+    guided_json: Text | dict[str, Any] | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" (evals need ids)
     # vLLM's extension: each prompt token's logprob and this many alternatives (not streamed).
     prompt_logprobs: count_type(ge=0, le=MAX_LOGPROBS) | None = None  # type: ignore[valid-type]
 
     def _constraint(self) -> StructuredOutputsParams | None:
-        return response_constraint(self.response_format, self.structured_outputs)
+        guided = {
+            kind: value
+            for kind in ("json", "regex", "choice", "grammar")
+            if (value := getattr(self, f"guided_{kind}")) is not None
+        }
+        if not guided:
+            return response_constraint(self.response_format, self.structured_outputs)
+        # A `guided_*` field is structured_outputs' field of its kind, its errors named by it.
+        given = [f"guided_{kind}" for kind in guided]
+        given += ["structured_outputs"] * (self.structured_outputs is not None)
+        if len(given) > 1:
+            raise ValueError(f"{given[0]}: give one constraint, got {', '.join(given)}")
+        body = StructuredOutputsBody.model_validate(guided)
+        return naming(given[0], lambda: response_constraint(self.response_format, body))
 
     def _check_supported(self) -> None:
         """Refuse a combination of fields that the schema cannot express."""
