@@ -113,6 +113,9 @@ def test_unknown_model_is_404(server: ServerHandle) -> None:
     assert error["type"] == "NotFoundError" and error["param"] == "model"
     chat = {"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]}
     _assert_error(_post(server, "/v1/chat/completions", chat), 404)
+    # A long name is repeated only in part (a 100 kB name came back whole).
+    long = _assert_error(_post(server, "/v1/completions", {**body, "model": "m" * 100_000}), 404)
+    assert len(long["message"]) < 400
 
 
 def test_prompt_longer_than_context_is_400_naming_both_lengths(server: ServerHandle) -> None:

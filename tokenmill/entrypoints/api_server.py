@@ -616,9 +616,14 @@ def _profile(state: ServerState, start: bool) -> Response:
     return JSONResponse({"profiling": start, "directory": directory})
 
 
+# The most characters of a client's text an error message repeats.
+MAX_ECHOED_CHARS = 256
+
+
 def _check_model(state: ServerState, model: str | None) -> JSONResponse | None:
     if model is not None and model != state.model_name:
-        return error_response(404, f"The model `{model}` does not exist.", "model")
+        name = model if len(model) <= MAX_ECHOED_CHARS else model[:MAX_ECHOED_CHARS] + "..."
+        return error_response(404, f"The model `{name}` does not exist.", "model")
     return None
 
 
