@@ -98,6 +98,23 @@ def test_max_tokens_0_with_echo_returns_the_prompt_alone(
     assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(expected, abs=1e-4)
 
 
+@pytest.mark.parametrize("prompt", [PROMPT_TEXT, PROMPT_IDS])
+def test_echo_of_a_truncated_prompt_is_the_text_the_model_read(
+    server: ServerHandle, llama_dir: Path, prompt: str | list[int]
+) -> None:
+    """`truncate_prompt_tokens` cuts the prompt to its last tokens; echo repeats those (it
+    repeated the whole prompt, and its logprob tokens did not spell the text)."""
+    tokenizer = load_tokenizer(str(llama_dir))
+    ids = prompt if isinstance(prompt, list) else tokenizer.encode(prompt)
+    body = _complete(server, prompt=prompt, max_tokens=2, echo=True, logprobs=0,
+                     truncate_prompt_tokens=3)  # fmt: skip
+    choice = body["choices"][0]
+    plain = _complete(server, prompt=ids[-3:], max_tokens=2)["choices"][0]["text"]
+    assert choice["text"] == tokenizer.decode(ids[-3:]) + plain
+    assert body["usage"]["prompt_tokens"] == 3
+    assert "".join(choice["logprobs"]["tokens"]) == choice["text"]
+
+
 def _stream(server: ServerHandle, **body: Any) -> list[dict[str, Any]]:
     body = {"model": MODEL_NAME, "temperature": 0, "stream": True, **body}
     chunks = []

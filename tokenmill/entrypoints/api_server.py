@@ -752,24 +752,35 @@ def _reasoning_parser(state: ServerState, params: SamplingParams) -> ReasoningPa
 async def _echo(state: ServerState, body: CompletionRequest) -> oai.Echo | Response:
     """What `echo` puts before each choice: its prompt's text (token ids decoded, off the event
     loop, by the server's tokenizer; a 503 if it failed to load)."""
-    prompts = body.prompts()
-    if all(isinstance(p, str) for p in prompts):
+    prompts, keep = body.prompts(), body.truncate_prompt_tokens
+    if all(isinstance(p, str) for p in prompts) and keep is None:
         texts = [str(p) for p in prompts]
     else:
         tokenizer = await _tokenizer(state)
         if isinstance(tokenizer, Response):
             return tokenizer
-        texts = await asyncio.to_thread(_prompt_texts, tokenizer, prompts)
+        texts = await asyncio.to_thread(_prompt_texts, tokenizer, prompts, keep)
     return oai.Echo(texts, logprobs=body.logprobs is not None, only=body.echo_only)
 
 
 def _prompt_texts(
-    tokenizer: "PreTrainedTokenizerBase | None", prompts: list[str | list[int]]
+    tokenizer: "PreTrainedTokenizerBase | None",
+    prompts: list[str | list[int]],
+    keep: int | None = None,
 ) -> list[str]:
-    """Each prompt as text: token ids decoded (special tokens kept, as vLLM's echo)."""
+    """Each prompt as text: token ids decoded (special tokens kept, as vLLM's echo); with
+    `truncate_prompt_tokens` (`keep`), the text of the tokens the model reads: a prompt longer
+    than that is cut to its last `keep` tokens (`intake.truncate_prompt`)."""
     if tokenizer is None:
         return [p if isinstance(p, str) else "" for p in prompts]
-    return [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
+    texts = []
+    for prompt in prompts:
+        ids = encode_prompt(tokenizer, prompt) if keep is not None else prompt
+        if keep is not None and len(ids) > keep:
+            texts.append(tokenizer.decode(ids[-keep:]))
+        else:
+            texts.append(prompt if isinstance(prompt, str) else tokenizer.decode(prompt))
+    return texts
 
 
 def _count_waiting(
