@@ -198,3 +198,46 @@ def test_a_stream_left_unread_is_aborted_once_its_backlog_passes_the_bound() -> 
     assert aborted == ["cmpl-a-0:0"]
     assert held == 0
     assert "--max-response-logprobs" in message and "stopped reading" in message
+
+
+async def _handled_after_an_overflow() -> list[str]:
+    """A two-prompt request whose first prompt's outputs pass the bound unread while its
+    second prompt is still queued at the tokenizer worker, then a one-prompt request: the ids
+    the worker's inbox hands out, in order."""
+    decoder = msgspec.msgpack.Decoder(TokenizeRequest)
+    params = SamplingParams(max_tokens=9999)
+    async with _played_workers() as workers:
+        client, inbox, api = workers.client, Inbox(workers.tokenizer), workers.api
+        client.max_backlog = 100
+        prompts = [TokenizeRequest(f"cmpl-a-{i}", params, prompt="hi") for i in range(2)]
+        outputs = client.generate(prompts)
+        first = asyncio.ensure_future(anext(outputs))
+        await asyncio.sleep(0.05)  # both sent to the worker
+        handled = [decoder.decode(inbox.next()).request_id]
+        for i in range(50):  # the handler takes the first, then no more
+            out = ClientOutput("cmpl-a-0:0", "x", [i], None, None, 1, 0)
+            api.send(encode(ClientBatch([out], [], started=["cmpl-a-0:0"] if i == 0 else [])))
+            if i == 0:
+                async with asyncio.timeout(10):
+                    await first
+        await asyncio.sleep(0.2)  # the output loop reads all 50: the bound is passed
+        with pytest.raises(RequestFailed):
+            async with asyncio.timeout(10):
+                await anext(outputs)
+        await outputs.aclose()
+        async with asyncio.timeout(10):
+            next_request = client.generate([TokenizeRequest("cmpl-b-0", params, prompt="hi")])
+            second = asyncio.ensure_future(anext(next_request))
+            await asyncio.sleep(0.05)
+            handled.append(decoder.decode(inbox.next()).request_id)
+            api.send(encode(ClientBatch([_finished("cmpl-b-0:0")], [])))
+            await second
+            await next_request.aclose()
+        return handled
+
+
+def test_an_overflow_drops_the_requests_other_prompts_from_the_tokenizer_queue() -> None:
+    """The request aborted for its unread backlog has its prompts still queued at the
+    tokenizer worker dropped there, as a request ended by its handler has: they were
+    tokenized (and sent to the engine, to be dropped as aborted) ahead of the next request."""
+    assert asyncio.run(_handled_after_an_overflow()) == ["cmpl-a-0", "cmpl-b-0"]

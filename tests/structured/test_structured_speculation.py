@@ -161,6 +161,27 @@ def test_draft_model_drafts_the_grammar_allows_are_accepted(llama_dir: Path) -> 
     assert stats.num_accepted_tokens >= 5, stats
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_stop_token_the_draft_model_drafts_ends_the_grammar_under_ignore_eos(
+    temperature: float, llama_dir: Path
+) -> None:
+    """The draft model's drafts are not cut short of a stop token (prompt lookup's are,
+    `valid_prefix`): one that ends the grammar is accepted, and the positions after it, which
+    no grammar constrains, emit nothing; under ignore_eos a token there ended the request in
+    "error" (its grammar refused it). A logit bias makes the draft model draft the stop token
+    at every position."""
+    llm = LLM(str(llama_dir), device="cpu", max_model_len=512,
+              speculative_config=_draft_model(llama_dir))  # fmt: skip
+    eos = llm.engine.config.model.eos_token_ids[0]
+    done = StructuredOutputsParams(choice=["done"])
+    params = SamplingParams(temperature=temperature, seed=0, max_tokens=20, ignore_eos=True,
+                            logit_bias={eos: 30.0}, structured_outputs=done)  # fmt: skip
+    out = llm.generate(["Hello"], params, use_tqdm=False)[0].outputs[0]
+    assert out.text == "done" and out.finish_reason == "stop"
+    assert out.token_ids[-1] == eos and out.token_ids.count(eos) == 1
+    assert llm.engine.scheduler.spec_stats.num_draft_tokens > 0
+
+
 def test_masks_past_drafts_are_the_grammars_after_them(llama_dir: Path) -> None:
     tokenizer = load_tokenizer(str(llama_dir))
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))

@@ -70,6 +70,7 @@ from tokenmill.runner.model_runner import LaunchedStep, ModelRunner
 from tokenmill.runner.sampler import GrammarMask
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec.adaptive import step_seconds
+from tokenmill.spec.rejection import PLACEHOLDER
 from tokenmill.vision.inputs import ImageInput, MultimodalPrompt, multimodal_prompt
 
 if TYPE_CHECKING:
@@ -155,10 +156,17 @@ class InFlight:
     launched: LaunchedStep
     unread: dict[Request, range]
     launched_at: float  # time.perf_counter() when its launch began
+    # Sampled positions after a drafted stop token that ended their grammar (`GrammarMask`):
+    # their tokens are dropped when the step is read.
+    ended: frozenset[int] = frozenset()
 
     @staticmethod
     def of(
-        batch: SchedulerOutput, plan: StepPlan, launched: LaunchedStep, launched_at: float
+        batch: SchedulerOutput,
+        plan: StepPlan,
+        launched: LaunchedStep,
+        launched_at: float,
+        ended: frozenset[int] = frozenset(),
     ) -> InFlight:
         offsets = plan.sample_offsets.tolist()
         unread = {
@@ -166,7 +174,7 @@ class InFlight:
             for i, s in enumerate(batch.seqs)
             if s.num_samples
         }
-        return InFlight(batch, plan, launched, unread, launched_at)
+        return InFlight(batch, plan, launched, unread, launched_at, ended)
 
 
 def _add_prompt_logprobs(step: InFlight) -> None:
@@ -434,6 +442,7 @@ class EngineCore:
         launched: LaunchedStep | None = None
         if batch.plan is not None:
             grammar_mask = None
+            masks: list[Future[GrammarMask | None]] = []  # the step's, once its launch made them
             # (Checked per row first: listing every sampled position costs at batch 64.)
             if any(s.request.grammar is not None and s.num_samples for s in batch.seqs):
                 grammars, ahead = _grammars(batch)
@@ -451,14 +460,19 @@ class EngineCore:
                     past = ahead
                     if device_drafts is not None:
                         past = _past_device_drafts(batch, ahead, device_drafts())
-                    return self._start_masks(batch, grammars, past)
+                    masks.append(self._start_masks(batch, grammars, past))
+                    return masks[-1]
 
             # The newest step is unread here iff it is `previous` (a grammar's read of it
             # during the launch overlaps the launch).
             newest_read = previous is None
             launch_start = time.perf_counter()
             launched = self.runner.launch(batch.plan, grammar_mask)
-            self._in_flight = InFlight.of(batch, batch.plan, launched, launch_start)
+            ended: frozenset[int] = frozenset()
+            if masks and self.config.speculative is not None:  # filled already (`_start_masks`)
+                mask = masks[-1].result()
+                ended = mask.ended if mask is not None else ended
+            self._in_flight = InFlight.of(batch, batch.plan, launched, launch_start, ended)
             if self._newest is not None:
                 self._before_newest = (self._newest, newest_read)
             self._newest = self._in_flight
@@ -532,6 +546,8 @@ class EngineCore:
         _add_prompt_logprobs(step)
         tokens = sampled.token_ids if sampled is not None else []
         logprobs = sampled.logprobs if sampled is not None else []
+        if step.ended:  # nothing follows a stop token that ended the grammar
+            tokens = [PLACEHOLDER if i in step.ended else t for i, t in enumerate(tokens)]
         touched = self.scheduler.update(step.batch, tokens, logprobs)
         self._advance_grammars(touched)
         return touched
@@ -598,7 +614,8 @@ class EngineCore:
         bitmask = self._bitmasks.fill(grammars, banned, ahead)
         if bitmask is None:
             return None
-        return GrammarMask(bitmask, frozenset(i for i, g in enumerate(grammars) if g is not None))
+        rows = frozenset(i for i, g in enumerate(grammars) if g is not None)
+        return GrammarMask(bitmask, rows, frozenset(self._bitmasks.ended))
 
     def _advance_grammars(self, touched: list[tuple[Request, int]]) -> None:
         """Feed each constrained request's new tokens to its grammar; end it when the grammar

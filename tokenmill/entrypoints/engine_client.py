@@ -167,11 +167,14 @@ class EngineClient:
 
     def _overflow(self, outputs: Backlog) -> None:
         """End the request whose handler left `outputs` unread past their bound: abort its
-        choices, drop what is queued, and leave the error for the handler."""
+        choices, drop what is queued (its prompts still at a tokenizer worker too: its handler,
+        which finds them gone from `_in_flight`, cannot), and leave the error for the
+        handler."""
         ended = {sub_id: e for sub_id, e in self._in_flight.items() if e.outputs is outputs}
         for sub_id in ended:
             del self._in_flight[sub_id]
         self.abort(sorted(cid for e in ended.values() for cid in e.child_ids))
+        self._drop_queued(ended)
         logger.warning("aborted %s: its client left more than %d logprob entries' worth of "
                        "outputs unread", ", ".join(ended), outputs.limit)  # fmt: skip
         message = (
@@ -226,21 +229,19 @@ class EngineClient:
                     unfinished.discard(item.request_id)
                 yield ChoiceOutput(index[sub_id], choice, item)
         finally:
-            ended = [self._in_flight.pop(r.request_id, None) for r in requests]
+            ended = {r.request_id: self._in_flight.pop(r.request_id, None) for r in requests}
             if unfinished:
                 self.abort(sorted(unfinished))
-                self._drop_queued(requests, ended)
+                self._drop_queued(ended)
 
-    def _drop_queued(
-        self, requests: list[TokenizeRequest], entries: list[_InFlight | None]
-    ) -> None:
-        """Tell each tokenizer worker to drop the sub-requests of an ended request that it may
-        still hold (the engine has not accepted all their choices), rather than tokenize them
-        while other requests wait."""
+    def _drop_queued(self, entries: dict[str, _InFlight | None]) -> None:
+        """Tell each tokenizer worker to drop the sub-requests (id → entry) of an ended
+        request that it may still hold (the engine has not accepted all their choices), rather
+        than tokenize them while other requests wait."""
         by_worker: dict[int, list[str]] = {}
-        for r, entry in zip(requests, entries, strict=True):
+        for sub_id, entry in entries.items():
             if entry is not None and entry.unstarted:
-                by_worker.setdefault(entry.tokenizer, []).append(r.request_id)
+                by_worker.setdefault(entry.tokenizer, []).append(sub_id)
         for worker, sub_ids in by_worker.items():
             self._to_tokenizers[worker].send(encode(AbortRequest(sub_ids)))
 

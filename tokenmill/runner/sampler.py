@@ -22,11 +22,14 @@ class GrammarMask:
     is set (all bits: no grammar). G, the grammars' vocabulary (the tokenizer's), may be
     smaller than the model's: the ids past the mask are forbidden on grammar positions.
     `rows`: the positions with a grammar; their mask already bans their min_tokens stop tokens
-    where anything else is left, so the sampler does not.
+    where anything else is left, so the sampler does not. `ended`: the positions after a draft
+    model's draft that ended the grammar (a stop token): they emit no token, whatever they
+    sample (`BitmaskFiller.ended`; the engine drops their tokens).
     """
 
     bitmask: torch.Tensor
     rows: frozenset[int]
+    ended: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)

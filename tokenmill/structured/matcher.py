@@ -95,6 +95,9 @@ class BitmaskFiller:
         self._buffers = [self._allocate(0) for _ in range(2)]
         self._turn = 0
         self._batch = xgr.BatchGrammarMatcher()
+        # The rows of the last `fill` that come after a drafted stop token that ended their
+        # grammar (they emit no token).
+        self.ended: list[int] = []
 
     def _allocate(self, rows: int) -> torch.Tensor:
         shape = xgr.get_bitmask_shape(rows, self.vocab_size)
@@ -111,10 +114,13 @@ class BitmaskFiller:
         `ahead[i]` (speculative decoding): the draft tokens row i comes after, so its mask is
         the grammar's once it has accepted them (the grammars are rolled back after); a row
         whose drafts the grammar refuses, or that comes after the grammar's end, cannot be
-        reached and allows everything. `banned` (row → token ids, e.g. EOS before min_tokens)
-        clears those tokens from a constrained row, unless nothing else would be left: the
-        grammar decides then.
+        reached and allows everything; the latter are listed in `ended` (a draft model's drafts
+        are not cut short of a stop token, as `valid_prefix` cuts prompt lookup's: the stop
+        token may be accepted, and a position after it must emit nothing). `banned` (row →
+        token ids, e.g. EOS before min_tokens) clears those tokens from a constrained row,
+        unless nothing else would be left: the grammar decides then.
         """
+        self.ended = []
         if not any(g is not None and not g.is_terminated for g in grammars):
             return None
         self._turn ^= 1
@@ -124,6 +130,8 @@ class BitmaskFiller:
         depth = [len(ahead[i]) if ahead else 0 for i in range(len(grammars))]
         accepted: dict[int, int] = {}  # id(grammar) → drafts it has accepted for this fill
         refused: set[int] = set()  # grammars that refused a draft: deeper rows are unreachable
+        # id(grammar) → how many drafts it had accepted when one of them (a stop token) ended it
+        ended_at: dict[int, int] = {}
         filled: list[int] = []
         for level in sorted(set(depth)):
             rows = []
@@ -136,6 +144,8 @@ class BitmaskFiller:
                         refused.add(id(grammar))
                         break
                     done += 1
+                    if grammar.is_terminated:
+                        ended_at.setdefault(id(grammar), done)
                 accepted[id(grammar)] = done
                 if id(grammar) not in refused and not grammar.is_terminated:
                     rows.append(i)
@@ -149,6 +159,11 @@ class BitmaskFiller:
             others = np.ones(len(grammars), dtype=bool)
             others[filled] = False
             bitmask[torch.from_numpy(others)] = -1
+        self.ended = [
+            i
+            for i, g in enumerate(grammars)
+            if g is not None and id(g) in ended_at and depth[i] >= ended_at[id(g)]
+        ]
         for grammar in {id(g): g for g in grammars if g is not None}.values():
             grammar.rollback(accepted.get(id(grammar), 0))
         for row, ids in (banned or {}).items():
