@@ -241,3 +241,17 @@ def test_an_overflow_drops_the_requests_other_prompts_from_the_tokenizer_queue()
     tokenizer worker dropped there, as a request ended by its handler has: they were
     tokenized (and sent to the engine, to be dropped as aborted) ahead of the next request."""
     assert asyncio.run(_handled_after_an_overflow()) == ["cmpl-a-0", "cmpl-b-0"]
+
+
+def test_one_output_alone_is_no_backlog() -> None:
+    """An output past the bound is queued when nothing waits (its handler takes it next: a
+    large prompt_logprobs output of a response being read is not an unread stream); a second
+    one behind it is refused."""
+    from tokenmill.entrypoints.engine_client import Backlog
+
+    async def put_two() -> list[bool]:
+        backlog = Backlog(limit=10)
+        big = ClientOutput("r:0", "x", list(range(20)), None, None, 1, 0)
+        return [backlog.put(big), backlog.put(_finished("r:0"))]
+
+    assert asyncio.run(put_two()) == [True, False]

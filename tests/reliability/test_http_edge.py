@@ -136,6 +136,7 @@ BAD_COMPLETIONS = [
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_json": 5}, "guided_json"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
     ({"guided_grammar": 'root ::= "a"', "structured_outputs": {"regex": "a"}}, "guided_grammar"),
     # an invalid schema names the field the client sent (was `structured_outputs`)
     (

@@ -1069,11 +1069,14 @@ def serve(
             tokenizer_path = engine.tokenizer or engine.model
             chat_template = read_chat_template(options.chat_template)
             # The tokenizer loads beside the rest of the start-up (importing transformers takes
-            # seconds); the request limits need only its bounds, read from tokenizer.json.
+            # seconds); the request limits need only its bounds, read from tokenizer.json
+            # first: the `tokenizers` import they make, beside the loader's (through
+            # transformers), met a partly initialised `tokenizers.pre_tokenizers` once (the
+            # server exited with an ImportError).
+            bounds = PromptBounds.read(tokenizer_path)
             loader = ThreadPoolExecutor(1, thread_name_prefix="load-tokenizer")
             tokenizer = loader.submit(load_tokenizer, tokenizer_path, chat_template)
             loader.shutdown(wait=False)  # the thread ends with the load
-            bounds = PromptBounds.read(tokenizer_path)
             if bounds is None and (loaded := tokenizer.result()) is not None:
                 bounds = PromptBounds.of(loaded)
     except BaseException:

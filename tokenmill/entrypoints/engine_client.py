@@ -80,9 +80,10 @@ class Backlog:
     held: int = 0
 
     def put(self, item: ClientOutput | RequestError) -> bool:
-        """Queue `item`; False (nothing queued) if that would pass the limit."""
+        """Queue `item`; False (nothing queued) if that would pass the limit with outputs
+        already waiting (one output alone is no backlog: its handler takes it next)."""
         size = backlog_entries(item)
-        if self.held + size > self.limit:
+        if self.held and self.held + size > self.limit:
             return False
         self.held += size
         self.queue.put_nowait(item)

@@ -196,6 +196,8 @@ class _SamplingRequest(_Strict):
         # A `guided_*` field is structured_outputs' field of its kind, its errors named by it.
         given = [f"guided_{kind}" for kind in guided]
         given += ["structured_outputs"] * (self.structured_outputs is not None)
+        if self.response_format is not None and self.response_format.type != "text":
+            given.append("response_format")
         if len(given) > 1:
             raise ValueError(f"{given[0]}: give one constraint, got {', '.join(given)}")
         body = StructuredOutputsBody.model_validate(guided)
