@@ -134,12 +134,15 @@ def _speculative(method: str, draft: Path) -> dict[str, object]:
             "adaptive": False}  # fmt: skip
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_speculative_decoding_on_two_ranks(method: str, checkpoints: dict[str, Path]) -> None:
+def test_speculative_decoding_on_two_ranks(
+    method: str, family: str, checkpoints: dict[str, Path]
+) -> None:
     """Greedy tokens equal transformers' with drafts verified on two ranks (rank 0 alone
     holds the draft model and hands its drafts to the other), through chunks, prefix hits and
     preemption; sampled seeded requests give the tokens they give on one rank."""
-    path = checkpoints["llama"]
+    path = checkpoints[family]
     llm = _check_tp2(path, again=True, speculative_config=_speculative(method, path), **TIGHT)
     try:
         stats = llm.engine.scheduler.spec_stats
