@@ -119,6 +119,22 @@ def test_a_failed_essential_task_fails_requests_fast_instead_of_hanging(
         addresses.remove()
 
 
+async def _next_handled(client: EngineClient, inbox: Inbox, api: zmq.Socket) -> str:
+    """Serve a next request, "cmpl-b-0", and return the id the tokenizer worker's inbox hands
+    out next (the next request's, unless the ended request's prompts are still queued)."""
+    decoder = msgspec.msgpack.Decoder(TokenizeRequest)
+    async with asyncio.timeout(10):
+        params = SamplingParams(max_tokens=1)
+        next_request = client.generate([TokenizeRequest("cmpl-b-0", params, prompt="hi")])
+        second = asyncio.ensure_future(anext(next_request))
+        await asyncio.sleep(0.05)
+        handled = decoder.decode(inbox.next()).request_id
+        api.send(encode(ClientBatch([_finished("cmpl-b-0:0")], [])))
+        await second
+        await next_request.aclose()
+    return handled
+
+
 async def _handled_after_a_refused_prompt() -> list[str]:
     """A three-prompt request whose first prompt is refused, then a one-prompt request: the
     ids a tokenizer worker's inbox hands out, in order."""
@@ -136,14 +152,7 @@ async def _handled_after_a_refused_prompt() -> list[str]:
             async with asyncio.timeout(10):
                 await first
         await refused.aclose()
-        async with asyncio.timeout(10):
-            next_request = client.generate([TokenizeRequest("cmpl-b-0", params, prompt="hi")])
-            second = asyncio.ensure_future(anext(next_request))
-            await asyncio.sleep(0.05)
-            handled.append(decoder.decode(inbox.next()).request_id)
-            api.send(encode(ClientBatch([_finished("cmpl-b-0:0")], [])))
-            await second
-            await next_request.aclose()
+        handled.append(await _next_handled(client, inbox, api))
         return handled
 
 
@@ -225,14 +234,7 @@ async def _handled_after_an_overflow() -> list[str]:
             async with asyncio.timeout(10):
                 await anext(outputs)
         await outputs.aclose()
-        async with asyncio.timeout(10):
-            next_request = client.generate([TokenizeRequest("cmpl-b-0", params, prompt="hi")])
-            second = asyncio.ensure_future(anext(next_request))
-            await asyncio.sleep(0.05)
-            handled.append(decoder.decode(inbox.next()).request_id)
-            api.send(encode(ClientBatch([_finished("cmpl-b-0:0")], [])))
-            await second
-            await next_request.aclose()
+        handled.append(await _next_handled(client, inbox, api))
         return handled
 
 
