@@ -152,22 +152,26 @@ def test_a_request_ended_while_its_images_are_read_is_dropped_between_images(
     assert error is None and read == [0, 0, 1, 2]
 
 
-def test_the_inbox_tells_the_request_in_hand_ended() -> None:
+def test_the_inbox_tells_the_request_in_hand_ended_and_what_it_dropped() -> None:
     ctx = zmq.Context()
     address = f"ipc://{tempfile.mkdtemp()}/inbox"
     inbox = Inbox(pull(ctx, address, bind=True))
     sender = push(ctx, address, bind=False)
     try:
-        for rid in ("a", "b"):
+        for rid in ("a", "b", "c"):
             sender.send(encode(TokenizeRequest(rid, SamplingParams(max_tokens=1), prompt="x")))
         assert msgspec.msgpack.decode(inbox.next(), type=TokenizeRequest).request_id == "a"
         assert not inbox.ended("a")
-        sender.send(encode(AbortRequest(["a"])))
+        # The api server names the ended requests' choices: "a" in hand, "b" still queued.
+        sender.send(encode(AbortRequest(["a:0", "a:1", "b:0"])))
         deadline = time.monotonic() + 5
         while not inbox.ended("a") and time.monotonic() < deadline:
             time.sleep(0.01)
         assert inbox.ended("a")
-        assert msgspec.msgpack.decode(inbox.next(), type=TokenizeRequest).request_id == "b"
-        assert not inbox.ended("a") and not inbox.ended("b")  # forgotten with the next request
+        # Both are reported to the engine once: "b" dropped, "a" no longer read on.
+        assert sorted(inbox.take_dropped()) == ["a:0", "a:1", "b:0"]
+        assert inbox.take_dropped() == []
+        assert msgspec.msgpack.decode(inbox.next(), type=TokenizeRequest).request_id == "c"
+        assert not inbox.ended("a") and not inbox.ended("c")  # forgotten with the next request
     finally:
         ctx.destroy(linger=0)

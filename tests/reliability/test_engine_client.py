@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import msgspec
@@ -257,3 +258,24 @@ def test_one_output_alone_is_no_backlog() -> None:
         return [backlog.put(big), backlog.put(_finished("r:0"))]
 
     assert asyncio.run(put_two()) == [True, False]
+
+
+def test_requests_a_tokenizer_worker_dropped_count_as_aborted(llama_dir: Path) -> None:
+    """The engine core never sees them: the worker's report counts each choice as aborted
+    (`request_success{finished_reason="abort"}`), and forgets the abort it holds for it."""
+    from tokenmill.config import EngineArgs
+    from tokenmill.engine.core_process import EngineCoreLoop
+    from tokenmill.ipc.messages import AbortRequest, DroppedRequests
+    from tokenmill.observability.startup import StartupTimer
+
+    addresses = Addresses.fresh(1)
+    config = EngineArgs(model=str(llama_dir), device="cpu").create_engine_config()
+    loop = EngineCoreLoop(config, addresses, StartupTimer())
+    try:
+        loop._handle(AbortRequest(["r-0:0", "r-0:1"]))  # the api server's, before the drop
+        assert list(loop.early_aborts) == ["r-0:0", "r-0:1"]
+        loop._handle(DroppedRequests(["r-0:0", "r-0:1"]))
+        assert loop.engine.stats.finished["abort"] == 2 and not loop.early_aborts
+    finally:
+        loop.ctx.destroy(linger=0)
+        addresses.remove()

@@ -18,6 +18,7 @@ from tokenmill.engine.engine_core import EngineCore, EngineOutput
 from tokenmill.intake import IntakeError
 from tokenmill.ipc.messages import (
     AbortRequest,
+    DroppedRequests,
     EngineInput,
     EngineRequest,
     EngineStats,
@@ -150,6 +151,10 @@ class EngineCoreLoop:
         elif isinstance(msg, AbortRequest):
             for rid in msg.request_ids:
                 self._abort(rid, FinishReason(msg.reason))
+        elif isinstance(msg, DroppedRequests):
+            for rid in msg.request_ids:
+                self.early_aborts.pop(rid, None)
+                self.engine.stats.finished[FinishReason.ABORT.value] += 1
         elif isinstance(msg, ProfileRequest):
             self._profile(msg)
         elif isinstance(msg, ResetPrefixCacheRequest):

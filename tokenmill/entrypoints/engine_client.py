@@ -238,13 +238,14 @@ class EngineClient:
     def _drop_queued(self, entries: dict[str, _InFlight | None]) -> None:
         """Tell each tokenizer worker to drop the sub-requests (id → entry) of an ended
         request that it may still hold (the engine has not accepted all their choices), rather
-        than tokenize them while other requests wait."""
+        than tokenize them while other requests wait; named by their choices' engine request
+        ids, which a worker reports to the engine for what it drops (`DroppedRequests`)."""
         by_worker: dict[int, list[str]] = {}
-        for sub_id, entry in entries.items():
+        for entry in entries.values():
             if entry is not None and entry.unstarted:
-                by_worker.setdefault(entry.tokenizer, []).append(sub_id)
-        for worker, sub_ids in by_worker.items():
-            self._to_tokenizers[worker].send(encode(AbortRequest(sub_ids)))
+                by_worker.setdefault(entry.tokenizer, []).extend(entry.child_ids)
+        for worker, child_ids in by_worker.items():
+            self._to_tokenizers[worker].send(encode(AbortRequest(child_ids)))
 
     def abort(self, engine_request_ids: list[str]) -> None:
         """Ask the engine to finish these requests now (finish reason "abort")."""

@@ -88,6 +88,14 @@ class AbortRequest(msgspec.Struct, tag=True):
     reason: str = "abort"
 
 
+class DroppedRequests(msgspec.Struct, tag=True):
+    """Engine requests a tokenizer worker dropped unsent: the api server ended their client
+    request before they were tokenized. The engine core counts them as aborted (it never saw
+    them, and forgets the aborts it may hold for them)."""
+
+    request_ids: list[str]
+
+
 class ShutdownRequest(msgspec.Struct, tag=True):
     """Finish every request with "abort" and stop."""
 
@@ -266,7 +274,12 @@ class ClientBatch(msgspec.Struct, tag=True):
 
 
 EngineInput = (
-    EngineRequest | AbortRequest | ShutdownRequest | ProfileRequest | ResetPrefixCacheRequest
+    EngineRequest
+    | AbortRequest
+    | DroppedRequests
+    | ShutdownRequest
+    | ProfileRequest
+    | ResetPrefixCacheRequest
 )
 
 

@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
-from tokenmill.intake import ContextLimits, IntakeError, prepare
+from tokenmill.intake import ContextLimits, IntakeError, owner_request_id, prepare
 from tokenmill.ipc.messages import (
     AbortRequest,
     ClientBatch,
+    DroppedRequests,
     EngineRequest,
     ImagePayload,
     RequestError,
@@ -60,6 +61,8 @@ def run_tokenizer_worker(
             to_engine.send(request)
         if error is not None:
             to_api.send(encode(ClientBatch(outputs=[], errors=[error])))
+        if dropped := inbox.take_dropped():
+            to_engine.send(encode(DroppedRequests(dropped)))
 
 
 class _Addressed(msgspec.Struct, tag="TokenizeRequest"):
@@ -71,17 +74,21 @@ class _Addressed(msgspec.Struct, tag="TokenizeRequest"):
 class Inbox:
     """A tokenizer worker's messages from the api server, read ahead of the request in hand.
 
-    The api server sends an `AbortRequest` naming the sub-requests of a request it has ended
-    (another of its prompts refused, its client gone); those still queued here are dropped, not
-    tokenized. One request of 34 prompts of 462 kB, each refused after ~0.3 s of tokenizing,
-    was answered after the first, yet held the next request 11 s.
+    The api server sends an `AbortRequest` naming the choices (engine request ids) of the
+    sub-requests of a request it has ended (another of its prompts refused, its client gone);
+    those still queued here are dropped, not tokenized. One request of 34 prompts of 462 kB,
+    each refused after ~0.3 s of tokenizing, was answered after the first, yet held the next
+    request 11 s. What is dropped (and the request in hand, when its images stop being read)
+    is reported to the engine (`take_dropped`), which counts it as aborted.
     """
 
     def __init__(self, sock: zmq.Socket) -> None:
         self._sock = sock
         self._queued: deque[tuple[str | None, bytes]] = deque()  # (request id, message)
         self._decoder = msgspec.msgpack.Decoder(_Addressed | AbortRequest)
-        self._ended: set[str] = set()  # ended since the request in hand was handed out
+        # Ended since the request in hand was handed out: sub-request id -> its choices' ids.
+        self._ended: dict[str, list[str]] = {}
+        self._dropped: list[str] = []  # choices of requests dropped unsent, not yet reported
 
     def next(self) -> bytes:
         """The next encoded `TokenizeRequest` to handle, after everything that has arrived
@@ -100,7 +107,18 @@ class Inbox:
         request of eight 16-megapixel images, its client gone, held the worker until all were
         preprocessed)."""
         self._take_arrived()
-        return request_id in self._ended
+        if request_id not in self._ended:
+            return False
+        # The worker stops reading it: nothing of it is sent (reported once).
+        self._dropped += self._ended[request_id]
+        self._ended[request_id] = []
+        return True
+
+    def take_dropped(self) -> list[str]:
+        """The choices (engine request ids) of the requests dropped unsent since the last
+        call."""
+        dropped, self._dropped = self._dropped, []
+        return dropped
 
     def _take_arrived(self) -> None:
         while True:
@@ -118,9 +136,17 @@ class Inbox:
         if isinstance(message, _Addressed):
             self._queued.append((message.request_id, raw))
             return
-        dropped = set(message.request_ids)
-        self._ended |= dropped
-        self._queued = deque(item for item in self._queued if item[0] not in dropped)
+        ended: dict[str, list[str]] = {}
+        for child_id in message.request_ids:
+            ended.setdefault(owner_request_id(child_id), []).append(child_id)
+        kept: deque[tuple[str | None, bytes]] = deque()
+        for item in self._queued:
+            if item[0] in ended:
+                self._dropped += ended.pop(item[0])
+            else:
+                kept.append(item)
+        self._queued = kept
+        self._ended.update(ended)
 
 
 class TokenizerWorker:
