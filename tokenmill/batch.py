@@ -10,12 +10,13 @@ the loop, not the vocabulary. The step protocol itself is explained in `engine.e
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import hashlib
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -389,17 +390,29 @@ class SamplingRows:
     history: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
     # Positions whose bans follow the tokens before them (a bad word of several tokens).
     watched: list[int] = field(default_factory=list)
+    # Such positions of rows the draft model drafts for, past j >= 1 of its drafts (made at
+    # launch): position -> (the output before the drafts, j, its other bans), whose bans the
+    # runner completes once the drafts are on the host (`ban_past_drafts`).
+    past_device_drafts: dict[int, tuple[tuple[int, ...], int, tuple[int, ...]]] = field(
+        default_factory=dict
+    )
 
     def __len__(self) -> int:
         return len(self.params)
 
     def add_row(
-        self, req: Request, num_in_flight: int, num_samples: int, drafts: Sequence[int] = ()
+        self,
+        req: Request,
+        num_in_flight: int,
+        num_samples: int,
+        drafts: Sequence[int] = (),
+        num_device_drafts: int = 0,
     ) -> None:
         """Append a row's `num_samples` draws: the next draw of `req`, which has
         `num_in_flight` sampled tokens the host has not read, and the draws after it (a
-        verify row's position j draws as if drafts [:j] had been generated). One call per
-        row, not per position: this runs for every sampled row of every step."""
+        verify row's position j draws as if drafts [:j] had been generated: `drafts`, or
+        `num_device_drafts` the draft model makes at launch). One call per row, not per
+        position: this runs for every sampled row of every step."""
         p, first = req.params, len(self.params)
         index = len(req.output_token_ids) + num_in_flight
         self.params.extend([p] * num_samples)
@@ -417,24 +430,58 @@ class SamplingRows:
                 output = [*req.output_token_ids, *ahead] if ahead else req.output_token_ids
                 self.history[first + j] = (req.prompt_token_ids, output)
         if p.bad_words_token_ids:
-            self._ban_bad_words(req, first, num_samples, drafts)
+            self._ban_bad_words(req, first, num_samples, drafts, num_device_drafts)
 
     def _ban_bad_words(
-        self, req: Request, first: int, num_samples: int, drafts: Sequence[int]
+        self,
+        req: Request,
+        first: int,
+        num_samples: int,
+        drafts: Sequence[int],
+        num_device_drafts: int,
     ) -> None:
-        """Ban at each of the row's positions the last token of every bad word whose other
-        tokens end the output so far (a one-token word: always), as vLLM does; not where the
-        bans would leave none of the request's allowed ids (they win, as over `min_tokens`)."""
+        """Ban at each of the row's positions what `bad_word_bans` bans after the output so
+        far; positions past the draft model's drafts are completed by the runner."""
         p = req.params
-        words = p.bad_words_token_ids or []
         for j in range(num_samples):
-            output = [*req.output_token_ids, *drafts[:j]]
-            banned = tuple(w[-1] for w in words if len(w) == 1 or _ends_with(output, w[:-1]))
-            banned = (*self.suppressed.get(first + j, ()), *banned)
-            if banned and _leaves_an_allowed_id(p.allowed_token_ids, banned):
+            prior = self.suppressed.get(first + j, ())
+            if p.watches_output and j and num_device_drafts:
+                tail = tuple(req.output_token_ids[-p.max_bad_word_len :])
+                self.past_device_drafts[first + j] = (tail, j, prior)
+            banned = bad_word_bans(p, [*req.output_token_ids, *drafts[:j]], prior)
+            if banned is not None:
                 self.suppressed[first + j] = banned
             if p.watches_output:
                 self.watched.append(first + j)
+
+    def ban_past_drafts(self, drafts: np.ndarray, row_of: Callable[[int], int]) -> SamplingRows:
+        """These rows with the bans of `past_device_drafts` positions completed, from the
+        draft model's drafts (`drafts[row_of(position), :j]` come before a position)."""
+        suppressed = dict(self.suppressed)
+        for position, (tail, j, prior) in self.past_device_drafts.items():
+            output = [*tail, *drafts[row_of(position), :j].tolist()]
+            banned = bad_word_bans(self.params[position], output, prior)
+            if banned is not None:
+                suppressed[position] = banned
+            elif prior:
+                suppressed[position] = prior
+            else:
+                suppressed.pop(position, None)
+        return dataclasses.replace(self, suppressed=suppressed, past_device_drafts={})
+
+
+def bad_word_bans(
+    params: SamplingParams, output: Sequence[int], prior: tuple[int, ...]
+) -> tuple[int, ...] | None:
+    """What a position after `output` bans: `prior` (`min_tokens`') and the last token of
+    every bad word whose other tokens end `output` (a one-token word: always), as vLLM does;
+    None (`prior` stands) where that would leave none of the request's allowed ids (they win,
+    as over `min_tokens`)."""
+    words = params.bad_words_token_ids or []
+    banned = (*prior, *(w[-1] for w in words if len(w) == 1 or _ends_with(output, w[:-1])))
+    if banned and _leaves_an_allowed_id(params.allowed_token_ids, banned):
+        return banned
+    return None
 
 
 def _leaves_an_allowed_id(allowed: list[int] | None, banned: tuple[int, ...]) -> bool:
@@ -595,7 +642,7 @@ class StepPlan:
             kv_lens.append(s.start + num_new)
             num_samples.append(s.num_samples)
             pages.append(req.pages.page_ids)
-            sampling.add_row(req, num_device, s.num_samples, s.drafts)
+            sampling.add_row(req, num_device, s.num_samples, s.drafts, s.num_device_drafts)
         input_src = np.full(len(ids), -1, dtype=np.int64)
         input_src[device_at] = device_src
         kv = np.array(kv_lens, dtype=np.int64)

@@ -536,8 +536,14 @@ class SamplingParams:
     @cached_property
     def watches_output(self) -> bool:
         """Whether a bad word is longer than a token: whether its bans follow the newest
-        tokens (its steps wait for them; the draft model does not draft for it)."""
+        tokens (its steps wait for them)."""
         return any(len(word) > 1 for word in self.bad_words_token_ids or ())
+
+    @cached_property
+    def max_bad_word_len(self) -> int:
+        """The most tokens a bad word has before its last: how many newest tokens its bans
+        follow."""
+        return max((len(word) - 1 for word in self.bad_words_token_ids or ()), default=0)
 
     @cached_property
     def allowed_token_table(self) -> array:

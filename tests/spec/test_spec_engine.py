@@ -510,6 +510,26 @@ def test_bad_words_hold_across_accepted_drafts(
     ours = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0].outputs[0].token_ids
     expected = plain.generate([PROMPTS[1]], params, use_tqdm=False)[0].outputs[0].token_ids
     assert ours == expected and expected[:5] == ref[:5] and expected[5:7] != ref[5:7]
+    assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("start", [2, 3])
+def test_bad_words_hold_past_the_draft_models_drafts(
+    start: int, llama_dir: Path, references: list[list[int]]
+) -> None:
+    """A bad word of two tokens inside the first verify window (the target as its own draft
+    drafts the reference): the position after its first token, a draft made at launch, bans
+    its second (`SamplingRows.ban_past_drafts`), as plain decoding does."""
+    llm = LLM(str(llama_dir), device="cpu", speculative_config=_spec("draft_model", 4, llama_dir))
+    plain = LLM(str(llama_dir), device="cpu")
+    ref = references[1]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                            bad_words_token_ids=[ref[start : start + 2]])  # fmt: skip
+    ours = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0].outputs[0].token_ids
+    expected = plain.generate([PROMPTS[1]], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert expected[start : start + 2] != ref[start : start + 2]
+    assert ours == expected
+    assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
 
 
 def test_deterministic_mode_makes_the_draft_model_batch_invariant(

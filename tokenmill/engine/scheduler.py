@@ -570,11 +570,13 @@ def _pause_after(ready: list[Request], offers: np.ndarray, chosen: np.ndarray) -
 
 
 def _host_only(req: Request) -> bool:
-    """Requests the draft model does not draft for: the bans of a bad word of several tokens
-    follow the tokens before each position, and its drafts are not on the host when the plan
-    is built (penalties count them on the device, `SpecDecoder.sample`; grammar masks follow
-    them once copied, `SpecDecoder.drafts_on_host`)."""
-    return req.params.watches_output
+    """Requests the draft model does not draft for: a constrained one whose bad words are
+    longer than a token (a grammar row's bans go into its masks, filled from the plan's bans;
+    its drafts are not on the host when the plan is built). Penalties count them on the
+    device (`SpecDecoder.sample`); grammar masks and other rows' bad words follow them once
+    copied (`SpecDecoder.drafts_on_host`, `SamplingRows.ban_past_drafts`)."""
+    p = req.params
+    return p.watches_output and p.structured_outputs is not None
 
 
 def _pinned(req: Request) -> bool:

@@ -40,6 +40,7 @@ from tokenmill.runner.spec_decode import (
     SpecDecoder,
     device_draft_entries,
     device_draft_positions,
+    drafting_row_of,
 )
 from tokenmill.runner.staging import HostStaging
 from tokenmill.runner.tp_workers import TPWorkers, rank_device, share_cpu_threads
@@ -488,7 +489,9 @@ class ModelRunner:
             rows = int(np.count_nonzero(plan.num_device_drafts))
             if self.tp.rank == 0:
                 drafts = self.spec.draft(plan, self._last_tokens)
-                if grammar_mask is not None:  # copied before the forward pass is queued
+                # Grammar masks and bad words' bans follow the drafts: copied to the host
+                # before the forward pass is queued.
+                if grammar_mask is not None or plan.sampling.past_device_drafts:
                     host_drafts = self.spec.drafts_on_host(rows)
             # Every rank's forward pass reads the drafts: rank 0's, made by its draft model.
             self.tp.broadcast(self.spec.draft_tokens[: rows * self.spec.k])
@@ -544,10 +547,12 @@ class ModelRunner:
                 # The deferred call holds the runner weakly: a step left pending when the
                 # engine is dropped must not keep the runner (and its GPU memory) in a cycle.
                 masks, sample = grammar_mask(host_drafts), weakref.WeakMethod(self._sample)
-                launched.defer(lambda: sample()(plan, logits, ids, drafts, masks.result()))
+                launched.defer(
+                    lambda: sample()(plan, logits, ids, drafts, masks.result(), host_drafts)
+                )
                 self._deferred = launched
                 return launched
-            launched.sampled = self._sample(plan, logits, ids, drafts, None)
+            launched.sampled = self._sample(plan, logits, ids, drafts, None, host_drafts)
         elif grammar_mask is not None:
             # Nothing to sample, but the previous step's tokens are read.
             grammar_mask(host_drafts).result()
@@ -562,12 +567,15 @@ class ModelRunner:
         ids: torch.Tensor | None,
         drafts: tuple[np.ndarray, Drafts] | None,
         mask: GrammarMask | None,
+        host_drafts: Callable[[], np.ndarray] | None = None,
     ) -> SampledTokens:
-        """Queue the sampling of `plan`'s positions from `logits` (under the grammar `mask`);
-        its tokens become the next step's device inputs."""
-        sampling = SamplingBatch.from_rows(
-            plan.sampling, self.config.model.vocab_size, self.device, mask
-        )
+        """Queue the sampling of `plan`'s positions from `logits` (under the grammar `mask`;
+        bad words' bans past the draft model's drafts from `host_drafts`); its tokens become
+        the next step's device inputs."""
+        rows = plan.sampling
+        if rows.past_device_drafts and host_drafts is not None:
+            rows = rows.ban_past_drafts(host_drafts(), drafting_row_of(plan))
+        sampling = SamplingBatch.from_rows(rows, self.config.model.vocab_size, self.device, mask)
         if self.spec is not None and (plan.num_samples > 1).any():
             assert ids is not None
             sampled = self.spec.sample(logits, plan, sampling, ids, drafts)

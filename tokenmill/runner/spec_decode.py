@@ -73,6 +73,14 @@ def penalised_draft_counts(
     )
 
 
+def drafting_row_of(plan: StepPlan) -> Callable[[int], int]:
+    """The drafting row (`device_draft_entries`' i) a sampled position of a row the draft
+    model drafts for belongs to."""
+    assert plan.num_device_drafts is not None
+    offsets = plan.sample_offsets[np.flatnonzero(plan.num_device_drafts)]
+    return lambda position: int(np.searchsorted(offsets, position, side="right")) - 1
+
+
 def device_draft_positions(plan: StepPlan) -> np.ndarray:
     """Query token indices the draft model fills: each drafting row's last tokens, in order."""
     assert plan.num_device_drafts is not None
