@@ -103,6 +103,29 @@ def test_seeded_request_is_identical_alone_and_in_a_busy_batch(
     assert_seeded_request_is_batch_independent(llm, PROMPT)
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_seeded_requests_keep_their_tokens_when_the_budget_cuts_their_prompts(
+    adaptive: bool, llama_dir: Path, draft_dir: Path
+) -> None:
+    """A 24-token budget full of verify rows prefills the seeded requests in chunks; one was
+    cut one token short of its end, and that last prompt token then verified drafts: its first
+    token was drawn by verification, not plain as when its prompt is prefilled at once, and
+    every later draw moved (the first token differed from the request's alone)."""
+    prompts = [list(range(3, 10)), [11, 12, 13, 14, 11, 12, 13, 14, 11, 12], list(range(20, 77))]
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    seeded = [SamplingParams(temperature=1.0, seed=s, max_tokens=20, ignore_eos=True)
+              for s in range(3)]  # fmt: skip
+    spec = _spec("other_draft", llama_dir, draft_dir, adaptive=adaptive)
+    busy_prompts = [*prompts, [7] * 33 + [9], [42], *prompts]
+    busy = LLM(str(llama_dir), device="cpu", max_num_batched_tokens=24, speculative_config=spec)
+    outputs = busy.generate(busy_prompts, [greedy] * 5 + seeded, use_tqdm=False)
+    alone = LLM(str(llama_dir), device="cpu", max_num_batched_tokens=24, speculative_config=spec)
+    for prompt, params, out in zip(prompts, seeded, outputs[5:], strict=True):
+        by_itself = alone.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert out.outputs[0].token_ids == by_itself
+    assert busy.engine.scheduler.spec_stats.num_accepted_tokens > 0
+
+
 @pytest.mark.parametrize("proposer", ["self_draft", "other_draft"])
 def test_seeded_requests_keep_their_tokens_through_preemption(
     proposer: str, llama_dir: Path, draft_dir: Path

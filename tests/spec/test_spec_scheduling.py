@@ -84,7 +84,8 @@ def test_a_stop_token_among_accepted_drafts_ends_the_request() -> None:
 
 def test_a_row_whose_drafts_do_not_fit_waits_rather_than_drafting_fewer() -> None:
     sched = _scheduler(NGRAM, budget=5)
-    a = _prefilled(sched, [5, 6, 7, 8, 5, 6], first=7)  # 3 drafts: 4 tokens
+    a = _prefilled(sched, [5, 6, 7, 5, 6], first=7)  # 3 drafts (5 6 7): 4 tokens
+    assert a.output_token_ids == [7]  # prefilled in one step
     b = Request("b", [11, 12, 13], SamplingParams(temperature=0), (2,), max_model_len=64)
     sched.running.insert(0, b)  # b is prefilling ahead of a, 3 of the 5 tokens
     b.status = a.status

@@ -551,8 +551,13 @@ def _row(req: Request, num_new: int, uncomputed: int, unread: range | None) -> S
 
 
 def _decoding(req: Request, in_flight: Mapping[Request, range]) -> bool:
-    """Whether the request's next row is one decode token (all else computed, none unread)."""
-    return req not in in_flight and req.num_uncomputed_tokens(0) == 1
+    """Whether the request's next row is one decode token (all else computed, none unread).
+
+    Not the last token of a prompt left over by chunked prefill: its first token is drawn
+    plain, as when the prompt is prefilled at once. Verifying drafts there moved every later
+    verify window of a seeded sampled request by where the budget cut its prompt, so its
+    tokens depended on its batch."""
+    return req not in in_flight and req.num_uncomputed_tokens(0) == 1 and bool(req.output_token_ids)
 
 
 def _pause_after(ready: list[Request], offers: np.ndarray, chosen: np.ndarray) -> None:
