@@ -88,18 +88,23 @@ def test_float32_greedy_with_adaptive_speculation_equals_plain_on_gpu(
     assert llm.engine.cache.num_used_pages == 0
 
 
-def test_float32_greedy_with_penalties_and_the_draft_model_equals_plain_on_gpu(
+def test_float32_greedy_with_penalties_bad_words_and_the_draft_model_equals_plain_on_gpu(
     checkpoints: dict[str, Path],
 ) -> None:
     """The draft model drafts for penalised requests in the loop graph; each verify position
     counts the drafts before it on the device, so the tokens are plain decoding's."""
     path = checkpoints["llama"]
+    plain = LLM(str(path), device="cuda", dtype="float32")
+    free = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    # The last row: a bad word of two tokens inside its first verify window (its bans follow
+    # the drafts, copied to the host behind the draft loop graph).
     settings = [{"repetition_penalty": 2.0}, {"frequency_penalty": 1.5},
-                {"presence_penalty": 1.0, "repetition_penalty": 1.3}, {}]  # fmt: skip
+                {"presence_penalty": 1.0, "repetition_penalty": 1.3},
+                {"bad_words_token_ids": [free[3][2:4]]}]  # fmt: skip
     params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, **s)
               for s in settings]  # fmt: skip
-    plain = LLM(str(path), device="cuda", dtype="float32")
     expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)]
+    assert expected[3][2:4] != free[3][2:4]
     llm = LLM(str(path), device="cuda", dtype="float32",
               speculative_config=_spec("draft_model", 3, path))  # fmt: skip
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
