@@ -182,6 +182,35 @@ def test_a_stop_token_the_draft_model_drafts_ends_the_grammar_under_ignore_eos(
     assert llm.engine.scheduler.spec_stats.num_draft_tokens > 0
 
 
+@pytest.mark.parametrize("at", [2, 3])
+def test_a_constrained_requests_bad_words_hold_past_the_draft_models_drafts(
+    at: int, llama_dir: Path
+) -> None:
+    """A choice between the target's own free text and a turn away from it at token `at`,
+    and a bad word of the two free tokens there: inside the first verify window the target as
+    its own draft drafts the free text, and the mask past its drafts must ban the word's
+    second token (its bans completed from the drafts), as plain decoding does (which then
+    spells a choice in other tokens)."""
+    plain = LLM(str(llama_dir), device="cpu", max_model_len=512)
+    tokenizer = plain.get_tokenizer()
+    assert tokenizer is not None
+    free = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ids = plain.generate(["The cat"], free, use_tqdm=False)[0].outputs[0].token_ids
+    clean = max(n for n in range(len(ids) + 1) if "\ufffd" not in tokenizer.decode(ids[:n]))
+    assert clean > at + 1
+    choices = [tokenizer.decode(ids[:clean]), tokenizer.decode(ids[:at]) + "zz"]
+    constraint = StructuredOutputsParams(choice=choices)
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=constraint,
+                            bad_words_token_ids=[ids[at - 1 : at + 1]])  # fmt: skip
+    expected = plain.generate(["The cat"], params, use_tqdm=False)[0].outputs[0]
+    assert expected.token_ids[at] != ids[at]  # the word is banned
+    llm = LLM(str(llama_dir), device="cpu", max_model_len=512,
+              speculative_config=_draft_model(llama_dir))  # fmt: skip
+    got = llm.generate(["The cat"], params, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == expected.token_ids
+    assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
+
+
 def test_masks_past_drafts_are_the_grammars_after_them(llama_dir: Path) -> None:
     tokenizer = load_tokenizer(str(llama_dir))
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))

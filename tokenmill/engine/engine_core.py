@@ -46,7 +46,7 @@ import logging
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -68,6 +68,7 @@ from tokenmill.observability.histogram import (
 from tokenmill.observability.request_metrics import RequestMetrics
 from tokenmill.runner.model_runner import LaunchedStep, ModelRunner
 from tokenmill.runner.sampler import GrammarMask
+from tokenmill.runner.spec_decode import drafting_row_of
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec.adaptive import step_seconds
 from tokenmill.spec.rejection import PLACEHOLDER
@@ -457,10 +458,14 @@ class EngineCore:
                     if previous is not None:
                         outputs.extend(self._finish(previous))
                         previous = None
-                    past = ahead
-                    if device_drafts is not None:
-                        past = _past_device_drafts(batch, ahead, device_drafts())
-                    masks.append(self._start_masks(batch, grammars, past))
+                    assert batch.plan is not None
+                    past, sampling = ahead, batch.plan.sampling
+                    if device_drafts is not None:  # the masks and bans follow the drafts
+                        drafts = device_drafts()
+                        past = _past_device_drafts(batch, ahead, drafts)
+                        if sampling.past_device_drafts:
+                            sampling = sampling.ban_past_drafts(drafts, drafting_row_of(batch.plan))
+                    masks.append(self._start_masks(grammars, past, sampling.suppressed))
                     return masks[-1]
 
             # The newest step is unread here iff it is `previous` (a grammar's read of it
@@ -574,9 +579,9 @@ class EngineCore:
 
     def _start_masks(
         self,
-        batch: SchedulerOutput,
         grammars: list[RequestGrammar | None],
         ahead: list[tuple[int, ...]],
+        suppressed: Mapping[int, tuple[int, ...]],
     ) -> Future[GrammarMask | None]:
         """Fill the batch's grammar masks on a background thread (xgrammar fills them without
         the GIL, while this thread schedules the next step). With speculative decoding they are
@@ -595,21 +600,20 @@ class EngineCore:
             sys.setswitchinterval(MASK_THREAD_SWITCH_INTERVAL_S)
         if self.config.speculative is None:
             assert self._mask_filler is not None
-            return self._mask_filler.submit(self._fill_masks, batch, grammars, ahead)
+            return self._mask_filler.submit(self._fill_masks, grammars, ahead, suppressed)
         done: Future[GrammarMask | None] = Future()
-        done.set_result(self._fill_masks(batch, grammars, ahead))
+        done.set_result(self._fill_masks(grammars, ahead, suppressed))
         return done
 
     def _fill_masks(
         self,
-        batch: SchedulerOutput,
         grammars: list[RequestGrammar | None],
         ahead: list[tuple[int, ...]],
+        suppressed: Mapping[int, tuple[int, ...]],
     ) -> GrammarMask | None:
-        """The grammar masks of the batch's sampled positions, from each grammar's state now
-        (past the drafts a position comes after)."""
-        assert self._bitmasks is not None and batch.plan is not None
-        suppressed = batch.plan.sampling.suppressed
+        """The grammar masks of a step's sampled positions, from each grammar's state now
+        (past the drafts a position comes after), without the ids `suppressed` bans there."""
+        assert self._bitmasks is not None
         banned = {i: list(ids) for i, ids in suppressed.items() if grammars[i] is not None}
         bitmask = self._bitmasks.fill(grammars, banned, ahead)
         if bitmask is None:

@@ -201,7 +201,7 @@ class Scheduler:
         k = self._max_drafts()
         adaptive = self.speculative.adaptive
         # What each may draft: within max_tokens and the context, none while paused.
-        offers = np.array([self._max_offer(r, k) if adaptive else self._room(r, k)
+        offers = np.array([self._max_offer(r, k) if adaptive else r.max_drafts(k)
                            for r in ready], dtype=np.int64)  # fmt: skip
         available = offers
         if self.host_proposer is not None:
@@ -272,16 +272,9 @@ class Scheduler:
 
     def _max_offer(self, req: Request, k: int) -> int:
         """The most drafts `req` can verify this step under adaptive speculation: what the
-        draft model will make (none for requests it does not draft for), none while its
-        drafting is paused (`_pause_after`); with prompt lookup, an upper bound."""
+        draft model will make, none while its drafting is paused (`_pause_after`); with
+        prompt lookup, an upper bound."""
         if req.draft_pause.active(req.num_tokens):
-            return 0
-        return self._room(req, k)
-
-    def _room(self, req: Request, k: int) -> int:
-        """The most drafts `req` can verify: up to k within its max_tokens and context, none
-        for requests the draft model does not draft for."""
-        if self.host_proposer is None and _host_only(req):
             return 0
         return req.max_drafts(k)
 
@@ -572,16 +565,6 @@ def _pause_after(ready: list[Request], offers: np.ndarray, chosen: np.ndarray) -
             req.draft_pause.reset()
         elif offer and not _pinned(req):
             req.draft_pause.start(req.num_tokens)
-
-
-def _host_only(req: Request) -> bool:
-    """Requests the draft model does not draft for: a constrained one whose bad words are
-    longer than a token (a grammar row's bans go into its masks, filled from the plan's bans;
-    its drafts are not on the host when the plan is built). Penalties count them on the
-    device (`SpecDecoder.sample`); grammar masks and other rows' bad words follow them once
-    copied (`SpecDecoder.drafts_on_host`, `SamplingRows.ban_past_drafts`)."""
-    p = req.params
-    return p.watches_output and p.structured_outputs is not None
 
 
 def _pinned(req: Request) -> bool:
