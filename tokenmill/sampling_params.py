@@ -119,6 +119,7 @@ class StructuredOutputsParams:
             _check_depth(f"structured_outputs.{kind}", value)  # after the length: it scans it
         if kind in ("json", "structural_tag"):
             _check_compile_cost(f"structured_outputs.{kind}", value)
+            _check_references(f"structured_outputs.{kind}", value)
         # Imported here: xgrammar is loaded only by processes that see a constrained request.
         from tokenmill.structured.grammar import check_grammar
 
@@ -176,6 +177,23 @@ def _check_compile_cost(name: str, value: str | dict[str, Any]) -> None:
             f"e.g. one object of {math.isqrt(MAX_OPTIONAL_PROPERTY_PAIRS)}); list more of "
             "them under required, or split the object"
         )
+
+
+def _check_references(name: str, value: str | dict[str, Any]) -> None:
+    """Raise `ValueError` naming `name` where the JSON document `value` has a `$ref` to a
+    schema outside itself: xgrammar reads none (it compiled `{"$ref": "http://..."}` to any
+    JSON), so the output would not follow what the client asked for."""
+    try:
+        document = json_lib.loads(value) if isinstance(value, str) else value
+    except ValueError:
+        return
+    for node in _json_objects(document):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and not ref.startswith("#"):
+            raise ValueError(
+                f"{name} refers to {ref[:200]!r}: only references within the schema (#/...) "
+                "are read; put the schema it names under $defs"
+            )
 
 
 def _json_objects(document: Any) -> list[dict[str, Any]]:

@@ -34,11 +34,19 @@ from tokenmill.sampling_params import (
         ({"choice": ["a", 3]}, "structured_outputs.choice must be a non-empty list"),
         ({"structural_tag": {"type": "other"}}, "structured_outputs.structural_tag is invalid"),
         ({"json": 5}, "structured_outputs.json must be a dict or JSON text"),
+        # A schema outside the document: xgrammar read none, and allowed any JSON.
+        ({"json": {"$ref": "http://example.com/s.json"}}, "structured_outputs.json refers to"),
+        ({"json": '{"items": {"$ref": "other.json#/a"}}'}, "structured_outputs.json refers to"),
     ],
 )
 def test_invalid_constraints_raise_naming_the_field(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         StructuredOutputsParams(**kwargs)
+
+
+def test_references_within_the_schema_are_read() -> None:
+    schema = {"$defs": {"a": {"type": "integer"}}, "items": {"$ref": "#/$defs/a"}}
+    assert StructuredOutputsParams(json=schema).kind == "json"
 
 
 def test_sampling_params_rejects_a_non_params_constraint() -> None:
