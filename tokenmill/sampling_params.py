@@ -118,8 +118,7 @@ class StructuredOutputsParams:
         if isinstance(value, str) and kind in ("json", "structural_tag"):
             _check_depth(f"structured_outputs.{kind}", value)  # after the length: it scans it
         if kind in ("json", "structural_tag"):
-            _check_compile_cost(f"structured_outputs.{kind}", value)
-            _check_references(f"structured_outputs.{kind}", value)
+            _check_document(f"structured_outputs.{kind}", value)
         # Imported here: xgrammar is loaded only by processes that see a constrained request.
         from tokenmill.structured.grammar import check_grammar
 
@@ -153,15 +152,22 @@ def _check_depth(name: str, value: str | dict[str, Any]) -> None:
         )
 
 
-def _check_compile_cost(name: str, value: str | dict[str, Any]) -> None:
+def _check_document(name: str, value: str | dict[str, Any]) -> None:
     """Raise `ValueError` naming `name` where the JSON document `value` (a schema or structural
-    tag) would take xgrammar too long to compile: its regular expressions repeat more than
-    MAX_PATTERN_REPEATS times in all, or its objects' optional properties exceed
-    MAX_OPTIONAL_PROPERTY_PAIRS (text that is no JSON is left to the grammar's own check)."""
+    tag, as text or parsed; parsed once here) would take xgrammar too long to compile or
+    refers outside itself (text that is no JSON is left to the grammar's own check)."""
     try:
         document = json_lib.loads(value) if isinstance(value, str) else value
     except ValueError:
         return
+    _check_compile_cost(name, document)
+    _check_references(name, document)
+
+
+def _check_compile_cost(name: str, document: Any) -> None:
+    """Raise `ValueError` naming `name` where the parsed JSON document would take xgrammar
+    too long to compile: its regular expressions repeat more than MAX_PATTERN_REPEATS times
+    in all, or its objects' optional properties exceed MAX_OPTIONAL_PROPERTY_PAIRS."""
     repeats = pattern_repeats(document)
     if repeats > MAX_PATTERN_REPEATS:
         raise ValueError(
@@ -179,14 +185,10 @@ def _check_compile_cost(name: str, value: str | dict[str, Any]) -> None:
         )
 
 
-def _check_references(name: str, value: str | dict[str, Any]) -> None:
-    """Raise `ValueError` naming `name` where the JSON document `value` has a `$ref` to a
+def _check_references(name: str, document: Any) -> None:
+    """Raise `ValueError` naming `name` where the parsed JSON document has a `$ref` to a
     schema outside itself: xgrammar reads none (it compiled `{"$ref": "http://..."}` to any
     JSON), so the output would not follow what the client asked for."""
-    try:
-        document = json_lib.loads(value) if isinstance(value, str) else value
-    except ValueError:
-        return
     for node in _json_objects(document):
         ref = node.get("$ref")
         if isinstance(ref, str) and not ref.startswith("#"):
